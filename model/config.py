@@ -1,0 +1,222 @@
+"""Model configuration and named presets: the one source of truth for every architecture served.
+
+Every difference between the ViT-22B recipe and a standard ViT is a field here, never a fork of the
+model code (see design.md section 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+BlockType = Literal["parallel", "sequential"]
+NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
+HeadType = Literal["map", "cls", "gap", "none"]
+PosembType = Literal["learn", "sincos2d"]
+DType = Literal["float32", "bfloat16"]
+
+_CHOICES = {
+    "block": ("parallel", "sequential"),
+    "norm": ("layernorm", "layernorm_nobias", "rmsnorm"),
+    "head": ("map", "cls", "gap", "none"),
+    "posemb": ("learn", "sincos2d"),
+    "param_dtype": ("float32", "bfloat16"),
+    "compute_dtype": ("float32", "bfloat16"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe a working model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """The preprocessing contract the server applies and publishes (resize, crop, normalise)."""
+
+    resize: int = 224  # shorter side is resized to this, then centre-cropped to the image size
+    interpolation: Literal["bicubic", "bilinear"] = "bicubic"
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Preprocess:
+        return cls(
+            resize=int(d["resize"]),
+            interpolation=d["interpolation"],
+            mean=tuple(float(v) for v in d["mean"]),
+            std=tuple(float(v) for v in d["std"]),
+        )
+
+
+IMAGENET_PREPROCESS = Preprocess(resize=248, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """One vision transformer. Defaults are the ViT-22B recipe; presets override what differs."""
+
+    name: str = "custom"
+    width: int = 6144
+    depth: int = 48
+    heads: int = 48
+    mlp_dim: int = 24576
+    patch: int = 14
+    image_size: int = 224
+    channels: int = 3
+    block: BlockType = "parallel"
+    norm: NormType = "rmsnorm"
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    out_bias: bool = True  # bias of the attention out-projection (folded into w_out's bias)
+    mlp_bias: bool = True
+    qk_norm: bool = True
+    head: HeadType = "map"
+    head_mlp_dim: int | None = None  # MAP head MLP hidden; None -> mlp_dim
+    class_token: bool = False
+    posemb: PosembType = "learn"
+    # big_vision adds position embeddings to patches only, then prepends the class token;
+    # timm and Hugging Face prepend first and embed the class token's position too.
+    posemb_covers_cls: bool = False
+    gelu_exact: bool = True
+    num_classes: int = 0  # classifier head on the pooled feature (imported checkpoints); 0: none
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "bfloat16"
+    preprocess: Preprocess = field(default_factory=Preprocess)
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"{self.name}: {name}={value!r} is not one of {choices}")
+        for name in ("width", "depth", "heads", "mlp_dim", "patch", "image_size", "channels"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be positive")
+        if self.width % self.heads:
+            raise ConfigError(
+                f"{self.name}: width={self.width} is not divisible by heads={self.heads}"
+            )
+        if self.block == "parallel" and self.mlp_dim % self.heads:
+            raise ConfigError(
+                f"{self.name}: mlp_dim={self.mlp_dim} is not divisible by heads={self.heads}; "
+                "the head-grouped fused projection of a parallel block needs whole MLP slices "
+                "per head"
+            )
+        if self.image_size % self.patch:
+            raise ConfigError(
+                f"{self.name}: image_size={self.image_size} is not divisible by patch={self.patch}"
+            )
+        if self.head == "cls" and not self.class_token:
+            raise ConfigError(f"{self.name}: head='cls' needs class_token=True")
+        if self.posemb_covers_cls and not self.class_token:
+            raise ConfigError(f"{self.name}: posemb_covers_cls=True needs class_token=True")
+        if self.num_classes and self.head == "none":
+            raise ConfigError(f"{self.name}: num_classes={self.num_classes} needs a pooling head")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches + int(self.class_token)
+
+    @property
+    def map_mlp_dim(self) -> int:
+        return self.head_mlp_dim or self.mlp_dim
+
+    # ---- (de)serialisation ----------------------------------------------------------------
+    def replace(self, **changes) -> ViTConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["preprocess"] = self.preprocess.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ViTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields {unknown}")
+        d = dict(d)
+        if "preprocess" in d and isinstance(d["preprocess"], dict):
+            d["preprocess"] = Preprocess.from_dict(d["preprocess"])
+        return cls(**d)
+
+    def preprocess_hash(self) -> str:
+        """Fingerprint of everything that decides the pixels the model sees."""
+        contract = {"image_size": self.image_size, **self.preprocess.to_dict()}
+        blob = json.dumps(contract, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _vit22b_recipe(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """The paper's recipe (parallel, QK-norm, RMSNorm, no QKV/norm biases, MAP, no class token)."""
+    kw.setdefault("mlp_dim", 4 * width)
+    kw.setdefault("patch", 14)
+    return ViTConfig(name=name, width=width, depth=depth, heads=heads, **kw)
+
+
+def _standard_vit(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """Original ViT (timm / Hugging Face / big_vision): sequential pre-norm blocks, CLS token."""
+    base = dict(
+        mlp_dim=4 * width,
+        patch=16,
+        block="sequential",
+        norm="layernorm",
+        norm_eps=1e-6,
+        qkv_bias=True,
+        qk_norm=False,
+        head="cls",
+        class_token=True,
+        posemb_covers_cls=True,
+        param_dtype="float32",
+        preprocess=IMAGENET_PREPROCESS,
+    )
+    base.update(kw)
+    return ViTConfig(name=name, width=width, depth=depth, heads=heads, **base)
+
+
+PRESETS: dict[str, ViTConfig] = {
+    c.name: c
+    for c in (
+        _vit22b_recipe("vit-22b/14", 6144, 48, 48, param_dtype="bfloat16"),
+        # The same recipe scaled down. "tiny" is the embedded default served with no arguments.
+        _vit22b_recipe("vit-22b-tiny/16", 64, 4, 4, patch=16, image_size=64),
+        _vit22b_recipe("vit-22b-small/14", 384, 12, 6),
+        _vit22b_recipe("vit-22b-base/14", 768, 12, 12),
+        _vit22b_recipe("vit-22b-large/14", 1024, 24, 16),
+        _standard_vit("vit-ti/16", 192, 12, 3),
+        _standard_vit("vit-s/16", 384, 12, 6),
+        _standard_vit("vit-b/16", 768, 12, 12),
+        _standard_vit("vit-l/16", 1024, 24, 16),
+        _standard_vit("vit-h/14", 1280, 32, 16, patch=14),
+    )
+}
+
+DEFAULT_MODEL = "vit-22b-tiny/16"
+
+
+def get_config(name: str) -> ViTConfig:
+    """The named preset; an unknown name lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted(PRESETS))
+        raise ConfigError(f"unknown model preset {name!r}; known presets: {known}") from None

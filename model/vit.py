@@ -1,0 +1,383 @@
+"""The vision transformer: the ViT-22B recipe and standard ViTs in one config-driven module.
+
+Layout of a parallel block (design.md section 2): the Q, K, V projections and the MLP's first layer
+are ONE matmul with a head-grouped kernel ``w_in: [d, H, 3*hd + M/H]``, and the attention
+out-projection and the MLP's second layer another, ``w_out: [H, hd + M/H, d]``. Sharding ``H``
+over the mesh's ``model`` axis gives each device whole heads plus their MLP slice, so a block
+needs exactly one all-reduce (after ``w_out``).
+
+Precision: matmul inputs in ``compute_dtype`` (bf16 by default) with f32 accumulation; residual
+stream, softmax and norms in f32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ViTConfig
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """What one forward returns; anything not asked for is not computed.
+
+    ``patch_layers`` are block indices (0 is the first block); negative ones count from the end,
+    like timm's ``forward_intermediates`` and DINOv2's ``get_intermediate_layers``.
+    """
+
+    pooled: bool = True
+    class_token: bool = False
+    patch_layers: tuple[int, ...] = ()
+    attention_stats: bool = False
+    norm_patches: bool = False  # apply the final norm to returned patch tokens (DINOv2 norm=True)
+    logits: bool = False
+
+    def layers(self, depth: int) -> tuple[int, ...]:
+        """Requested layers as non-negative indices, sorted and unique; range-checked."""
+        resolved = []
+        for layer in self.patch_layers:
+            index = layer + depth if layer < 0 else layer
+            if not 0 <= index < depth:
+                raise ValueError(
+                    f"layer index {layer} is out of range for a model of depth {depth} "
+                    f"(valid: {-depth}..{depth - 1})"
+                )
+            resolved.append(index)
+        return tuple(sorted(set(resolved)))
+
+    @classmethod
+    def everything(cls, cfg: ViTConfig) -> OutputRequest:
+        return cls(
+            pooled=cfg.head != "none",
+            class_token=cfg.class_token,
+            patch_layers=tuple(range(cfg.depth)),
+            attention_stats=True,
+            logits=cfg.num_classes > 0,
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# numerics shared by every block
+# ------------------------------------------------------------------------------------------
+
+
+def dot(equation: str, x: Array, w: Array, compute_dtype: str) -> Array:
+    """einsum with inputs cast to the compute dtype and f32 accumulation (the precision policy)."""
+    dtype = jnp.dtype(compute_dtype)
+    return jnp.einsum(equation, x.astype(dtype), w.astype(dtype), preferred_element_type=F32)
+
+
+def gelu(x: Array, exact: bool) -> Array:
+    # jax.nn.gelu defaults to the tanh approximation; PyTorch's default is exact (erf).
+    return jax.nn.gelu(x, approximate=not exact)
+
+
+def attention_entropy(logits: Array) -> Array:
+    """Entropy (nats) of softmax(logits) over the last axis, computed stably in f32."""
+    logits = logits.astype(F32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool):
+    """Scaled dot-product attention on [B, T, H, hd] tensors.
+
+    Returns the output [B, Tq, H, hd] (f32) and, if ``stats``, per head the mean entropy over
+    queries and the maximum logit, each [B, H].
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    logits = dot("bqhd,bkhd->bhqk", q, k, compute_dtype) * scale
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = dot("bhqk,bkhd->bqhd", probs, v, compute_dtype)
+    if not stats:
+        return out, None
+    entropy = attention_entropy(logits).mean(axis=-1)
+    max_logit = logits.max(axis=(-2, -1))
+    return out, (entropy, max_logit)
+
+
+class Norm(nn.Module):
+    """LayerNorm (centre + scale + bias), LayerNorm without bias (still centres), or RMSNorm."""
+
+    kind: str
+    eps: float
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        x = x.astype(F32)
+        if self.kind == "rmsnorm":
+            y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        else:
+            mean = jnp.mean(x, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+            y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        if self.kind == "layernorm":
+            y = y + self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        return y
+
+
+def _norm(cfg: ViTConfig, name: str) -> Norm:
+    return Norm(cfg.norm, cfg.norm_eps, cfg.param_dtype, name=name)
+
+
+def _lecun(fan_in_axes: tuple[int, ...]):
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes)
+
+
+_xavier = nn.initializers.xavier_uniform
+_zeros = nn.initializers.zeros
+
+
+# ------------------------------------------------------------------------------------------
+# blocks
+# ------------------------------------------------------------------------------------------
+
+
+class ParallelBlock(nn.Module):
+    """``y = x + Attn(N(x)) + MLP(N(x))`` with head-grouped fused projections."""
+
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, x: Array, stats: bool):
+        cfg = self.cfg
+        d, h, hd = cfg.width, cfg.heads, cfg.head_dim
+        m = cfg.mlp_dim // h  # MLP hidden units per head group
+        pdt = cfg.param_dtype
+        w_in = self.param("w_in", _lecun((0,)), (d, h, 3 * hd + m), pdt)
+        w_out = self.param("w_out", _lecun((0, 1)), (h, hd + m, d), pdt)
+
+        y = _norm(cfg, "norm")(x)
+        z = dot("btd,dhf->bthf", y, w_in, cfg.compute_dtype)
+        q, k, v, u = jnp.split(z, [hd, 2 * hd, 3 * hd], axis=-1)
+        if cfg.qkv_bias:
+            b_qkv = self.param("b_qkv", _zeros, (h, 3 * hd), pdt).astype(F32)
+            q, k, v = q + b_qkv[:, :hd], k + b_qkv[:, hd : 2 * hd], v + b_qkv[:, 2 * hd :]
+        if cfg.mlp_bias:
+            u = u + self.param("b_mlp", _zeros, (h, m), pdt).astype(F32)
+        if cfg.qk_norm:
+            q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
+            k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
+        o, st = attend(q, k, v, cfg.compute_dtype, stats)
+        u = gelu(u, cfg.gelu_exact)
+        out = dot("bthf,hfd->btd", jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype)
+        if cfg.out_bias or cfg.mlp_bias:  # attention and MLP out-biases add up into one
+            out = out + self.param("b_out", _zeros, (d,), pdt).astype(F32)
+        return x + out, st
+
+
+class SequentialBlock(nn.Module):
+    """Pre-norm ``x = x + Attn(N1(x)); x = x + MLP(N2(x))`` (the original ViT)."""
+
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, x: Array, stats: bool):
+        cfg = self.cfg
+        d, h, hd, mlp = cfg.width, cfg.heads, cfg.head_dim, cfg.mlp_dim
+        pdt, cdt = cfg.param_dtype, cfg.compute_dtype
+
+        y = _norm(cfg, "norm1")(x)
+        qkv = dot("btd,dhf->bthf", y, self.param("w_qkv", _lecun((0,)), (d, h, 3 * hd), pdt), cdt)
+        if cfg.qkv_bias:
+            qkv = qkv + self.param("b_qkv", _zeros, (h, 3 * hd), pdt).astype(F32)
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        if cfg.qk_norm:
+            q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
+            k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
+        o, st = attend(q, k, v, cdt, stats)
+        o = dot("bthf,hfd->btd", o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
+        if cfg.out_bias:
+            o = o + self.param("b_o", _zeros, (d,), pdt).astype(F32)
+        x = x + o
+
+        y = _norm(cfg, "norm2")(x)
+        y = dot("btd,df->btf", y, self.param("w_fc1", _xavier(), (d, mlp), pdt), cdt)
+        if cfg.mlp_bias:
+            y = y + self.param("b_fc1", _zeros, (mlp,), pdt).astype(F32)
+        y = dot(
+            "btf,fd->btd",
+            gelu(y, cfg.gelu_exact),
+            self.param("w_fc2", _xavier(), (mlp, d), pdt),
+            cdt,
+        )
+        if cfg.mlp_bias:
+            y = y + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
+        return x + y, st
+
+
+class MAPHead(nn.Module):
+    """Multi-head attention pooling: a learned probe attends over the tokens, then a residual MLP."""
+
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        d, h, hd, pdt, cdt = cfg.width, cfg.heads, cfg.head_dim, cfg.param_dtype, cfg.compute_dtype
+        probe = self.param("probe", _xavier(), (1, 1, d), pdt).astype(F32)
+        probe = jnp.broadcast_to(probe, (x.shape[0], 1, d))
+        q = dot("btd,dhf->bthf", probe, self.param("w_q", _xavier(), (d, h, hd), pdt), cdt)
+        kv = dot("btd,dhf->bthf", x, self.param("w_kv", _xavier(), (d, h, 2 * hd), pdt), cdt)
+        q = q + self.param("b_q", _zeros, (h, hd), pdt).astype(F32)
+        kv = kv + self.param("b_kv", _zeros, (h, 2 * hd), pdt).astype(F32)
+        k, v = jnp.split(kv, 2, axis=-1)
+        o, _ = attend(q, k, v, cdt, stats=False)
+        y = dot("bthf,hfd->btd", o, self.param("w_o", _xavier(), (h, hd, d), pdt), cdt)
+        y = y + self.param("b_o", _zeros, (d,), pdt).astype(F32)
+        z = _norm(cfg, "norm")(y)
+        z = dot("btd,df->btf", z, self.param("w_fc1", _xavier(), (d, cfg.map_mlp_dim), pdt), cdt)
+        z = gelu(
+            z + self.param("b_fc1", _zeros, (cfg.map_mlp_dim,), pdt).astype(F32), cfg.gelu_exact
+        )
+        z = dot("btf,fd->btd", z, self.param("w_fc2", _xavier(), (cfg.map_mlp_dim, d), pdt), cdt)
+        z = z + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
+        return (y + z)[:, 0]
+
+
+def sincos2d(grid: int, width: int, temperature: float = 10_000.0) -> np.ndarray:
+    """Fixed 2-D sine-cosine position embedding [grid*grid, width] (MoCo v3 / big_vision)."""
+    if width % 4:
+        raise ValueError(f"sincos2d position embedding needs width divisible by 4, got {width}")
+    y, x = np.mgrid[:grid, :grid]
+    omega = 1.0 / temperature ** (np.arange(width // 4) / (width // 4 - 1 or 1))
+    y = y.reshape(-1)[:, None] * omega[None]
+    x = x.reshape(-1)[:, None] * omega[None]
+    return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# the backbone
+# ------------------------------------------------------------------------------------------
+
+
+class ViT(nn.Module):
+    """Images [B, H, W, C] (already normalised) -> dict of the requested outputs.
+
+    Keys: ``pooled`` [B, d]; ``class_token`` [B, d]; ``patch_tokens`` {layer: [B, N, d]};
+    ``attention_entropy`` and ``attention_max_logit`` [B, depth, heads]; ``logits`` [B, classes].
+    """
+
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, images: Array, request: OutputRequest = OutputRequest()) -> dict:
+        cfg = self.cfg
+        pdt, cdt = cfg.param_dtype, cfg.compute_dtype
+        b, p, g = images.shape[0], cfg.patch, cfg.grid
+        if images.shape[1:] != (cfg.image_size, cfg.image_size, cfg.channels):
+            raise ValueError(
+                f"images of shape {images.shape[1:]} do not match the model's input "
+                f"{(cfg.image_size, cfg.image_size, cfg.channels)}"
+            )
+        # Patchify as a matmul (faster than a conv on CPU); flattening order (ph, pw, c) is the
+        # HWIO conv kernel's, so conv weights reshape into it directly.
+        x = images.reshape(b, g, p, g, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
+        x = x.reshape(b, g * g, p * p * cfg.channels)
+        kernel = self.param("patch_embed", _lecun((0,)), (p * p * cfg.channels, cfg.width), pdt)
+        x = dot("bnk,kd->bnd", x, kernel, cdt)
+        x = x + self.param("patch_bias", _zeros, (cfg.width,), pdt).astype(F32)
+
+        n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
+        if cfg.posemb == "learn":
+            pos = self.param(
+                "pos_embedding", nn.initializers.normal(0.02), (1, n_pos, cfg.width), pdt
+            )
+            pos = pos.astype(F32)
+        else:
+            pos = jnp.asarray(sincos2d(g, cfg.width))[None]
+        if cfg.class_token:
+            cls = self.param("cls", _zeros, (1, 1, cfg.width), pdt).astype(F32)
+            cls = jnp.broadcast_to(cls, (b, 1, cfg.width))
+            if cfg.posemb_covers_cls:
+                x = jnp.concatenate([cls, x], axis=1) + pos
+            else:
+                x = jnp.concatenate([cls, x + pos], axis=1)
+        else:
+            x = x + pos
+
+        layers = request.layers(cfg.depth)
+        needs_head = request.pooled or request.class_token or request.logits
+        # Stop after the deepest requested layer when nothing further down is needed.
+        last = cfg.depth - 1 if (needs_head or request.attention_stats) else max(layers, default=-1)
+        block_cls = ParallelBlock if cfg.block == "parallel" else SequentialBlock
+        encoder_norm = _norm(cfg, "encoder_norm")
+        n_cls = int(cfg.class_token)
+
+        out: dict = {}
+        patches, entropies, max_logits = {}, [], []
+        for i in range(last + 1):
+            x, st = block_cls(cfg, name=f"block_{i}")(x, request.attention_stats)
+            if st is not None:
+                entropies.append(st[0])
+                max_logits.append(st[1])
+            if i in layers:
+                tokens = encoder_norm(x) if request.norm_patches else x
+                patches[i] = tokens[:, n_cls:]
+        if patches:
+            out["patch_tokens"] = patches
+        if request.attention_stats:
+            out["attention_entropy"] = jnp.stack(entropies, axis=1)
+            out["attention_max_logit"] = jnp.stack(max_logits, axis=1)
+        if not needs_head:
+            return out
+
+        x = encoder_norm(x)
+        if request.class_token:
+            if not cfg.class_token:
+                raise ValueError(f"model {cfg.name} has no class token")
+            out["class_token"] = x[:, 0]
+        if request.pooled or request.logits:
+            if cfg.head == "none":
+                raise ValueError(f"model {cfg.name} has no pooling head (head='none')")
+            if cfg.head == "map":
+                pooled = MAPHead(cfg, name="map_head")(x[:, n_cls:])
+            elif cfg.head == "cls":
+                pooled = x[:, 0]
+            else:
+                pooled = x[:, n_cls:].mean(axis=1)
+            if request.pooled:
+                out["pooled"] = pooled
+            if request.logits:
+                if not cfg.num_classes:
+                    raise ValueError(f"model {cfg.name} has no classifier (num_classes=0)")
+                w = self.param("classifier", _zeros, (cfg.width, cfg.num_classes), pdt)
+                bias = self.param("classifier_bias", _zeros, (cfg.num_classes,), pdt)
+                out["logits"] = dot("bd,dc->bc", pooled, w, cdt) + bias.astype(F32)
+        return out
+
+
+def init_params(cfg: ViTConfig, rng: Array) -> dict:
+    """All parameters of the model (every head the config has)."""
+    dummy = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.channels), F32)
+    return ViT(cfg).init(rng, dummy, _init_request(cfg))["params"]
+
+
+def _init_request(cfg: ViTConfig) -> OutputRequest:
+    return OutputRequest(
+        pooled=cfg.head != "none",
+        class_token=cfg.class_token,
+        logits=cfg.num_classes > 0,
+        patch_layers=(cfg.depth - 1,),
+        norm_patches=True,
+    )
+
+
+def abstract_params(cfg: ViTConfig) -> dict:
+    """Parameter shapes and dtypes without allocating anything (works for 22B on a laptop)."""
+    return jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+
+
+def apply(cfg: ViTConfig, params: dict, images: Array, request: OutputRequest) -> dict:
+    return ViT(cfg).apply({"params": params}, images, request)
