@@ -13,7 +13,8 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .config import ViTConfig
 from .vit import abstract_params, init_params

@@ -1,0 +1,67 @@
+"""Sizes of a model from abstract shapes: parameters, FLOPs, bytes. Never allocates the weights."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from .config import ViTConfig
+from .sharding import bytes_per_device, parse_mesh_spec
+from .vit import abstract_params
+
+# Parameters outside the encoder: the pooling head and the classifier. The paper's 21.7B (and
+# timm's counts without the head) are encoder parameters.
+_HEAD_SCOPES = ("map_head", "classifier", "classifier_bias")
+
+
+def count(tree) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+def flops_per_image(cfg: ViTConfig) -> int:
+    """Multiply-adds x 2 of one forward with the pooled output: matmuls and attention products."""
+    t, n, d, h, hd = cfg.num_tokens, cfg.num_patches, cfg.width, cfg.heads, cfg.head_dim
+    patch_embed = n * cfg.patch * cfg.patch * cfg.channels * d
+    block_dense = t * (4 * d * d + 2 * d * cfg.mlp_dim)  # q, k, v, out + MLP in and out
+    block_attn = 2 * h * t * t * hd  # logits and the weighted sum of values
+    macs = patch_embed + cfg.depth * (block_dense + block_attn)
+    if cfg.head == "map":
+        macs += n * 2 * d * d + 2 * d * d + 2 * h * n * hd + 2 * d * cfg.map_mlp_dim
+    macs += d * cfg.num_classes
+    return 2 * macs
+
+
+def model_info(cfg: ViTConfig, mesh: str | None = None, dtype: str | None = None) -> dict:
+    params = abstract_params(cfg)
+    total = count(params)
+    head = count({k: v for k, v in params.items() if k in _HEAD_SCOPES})
+    info = {
+        "model": cfg.name,
+        "param_count": total - head,
+        "head_param_count": head,
+        "total_param_count": total,
+        "params_per_block": count(params["block_0"]),
+        "flops_per_image": flops_per_image(cfg),
+        "tokens": cfg.num_tokens,
+        "image_size": cfg.image_size,
+        "width": cfg.width,
+        "depth": cfg.depth,
+        "heads": cfg.heads,
+        "bytes_float32": 4 * total,
+        "bytes_bfloat16": 2 * total,
+    }
+    if mesh is not None:
+        data, model = parse_mesh_spec(mesh, _devices_in(mesh))
+        info["mesh"] = {"data": data, "model": model}
+        info["bytes_per_device"] = bytes_per_device(cfg, {"data": data, "model": model}, dtype)
+        info["bytes_per_device_dtype"] = dtype or cfg.param_dtype
+    return info
+
+
+def _devices_in(mesh: str) -> int:
+    """Device count implied by an explicit spec (info never needs the devices to exist)."""
+    sizes = [int(part.split("=")[1]) for part in mesh.split(",") if "=" in part]
+    if len(sizes) != 2:
+        raise ValueError(f"--mesh for info needs both axes, e.g. data=1,model=8; got {mesh!r}")
+    return math.prod(sizes)
