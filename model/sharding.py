@@ -64,7 +64,7 @@ def mesh_spec(mesh: Mesh) -> str:
 
 
 def check_mesh_fits(cfg: ViTConfig, mesh: Mesh) -> None:
-    """Refuse a model axis that would cut through heads (or the MLP hidden of a sequential block)."""
+    """Refuse a model axis that would cut through heads or the MLP hidden."""
     model = mesh.shape["model"]
     if cfg.heads % model:
         raise MeshError(

@@ -218,7 +218,7 @@ class SequentialBlock(nn.Module):
 
 
 class MAPHead(nn.Module):
-    """Multi-head attention pooling: a learned probe attends over the tokens, then a residual MLP."""
+    """Multi-head attention pooling: a learned probe attends over the tokens, then an MLP."""
 
     cfg: ViTConfig
 

@@ -1,4 +1,4 @@
-"""The backbone: sizes, the ViT-22B recipe's pieces against textbook formulas, outputs, precision."""
+"""The backbone: sizes, the recipe's pieces against textbook formulas, outputs, precision."""
 
 import math
 import re
