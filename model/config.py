@@ -83,6 +83,8 @@ class ViTConfig:
     # big_vision adds position embeddings to patches only, then prepends the class token;
     # timm and Hugging Face prepend first and embed the class token's position too.
     posemb_covers_cls: bool = False
+    # a norm on the embedded tokens before the first block (timm pre_norm: CLIP, the *_xp_* ViTs)
+    pre_norm: bool = False
     gelu_exact: bool = True
     num_classes: int = 0  # classifier head on the pooled feature (imported checkpoints); 0: none
     param_dtype: DType = "float32"

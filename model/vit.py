@@ -306,6 +306,8 @@ class ViT(nn.Module):
                 x = jnp.concatenate([cls, x + pos], axis=1)
         else:
             x = x + pos
+        if cfg.pre_norm:
+            x = _norm(cfg, "pre_norm")(x)
 
         layers = request.layers(cfg.depth)
         needs_head = request.pooled or request.class_token or request.logits
