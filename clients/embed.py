@@ -1,0 +1,375 @@
+"""The batch embedding job behind `vit22b embed`: inputs -> shards, resumable, over any backend.
+
+The sorted input list is cut into shards of ``shard_size`` positions and each shard into batches
+of ``batch_size``; a batch is the unit of work handed to a backend worker (a connection to one
+server, or a thread of the in-process engine). Workers pull batches in order from one queue; a
+worker whose server is lost puts its batch back at the front and retires, so the others finish
+the job. A shard is written (see embed_store) once all its batches are back. Because a batch's
+members are fixed by position, results do not depend on which worker computed them, how often
+the job was killed, or in what order shards completed.
+
+Backends (embed_local: the in-process engine, needs jax; embed_remote: gRPC servers, no jax)
+provide ``model`` (a ModelRef), ``array_specs()`` and ``workers()``; a worker's
+``embed(items) -> BatchResult`` records unreadable images as failures instead of raising.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
+from .embed_store import OutputStore
+from .outputs import ERRORS, array_name
+
+OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What to store per image. ``patch_layers`` as given (negative count from the end)."""
+
+    pooled: bool = True
+    class_token: bool = False
+    patch_layers: tuple[int, ...] = ()
+    dtype: str = "float32"
+    l2_normalize: bool = False  # pooled features only
+    normalize_patches: bool = False  # the encoder's final norm on patch tokens
+
+    def layers(self, depth: int) -> tuple[int, ...]:
+        """Requested layers as sorted unique non-negative block indices."""
+        resolved = {layer + depth if layer < 0 else layer for layer in self.patch_layers}
+        bad = [layer for layer in self.patch_layers if not -depth <= layer < depth]
+        if bad:
+            raise ValueError(f"layer {bad[0]} is out of range for a model of depth {depth} "
+                             f"(valid: {-depth}..{depth - 1})")
+        return tuple(sorted(resolved))
+
+    def names(self, depth: int) -> list[str]:
+        names = [n for n, on in (("pooled", self.pooled), ("class_token", self.class_token)) if on]
+        return names + [array_name("patch_tokens", layer) for layer in self.layers(depth)]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What makes the features, and the sizes the stored arrays follow from."""
+
+    name: str
+    fingerprint: str
+    preprocess_hash: str
+    source: str
+    width: int
+    depth: int
+    num_patches: int
+    has_class_token: bool
+    has_pooled: bool
+
+    def array_specs(self, spec: OutputSpec) -> dict[str, dict]:
+        """Stored array name -> {"dtype", "shape"} (shape of one image's row)."""
+        if spec.class_token and not self.has_class_token:
+            raise ValueError(f"model {self.name} has no class token")
+        if spec.pooled and not self.has_pooled:
+            raise ValueError(f"model {self.name} has no pooling head")
+        shapes = {"pooled": [self.width], "class_token": [self.width]}
+        out = {}
+        for name in spec.names(self.depth):
+            shape = shapes.get(name, [self.num_patches, self.width])
+            out[name] = {"dtype": spec.dtype, "shape": shape}
+        return out
+
+
+@dataclass
+class BatchResult:
+    rows: list[int]  # positions within the batch that were embedded, ascending
+    arrays: dict[str, np.ndarray]  # array name -> [len(rows), ...] in the stored dtype
+    failed: list[tuple[int, str]]  # (position within the batch, reason)
+
+
+class WorkerLost(Exception):
+    """The worker's server is gone (after the SDK's retries): its batch goes to another worker."""
+
+
+class Worker(Protocol):
+    name: str
+
+    def embed(self, items: Sequence[InputItem]) -> BatchResult: ...
+
+
+class Backend(Protocol):
+    model: ModelRef
+
+    def workers(self) -> list[Worker]: ...
+
+    def close(self) -> None: ...
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on (every server lost, or a bug); completed shards stay resumable."""
+
+
+def to_stored(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Features in the output dtype as numpy can store them: bfloat16 kept as its uint16 bits."""
+    if dtype == "bfloat16":
+        import ml_dtypes  # numpy-only; the wire format needs it too
+
+        return np.asarray(array).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return np.asarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
+def read_file(item: InputItem) -> bytes:
+    """The file's bytes; OSError's message is the failure reason for errors.jsonl."""
+    with open(item.path, "rb") as f:
+        return f.read()
+
+
+def os_reason(err: OSError) -> str:
+    return f"cannot read file: {err.strerror or err}"
+
+
+@dataclass
+class Summary:
+    inputs: int
+    shards: int
+    embedded: int = 0  # this run
+    failed: int = 0  # this run
+    skipped: int = 0  # in shards completed by earlier runs
+    seconds: float = 0.0
+    complete: bool = False
+    output: str = ""
+    held: int = 0  # images the output directory holds now (all runs)
+    held_failed: int = 0  # failures it lists now (all runs)
+    lost_workers: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        rate = self.embedded / self.seconds if self.seconds > 0 else 0.0
+        state = "complete" if self.complete else "INCOMPLETE (rerun the same command to resume)"
+        return (
+            f"embedded {self.embedded}, skipped {self.skipped} (done by an earlier run), "
+            f"failed {self.failed}; {self.output} holds {self.held} images and "
+            f"{self.held_failed} failures ({ERRORS}) of {self.inputs} inputs in {self.shards} "
+            f"shards, {state}; {self.seconds:.1f}s, {rate:.1f} images/s"
+        )
+
+
+@dataclass
+class JobConfig:
+    inputs: list[str]
+    output: str
+    spec: OutputSpec = field(default_factory=OutputSpec)
+    batch_size: int = 32
+    shard_size: int = 1024
+    extensions: tuple[str, ...] = ()
+    quiet: bool = False
+
+
+@dataclass
+class _ShardProgress:
+    results: dict[int, BatchResult] = field(default_factory=dict)
+    batches: int = 0
+
+
+class _Queue:
+    """Batches in input order. A lost worker's batch goes back to the front, so a worker waits
+    while batches are in flight elsewhere instead of leaving when the queue looks empty."""
+
+    def __init__(self, tasks):
+        self._tasks = collections.deque(tasks)
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+
+    def take(self):
+        with self._cond:
+            while not self._closed:
+                if self._tasks:
+                    self._in_flight += 1
+                    return self._tasks.popleft()
+                if not self._in_flight:
+                    break
+                self._cond.wait()
+            return None
+
+    def done(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def put_back(self, task) -> None:
+        with self._cond:
+            self._tasks.appendleft(task)
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def _batches(positions: range, batch_size: int) -> list[range]:
+    return [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
+
+
+def identity_of(model: ModelRef, config: JobConfig, items: list[InputItem], names) -> dict:
+    """What must match for a resumed job to continue a directory."""
+    spec = config.spec
+    return {
+        "model": model.name,
+        "checkpoint_fingerprint": model.fingerprint,
+        "preprocess_hash": model.preprocess_hash,
+        "outputs": names,
+        "dtype": spec.dtype,
+        "l2_normalize": spec.l2_normalize,
+        "normalize_patches": spec.normalize_patches,
+        "shard_size": config.shard_size,
+        "inputs": {"count": len(items), "sha256": ids_digest(items)},
+    }
+
+
+def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
+    """Embed every input not yet in ``config.output``; returns the summary of this run."""
+    start = time.perf_counter()
+    if config.batch_size < 1 or config.shard_size < 1:
+        raise ValueError("--batch-size and --shard-size must be positive")
+    items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
+    model = backend.model
+    arrays = model.array_specs(config.spec)
+    slices = shard_slices(len(items), config.shard_size)
+    identity = identity_of(model, config, items, list(arrays))
+    about = {"model_source": model.source, "width": model.width, "depth": model.depth,
+             "num_patches": model.num_patches}
+    store = OutputStore.open(config.output, identity, arrays, len(slices), about)
+    summary = Summary(len(items), len(slices), output=config.output)
+    try:
+        pending = [k for k in range(len(slices)) if k not in store.done]
+        summary.skipped = sum(len(slices[k]) for k in store.done)
+        _run_pending(config, backend, items, slices, pending, store, summary)
+        store.finish()
+        summary.complete = len(store.done) == len(slices)
+        summary.held = sum(entry["count"] for entry in store.done.values())
+        summary.held_failed = sum(entry["failed"] for entry in store.done.values())
+    finally:
+        store.close()
+        summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _run_pending(config, backend, items, slices, pending, store, summary) -> None:
+    if not pending:
+        return
+    tasks = _Queue(
+        (k, b, batch)
+        for k in pending
+        for b, batch in enumerate(_batches(slices[k], config.batch_size))
+    )
+    shards = {k: _ShardProgress(batches=len(_batches(slices[k], config.batch_size)))
+              for k in pending}
+    results: queue.Queue = queue.Queue()
+    workers = backend.workers()
+    if not workers:
+        raise JobFailed("no worker available (no server reachable)")
+
+    def work(worker: Worker) -> None:
+        while (task := tasks.take()) is not None:
+            shard, index, batch = task
+            try:
+                result = worker.embed([items[p] for p in batch])
+            except WorkerLost as err:
+                tasks.put_back(task)
+                results.put(("lost", worker.name, str(err)))
+                return
+            except BaseException as err:  # noqa: BLE001 - a bug: stop the job, keep what is done
+                tasks.put_back(task)
+                results.put(("error", worker.name, err))
+                return
+            results.put(("done", task, result))
+            tasks.done()
+        results.put(("idle", worker.name, None))
+
+    threads = [threading.Thread(target=work, args=(w,), daemon=True, name=f"embed-{w.name}")
+               for w in workers]
+    for t in threads:
+        t.start()
+    total = sum(len(slices[k]) for k in pending)
+    bar = _progress(total, config.quiet)
+    alive, remaining = len(threads), len(pending)
+    try:
+        while remaining and alive:
+            kind, what, payload = results.get()
+            if kind == "done":
+                (shard, index, batch), result = what, payload
+                bar.update(len(batch))
+                progress = shards[shard]
+                progress.results[index] = result
+                if len(progress.results) == progress.batches:
+                    _write_shard(store, items, slices[shard], shard, config.batch_size,
+                                 shards.pop(shard), summary)
+                    remaining -= 1
+            elif kind == "lost":
+                alive -= 1
+                summary.lost_workers.append(what)
+                bar.write(f"vit22b embed: {what} lost ({payload}); its work moves to the others")
+            elif kind == "error":
+                raise JobFailed(f"{what} failed: {type(payload).__name__}: {payload}") from payload
+            else:  # idle: the queue was empty when it looked
+                alive -= 1
+        if remaining:
+            raise JobFailed(
+                f"every worker is gone ({', '.join(summary.lost_workers) or 'none left'}); "
+                f"{remaining} shards left: rerun the same command to resume"
+            )
+    finally:
+        tasks.close()
+        bar.close()
+
+
+def _write_shard(store, items, positions, shard, batch_size, progress, summary) -> None:
+    ids, paths, failed, parts = [], [], [], collections.defaultdict(list)
+    for index, batch in enumerate(_batches(positions, batch_size)):
+        result = progress.results[index]
+        for row in result.rows:
+            ids.append(items[batch[row]].id)
+            paths.append(items[batch[row]].path)
+        for row, reason in result.failed:
+            failed.append({"id": items[batch[row]].id, "path": items[batch[row]].path,
+                           "reason": reason})
+        for name, array in result.arrays.items():
+            parts[name].append(array)
+    arrays = {}
+    for name, spec in store.arrays.items():
+        arrays[name] = (np.concatenate(parts[name]) if parts[name] else
+                        np.empty((0, *spec["shape"]), to_stored(np.zeros(0), spec["dtype"]).dtype))
+    failed.sort(key=lambda row: row["id"])
+    store.write_shard(shard, ids_digest([items[p] for p in positions]), ids, paths, arrays, failed)
+    summary.embedded += len(ids)
+    summary.failed += len(failed)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def write(self, message: str) -> None:
+        print(message, file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, quiet: bool):
+    """tqdm bar on stderr: count, images/s and ETA."""
+    if quiet:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="img", desc="embed", file=sys.stderr, smoothing=0.1,
+                dynamic_ncols=True)

@@ -1,0 +1,120 @@
+"""The inputs of `vit22b embed`: folders, globs and list files -> one sorted list of images.
+
+Each INPUT is
+- a folder: every file below it, recursively (hidden files and folders skipped);
+- a text file ending in .txt, .lst or .list: one path per line (blank lines and lines starting
+  with '#' skipped; relative paths are relative to the list file's folder);
+- anything else: a glob (``**`` recurses) or a single file.
+
+Every image gets a stable id: its path relative to the folder when a single folder is given,
+otherwise the path as written (folder argument + relative path; the glob match; the list line).
+The list is sorted by id and de-duplicated, so the same command always sees the same list in the
+same order: shard ``k`` is positions ``k*shard_size ...`` of it, whatever was done before.
+Non-image files are kept: the job records them as failures with the reason, which is what a
+user who pointed it at the folder needs to know. ``extensions`` narrows the walk when wanted.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+
+LIST_SUFFIXES = (".txt", ".lst", ".list")
+
+
+class InputError(ValueError):
+    """An INPUT that names nothing usable; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputItem:
+    id: str  # stable, relative where possible; the key of the image in the outputs
+    path: str  # absolute path read by the job
+
+
+def _posix(path: str) -> str:
+    return os.path.normpath(path).replace(os.sep, "/")
+
+
+def _visible(name: str) -> bool:
+    return not name.startswith(".")
+
+
+def _walk(folder: str, prefix: str | None) -> list[InputItem]:
+    items = []
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if _visible(d)]
+        for name in filter(_visible, files):
+            path = os.path.join(root, name)
+            rel = _posix(os.path.relpath(path, folder))
+            item_id = rel if prefix is None else f"{prefix}/{rel}"
+            items.append(InputItem(item_id, os.path.abspath(path)))
+    return items
+
+
+def _read_list(list_path: str) -> list[InputItem]:
+    base = os.path.dirname(os.path.abspath(list_path))
+    items = []
+    with open(list_path, encoding="utf-8") as f:
+        for line in f:
+            entry = line.strip()
+            if entry and not entry.startswith("#"):
+                items.append(InputItem(_posix(entry), os.path.normpath(os.path.join(base, entry))))
+    return items
+
+
+def _expand(spec: str, several: bool) -> list[InputItem]:
+    if os.path.isdir(spec):
+        return _walk(spec, _posix(spec) if several else None)
+    if os.path.isfile(spec):
+        if spec.lower().endswith(LIST_SUFFIXES):
+            return _read_list(spec)
+        return [InputItem(_posix(spec), os.path.abspath(spec))]
+    if not glob.has_magic(spec):
+        raise InputError(f"input {spec!r} does not exist (want a folder, a glob or a list file)")
+    matches = sorted(glob.glob(spec, recursive=True))
+    if not matches:
+        raise InputError(f"input glob {spec!r} matches nothing")
+    items = []
+    for match in matches:
+        if os.path.isdir(match):
+            items.extend(_walk(match, _posix(match)))
+        else:
+            items.append(InputItem(_posix(match), os.path.abspath(match)))
+    return items
+
+
+def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = ()) -> list[InputItem]:
+    """All images named by ``specs``, sorted by id, each once. ``extensions``: keep only these."""
+    if not specs:
+        raise InputError("no INPUT given")
+    several = len(specs) > 1
+    by_id: dict[str, InputItem] = {}
+    wanted = tuple("." + e.lower().lstrip(".") for e in extensions)
+    for spec in specs:
+        for item in _expand(spec, several):
+            if wanted and not item.path.lower().endswith(wanted):
+                continue
+            seen = by_id.setdefault(item.id, item)
+            if seen.path != item.path:
+                raise InputError(
+                    f"two different files share the id {item.id!r}: {seen.path} and {item.path}"
+                )
+    if not by_id:
+        raise InputError(f"no files found in {' '.join(specs)}")
+    return [by_id[key] for key in sorted(by_id)]
+
+
+def ids_digest(items: list[InputItem]) -> str:
+    """sha256 of the ordered ids: the identity of an input list (or of one shard's slice)."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(item.id.encode("utf-8", "surrogateescape") + b"\n")
+    return digest.hexdigest()
+
+
+def shard_slices(count: int, shard_size: int) -> list[range]:
+    """Shard k holds positions [k*shard_size, (k+1)*shard_size) of the sorted input list."""
+    return [range(start, min(start + shard_size, count)) for start in range(0, count, shard_size)]
