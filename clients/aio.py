@@ -1,0 +1,97 @@
+"""The asyncio twin of ``FeatureClient``: the same options, chunking, retries and results."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from vit22b.v1 import features_pb2 as pb
+
+from .client import ClientBase, build_request, chunk_result, start_embed
+from .embeddings import Embeddings, merge
+from .inputs import Item
+
+
+class AsyncFeatureClient(ClientBase):
+    """``async with AsyncFeatureClient(addr) as c: r = await c.embed(images)``.
+
+    Constructor and ``embed`` keywords are those of ``FeatureClient``.
+    """
+
+    _grpc = grpc.aio
+
+    async def _call(
+        self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0
+    ):
+        for attempt in itertools.count():
+            call = self._pick(method)
+            try:
+                return await call(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            except grpc.RpcError as err:
+                await asyncio.sleep(self._backoff(err, attempt, first, count))
+        raise AssertionError("unreachable")
+
+    async def model_info(self, refresh: bool = False) -> pb.ModelInfo:
+        if self._info is None or refresh:
+            self._info = await self._call("GetModelInfo", pb.GetModelInfoRequest())
+        return self._info
+
+    async def iter_embed(
+        self,
+        images,
+        *,
+        ids: Iterable[str] | None = None,
+        batch_size: int | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+        **options,
+    ) -> AsyncIterator[Embeddings]:
+        """One ``Embeddings`` per request, in input order, ``concurrency`` requests in flight."""
+        info = await self.model_info()
+        options, chunks, bar = start_embed(images, ids, info, progress, batch_size, **options)
+
+        async def run(chunk: list[Item]) -> Embeddings:
+            # Reading files and packing pixels stays off the event loop.
+            request, sent, local_errors = await asyncio.to_thread(build_request, chunk, options)
+            if not sent:
+                return Embeddings(errors=local_errors)
+            response = await self._call("Embed", request, timeout, chunk[0].index, len(chunk))
+            return chunk_result(response, sent, local_errors)
+
+        window: deque = deque()
+        try:
+            for chunk in chunks:
+                window.append((asyncio.ensure_future(run(chunk)), len(chunk)))
+                if len(window) >= self.concurrency:
+                    yield await _done(window.popleft(), bar)
+            while window:
+                yield await _done(window.popleft(), bar)
+        finally:
+            for task, _ in window:
+                task.cancel()
+            if bar is not None:
+                bar.close()
+
+    async def embed(self, images, **kwargs) -> Embeddings:
+        return merge([part async for part in self.iter_embed(images, **kwargs)])
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncFeatureClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def _done(entry: tuple, bar) -> Embeddings:
+    task, count = entry
+    result = await task
+    if bar is not None:
+        bar.update(count)
+    return result

@@ -1,0 +1,345 @@
+"""The synchronous client SDK, and what it shares with the async one.
+
+``FeatureClient(address | [addresses], token=..., tls=...)``; ``embed(images, outputs=...)``
+returns numpy arrays per requested output. Inputs are split into requests that fit the server's
+limits (images per request and message size, learnt from GetModelInfo), sent ``concurrency`` at
+a time round-robin over the addresses, retried with exponential backoff on UNAVAILABLE and
+RESOURCE_EXHAUSTED. Never imports jax.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import features_pb2_grpc as pb_grpc
+from vit22b.v1 import wire
+
+from .embeddings import Embeddings, ImageError, from_response, merge
+from .inputs import InputError, Item, as_images, items, to_proto
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_MESSAGE_MARGIN = 256 * 1024  # request framing, ids and field tags, generously
+_RESPONSE_OVERHEAD = 64 * 1024  # the server's own allowance (server/service.py) for the same
+
+
+class FeatureError(RuntimeError):
+    """A call the server refused or failed; ``code`` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, first_index: int = 0, count: int = 0):
+        self.code, self.details, self.first_index = code, details, first_index
+        where = f" (request of images {first_index}..{first_index + count - 1})" if count else ""
+        super().__init__(f"{code.name}: {details}{where}")
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Exponential backoff with jitter on UNAVAILABLE and RESOURCE_EXHAUSTED."""
+
+    attempts: int = 6  # tries per request, the first included
+    initial_s: float = 0.1
+    max_s: float = 5.0
+    multiplier: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.max_s, self.initial_s * self.multiplier**attempt)
+        return base * random.uniform(0.5, 1.0)
+
+    def should_retry(self, err: grpc.RpcError, attempt: int) -> bool:
+        if attempt + 1 >= self.attempts or err.code() not in RETRYABLE:
+            return False
+        # gRPC's message-size check also says RESOURCE_EXHAUSTED; resending cannot help.
+        return "larger than max" not in (err.details() or "")
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What to ask for (validated locally, before anything is sent)."""
+
+    outputs: tuple[str, ...] = ("pooled",)
+    layers: tuple[int, ...] = ()
+    dtype: str = "float32"
+    l2_normalize: bool = False
+    normalize_patches: bool = False
+    skip_invalid: bool = False
+
+    def __post_init__(self) -> None:
+        for kind in self.outputs:
+            wire.kind_code(kind)  # raises on an unknown kind
+        if self.dtype not in wire.OUTPUT_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
+
+    @property
+    def kinds(self) -> list[str]:
+        kinds = list(self.outputs)
+        if self.layers and "patch_tokens" not in kinds:
+            kinds.append("patch_tokens")
+        return kinds
+
+    @property
+    def patch_layers(self) -> list[int]:
+        return list(dict.fromkeys(self.layers)) or ([-1] if "patch_tokens" in self.outputs else [])
+
+    def request(self, images: Sequence[pb.Image]) -> pb.EmbedRequest:
+        return pb.EmbedRequest(
+            images=images,
+            outputs=[wire.kind_code(k) for k in self.kinds],
+            patch_layers=self.patch_layers,
+            dtype=wire.dtype_code(self.dtype),
+            l2_normalize=self.l2_normalize,
+            normalize_patches=self.normalize_patches,
+            skip_invalid_images=self.skip_invalid,
+        )
+
+
+def chunk_items(
+    stream: Iterable[Item], info: pb.ModelInfo, options: EmbedOptions, batch_size: int | None
+) -> Iterator[list[Item]]:
+    """Group inputs into requests within the server's image-count and message-size limits."""
+    limits = info.limits
+    per_request = min(batch_size or limits.max_batch_images, limits.max_request_images)
+    row = wire.row_bytes(info, options.kinds, options.patch_layers, options.dtype)
+    budget = limits.max_message_bytes - _MESSAGE_MARGIN
+    if row:
+        per_request = min(per_request, (limits.max_message_bytes - _RESPONSE_OVERHEAD) // row)
+    if per_request < 1:
+        raise ValueError(
+            f"one image's outputs ({row} bytes) exceed the server's message limit "
+            f"({limits.max_message_bytes} bytes); ask for fewer layers or a smaller dtype"
+        )
+    chunk: list[Item] = []
+    size = 0
+    for item in stream:
+        if item.size > budget:
+            raise InputError(
+                item.index,
+                f"{item.size} bytes exceed the server's message limit "
+                f"({limits.max_message_bytes} bytes)",
+                item.id,
+            )
+        if chunk and (len(chunk) == per_request or size + item.size > budget):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += item.size
+    if chunk:
+        yield chunk
+
+
+def build_request(chunk: list[Item], options: EmbedOptions):
+    """The request for one chunk, the caller's index of each image sent, and local errors.
+
+    With ``skip_invalid``, unreadable local inputs become errors instead of raising.
+    """
+    images, sent, errors = [], [], []
+    for item in chunk:
+        try:
+            images.append(to_proto(item))
+            sent.append(item.index)
+        except InputError as err:
+            if not options.skip_invalid:
+                raise
+            errors.append(ImageError(err.index, err.image_id, err.reason))
+    return options.request(images), sent, errors
+
+
+def chunk_result(
+    response: pb.EmbedResponse, sent: list[int], local_errors: list[ImageError]
+) -> Embeddings:
+    """One response with the caller's indices (local inputs may have been skipped)."""
+    result = from_response(response, 0)
+    result.indices = np.asarray([sent[row] for row in result.indices], np.int64)
+    result.errors = sorted(
+        [ImageError(sent[e.index], e.id, e.reason) for e in result.errors] + local_errors,
+        key=lambda e: e.index,
+    )
+    return result
+
+
+def start_embed(images, ids, info: pb.ModelInfo, progress: bool, batch_size: int | None, **options):
+    """Options, the lazy stream of request chunks, and the progress bar (or None)."""
+    options = EmbedOptions(
+        **{k: tuple(v) if k in ("outputs", "layers") else v for k, v in options.items()}
+    )
+    images = as_images(images)
+    chunks = chunk_items(items(images, ids), info, options, batch_size)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        total = len(images) if hasattr(images, "__len__") else None
+        bar = tqdm(total=total, unit="img", desc="embed")
+    return options, chunks, bar
+
+
+class ClientBase:
+    """What both clients share: addresses, credentials, token, channel options, retries.
+
+    ``address`` may be a list: requests are spread round-robin and retried on the next one.
+    ``tls``: True (system roots) or a PEM file of trusted roots. ``token``: bearer token.
+    ``timeout``: seconds per request. ``concurrency``: requests in flight per ``embed``.
+    """
+
+    _grpc = grpc  # the channel module: grpc, or grpc.aio for the async client
+
+    def __init__(
+        self,
+        address: str | Sequence[str] = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        tls: bool | str | os.PathLike = False,
+        timeout: float | None = 120.0,
+        retry: Retry | None = None,
+        concurrency: int = 4,
+        max_message_mb: int = 64,
+    ):
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("no server address given")
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+        self.retry = retry or Retry()
+        self.concurrency = max(1, concurrency)
+        options = [
+            ("grpc.max_receive_message_length", max_message_mb << 20),
+            ("grpc.max_send_message_length", max_message_mb << 20),
+        ]
+        if tls:
+            roots = None if tls is True else Path(tls).read_bytes()
+            creds = grpc.ssl_channel_credentials(root_certificates=roots)
+            self._channels = [self._grpc.secure_channel(a, creds, options) for a in self.addresses]
+        else:
+            self._channels = [self._grpc.insecure_channel(a, options) for a in self.addresses]
+        self._stubs = [pb_grpc.FeatureServiceStub(c) for c in self._channels]
+        self._info: pb.ModelInfo | None = None
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def _pick(self, method: str):
+        """Round-robin: each call (and each retry) goes to the next address."""
+        with self._lock:
+            return getattr(self._stubs[next(self._next) % len(self._stubs)], method)
+
+    def _backoff(self, err: grpc.RpcError, attempt: int, first: int, count: int) -> float:
+        """Seconds to wait before retrying ``err``; raises ``FeatureError`` when not to retry."""
+        if not self.retry.should_retry(err, attempt):
+            raise FeatureError(err.code(), err.details() or "", first, count) from None
+        return self.retry.delay(attempt)
+
+
+class FeatureClient(ClientBase):
+    """Blocking client. ``with FeatureClient("127.0.0.1:50051") as c: c.embed(["a.jpg"])``."""
+
+    def _call(
+        self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0
+    ):
+        for attempt in itertools.count():
+            call = self._pick(method)
+            try:
+                return call(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            except grpc.RpcError as err:
+                time.sleep(self._backoff(err, attempt, first, count))
+        raise AssertionError("unreachable")
+
+    def model_info(self, refresh: bool = False) -> pb.ModelInfo:
+        """Model, checkpoint fingerprint, mesh, preprocessing contract, output shapes, limits."""
+        if self._info is None or refresh:
+            self._info = self._call("GetModelInfo", pb.GetModelInfoRequest())
+        return self._info
+
+    def iter_embed(
+        self,
+        images,
+        *,
+        outputs: Sequence[str] = ("pooled",),
+        layers: Sequence[int] = (),
+        dtype: str = "float32",
+        l2_normalize: bool = False,
+        normalize_patches: bool = False,
+        skip_invalid: bool = False,
+        ids: Iterable[str] | None = None,
+        batch_size: int | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+    ) -> Iterator[Embeddings]:
+        """Like ``embed``, one ``Embeddings`` per request, in input order, as they complete.
+
+        ``images`` may be any iterable (read lazily): memory stays bounded by ``concurrency``
+        requests in flight.
+        """
+        options, chunks, bar = start_embed(
+            images,
+            ids,
+            self.model_info(),
+            progress,
+            batch_size,
+            outputs=outputs,
+            layers=layers,
+            dtype=dtype,
+            l2_normalize=l2_normalize,
+            normalize_patches=normalize_patches,
+            skip_invalid=skip_invalid,
+        )
+
+        def run(chunk: list[Item]) -> Embeddings:
+            request, sent, local_errors = build_request(chunk, options)
+            if not sent:
+                return Embeddings(errors=local_errors)
+            response = self._call("Embed", request, timeout, chunk[0].index, len(chunk))
+            return chunk_result(response, sent, local_errors)
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            window: deque = deque()
+            try:
+                for chunk in chunks:
+                    window.append((pool.submit(run, chunk), len(chunk)))
+                    if len(window) >= self.concurrency:
+                        yield _done(window.popleft(), bar)
+                while window:
+                    yield _done(window.popleft(), bar)
+            finally:
+                for future, _ in window:
+                    future.cancel()
+                if bar is not None:
+                    bar.close()
+
+    def embed(self, images, **kwargs) -> Embeddings:
+        """Embed paths, bytes, PIL images or uint8 arrays; numpy arrays per requested output.
+
+        Keywords: ``outputs`` (pooled, class_token, patch_tokens, attention_stats, logits),
+        ``layers`` (patch-token blocks; negative count from the end), ``dtype`` (float32,
+        bfloat16, float16), ``l2_normalize`` (pooled), ``normalize_patches``, ``skip_invalid``
+        (report unreadable images in ``errors`` instead of raising), ``ids``, ``batch_size``
+        (images per request; default: the server's batch), ``timeout``, ``progress``.
+        """
+        return merge(list(self.iter_embed(images, **kwargs)))
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> FeatureClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _done(entry: tuple, bar) -> Embeddings:
+    """The result of a (future, image count) window entry; advances the progress bar."""
+    future, count = entry
+    result = future.result()
+    if bar is not None:
+        bar.update(count)
+    return result

@@ -1,0 +1,104 @@
+"""What the SDK accepts as an image, and how it travels.
+
+Paths and bytes travel as the file's encoded bytes (the server decodes JPEG, PNG and WebP);
+PIL images and numpy arrays travel as raw uint8 [H, W, 3] pixels (no lossy re-encoding).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+ImageInput = str | os.PathLike | bytes | bytearray | Image.Image | np.ndarray
+
+
+class InputError(ValueError):
+    """A local input that cannot be sent; names its index."""
+
+    def __init__(self, index: int, reason: str, image_id: str = ""):
+        self.index, self.reason, self.image_id = index, reason, image_id
+        super().__init__(f"image {index}" + (f" ({image_id})" if image_id else "") + f": {reason}")
+
+
+@dataclass(frozen=True)
+class Item:
+    index: int  # position in the caller's input
+    image: ImageInput
+    id: str
+    size: int  # bytes it will take on the wire (estimate)
+
+
+def as_images(images) -> Iterable[ImageInput]:
+    """A single image (path, bytes, PIL image, [H, W, C] array) or many (a list, an iterable,
+    an [N, H, W, C] array)."""
+    if isinstance(images, (str, os.PathLike, bytes, bytearray, Image.Image)):
+        return [images]
+    if isinstance(images, np.ndarray):
+        return [images] if images.ndim in (2, 3) else list(images)
+    return images
+
+
+def default_id(image: ImageInput, index: int) -> str:
+    return os.fspath(image) if isinstance(image, (str, os.PathLike)) else str(index)
+
+
+def wire_size(image: ImageInput) -> int:
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            return os.path.getsize(image)
+        except OSError:
+            return 0  # reported when the file is read
+    if isinstance(image, (bytes, bytearray)):
+        return len(image)
+    if isinstance(image, Image.Image):
+        return image.width * image.height * 3
+    shape = np.shape(image)
+    return int(np.prod(shape[:2])) * 3 if len(shape) >= 2 else 0
+
+
+def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
+    ids_iter = iter(ids) if ids is not None else None
+    for index, image in enumerate(as_images(images)):
+        image_id = next(ids_iter) if ids_iter is not None else default_id(image, index)
+        yield Item(index, image, str(image_id), wire_size(image))
+
+
+def to_proto(item: Item) -> pb.Image:
+    """The wire form of one input; raises ``InputError`` naming the index."""
+    image = item.image
+    try:
+        if isinstance(image, (str, os.PathLike)):
+            return pb.Image(id=item.id, encoded=Path(image).read_bytes())
+        if isinstance(image, (bytes, bytearray)):
+            return pb.Image(id=item.id, encoded=bytes(image))
+        if isinstance(image, Image.Image):
+            pixels = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+        else:
+            pixels = _rgb(np.asarray(image))
+    except OSError as err:
+        raise InputError(item.index, f"cannot read {image}: {err}", item.id) from None
+    except (TypeError, ValueError) as err:
+        raise InputError(item.index, str(err), item.id) from None
+    return pb.Image(id=item.id, pixels=wire.to_tensor(pixels))
+
+
+def _rgb(pixels: np.ndarray) -> np.ndarray:
+    if pixels.dtype != np.uint8:
+        raise ValueError(
+            f"numpy images must be uint8 RGB, got {pixels.dtype}; for floats in [0, 1] pass "
+            "(x * 255).round().astype(np.uint8)"
+        )
+    if pixels.ndim == 2:
+        pixels = pixels[..., None]
+    if pixels.ndim != 3 or pixels.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"numpy images must be [H, W], [H, W, 1|3|4]; got {list(pixels.shape)}")
+    if pixels.shape[-1] == 1:
+        return np.repeat(pixels, 3, axis=-1)
+    return pixels[..., :3]  # RGBA: alpha dropped, as PIL's convert("RGB") does

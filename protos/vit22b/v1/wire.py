@@ -1,0 +1,142 @@
+"""Wire helpers shared by the server and the client SDK: tensors, dtype and output-kind names.
+
+numpy (and ml_dtypes for bfloat16) only: the client imports this, so no jax here. Tensors are
+C-order little-endian bytes + dtype + shape (features.proto); bfloat16 arrays are
+``ml_dtypes.bfloat16`` numpy arrays, so they round-trip without an upcast.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import ml_dtypes
+import numpy as np
+from vit22b.v1 import features_pb2 as pb
+
+if sys.byteorder != "little":  # bfloat16 has no byte-swapped numpy dtype; keep the contract simple
+    raise ImportError("vit22b's wire format needs a little-endian host")
+
+DTYPES: dict[str, int] = {
+    "float32": pb.DTYPE_FLOAT32,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float16": pb.DTYPE_FLOAT16,
+    "uint8": pb.DTYPE_UINT8,
+}
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+_NUMPY = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_UINT8: np.dtype("u1"),
+}
+
+OUTPUT_KINDS: dict[str, int] = {
+    "pooled": pb.OUTPUT_KIND_POOLED,
+    "class_token": pb.OUTPUT_KIND_CLASS_TOKEN,
+    "patch_tokens": pb.OUTPUT_KIND_PATCH_TOKENS,
+    "attention_stats": pb.OUTPUT_KIND_ATTENTION_STATS,
+    "logits": pb.OUTPUT_KIND_LOGITS,
+}
+KIND_NAMES = {code: name for name, code in OUTPUT_KINDS.items()}
+# Response tensor fields (besides the patch_tokens map) and the output kind each belongs to.
+TENSOR_FIELDS = {
+    "pooled": "pooled",
+    "class_token": "class_token",
+    "attention_entropy": "attention_stats",
+    "attention_max_logit": "attention_stats",
+    "logits": "logits",
+}
+
+
+class WireError(ValueError):
+    """A tensor, dtype or output kind that does not follow the contract."""
+
+
+def dtype_code(name: str) -> int:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise WireError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+def dtype_name(code: int) -> str:
+    for name, value in DTYPES.items():
+        if value == code:
+            return name
+    raise WireError(f"unknown dtype code {code}")
+
+
+def output_dtype(code: int) -> str:
+    """The output dtype a request asks for (unspecified means float32)."""
+    name = "float32" if code == pb.DTYPE_UNSPECIFIED else dtype_name(code)
+    if name not in OUTPUT_DTYPES:
+        raise WireError(f"dtype {name} is not an output dtype; choose one of {OUTPUT_DTYPES}")
+    return name
+
+
+def kind_code(name: str) -> int:
+    try:
+        return OUTPUT_KINDS[name]
+    except KeyError:
+        known = ", ".join(OUTPUT_KINDS)
+        raise WireError(f"unknown output kind {name!r}; known: {known}") from None
+
+
+def kind_name(code: int) -> str:
+    try:
+        return KIND_NAMES[code]
+    except KeyError:
+        known = ", ".join(f"{v}={k}" for k, v in OUTPUT_KINDS.items())
+        raise WireError(f"unknown output kind {code}; known: {known}") from None
+
+
+def to_tensor(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
+    """A numpy array as a Tensor message, cast to ``dtype`` (name) first if given."""
+    array = np.asarray(array)
+    target = _NUMPY[dtype_code(dtype)] if dtype else array.dtype
+    if target not in _NUMPY.values():
+        raise WireError(f"arrays of dtype {array.dtype} cannot travel; use one of {list(DTYPES)}")
+    array = np.ascontiguousarray(array, dtype=target)
+    code = next(code for code, dt in _NUMPY.items() if dt == target)
+    return pb.Tensor(dtype=code, shape=array.shape, data=array.tobytes())
+
+
+def from_tensor(tensor: pb.Tensor, copy: bool = True) -> np.ndarray:
+    """The numpy array a Tensor message holds; checks dtype, shape and byte length agree."""
+    dtype = _NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise WireError(f"tensor dtype {tensor.dtype} is unknown; known: {list(DTYPES)}")
+    shape = tuple(int(s) for s in tensor.shape)
+    if any(s < 0 for s in shape):
+        raise WireError(f"tensor shape {list(shape)} has a negative dimension")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(tensor.data) != expected:
+        raise WireError(
+            f"tensor of shape {list(shape)} and dtype {dtype_name(tensor.dtype)} needs "
+            f"{expected} bytes, got {len(tensor.data)}"
+        )
+    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    return array.copy() if copy else array
+
+
+def row_shapes(info: pb.ModelInfo, kinds: list[str], layers: list[int]) -> dict[str, tuple]:
+    """Per-image shape of every tensor a request returns, from the model's info."""
+    shapes: dict[str, tuple] = {}
+    if "pooled" in kinds:
+        shapes["pooled"] = (info.width,)
+    if "class_token" in kinds:
+        shapes["class_token"] = (info.width,)
+    if "attention_stats" in kinds:
+        shapes["attention_entropy"] = shapes["attention_max_logit"] = (info.depth, info.heads)
+    if "logits" in kinds:
+        shapes["logits"] = (info.num_classes,)
+    for layer in layers:
+        shapes[f"patch_tokens[{layer}]"] = (info.num_patches, info.width)
+    return shapes
+
+
+def row_bytes(info: pb.ModelInfo, kinds: list[str], layers: list[int], dtype: str) -> int:
+    """Bytes of one image's outputs in a response (tensor payload only)."""
+    itemsize = _NUMPY[dtype_code(dtype)].itemsize
+    return sum(math.prod(s) for s in row_shapes(info, kinds, layers).values()) * itemsize

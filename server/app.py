@@ -1,0 +1,241 @@
+"""Assembling and running the server: engine, batcher, service, health, reflection, metrics, auth.
+
+Start-up compiles every batch bucket before health reports SERVING. SIGTERM (or SIGINT): health
+goes NOT_SERVING, new calls get UNAVAILABLE, accepted calls finish, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from vit22b.model import DEFAULT_MODEL, OutputRequest
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import features_pb2_grpc as pb_grpc
+
+from .auth import TokenAuth, read_tokens, server_credentials
+from .batcher import Batcher
+from .engine import Engine
+from .metrics import Metrics
+from .service import FeatureService, Limits
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["FeatureService"].full_name
+
+
+@dataclass
+class ServeConfig:
+    model: str | None = None  # preset name; None: DEFAULT_MODEL, or the checkpoint's
+    checkpoint: str | None = None
+    mesh: str = "auto"
+    seed: int = 0  # seeded random weights when there is no checkpoint
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    metrics_port: int | None = 9464  # 0: any free port; None: no metrics endpoint
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_batch_images: int = 32
+    max_delay_ms: float = 5.0
+    max_queue_images: int = 1024
+    max_request_images: int = 256
+    max_message_mb: int = 64
+    max_image_pixels: int = 40_000_000
+    preprocess_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
+    warm_outputs: tuple[OutputRequest, ...] = (OutputRequest(),)
+    drain_timeout_s: float = 60.0
+
+    def check(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.max_request_images > self.max_queue_images:
+            raise ValueError(
+                f"--max-request-images ({self.max_request_images}) cannot exceed "
+                f"--max-queue-images ({self.max_queue_images})"
+            )
+        for name in (
+            "max_batch_images",
+            "max_queue_images",
+            "max_request_images",
+            "max_message_mb",
+            "max_image_pixels",
+            "preprocess_threads",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
+
+
+def build_engine(config: ServeConfig) -> Engine:
+    engine = Engine.load(
+        model=config.model or (None if config.checkpoint else DEFAULT_MODEL),
+        checkpoint=config.checkpoint,
+        mesh=config.mesh,
+        seed=config.seed,
+        max_batch_images=config.max_batch_images,
+    )
+    seconds = engine.warm_up(config.warm_outputs)
+    log.info("compiled buckets %s in %.1fs", engine.buckets, seconds)
+    return engine
+
+
+class FeatureServer:
+    """One server in the current event loop: ``await start()``, ``await drain_and_stop()``."""
+
+    def __init__(self, config: ServeConfig, engine: Engine | None = None):
+        config.check()
+        self.config = config
+        self.engine = engine
+        self.metrics = Metrics()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        config = self.config
+        if self.engine is None:  # compile off the event loop
+            self.engine = await asyncio.to_thread(build_engine, config)
+        self.batcher = Batcher(
+            self.engine,
+            self.metrics,
+            max_batch_images=config.max_batch_images,
+            max_delay_s=config.max_delay_ms / 1e3,
+            max_queue_images=config.max_queue_images,
+        )
+        limits = Limits(
+            max_request_images=config.max_request_images,
+            max_message_bytes=config.max_message_mb << 20,
+            max_image_pixels=config.max_image_pixels,
+        )
+        self.service = FeatureService(
+            self.engine, self.batcher, self.metrics, limits, config.preprocess_threads
+        )
+        interceptors = []
+        if config.token_file:
+            tokens = read_tokens(config.token_file)
+            reject = self.metrics.requests.labels
+            interceptors.append(
+                TokenAuth(
+                    tokens,
+                    lambda method: reject(method.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc(),
+                )
+            )
+        options = [
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", limits.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        pb_grpc.add_FeatureServiceServicer_to_server(self.service, server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert:
+            creds = server_credentials(config.tls_cert, config.tls_key)
+            self.port = server.add_secure_port(address, creds)
+        else:
+            self.port = server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"cannot bind {address}")
+        self.batcher.start()
+        await server.start()
+        self._server = server
+        if config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(config.metrics_port, config.host)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain_and_stop(self, timeout: float | None = None) -> bool:
+        """NOT_SERVING, refuse new calls, finish accepted ones, stop. True if nothing was cut."""
+        timeout = self.config.drain_timeout_s if timeout is None else timeout
+        await self.health.enter_graceful_shutdown()
+        clean = await self.service.drain(timeout)
+        if not clean:
+            log.warning("drain timed out after %.0fs; stopping with calls in flight", timeout)
+        await self._server.stop(grace=1.0)
+        await asyncio.to_thread(self.batcher.stop)
+        self.service.close()
+        self.metrics.stop()
+        self._stopped.set()
+        return clean
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+
+async def serve_until_signal(config: ServeConfig) -> int:
+    """The CLI's main: serve until SIGTERM / SIGINT, drain, exit code 0 when the drain was clean."""
+    server = FeatureServer(config)
+    await server.start()
+    engine = server.engine
+    log.info("%s (%s) on mesh %s", engine.cfg.name, engine.identity.source, engine.mesh_spec)
+    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(
+        f"vit22b serve: SERVING {engine.cfg.name} ({engine.identity.source}) on "
+        f"{server.address}, mesh {engine.mesh_spec}, buckets {list(engine.buckets)}{metrics}",
+        flush=True,
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("vit22b serve: draining (NOT_SERVING, new calls UNAVAILABLE)", flush=True)
+    clean = await server.drain_and_stop()
+    print(f"vit22b serve: stopped ({'clean' if clean else 'drain timed out'})", flush=True)
+    return 0 if clean else 1
+
+
+class BackgroundServer:
+    """A FeatureServer on its own event-loop thread: for tests, notebooks and in-process use."""
+
+    def __init__(self, config: ServeConfig, engine: Engine | None = None):
+        self.server = FeatureServer(config, engine)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="vit22b-server"
+        )
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        future = asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(timeout), self._loop)
+        clean = future.result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        return clean
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

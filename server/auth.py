@@ -1,0 +1,77 @@
+"""Bearer-token authentication (tokens from a file) and TLS credentials.
+
+Every method needs ``authorization: Bearer <token>`` except the health service, which load
+balancers and orchestrators probe without credentials.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import grpc
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+
+
+def read_tokens(path: str | Path) -> tuple[str, ...]:
+    """One token per line; blank lines and ``#`` comments are ignored."""
+    lines = Path(path).read_text().splitlines()
+    tokens = tuple(t.strip() for t in lines if t.strip() and not t.strip().startswith("#"))
+    if not tokens:
+        raise ValueError(f"token file {path} holds no token")
+    return tokens
+
+
+def server_credentials(cert: str | Path, key: str | Path) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    def __init__(self, tokens: tuple[str, ...], on_reject=None):
+        self._tokens = tuple(t.encode() for t in tokens)
+        self._on_reject = on_reject  # called with the method name (metrics)
+
+    def _allowed(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    given = token.strip().encode()
+                    return any(hmac.compare_digest(given, t) for t in self._tokens)
+        return False
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_SERVICES):
+            return handler
+        if self._allowed(details.invocation_metadata):
+            return handler
+        if self._on_reject is not None:
+            self._on_reject(details.method)
+        return _rejecting(handler)
+
+
+def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator like the real handler
+
+    kind = (handler.request_streaming, handler.response_streaming)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kind]
+    behaviour = streaming if handler.response_streaming else unary
+    return make(
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

@@ -1,0 +1,234 @@
+"""Dynamic batching and admission: the narrow core between the transport and the engine.
+
+Admission is bounded in images: ``admit(n)`` reserves room for a call's images before they are
+decoded, or raises ``QueueFull`` at once. Preprocessed jobs are queued; one compute thread packs
+rows of jobs with the same output set, in arrival order, up to ``max_batch_images`` or until the
+oldest job has waited ``max_delay_s``, splitting jobs larger than a batch. A job whose caller has
+gone or whose deadline has passed is dropped before its rows are computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+from vit22b.model import OutputRequest
+
+from .engine import Engine, Features, concat, take
+from .errors import CallerGone, DeadlineExpired, Draining, QueueFull
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Result:
+    features: Features
+    queue_s: float  # submission to the start of the job's first batch
+    compute_s: float  # forward time of the batches that held its rows
+
+
+@dataclass(eq=False)
+class Job:
+    images: np.ndarray  # preprocessed float32 [n, S, S, 3]
+    outputs: OutputRequest  # resolved
+    deadline: float | None  # time.monotonic() deadline, or None
+    submitted: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+    next_row: int = 0  # rows handed to batches so far
+    done_rows: int = 0
+    parts: list = field(default_factory=list)  # (first row, features) per batch
+    started: float | None = None
+    compute_s: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.images.shape[0]
+
+    def cancel(self) -> None:
+        """Called from any thread when the caller is gone; the batcher drops the rest."""
+        self.cancelled = True
+
+
+class Batcher:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        *,
+        max_batch_images: int | None = None,
+        max_delay_s: float = 0.005,
+        max_queue_images: int = 1024,
+    ):
+        self.engine, self.metrics = engine, metrics
+        self.max_batch_images = min(
+            max_batch_images or engine.max_batch_images, engine.max_batch_images
+        )
+        self.max_delay_s = max_delay_s
+        self.max_queue_images = max_queue_images
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._pending = 0  # admitted images not yet computed or dropped (includes preprocessing)
+        self._closed = False  # no new admissions (draining)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="vit22b-batcher", daemon=True)
+
+    # ---- admission -------------------------------------------------------------------------
+    def admit(self, n: int) -> None:
+        with self._cond:
+            if self._closed:
+                raise Draining("server is shutting down")
+            if self._pending + n > self.max_queue_images:
+                self.metrics.images.labels("rejected").inc(n)
+                raise QueueFull(
+                    f"queue full: {self._pending} images queued, {n} more would exceed the "
+                    f"limit of {self.max_queue_images}; retry with backoff"
+                )
+            self._pending += n
+            self.metrics.queue_images.set(self._pending)
+
+    def release(self, n: int) -> None:
+        """Give back admitted room whose images will not be submitted (invalid, caller gone)."""
+        with self._cond:
+            self._pending -= n
+            self.metrics.queue_images.set(self._pending)
+
+    def submit(self, images: np.ndarray, outputs: OutputRequest, deadline: float | None) -> Job:
+        """Queue admitted, preprocessed images; the job's future gets a ``Result``."""
+        job = Job(images, outputs, deadline)
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify()
+        return job
+
+    @property
+    def pending_images(self) -> int:
+        return self._pending
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Refuse new admissions; queued work still runs."""
+        with self._cond:
+            self._closed = True
+
+    def stop(self) -> None:
+        """Compute what is queued (without waiting for fuller batches), then end the thread."""
+        with self._cond:
+            self._closed = self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ---- the compute thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._compute(batch)
+
+    def _next_batch(self) -> list[tuple[Job, int, int]] | None:
+        """Wait for a full batch or the oldest job's delay; returns (job, first row, rows)."""
+        with self._cond:
+            while True:
+                self._drop_dead()
+                if not self._queue:
+                    if self._stopping:
+                        return None
+                    self._cond.wait()
+                    continue
+                head = self._queue[0]
+                ready = sum(j.size - j.next_row for j in self._queue if j.outputs == head.outputs)
+                wait = head.submitted + self.max_delay_s - time.monotonic()
+                if ready >= self.max_batch_images or wait <= 0 or self._stopping:
+                    return self._take(head.outputs)
+                self._cond.wait(wait)
+
+    def _take(self, outputs: OutputRequest) -> list[tuple[Job, int, int]]:
+        batch, room = [], self.max_batch_images
+        for job in list(self._queue):
+            if room == 0:
+                break
+            if job.outputs != outputs:
+                continue
+            rows = min(room, job.size - job.next_row)
+            batch.append((job, job.next_row, rows))
+            job.next_row += rows
+            room -= rows
+            if job.next_row == job.size:
+                self._queue.remove(job)
+        return batch
+
+    def _drop_dead(self) -> None:
+        """Fail queued jobs whose caller has gone or whose deadline passed (lock held)."""
+        now = time.monotonic()
+        for job in list(self._queue):
+            expired = job.deadline is not None and now >= job.deadline
+            if not (job.cancelled or expired):
+                continue
+            self._queue.remove(job)
+            rows = job.size - job.next_row
+            self._pending -= rows
+            self.metrics.queue_images.set(self._pending)
+            if expired and not job.cancelled:
+                self.metrics.images.labels("expired").inc(rows)
+                err: Exception = DeadlineExpired(
+                    f"deadline passed in the queue; {rows} of {job.size} images not computed"
+                )
+            else:
+                self.metrics.images.labels("cancelled").inc(rows)
+                err = CallerGone(f"caller gone; {rows} of {job.size} images not computed")
+            _fail(job.future, err)
+
+    def _compute(self, batch: list[tuple[Job, int, int]]) -> None:
+        outputs = batch[0][0].outputs
+        images = np.concatenate([job.images[first : first + rows] for job, first, rows in batch])
+        start = time.monotonic()
+        for job, _, _ in batch:
+            if job.started is None:
+                job.started = start
+                self.metrics.queue_seconds.observe(start - job.submitted)
+        try:
+            features = self.engine.forward(images, outputs)
+        except Exception as err:  # a bug: fail the batch's callers, keep serving the others
+            log.exception("forward failed for a batch of %d images", len(images))
+            for job, _, _ in batch:
+                _fail(job.future, err)
+            features = None
+        elapsed = time.monotonic() - start
+        n = len(images)
+        self.metrics.compute_seconds.observe(elapsed)
+        self.metrics.batch_images.observe(n)
+        self.metrics.padding_images.inc(self.engine.bucket(n) - n)
+        self.metrics.compilations.set(self.engine.compilations)
+        with self._cond:
+            self._pending -= n
+            self.metrics.queue_images.set(self._pending)
+        if features is None:
+            return
+        self.metrics.images.labels("computed").inc(n)
+        offset = 0
+        for job, first, rows in batch:
+            job.parts.append((first, take(features, offset, offset + rows)))
+            job.compute_s += elapsed
+            job.done_rows += rows
+            offset += rows
+            if job.done_rows == job.size and not job.future.done():
+                parts = [part for _, part in sorted(job.parts, key=lambda p: p[0])]
+                job.future.set_result(
+                    Result(concat(parts), job.started - job.submitted, job.compute_s)
+                )
+
+
+def _fail(future: Future, err: Exception) -> None:
+    if not future.done():
+        future.set_exception(err)

@@ -1,0 +1,288 @@
+"""The engine: parameters on a mesh and one compiled forward per (batch bucket, output set).
+
+Batch buckets are the mesh's data-axis size times powers of two, up to ``max_batch_images``
+(rounded up to a multiple of the data axis); a batch is padded with zeros to the smallest bucket
+that holds it. The warm output sets (by default: pooled features) are compiled for every bucket
+before the server reports SERVING. Any other output set (patch tokens at chosen layers,
+attention statistics, ...) is compiled on its first use for the bucket it needs and kept
+(an LRU bounded by ``max_compiled``): compiling every combination of layers up front is
+impossible, and one superset forward returning every layer would hold batch x depth x tokens x
+width activations per device (about 10 GB for ViT-22B at batch 32).
+
+``forward`` is the model's own ``apply``; ``embed`` is the in-process path (decode, preprocess,
+forward, finish) that the server's results are checked against.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, apply, get_config
+from vit22b.model.info import count
+from vit22b.model.sharding import (
+    batch_sharding,
+    check_mesh_fits,
+    init_sharded,
+    make_mesh,
+    mesh_spec,
+    param_shardings,
+)
+
+from .errors import InvalidRequest
+from .preprocess import DEFAULT_MAX_IMAGE_PIXELS, Preprocessor
+
+log = logging.getLogger(__name__)
+
+POOLED = OutputRequest()  # the default output set
+Features = dict  # output name -> np.ndarray; "patch_tokens" -> {layer: np.ndarray}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What made a feature: the model, its parameters and its preprocessing."""
+
+    name: str
+    fingerprint: str
+    preprocess_hash: str
+    source: str
+
+
+def batch_buckets(max_batch_images: int, data_size: int) -> tuple[int, ...]:
+    """data_size * 2^k below the maximum, then the maximum rounded up to a multiple of data."""
+    if max_batch_images < 1:
+        raise ValueError(f"max_batch_images must be positive, got {max_batch_images}")
+    top = -(-max_batch_images // data_size) * data_size
+    buckets, size = [], data_size
+    while size < top:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, top)
+
+
+def seeded_source(seed: int) -> str:
+    return f"init:seed={seed}"
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: ViTConfig,
+        params: dict,
+        mesh: Mesh,
+        *,
+        fingerprint: str,
+        source: str,
+        max_batch_images: int = 32,
+        max_compiled: int = 64,
+    ):
+        check_mesh_fits(cfg, mesh)
+        self.cfg, self.params, self.mesh = cfg, params, mesh
+        self.preprocess = Preprocessor(cfg)
+        self.identity = Identity(cfg.name, fingerprint, cfg.preprocess_hash(), source)
+        self.buckets = batch_buckets(max_batch_images, mesh.shape["data"])
+        self.max_batch_images = self.buckets[-1]
+        self.parameter_count = count(params)
+        self._max_compiled = max_compiled
+        self._compiled: OrderedDict[tuple[int, OutputRequest], jax.stages.Compiled] = OrderedDict()
+        self._compile_lock = threading.Lock()
+        self._batch_sharding = batch_sharding(mesh)
+        self._param_shardings = param_shardings(cfg, mesh, params)
+        self.compilations = 0  # on-demand compilations after warm-up (for metrics and tests)
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        checkpoint: str | None = None,
+        mesh: str | Mesh = "auto",
+        seed: int = 0,
+        **kwargs,
+    ) -> Engine:
+        """A checkpoint restored onto the mesh, or a preset with seeded random weights."""
+        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        if checkpoint:
+            from vit22b.model import checkpoint as ckpt  # orbax: only when restoring
+
+            cfg, params, meta = ckpt.restore(checkpoint, mesh)
+            if model and model != cfg.name:
+                raise ValueError(
+                    f"--model {model} does not match the checkpoint's model {cfg.name}"
+                )
+            source = meta.source or f"checkpoint:{checkpoint}"
+            return cls(cfg, params, mesh, fingerprint=meta.fingerprint, source=source, **kwargs)
+        cfg = get_config(model or DEFAULT_MODEL)
+        params = init_sharded(cfg, mesh, seed)
+        return cls(
+            cfg,
+            params,
+            mesh,
+            fingerprint=_fingerprint(params),
+            source=seeded_source(seed),
+            **kwargs,
+        )
+
+    @property
+    def mesh_spec(self) -> str:
+        return mesh_spec(self.mesh)
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def resolve(self, outputs: OutputRequest) -> OutputRequest:
+        """The canonical output set (layers non-negative, sorted): the compile-cache key.
+
+        Raises ``InvalidRequest`` for layers out of range or outputs this model lacks.
+        """
+        cfg = self.cfg
+        try:
+            layers = outputs.layers(cfg.depth)
+        except ValueError as err:
+            raise InvalidRequest(str(err)) from None
+        if outputs.class_token and not cfg.class_token:
+            raise InvalidRequest(f"model {cfg.name} has no class token")
+        if outputs.pooled and cfg.head == "none":
+            raise InvalidRequest(f"model {cfg.name} has no pooling head")
+        if outputs.logits and not cfg.num_classes:
+            raise InvalidRequest(f"model {cfg.name} has no classifier (no logits)")
+        if not (outputs.pooled or outputs.class_token or layers or outputs.attention_stats):
+            if not outputs.logits:
+                raise InvalidRequest("no outputs requested")
+        return replace(outputs, patch_layers=layers)
+
+    # ---- compiled forwards -----------------------------------------------------------------
+    def bucket(self, n: int) -> int:
+        for size in self.buckets:
+            if n <= size:
+                return size
+        raise ValueError(f"batch of {n} images exceeds the largest bucket {self.buckets[-1]}")
+
+    def compiled(self, bucket: int, outputs: OutputRequest, warm: bool = False):
+        key = (bucket, outputs)
+        with self._compile_lock:
+            fn = self._compiled.get(key)
+            if fn is not None:
+                self._compiled.move_to_end(key)
+                return fn
+            start = time.perf_counter()
+            fn = self._compile(bucket, outputs)
+            self._compiled[key] = fn
+            while len(self._compiled) > self._max_compiled:
+                self._compiled.popitem(last=False)
+            if not warm:
+                self.compilations += 1
+            log.info(
+                "compiled forward for bucket %d, %s in %.2fs%s",
+                bucket,
+                outputs,
+                time.perf_counter() - start,
+                "" if warm else " (on demand)",
+            )
+            return fn
+
+    def _compile(self, bucket: int, outputs: OutputRequest):
+        cfg = self.cfg
+        fn = jax.jit(
+            lambda params, images: apply(cfg, params, images, outputs),
+            in_shardings=(self._param_shardings, self._batch_sharding),
+        )
+        shape = (bucket, cfg.image_size, cfg.image_size, cfg.channels)
+        images = jax.ShapeDtypeStruct(shape, np.float32, sharding=self._batch_sharding)
+        return fn.lower(self.params, images).compile()
+
+    def warm_up(self, output_sets: Sequence[OutputRequest] = (POOLED,)) -> float:
+        """Compile every bucket for each output set; returns the seconds it took."""
+        start = time.perf_counter()
+        for outputs in output_sets:
+            resolved = self.resolve(outputs)
+            for size in self.buckets:
+                self.compiled(size, resolved, warm=True)
+        return time.perf_counter() - start
+
+    def forward(self, images: np.ndarray, outputs: OutputRequest) -> Features:
+        """Normalised float32 [n, S, S, 3] (n <= max batch) -> host float32 outputs for n rows.
+
+        ``outputs`` must be resolved (see ``resolve``).
+        """
+        n = images.shape[0]
+        size = self.bucket(n)
+        if size != n:
+            pad = np.zeros((size - n, *images.shape[1:]), np.float32)
+            images = np.concatenate([images, pad])
+        batch = jax.device_put(np.asarray(images, np.float32), self._batch_sharding)
+        result = self.compiled(size, outputs)(self.params, batch)
+        return _to_host(result, n)
+
+    # ---- in-process embedding ---------------------------------------------------------------
+    def embed(
+        self,
+        images: Sequence[bytes | np.ndarray],
+        outputs: OutputRequest = POOLED,
+        *,
+        l2_normalize: bool = False,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> Features:
+        """Encoded bytes or raw uint8 [H, W, 3] images -> float32 outputs, in order.
+
+        The same preprocessing, forward and finishing as the server, batch by batch.
+        """
+        outputs = self.resolve(outputs)
+        pixels = np.stack([self.preprocess.load(image, max_pixels) for image in images])
+        step = self.max_batch_images
+        parts = [self.forward(pixels[i : i + step], outputs) for i in range(0, len(pixels), step)]
+        return finish(concat(parts), l2_normalize)
+
+
+def _fingerprint(params) -> str:
+    try:
+        from vit22b.model.checkpoint import fingerprint
+    except ImportError:  # TEMPORARY until model/checkpoint.py lands
+        import hashlib
+
+        digest = hashlib.sha256()
+        for leaf in jax.tree.leaves(params):
+            digest.update(np.asarray(leaf).tobytes())
+        return digest.hexdigest()[:16]
+    return fingerprint(params)
+
+
+def _to_host(tree, n: int):
+    if isinstance(tree, dict):
+        return {key: _to_host(value, n) for key, value in tree.items()}
+    return np.asarray(tree)[:n]
+
+
+def concat(parts: Sequence[Features]) -> Features:
+    """Row-wise concatenation of several batches' outputs (same keys)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    return {
+        key: concat([p[key] for p in parts])
+        if isinstance(value, dict)
+        else np.concatenate([p[key] for p in parts])
+        for key, value in first.items()
+    }
+
+
+def take(features: Features, start: int, stop: int) -> Features:
+    """Rows ``start:stop`` of every output."""
+    return {
+        key: take(value, start, stop) if isinstance(value, dict) else value[start:stop]
+        for key, value in features.items()
+    }
+
+
+def finish(features: Features, l2_normalize: bool) -> Features:
+    """Per-request finishing on the host: optional L2 normalisation of pooled features."""
+    if l2_normalize and "pooled" in features:
+        pooled = features["pooled"]
+        norm = np.linalg.norm(pooled, axis=-1, keepdims=True)
+        features = {**features, "pooled": pooled / np.maximum(norm, np.float32(1e-12))}
+    return features
