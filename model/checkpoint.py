@@ -1,0 +1,413 @@
+"""Checkpoints: orbax arrays plus a small metadata file, restored straight into a mesh's shardings.
+
+A checkpoint is a directory::
+
+    metadata.json   config, preprocessing contract and its hash, weights fingerprint, source,
+                    and every parameter's shape and dtype
+    params/         the orbax PyTree checkpoint of the parameter tree
+    head.npz        the classifier (kernel [d, C], bias [C]) when the model has one, for the probes
+
+``metadata.json`` is written last, so a save that died half-way is refused as incomplete.
+Restoring builds an abstract tree (shape, dtype and target sharding per parameter) and lets orbax
+read each device's slice straight into place: no parameter is ever whole on the host or on one
+device unless its sharding says so. Every mismatch is reported by parameter path with both shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from .config import ConfigError, ViTConfig
+from .sharding import check_mesh_fits, param_shardings
+from .vit import abstract_params
+
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+PARAMS_DIR = "params"
+HEAD_FILE = "head.npz"
+# Architecture fields that may differ between an expected config and a checkpoint's.
+_NOT_ARCHITECTURE = ("name", "compute_dtype", "preprocess")
+
+Shapes = dict[str, tuple[tuple[int, ...], str]]  # parameter path -> (shape, dtype name)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the expected model."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    config: ViTConfig
+    fingerprint: str  # of the weights: sha256 prefix, the same on every mesh and after restore
+    source: str  # "init:seed=0", "timm:vit_base_patch16_224", "hf:...", "big_vision:..."
+    format_version: int = FORMAT_VERSION
+    created: str = ""  # UTC, ISO 8601
+    param_count: int = 0
+    param_bytes: int = 0
+    shapes: Shapes = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what an import did beyond renaming (folded, zero-filled, dropped)
+
+    @property
+    def preprocess_hash(self) -> str:
+        return self.config.preprocess_hash()
+
+    @property
+    def has_classifier(self) -> bool:
+        return self.config.num_classes > 0
+
+    def to_dict(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "source": self.source,
+            "fingerprint": self.fingerprint,
+            "created": self.created,
+            "config": self.config.to_dict(),
+            "preprocess_hash": self.preprocess_hash,
+            "param_count": self.param_count,
+            "param_bytes": self.param_bytes,
+            "classifier": {"num_classes": self.config.num_classes, "file": HEAD_FILE}
+            if self.has_classifier
+            else None,
+            "notes": list(self.notes),
+            "parameters": {
+                path: {"shape": list(shape), "dtype": dtype}
+                for path, (shape, dtype) in self.shapes.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CheckpointMeta:
+        return cls(
+            config=ViTConfig.from_dict(d["config"]),
+            fingerprint=str(d["fingerprint"]),
+            source=str(d["source"]),
+            format_version=int(d["format_version"]),
+            created=str(d.get("created", "")),
+            param_count=int(d.get("param_count", 0)),
+            param_bytes=int(d.get("param_bytes", 0)),
+            shapes={
+                path: (tuple(int(n) for n in p["shape"]), str(p["dtype"]))
+                for path, p in d.get("parameters", {}).items()
+            },
+            notes=tuple(d.get("notes", ())),
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# parameter trees as flat {path: leaf}
+# ------------------------------------------------------------------------------------------
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """``{'block_0/w_in': leaf, ...}`` for a nested dict of parameters, sorted by path."""
+    flat = {}
+    for key in sorted(tree):
+        path = f"{prefix}{key}"
+        value = tree[key]
+        if isinstance(value, dict):
+            flat.update(flatten(value, path + "/"))
+        else:
+            flat[path] = value
+    return flat
+
+
+def unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        *scopes, name = path.split("/")
+        node = tree
+        for scope in scopes:
+            node = node.setdefault(scope, {})
+        node[name] = leaf
+    return tree
+
+
+def shapes_of(tree) -> Shapes:
+    return {
+        path: (tuple(int(n) for n in leaf.shape), np.dtype(leaf.dtype).name)
+        for path, leaf in flatten(tree).items()
+    }
+
+
+def _fmt(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else str(tuple(shape))
+
+
+def shape_problems(
+    expected: Shapes, actual: Shapes, expected_name: str, actual_name: str, dtypes: bool = True
+) -> list[str]:
+    """One line per parameter that is missing, unexpected, mis-shaped (or of another dtype)."""
+    problems = []
+    for path in sorted(set(expected) | set(actual)):
+        want, got = expected.get(path), actual.get(path)
+        if want is None or got is None or want[0] != got[0]:
+            problems.append(
+                f"parameter {path}: {actual_name} has shape {_fmt(got and got[0])}, "
+                f"{expected_name} expects {_fmt(want and want[0])}"
+            )
+        elif dtypes and want[1] != got[1]:
+            problems.append(
+                f"parameter {path}: {actual_name} has dtype {got[1]}, {expected_name} expects "
+                f"{want[1]} (shape {_fmt(want[0])})"
+            )
+    return problems
+
+
+def _error(problems: list[str], context: str, limit: int = 12) -> CheckpointError:
+    more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return CheckpointError(f"{context}:\n  " + "\n  ".join(problems[:limit]) + more)
+
+
+def _raise(problems: list[str], context: str) -> None:
+    if problems:
+        raise _error(problems, context)
+
+
+def expected_shapes(cfg: ViTConfig) -> Shapes:
+    return shapes_of(abstract_params(cfg))
+
+
+# ------------------------------------------------------------------------------------------
+# fingerprint
+# ------------------------------------------------------------------------------------------
+
+
+def _host_copy(leaf) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        leaf = multihost_utils.process_allgather(leaf, tiled=True)
+    return np.ascontiguousarray(jax.device_get(leaf))
+
+
+def fingerprint(params) -> str:
+    """sha256 (first 16 hex digits) over every parameter's path, dtype, shape and bytes.
+
+    Independent of the mesh: each parameter is gathered to the host whole, one at a time.
+    """
+    digest = hashlib.sha256()
+    for path, leaf in flatten(params).items():
+        array = _host_copy(leaf)
+        digest.update(f"{path}|{array.dtype.name}|{array.shape};".encode())
+        digest.update(array.reshape(-1).view(np.uint8))
+    return digest.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# save
+# ------------------------------------------------------------------------------------------
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    # Replica-parallel saving splits each replicated array across its replicas with one jitted
+    # slice per array (seconds of compiling for nothing on a few hosts): replica 0 writes instead.
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+    )
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def save(
+    path,
+    cfg: ViTConfig,
+    params,
+    source: str,
+    *,
+    notes: tuple[str, ...] = (),
+    overwrite: bool = False,
+) -> CheckpointMeta:
+    """Write ``params`` (host or sharded arrays) with their metadata; returns the metadata."""
+    path = Path(path).absolute()
+    shapes = shapes_of(params)
+    _raise(
+        shape_problems(expected_shapes(cfg), shapes, f"config {cfg.name}", "the parameter tree"),
+        f"cannot save a checkpoint of {cfg.name}: the parameters do not fit the config",
+    )
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{path} already exists and is not empty (overwrite to replace)")
+        if not (path / METADATA_FILE).exists() and not (path / PARAMS_DIR).exists():
+            raise CheckpointError(f"{path} is not a checkpoint directory; refusing to replace it")
+        for name in (METADATA_FILE, HEAD_FILE):
+            (path / name).unlink(missing_ok=True)
+        shutil.rmtree(path / PARAMS_DIR, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+    _checkpointer().save(path / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+    meta = CheckpointMeta(
+        config=cfg,
+        fingerprint=fingerprint(params),
+        source=source,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        param_count=sum(int(np.prod(s)) for s, _ in shapes.values()),
+        param_bytes=sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values()),
+        shapes=shapes,
+        notes=tuple(notes),
+    )
+    if jax.process_index() == 0:
+        if cfg.num_classes:
+            np.savez(
+                path / HEAD_FILE,
+                kernel=_host_copy(params["classifier"]),
+                bias=_host_copy(params["classifier_bias"]),
+            )
+        _write_json_atomic(path / METADATA_FILE, meta.to_dict())
+    return meta
+
+
+# ------------------------------------------------------------------------------------------
+# read and restore
+# ------------------------------------------------------------------------------------------
+
+
+def read_metadata(path) -> CheckpointMeta:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: not a directory")
+    meta_file = path / METADATA_FILE
+    if not meta_file.exists():
+        raise CheckpointError(
+            f"{path} has no {METADATA_FILE}: not a vit22b checkpoint, or a save that did not finish"
+        )
+    try:
+        payload = json.loads(meta_file.read_text())
+        version = int(payload["format_version"])
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{meta_file}: format version {version} is newer than this code's "
+                f"({FORMAT_VERSION}); upgrade vit22b"
+            )
+        return CheckpointMeta.from_dict(payload)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, ConfigError) as err:
+        raise CheckpointError(f"{meta_file} is unreadable: {type(err).__name__}: {err}") from err
+
+
+def check_compatible(expect: ViTConfig, cfg: ViTConfig, where: str = "the checkpoint") -> None:
+    """Refuse a checkpoint of another architecture than ``expect``: by parameter, then by field."""
+    _raise(
+        shape_problems(
+            expected_shapes(expect), expected_shapes(cfg), f"model {expect.name}", where
+        ),
+        f"{where} ({cfg.name}) does not fit model {expect.name}",
+    )
+    differing = [
+        f"{f.name}: {where} has {getattr(cfg, f.name)!r}, {expect.name} has "
+        f"{getattr(expect, f.name)!r}"
+        for f in dataclasses.fields(ViTConfig)
+        if f.name not in _NOT_ARCHITECTURE and getattr(cfg, f.name) != getattr(expect, f.name)
+    ]
+    _raise(differing, f"{where} ({cfg.name}) is a different architecture from {expect.name}")
+
+
+def stored_shapes(path) -> Shapes:
+    """Shapes and dtypes of the arrays orbax actually stored (its own metadata)."""
+    params_dir = Path(path) / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{path} has no {PARAMS_DIR}/ directory: the weights are missing")
+    try:
+        tree = _checkpointer().metadata(params_dir.absolute()).item_metadata.tree
+    except Exception as err:  # orbax raises many kinds; the message is what matters
+        raise CheckpointError(
+            f"{params_dir}: the weights' index is unreadable (truncated or corrupt): "
+            f"{_first_line(err)}"
+        ) from err
+    return shapes_of(tree)
+
+
+def abstract_target(cfg: ViTConfig, mesh: Mesh) -> dict:
+    """Shape, dtype and target sharding of every parameter: what restore fills in."""
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        abstract_params(cfg),
+        param_shardings(cfg, mesh),
+    )
+
+
+def _orbax_restore(params_dir: Path, target: dict, partial: bool = False) -> dict:
+    args = ocp.args.PyTreeRestore(
+        target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=partial,
+    )
+    return _checkpointer().restore(params_dir, args=args)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _unreadable(params_dir: Path, target: dict, err: Exception) -> CheckpointError:
+    """After a failed restore, find which parameters cannot be read (one at a time)."""
+    flat = flatten(target)
+    bad = []
+    for path, leaf in flat.items():
+        try:
+            jax.block_until_ready(_orbax_restore(params_dir, unflatten({path: leaf}), True))
+        except Exception as leaf_err:
+            bad.append(
+                f"parameter {path} (shape {tuple(leaf.shape)}, {np.dtype(leaf.dtype).name}): "
+                f"stored data is unreadable, truncated or corrupt ({_first_line(leaf_err)})"
+            )
+    return _error(bad or [_first_line(err)], f"checkpoint {params_dir.parent} cannot be restored")
+
+
+def restore(
+    path, mesh: Mesh, *, expect: ViTConfig | None = None, verify: bool = False
+) -> tuple[ViTConfig, dict, CheckpointMeta]:
+    """Config, parameters (in ``sharding`` rules' shardings on ``mesh``) and metadata.
+
+    ``expect``: refuse a checkpoint of any other architecture. ``verify``: recompute the
+    fingerprint (reads every parameter back to the host once) and compare it with the metadata.
+    """
+    path = Path(path).absolute()
+    meta = read_metadata(path)
+    cfg = meta.config
+    if expect is not None:
+        check_compatible(expect, cfg)
+    want = expected_shapes(cfg)
+    if meta.shapes:
+        _raise(
+            shape_problems(want, meta.shapes, f"config {cfg.name}", METADATA_FILE),
+            f"checkpoint {path} is inconsistent",
+        )
+    _raise(
+        shape_problems(want, stored_shapes(path), f"config {cfg.name}", "the stored weights"),
+        f"checkpoint {path} does not match its config",
+    )
+    check_mesh_fits(cfg, mesh)
+    target = abstract_target(cfg, mesh)
+    params_dir = path / PARAMS_DIR
+    try:
+        params = jax.block_until_ready(_orbax_restore(params_dir, target))
+    except Exception as err:
+        raise _unreadable(params_dir, target, err) from err
+    if verify:
+        actual = fingerprint(params)
+        if actual != meta.fingerprint:
+            raise CheckpointError(
+                f"checkpoint {path}: the weights' fingerprint is {actual}, the metadata says "
+                f"{meta.fingerprint}: the weights were modified or corrupted"
+            )
+    return cfg, params, meta

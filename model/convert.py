@@ -1,0 +1,118 @@
+"""Weight import: timm, Hugging Face transformers and big_vision checkpoints into this layout.
+
+Each importer reads the source's tensors by name, infers the config from them (or from a preset,
+``--model``), and regroups them into the head-grouped layout of model/vit.py. Every source tensor
+is used exactly once: a missing, unexpected or mis-shaped key is an error naming it; the few that
+have no place in a feature extractor (Hugging Face's tanh pooler, its masked-image-modelling mask
+token) are dropped by name, and such notes go into the checkpoint's metadata.
+
+One module per source (convert_timm, convert_hf, convert_big_vision) over convert_common.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from . import convert_big_vision, convert_hf, convert_timm
+from .checkpoint import expected_shapes, flatten, shape_problems, shapes_of, unflatten
+from .config import ConfigError, ViTConfig
+from .convert_common import (
+    ConvertError,
+    Hints,
+    SourceTensors,
+    find_weights,
+    read_tensors,
+)
+
+# Config fields a checkpoint decides even when a preset is named (numerics of the source).
+_SOURCE_DECIDES = ("norm_eps", "gelu_exact", "num_classes", "param_dtype")
+_NOT_COMPARED = ("name", "compute_dtype", "preprocess", *_SOURCE_DECIDES)
+
+
+@dataclass
+class Converted:
+    config: ViTConfig
+    params: dict  # nested dict of numpy arrays in this project's layout
+    source: str  # "timm:vit_base_patch16_224", ...
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------
+# the entry point
+# ------------------------------------------------------------------------------------------
+
+# Each source module: side_files(path) -> (its config files, whether they name the preprocessing);
+# canonical(tensors, notes) -> tensors under the names it reads; infer_config; build_params.
+IMPORTERS = {"timm": convert_timm, "hf": convert_hf, "big_vision": convert_big_vision}
+SOURCES = tuple(IMPORTERS)
+
+
+def _source_name(path: Path, side: dict) -> str:
+    if side.get("architecture"):  # timm's hub config.json
+        return str(side["architecture"])
+    return path.name if path.is_dir() else path.stem
+
+
+def _with_preset(cfg: ViTConfig, preset: ViTConfig, notes: list[str], has_preprocess: bool):
+    """The preset's name (and preprocessing), provided its architecture is the checkpoint's."""
+    problems = shape_problems(
+        expected_shapes(preset.replace(num_classes=cfg.num_classes, param_dtype="float32")),
+        expected_shapes(cfg.replace(param_dtype="float32")),
+        f"preset {preset.name}",
+        "the checkpoint",
+        dtypes=False,
+    )
+    problems += [
+        f"{name}: the checkpoint has {getattr(cfg, name)!r}, preset {preset.name} has "
+        f"{getattr(preset, name)!r}"
+        for name in ViTConfig.__dataclass_fields__
+        if name not in _NOT_COMPARED and getattr(cfg, name) != getattr(preset, name)
+    ]
+    if problems:
+        raise ConvertError(f"the checkpoint is not a {preset.name}:\n  " + "\n  ".join(problems))
+    for name in _SOURCE_DECIDES:
+        if getattr(cfg, name) != getattr(preset, name):
+            notes.append(
+                f"kept the checkpoint's {name}={getattr(cfg, name)!r} "
+                f"(preset {preset.name} has {getattr(preset, name)!r})"
+            )
+    return cfg.replace(
+        name=preset.name,
+        compute_dtype=preset.compute_dtype,
+        preprocess=cfg.preprocess if has_preprocess else preset.preprocess,
+    )
+
+
+def convert(source: str, input_path, hints: Hints | None = None) -> Converted:
+    """Read a public checkpoint and return it in this project's config and parameter layout."""
+    hints = hints or Hints()
+    if source not in IMPORTERS:
+        raise ConvertError(f"unknown source {source!r}; one of {SOURCES}")
+    importer = IMPORTERS[source]
+    path = Path(input_path)
+    side, has_preprocess = importer.side_files(path)
+    notes: list[str] = []
+    tensors = importer.canonical(read_tensors(find_weights(path)), notes)
+    name = f"{source}:{_source_name(path, side)}"
+    t = SourceTensors(tensors, source)
+    try:
+        cfg = importer.infer_config(t, hints, side).replace(name=name)
+    except KeyError as err:  # a key the inference needs
+        raise ConvertError(f"{source} checkpoint: missing key {err.args[0]!r}") from None
+    except ConfigError as err:
+        raise ConvertError(f"{source} checkpoint gives an invalid config: {err}") from err
+    cfg = cfg.replace(param_dtype=hints.dtype or t.float_dtype())
+    if hints.preset is not None:
+        cfg = _with_preset(cfg, hints.preset, notes, has_preprocess)
+    params = importer.build_params(t, cfg)
+    t.finish()
+    dtype = ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else np.float32
+    params = unflatten({k: np.asarray(v, dtype) for k, v in flatten(params).items()})
+    problems = shape_problems(expected_shapes(cfg), shapes_of(params), cfg.name, "the import")
+    if problems:  # an importer bug, not a user error: say so plainly
+        raise AssertionError("importer produced a wrong layout:\n  " + "\n  ".join(problems))
+    return Converted(cfg, params, name, notes + t.notes)

@@ -1,0 +1,170 @@
+"""big_vision: the parameter names of its models/vit.py in .npz files (flat '/'-joined keys)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .config import Preprocess, ViTConfig
+from .convert_common import (
+    ConvertError,
+    Hints,
+    SourceTensors,
+    count_blocks,
+    grid_of,
+    norm_params,
+)
+
+_BV_PREFIXES = ("params/img/", "opt/target/", "params/")
+
+
+def side_files(path: Path) -> tuple[dict, bool]:
+    """None: big_vision keeps config and preprocessing in its training config, not the npz."""
+    return {}, False
+
+
+def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
+    """Strip the tree prefix and unstack scanned blocks into encoderblock_{i}."""
+    for prefix in _BV_PREFIXES:
+        if f"{prefix}embedding/kernel" in tensors:
+            other = sorted(k for k in tensors if not k.startswith(prefix))
+            if other:
+                groups = sorted({"/".join(k.split("/")[:2]) for k in other})
+                raise ConvertError(
+                    f"big_vision checkpoint: keys outside the image tower {prefix!r}: {groups}; "
+                    "extract the image tower first"
+                )
+            tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
+            break
+    scanned = "Transformer/encoderblock/"
+    if not any(k.startswith(scanned) for k in tensors):
+        return tensors
+    out = {k: v for k, v in tensors.items() if not k.startswith(scanned)}
+    for key, value in tensors.items():
+        if key.startswith(scanned):
+            for i in range(value.shape[0]):
+                out[f"Transformer/encoderblock_{i}/{key.removeprefix(scanned)}"] = value[i]
+    notes.append("unstacked scanned encoder blocks (Transformer/encoderblock)")
+    return out
+
+
+def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
+    t.refuse("pre_logits/kernel", "a representation (pre-logits) layer")
+    patch, _, channels, width = t.shape("embedding/kernel")
+    depth = count_blocks(t, r"Transformer/encoderblock_(\d+)/")
+    a = "Transformer/encoderblock_0/MultiHeadDotProductAttention_0/"
+    _, heads, _ = t.shape(a + "query/kernel")
+    class_token = "cls" in t
+    if "pos_embedding" in t:
+        grid, _ = grid_of(t.shape("pos_embedding")[1], False)
+    else:
+        if hints.preset is None:
+            raise ConvertError(
+                "big_vision checkpoint without pos_embedding (fixed sine-cosine position "
+                "embedding): the image size is not in the weights; pass --model PRESET"
+            )
+        grid = hints.preset.grid
+    head = "map" if "MAPHead_0/probe" in t else "cls" if class_token else "gap"
+    mlp_dim = t.shape("Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel")[1]
+    head_mlp = t.shape("MAPHead_0/MlpBlock_0/Dense_0/kernel")[1] if head == "map" else None
+    return ViTConfig(
+        width=width,
+        depth=depth,
+        heads=heads,
+        mlp_dim=mlp_dim,
+        patch=patch,
+        image_size=grid * patch,
+        channels=channels,
+        block="sequential",
+        norm="layernorm",
+        norm_eps=1e-6,
+        qkv_bias=a + "query/bias" in t,
+        out_bias=a + "out/bias" in t,
+        mlp_bias=True,
+        qk_norm=False,
+        head=head,
+        head_mlp_dim=head_mlp if head_mlp != mlp_dim else None,
+        class_token=class_token,
+        posemb="learn" if "pos_embedding" in t else "sincos2d",
+        posemb_covers_cls=False,  # big_vision adds it to the patches, then prepends the token
+        gelu_exact=False,  # flax's nn.gelu is the tanh approximation
+        num_classes=t.shape("head/kernel")[1] if "head/kernel" in t else 0,
+        # big_vision's usual value_range(-1, 1) and a plain resize to the model's size
+        preprocess=Preprocess(resize=grid * patch, interpolation="bilinear"),
+    )
+
+
+def _bv_attention(t: SourceTensors, prefix: str, cfg: ViTConfig, names: tuple[str, ...]):
+    """Flax MultiHeadDotProductAttention: kernels [d, H, hd] fused per head in ``names`` order."""
+    d, h, hd = cfg.width, cfg.heads, cfg.head_dim
+    kernel = np.concatenate([t.take(f"{prefix}{n}/kernel", (d, h, hd)) for n in names], -1)
+    bias = np.concatenate([t.take(f"{prefix}{n}/bias", (h, hd)) for n in names], -1)
+    return (
+        kernel,
+        bias,
+        t.take(f"{prefix}out/kernel", (h, hd, d)),
+        t.take(f"{prefix}out/bias", (d,)),
+    )
+
+
+def _bv_mlp(t: SourceTensors, prefix: str, d: int, mlp: int) -> dict:
+    return {
+        "w_fc1": t.take(prefix + "Dense_0/kernel", (d, mlp)),
+        "b_fc1": t.take(prefix + "Dense_0/bias", (mlp,)),
+        "w_fc2": t.take(prefix + "Dense_1/kernel", (mlp, d)),
+        "b_fc2": t.take(prefix + "Dense_1/bias", (d,)),
+    }
+
+
+def _bv_norm(t: SourceTensors, prefix: str, cfg: ViTConfig) -> dict:
+    return norm_params(t, prefix + "scale", prefix + "bias", cfg, cfg.width)
+
+
+def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
+    d, c, p, h, hd = cfg.width, cfg.channels, cfg.patch, cfg.heads, cfg.head_dim
+    params = {
+        "patch_embed": t.take("embedding/kernel", (p, p, c, d)).reshape(-1, d),
+        "patch_bias": t.take("embedding/bias", (d,)),
+        "encoder_norm": _bv_norm(t, "Transformer/encoder_norm/", cfg),
+    }
+    if cfg.posemb == "learn":
+        params["pos_embedding"] = t.take("pos_embedding", (1, cfg.num_patches, d))
+    if cfg.class_token:
+        params["cls"] = t.take("cls", (1, 1, d))
+    for i in range(cfg.depth):
+        b = f"Transformer/encoderblock_{i}/"
+        if not cfg.qkv_bias or not cfg.out_bias:
+            raise ConvertError(f"big_vision checkpoint: {b} attention without biases")
+        w_qkv, b_qkv, w_o, b_o = _bv_attention(
+            t, b + "MultiHeadDotProductAttention_0/", cfg, ("query", "key", "value")
+        )
+        params[f"block_{i}"] = {
+            "norm1": _bv_norm(t, b + "LayerNorm_0/", cfg),
+            "norm2": _bv_norm(t, b + "LayerNorm_1/", cfg),
+            "w_qkv": w_qkv,
+            "b_qkv": b_qkv,
+            "w_o": w_o,
+            "b_o": b_o,
+            **_bv_mlp(t, b + "MlpBlock_0/", d, cfg.mlp_dim),
+        }
+    if cfg.head == "map":
+        w_kv, b_kv, w_o, b_o = _bv_attention(
+            t, "MAPHead_0/MultiHeadDotProductAttention_0/", cfg, ("key", "value")
+        )
+        q = "MAPHead_0/MultiHeadDotProductAttention_0/query/"
+        params["map_head"] = {
+            "probe": t.take("MAPHead_0/probe", (1, 1, d)),
+            "w_q": t.take(q + "kernel", (d, h, hd)),
+            "b_q": t.take(q + "bias", (h, hd)),
+            "w_kv": w_kv,
+            "b_kv": b_kv,
+            "w_o": w_o,
+            "b_o": b_o,
+            "norm": _bv_norm(t, "MAPHead_0/LayerNorm_0/", cfg),
+            **_bv_mlp(t, "MAPHead_0/MlpBlock_0/", d, cfg.map_mlp_dim),
+        }
+    if cfg.num_classes:
+        params["classifier"] = t.take("head/kernel", (d, cfg.num_classes))
+        params["classifier_bias"] = t.take("head/bias", (cfg.num_classes,))
+    return params

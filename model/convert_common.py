@@ -1,0 +1,297 @@
+"""What every weight importer shares: reading files, taking tensors by name, layout helpers.
+
+Layouts (design.md section 8): PyTorch Linear is (out, in); conv kernels OIHW become HWIO,
+flattened in (ph, pw, c) order like the patchify in vit.py; timm fuses qkv as [3D, D] (q|k|v,
+heads inside each); big_vision keeps heads explicit ([d, H, hd]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .config import ViTConfig
+
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
+
+
+class ConvertError(ValueError):
+    """A source checkpoint that cannot be converted; the message names the keys involved."""
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What the user told us: a preset to match, a head count, a parameter dtype."""
+
+    preset: ViTConfig | None = None
+    heads: int | None = None
+    dtype: str | None = None
+
+
+# ------------------------------------------------------------------------------------------
+# reading the source files
+# ------------------------------------------------------------------------------------------
+
+
+def find_weights(path: Path) -> list[Path]:
+    """The weight file(s) at ``path``: a file, or a directory holding one (or a sharded index)."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ConvertError(f"{path}: no such file or directory")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in shards]
+    candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    preferred = [p for p in candidates if p.name in ("model.safetensors", "pytorch_model.bin")]
+    if len(preferred) == 1 or len(candidates) == 1:
+        return preferred[:1] or candidates
+    names = ", ".join(p.name for p in candidates) or "none"
+    raise ConvertError(
+        f"{path}: expected one weight file ({'/'.join(WEIGHT_SUFFIXES)}), found: {names}"
+    )
+
+
+def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
+    import torch
+
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    for wrapper in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and set(obj) == {wrapper}:
+            obj = obj[wrapper]
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{path}: expected a state dict, found {type(obj).__name__}")
+    tensors = {}
+    for key, value in obj.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConvertError(f"{path}: key {key!r} is a {type(value).__name__}, not a tensor")
+        value = value.detach().contiguous()
+        if value.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits
+            tensors[key] = value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            tensors[key] = value.numpy()
+    return tensors
+
+
+def _npz_tensors(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as npz:
+        tensors = {key: npz[key] for key in npz.files}
+    for key, value in tensors.items():
+        if value.dtype.kind == "V" and value.dtype.itemsize == 2:  # bfloat16 saved as raw bytes
+            tensors[key] = value.view(ml_dtypes.bfloat16)
+    return tensors
+
+
+def _safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    readers: dict[str, Callable[[Path], dict]] = {
+        ".safetensors": _safetensors,
+        ".npz": _npz_tensors,
+        ".pth": _torch_tensors,
+        ".pt": _torch_tensors,
+        ".bin": _torch_tensors,
+    }
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        reader = readers.get(path.suffix)
+        if reader is None:
+            raise ConvertError(f"{path}: unknown weight format {path.suffix!r}")
+        try:
+            part = reader(path)
+        except ConvertError:
+            raise
+        except Exception as err:  # corrupt or truncated files raise many kinds
+            raise ConvertError(f"{path}: cannot read weights: {type(err).__name__}: {err}") from err
+        clash = sorted(set(part) & set(tensors))
+        if clash:
+            raise ConvertError(f"{path}: keys {clash[:5]} also appear in another shard")
+        tensors.update(part)
+    return tensors
+
+
+def json_beside(path: Path, name: str) -> dict:
+    folder = path if path.is_dir() else path.parent
+    file = folder / name
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except ValueError as err:
+        raise ConvertError(f"{file}: not valid JSON: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------
+# taking tensors by name, with every problem collected
+# ------------------------------------------------------------------------------------------
+
+
+class SourceTensors:
+    """The source's tensors by name; each must be taken or dropped exactly once."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], source: str):
+        self.tensors = tensors
+        self.source = source
+        self.used: set[str] = set()
+        self.problems: list[str] = []
+        self.notes: list[str] = []
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def take(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor as f32; a missing or mis-shaped one is recorded and stands in as zeros."""
+        shape = tuple(int(n) for n in shape)
+        if key not in self.tensors:
+            self.problems.append(f"missing key {key!r} (expected shape {shape})")
+            return np.zeros(shape, np.float32)
+        self.used.add(key)
+        value = self.tensors[key]
+        if tuple(value.shape) != shape:
+            self.problems.append(f"key {key!r} has shape {tuple(value.shape)}, expected {shape}")
+            return np.zeros(shape, np.float32)
+        return np.asarray(value, np.float32)
+
+    def zeros(self, key: str, shape: tuple[int, ...], why: str) -> np.ndarray:
+        if key in self.tensors:
+            return self.take(key, shape)
+        self.notes.append(f"{key}: not in the checkpoint ({why}); zeros")
+        return np.zeros(shape, np.float32)
+
+    def drop(self, key: str, why: str) -> None:
+        if key in self.tensors:
+            self.used.add(key)
+            self.notes.append(f"dropped {key} {self.shape(key)}: {why}")
+
+    def refuse(self, key: str, what: str) -> None:
+        if key in self.tensors:
+            raise ConvertError(
+                f"{self.source} checkpoint: key {key!r} {self.shape(key)} is {what}, which this "
+                "model cannot express; refusing to convert rather than drop it"
+            )
+
+    def finish(self) -> None:
+        unexpected = sorted(set(self.tensors) - self.used)
+        problems = self.problems + [
+            f"unexpected key {key!r} with shape {self.shape(key)}" for key in unexpected
+        ]
+        if problems:
+            more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
+            raise ConvertError(
+                f"{self.source} checkpoint does not convert:\n  "
+                + "\n  ".join(problems[:40])
+                + more
+            )
+
+    def float_dtype(self) -> str:
+        """'bfloat16' when every floating tensor is, else 'float32'."""
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        floats = [v.dtype for v in self.tensors.values() if v.dtype == bf16 or v.dtype.kind == "f"]
+        return "bfloat16" if floats and all(d == bf16 for d in floats) else "float32"
+
+
+def count_blocks(t: SourceTensors, pattern: str) -> int:
+    indices = {int(m[1]) for key in t.tensors if (m := re.match(pattern, key))}
+    if not indices:
+        raise ConvertError(f"{t.source} checkpoint: no transformer blocks (keys like {pattern!r})")
+    depth = max(indices) + 1
+    missing = sorted(set(range(depth)) - indices)
+    if missing:
+        raise ConvertError(f"{t.source} checkpoint: blocks {missing} are missing (depth {depth})")
+    return depth
+
+
+def grid_of(n_pos: int, class_token: bool) -> tuple[int, bool]:
+    """Grid side and whether the position table covers the class token."""
+    if class_token and math.isqrt(n_pos - 1) ** 2 == n_pos - 1:
+        return math.isqrt(n_pos - 1), True
+    if math.isqrt(n_pos) ** 2 == n_pos:
+        return math.isqrt(n_pos), False
+    raise ConvertError(f"position embedding of {n_pos} tokens is not a square grid")
+
+
+def infer_heads(
+    t: SourceTensors, hints: Hints, head_dim_key: str | None, width: int, from_file: int | None
+) -> int:
+    if head_dim_key and head_dim_key in t:  # QK-norm scales are (head_dim,)
+        return width // t.shape(head_dim_key)[0]
+    for heads in (hints.heads, from_file, hints.preset and hints.preset.heads):
+        if heads:
+            return int(heads)
+    raise ConvertError(
+        f"{t.source} checkpoint: the number of heads is not in the weights (no QK-norm) nor in a "
+        "config.json beside them: pass --heads N (or --model PRESET)"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# layout helpers (PyTorch (out, in) -> ours)
+# ------------------------------------------------------------------------------------------
+
+
+def patch_kernel(w_oihw: np.ndarray) -> np.ndarray:
+    """Conv kernel [d, C, p, p] -> [p*p*C, d] in vit.py's (ph, pw, c) patch order."""
+    return w_oihw.transpose(2, 3, 1, 0).reshape(-1, w_oihw.shape[0])
+
+
+def split_heads_in(w_in_out: np.ndarray, heads: int) -> np.ndarray:
+    """[d, H*hd] (input-major) -> [d, H, hd]."""
+    return w_in_out.reshape(w_in_out.shape[0], heads, -1)
+
+
+def split_heads_out(w_in_out: np.ndarray, heads: int) -> np.ndarray:
+    """[H*hd, d] (input-major) -> [H, hd, d]."""
+    return w_in_out.reshape(heads, -1, w_in_out.shape[-1])
+
+
+def fused_to_heads(w_in_out: np.ndarray, parts: int, heads: int) -> np.ndarray:
+    """[d, parts*H*hd] with parts outermost (timm qkv, kv) -> [d, H, parts*hd], per head q|k|v."""
+    d = w_in_out.shape[0]
+    return w_in_out.reshape(d, parts, heads, -1).transpose(0, 2, 1, 3).reshape(d, heads, -1)
+
+
+def fused_bias_to_heads(bias: np.ndarray, parts: int, heads: int) -> np.ndarray:
+    return bias.reshape(parts, heads, -1).transpose(1, 0, 2).reshape(heads, -1)
+
+
+def norm_params(t: SourceTensors, scale_key: str, bias_key: str, cfg: ViTConfig, dim: int) -> dict:
+    params = {"scale": t.take(scale_key, (dim,))}
+    if cfg.norm == "layernorm":
+        params["bias"] = t.take(bias_key, (dim,))
+    return params
+
+
+def torch_norm(t: SourceTensors, prefix: str, cfg: ViTConfig, dim: int | None = None) -> dict:
+    return norm_params(t, f"{prefix}.weight", f"{prefix}.bias", cfg, dim or cfg.width)
+
+
+def torch_linear(t: SourceTensors, prefix: str, n_out: int, n_in: int, bias: bool):
+    """PyTorch Linear -> (kernel [in, out], bias [out] or None)."""
+    kernel = t.take(f"{prefix}.weight", (n_out, n_in)).T
+    return kernel, (t.take(f"{prefix}.bias", (n_out,)) if bias else None)
+
+
+def fold_layer_scale(t: SourceTensors, key: str, dim: int, *arrays: np.ndarray | None) -> None:
+    """Fold a LayerScale ``x + gamma * f(x)`` into f's output projection (in place)."""
+    if key not in t:
+        return
+    gamma = t.take(key, (dim,))
+    for array in arrays:
+        if array is not None:
+            array *= gamma

@@ -1,0 +1,234 @@
+"""timm: VisionTransformer with Block (vit_*) or ParallelScalingBlock (*_xp_*), attention pooling.
+
+timm's parallel block fuses its input projection as mlp|q|k|v; it is regrouped per head into
+``w_in: [d, H, 3*hd + M/H]`` (q|k|v|mlp slice), the layout vit.py shards over heads.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .config import Preprocess, ViTConfig
+from .convert_common import (
+    ConvertError,
+    Hints,
+    SourceTensors,
+    count_blocks,
+    fold_layer_scale,
+    fused_bias_to_heads,
+    fused_to_heads,
+    grid_of,
+    infer_heads,
+    json_beside,
+    patch_kernel,
+    split_heads_in,
+    split_heads_out,
+    torch_linear,
+    torch_norm,
+)
+
+
+def side_files(path: Path) -> tuple[dict, bool]:
+    """timm's hub config.json (architecture, num_classes, global_pool, pretrained_cfg)."""
+    side = json_beside(path, "config.json")
+    return side, bool(side.get("pretrained_cfg"))
+
+
+def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
+    if tensors and all(key.startswith("module.") for key in tensors):  # saved from DDP
+        notes.append("stripped the 'module.' prefix (a DistributedDataParallel state dict)")
+        return {key.removeprefix("module."): value for key, value in tensors.items()}
+    return tensors
+
+
+def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
+    for key, what in (
+        ("reg_token", "register tokens"),
+        ("dist_token", "a distillation token"),
+        ("fc_norm.weight", "a norm after average pooling (timm fc_norm)"),
+        ("patch_embed.norm.weight", "a norm inside the patch embedding"),
+        ("attn_pool.q_norm.weight", "QK-norm in the attention-pooling head"),
+        ("attn_pool.pos_embed", "a position embedding in the attention-pooling head"),
+    ):
+        t.refuse(key, what)
+    if "pos_embed" not in t:
+        raise ConvertError(
+            "timm checkpoint: no 'pos_embed': models without a learned "
+            "position embedding are not supported"
+        )
+    width, channels, patch, _ = t.shape("patch_embed.proj.weight")
+    depth = count_blocks(t, r"blocks\.(\d+)\.")
+    parallel = "blocks.0.in_proj.weight" in t
+    class_token = "cls_token" in t
+    grid, covers_cls = grid_of(t.shape("pos_embed")[1], class_token)
+    first_norm = "blocks.0.in_norm" if parallel else "blocks.0.norm1"
+    layernorm = f"{first_norm}.bias" in t
+    norm = "layernorm" if layernorm else "rmsnorm"
+    if not layernorm:
+        if hints.preset and hints.preset.norm in ("rmsnorm", "layernorm_nobias"):
+            norm = hints.preset.norm
+        else:
+            t.notes.append("norms without a bias read as RMSNorm (timm's bias-free norm)")
+    qk_key = "blocks.0.q_norm.weight" if parallel else "blocks.0.attn.q_norm.weight"
+    model_args = side.get("model_args", {})
+    heads = infer_heads(t, hints, qk_key, width, model_args.get("num_heads"))
+    if parallel:
+        mlp_dim = t.shape("blocks.0.in_proj.weight")[0] - 3 * width
+        qkv_bias = "blocks.0.in_proj.bias" in t
+        out_bias = "blocks.0.attn_out_proj.bias" in t or "blocks.0.out_proj.bias" in t
+        mlp_bias = True  # timm's parallel block always has one (mlp_bias, or inside in_proj.bias)
+    else:
+        mlp_dim = t.shape("blocks.0.mlp.fc1.weight")[0]
+        qkv_bias = "blocks.0.attn.qkv.bias" in t
+        out_bias = "blocks.0.attn.proj.bias" in t
+        mlp_bias = "blocks.0.mlp.fc1.bias" in t
+    pool = side.get("global_pool")
+    if "attn_pool.latent" in t:
+        head = "map"
+        if t.shape("attn_pool.latent")[1] != 1:
+            t.refuse("attn_pool.latent", "an attention-pooling head with several latent queries")
+    elif class_token and pool in (None, "token"):
+        head = "cls"
+    elif pool in (None, "avg"):
+        head = "gap"
+    else:
+        raise ConvertError(f"timm checkpoint: global_pool={pool!r} is not supported")
+    head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
+    return ViTConfig(
+        width=width,
+        depth=depth,
+        heads=heads,
+        mlp_dim=mlp_dim,
+        patch=patch,
+        image_size=grid * patch,
+        channels=channels,
+        block="parallel" if parallel else "sequential",
+        norm=norm,
+        norm_eps=1e-6,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=qk_key in t,
+        head=head,
+        head_mlp_dim=head_mlp if head_mlp != mlp_dim else None,
+        class_token=class_token,
+        posemb_covers_cls=covers_cls,
+        pre_norm="norm_pre.weight" in t,
+        gelu_exact=True,
+        num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
+        preprocess=_timm_preprocess(side.get("pretrained_cfg", {}), grid * patch),
+    )
+
+
+def _timm_preprocess(pretrained_cfg: dict, image_size: int) -> Preprocess:
+    # timm's ViT defaults: Inception mean/std (0.5), bicubic, crop_pct 0.9.
+    crop_pct = float(pretrained_cfg.get("crop_pct", 0.9))
+    interpolation = pretrained_cfg.get("interpolation", "bicubic")
+    return Preprocess(
+        resize=int(math.floor(image_size / crop_pct)),
+        interpolation=interpolation if interpolation in ("bicubic", "bilinear") else "bicubic",
+        mean=tuple(pretrained_cfg.get("mean", (0.5, 0.5, 0.5))),
+        std=tuple(pretrained_cfg.get("std", (0.5, 0.5, 0.5))),
+    )
+
+
+def _timm_sequential_block(t: SourceTensors, b: str, cfg: ViTConfig) -> dict:
+    d, h, mlp = cfg.width, cfg.heads, cfg.mlp_dim
+    p = {"norm1": torch_norm(t, b + "norm1", cfg), "norm2": torch_norm(t, b + "norm2", cfg)}
+    w_qkv, b_qkv = torch_linear(t, b + "attn.qkv", 3 * d, d, cfg.qkv_bias)
+    p["w_qkv"] = fused_to_heads(w_qkv, 3, h)
+    if cfg.qkv_bias:
+        p["b_qkv"] = fused_bias_to_heads(b_qkv, 3, h)
+    if cfg.qk_norm:
+        p["q_norm"] = torch_norm(t, b + "attn.q_norm", cfg, cfg.head_dim)
+        p["k_norm"] = torch_norm(t, b + "attn.k_norm", cfg, cfg.head_dim)
+    w_o, b_o = torch_linear(t, b + "attn.proj", d, d, cfg.out_bias)
+    w_fc1, b_fc1 = torch_linear(t, b + "mlp.fc1", mlp, d, cfg.mlp_bias)
+    w_fc2, b_fc2 = torch_linear(t, b + "mlp.fc2", d, mlp, cfg.mlp_bias)
+    fold_layer_scale(t, b + "ls1.gamma", d, w_o, b_o)
+    fold_layer_scale(t, b + "ls2.gamma", d, w_fc2, b_fc2)
+    p["w_o"] = split_heads_out(w_o, h)
+    p["w_fc1"], p["w_fc2"] = w_fc1, w_fc2
+    for name, value in (("b_o", b_o), ("b_fc1", b_fc1), ("b_fc2", b_fc2)):
+        if value is not None:
+            p[name] = value
+    return p
+
+
+def _timm_parallel_block(t: SourceTensors, b: str, cfg: ViTConfig) -> dict:
+    d, h, hd, mlp = cfg.width, cfg.heads, cfg.head_dim, cfg.mlp_dim
+    p = {"norm": torch_norm(t, b + "in_norm", cfg)}
+    w_in, b_in = torch_linear(t, b + "in_proj", mlp + 3 * d, d, cfg.qkv_bias)
+    w_mlp, w_q, w_k, w_v = np.split(w_in, [mlp, mlp + d, mlp + 2 * d], axis=1)  # mlp|q|k|v
+    p["w_in"] = np.concatenate([split_heads_in(w, h) for w in (w_q, w_k, w_v, w_mlp)], axis=-1)
+    if cfg.qkv_bias:  # in_proj.bias carries the MLP's bias too
+        b_mlp, b_q, b_k, b_v = np.split(b_in, [mlp, mlp + d, mlp + 2 * d])
+        p["b_qkv"] = np.concatenate([x.reshape(h, hd) for x in (b_q, b_k, b_v)], axis=-1)
+    else:
+        b_mlp = t.take(b + "mlp_bias", (mlp,))
+    p["b_mlp"] = b_mlp.reshape(h, -1)
+    if cfg.qk_norm:
+        p["q_norm"] = torch_norm(t, b + "q_norm", cfg, hd)
+        p["k_norm"] = torch_norm(t, b + "k_norm", cfg, hd)
+    if b + "out_proj.weight" in t:  # fuse_out_proj=True: input is concat(attn, mlp)
+        w_out, b_out = torch_linear(t, b + "out_proj", d, d + mlp, cfg.out_bias)
+        w_attn, w_mlp_out = w_out[:d], w_out[d:]
+    else:
+        w_attn, b_attn = torch_linear(t, b + "attn_out_proj", d, d, cfg.out_bias)
+        w_mlp_out, b_mlp_out = torch_linear(t, b + "mlp_out_proj", d, mlp, cfg.out_bias)
+        b_out = b_attn + b_mlp_out if cfg.out_bias else None
+    if b_out is None:
+        b_out = np.zeros((d,), np.float32)  # our block adds one out-bias; timm had none here
+    w_out = np.concatenate([split_heads_out(w_attn, h), split_heads_out(w_mlp_out, h)], axis=1)
+    fold_layer_scale(t, b + "ls.gamma", d, w_out, b_out)
+    p["w_out"], p["b_out"] = w_out, b_out
+    return p
+
+
+def _timm_map_head(t: SourceTensors, cfg: ViTConfig) -> dict:
+    d, h, m = cfg.width, cfg.heads, cfg.map_mlp_dim
+    w_q, b_q = torch_linear(t, "attn_pool.q", d, d, True)
+    w_kv, b_kv = torch_linear(t, "attn_pool.kv", 2 * d, d, True)
+    w_o, b_o = torch_linear(t, "attn_pool.proj", d, d, True)
+    w_fc1, b_fc1 = torch_linear(t, "attn_pool.mlp.fc1", m, d, True)
+    w_fc2, b_fc2 = torch_linear(t, "attn_pool.mlp.fc2", d, m, True)
+    return {
+        "probe": t.take("attn_pool.latent", (1, 1, d)),
+        "w_q": split_heads_in(w_q, h),
+        "b_q": b_q.reshape(h, -1),
+        "w_kv": fused_to_heads(w_kv, 2, h),
+        "b_kv": fused_bias_to_heads(b_kv, 2, h),
+        "w_o": split_heads_out(w_o, h),
+        "b_o": b_o,
+        "norm": torch_norm(t, "attn_pool.norm", cfg),
+        "w_fc1": w_fc1,
+        "b_fc1": b_fc1,
+        "w_fc2": w_fc2,
+        "b_fc2": b_fc2,
+    }
+
+
+def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
+    d, c, p = cfg.width, cfg.channels, cfg.patch
+    params = {
+        "patch_embed": patch_kernel(t.take("patch_embed.proj.weight", (d, c, p, p))),
+        "patch_bias": t.zeros("patch_embed.proj.bias", (d,), "timm's pre-norm models have none"),
+        "pos_embedding": t.take("pos_embed", (1, cfg.num_patches + cfg.posemb_covers_cls, d)),
+        "encoder_norm": torch_norm(t, "norm", cfg),
+    }
+    if cfg.class_token:
+        params["cls"] = t.take("cls_token", (1, 1, d))
+    if cfg.pre_norm:
+        params["pre_norm"] = torch_norm(t, "norm_pre", cfg)
+    block = _timm_parallel_block if cfg.block == "parallel" else _timm_sequential_block
+    for i in range(cfg.depth):
+        params[f"block_{i}"] = block(t, f"blocks.{i}.", cfg)
+    if cfg.head == "map":
+        params["map_head"] = _timm_map_head(t, cfg)
+    if cfg.num_classes:
+        kernel, bias = torch_linear(t, "head", cfg.num_classes, d, True)
+        params["classifier"], params["classifier_bias"] = kernel, bias
+    return params

@@ -1,0 +1,130 @@
+"""PyTorch peers for parity tests: timm's and Hugging Face's own model code, run on CPU torch.
+
+Running timm without torchvision
+--------------------------------
+timm 1.0.x imports torchvision at import time, and PyPI's torchvision wheels do not load beside
+the CPU torch 2.13.0 wheel used here. The names timm's import path reads from torchvision are
+few and all belong to its data pipeline and BatchNorm freezing, never to a ViT's forward:
+
+    torchvision.transforms.ToTensor                 (subclassed by timm.data.MaybeToTensor)
+    torchvision.transforms.functional.InterpolationMode   (enum members put in module dicts)
+    torchvision.ops.misc.FrozenBatchNorm2d          (named in timm.layers, timm.utils)
+    torchvision.datasets.{CIFAR10, CIFAR100, MNIST, KMNIST, FashionMNIST, ImageFolder}
+
+(the others, e.g. torchvision.models.feature_extraction, are imported inside try/except
+ImportError and simply stay absent). ``import_timm()`` registers a stand-in ``torchvision``
+package providing exactly those names before the first ``import timm``: ``InterpolationMode`` is
+a real enum with torchvision's values; every class raises ``RuntimeError`` when instantiated, so
+anything that did reach torchvision fails loudly instead of quietly doing something else. timm's
+own modules (VisionTransformer, Block, Attention, ParallelScalingBlock, AttentionPoolLatent,
+RmsNorm, ...) then run unmodified. If a real torchvision imports, it is used instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import sys
+import types
+
+import numpy as np
+
+STAND_IN_VERSION = "0+vit22b.stand-in"
+
+
+def _unavailable(qualname: str, base: type = object) -> type:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{qualname} is a stand-in (torchvision is not installed beside this torch); "
+            "see tests/peers.py"
+        )
+
+    return type(qualname.rsplit(".", 1)[-1], (base,), {"__init__": __init__})
+
+
+class InterpolationMode(enum.Enum):
+    """torchvision.transforms.functional.InterpolationMode's members and values."""
+
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__path__ = []  # a package: unknown submodules raise ModuleNotFoundError
+    module.__dict__.update(attrs)
+    return module
+
+
+def install_torchvision_stand_in() -> None:
+    import torch
+
+    functional = _module("torchvision.transforms.functional", InterpolationMode=InterpolationMode)
+    transforms = _module(
+        "torchvision.transforms",
+        ToTensor=_unavailable("torchvision.transforms.ToTensor"),
+        functional=functional,
+    )
+    misc = _module(
+        "torchvision.ops.misc",
+        FrozenBatchNorm2d=_unavailable("torchvision.ops.misc.FrozenBatchNorm2d", torch.nn.Module),
+    )
+    ops = _module("torchvision.ops", misc=misc)
+    datasets = _module(
+        "torchvision.datasets",
+        **{
+            name: _unavailable(f"torchvision.datasets.{name}")
+            for name in ("CIFAR10", "CIFAR100", "MNIST", "KMNIST", "FashionMNIST", "ImageFolder")
+        },
+    )
+    root = _module(
+        "torchvision",
+        __version__=STAND_IN_VERSION,
+        transforms=transforms,
+        ops=ops,
+        datasets=datasets,
+    )
+    for module in (root, transforms, functional, ops, misc, datasets):
+        sys.modules[module.__name__] = module
+
+
+def import_timm():
+    """``timm``, importing a real torchvision if one loads, else with the stand-in above."""
+    if "timm" not in sys.modules and "torchvision" not in sys.modules:
+        try:
+            importlib.import_module("torchvision")
+        except Exception:  # absent, or present but built for another torch
+            for name in [
+                n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")
+            ]:
+                del sys.modules[name]
+            install_torchvision_stand_in()
+    return importlib.import_module("timm")
+
+
+def uses_stand_in() -> bool:
+    return getattr(sys.modules.get("torchvision"), "__version__", None) == STAND_IN_VERSION
+
+
+def perturb(module, seed: int = 0, scale: float = 0.05) -> None:
+    """Add noise to every parameter and buffer, so zero biases, unit norms and a LayerScale of
+    1e-5 do not hide a mapping error (a mis-assigned bias is invisible while all are zero)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.is_floating_point():
+                tensor.add_(scale * torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype))
+
+
+def rel_err(actual, expected) -> float:
+    """Relative error ||a - b|| / ||b|| over the whole array."""
+    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
