@@ -30,8 +30,6 @@ from .embeddings import Embeddings, ImageError, from_response, merge
 from .inputs import InputError, Item, as_images, items, to_proto
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-_MESSAGE_MARGIN = 256 * 1024  # request framing, ids and field tags, generously
-_RESPONSE_OVERHEAD = 64 * 1024  # the server's own allowance (server/service.py) for the same
 
 
 class FeatureError(RuntimeError):
@@ -106,33 +104,34 @@ class EmbedOptions:
 def chunk_items(
     stream: Iterable[Item], info: pb.ModelInfo, options: EmbedOptions, batch_size: int | None
 ) -> Iterator[list[Item]]:
-    """Group inputs into requests within the server's image-count and message-size limits."""
+    """Group inputs into requests within the server's image-count and message-size limits.
+
+    Request and response sizes are counted as the server counts them (``wire.response_bytes``).
+    """
     limits = info.limits
     per_request = min(batch_size or limits.max_batch_images, limits.max_request_images)
     row = wire.row_bytes(info, options.kinds, options.patch_layers, options.dtype)
-    budget = limits.max_message_bytes - _MESSAGE_MARGIN
-    if row:
-        per_request = min(per_request, (limits.max_message_bytes - _RESPONSE_OVERHEAD) // row)
-    if per_request < 1:
-        raise ValueError(
-            f"one image's outputs ({row} bytes) exceed the server's message limit "
-            f"({limits.max_message_bytes} bytes); ask for fewer layers or a smaller dtype"
-        )
+    budget = limits.max_message_bytes - wire.MESSAGE_SLACK
     chunk: list[Item] = []
-    size = 0
+    sent = answered = 0  # bytes of the chunk's request and of its response
     for item in stream:
-        if item.size > budget:
+        overhead = wire.image_overhead(item.id)
+        if item.size + overhead > budget or row + overhead > budget:
+            what = "its bytes" if item.size + overhead > budget else f"its outputs ({row} bytes)"
             raise InputError(
                 item.index,
-                f"{item.size} bytes exceed the server's message limit "
-                f"({limits.max_message_bytes} bytes)",
+                f"{what} exceed the server's message limit of {limits.max_message_bytes} bytes",
                 item.id,
             )
-        if chunk and (len(chunk) == per_request or size + item.size > budget):
+        full = len(chunk) == per_request
+        if chunk and (
+            full or sent + item.size + overhead > budget or answered + row + overhead > budget
+        ):
             yield chunk
-            chunk, size = [], 0
+            chunk, sent, answered = [], 0, 0
         chunk.append(item)
-        size += item.size
+        sent += item.size + overhead
+        answered += row + overhead
     if chunk:
         yield chunk
 
@@ -202,7 +201,6 @@ class ClientBase:
         timeout: float | None = 120.0,
         retry: Retry | None = None,
         concurrency: int = 4,
-        max_message_mb: int = 64,
     ):
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
@@ -211,10 +209,8 @@ class ClientBase:
         self.timeout = timeout
         self.retry = retry or Retry()
         self.concurrency = max(1, concurrency)
-        options = [
-            ("grpc.max_receive_message_length", max_message_mb << 20),
-            ("grpc.max_send_message_length", max_message_mb << 20),
-        ]
+        # No client-side caps: requests are sized to the server's limits, which rule.
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
         if tls:
             roots = None if tls is True else Path(tls).read_bytes()
             creds = grpc.ssl_channel_credentials(root_certificates=roots)

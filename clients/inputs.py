@@ -24,7 +24,9 @@ class InputError(ValueError):
 
     def __init__(self, index: int, reason: str, image_id: str = ""):
         self.index, self.reason, self.image_id = index, reason, image_id
-        super().__init__(f"image {index}" + (f" ({image_id})" if image_id else "") + f": {reason}")
+        named = image_id and image_id != str(index)
+        where = f"image {index}" + (f" (id {image_id!r})" if named else "")
+        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True)

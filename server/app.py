@@ -47,11 +47,14 @@ class ServeConfig:
     max_delay_ms: float = 5.0
     max_queue_images: int = 1024
     max_request_images: int = 256
-    max_message_mb: int = 64
+    max_message_mb: float = 64.0
     max_image_pixels: int = 40_000_000
     preprocess_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     warm_outputs: tuple[OutputRequest, ...] = (OutputRequest(),)
     drain_timeout_s: float = 60.0
+    # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
+    # that were already on their way get a status they retry elsewhere, not a cut connection.
+    drain_linger_s: float = 0.5
 
     def check(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -114,7 +117,7 @@ class FeatureServer:
         )
         limits = Limits(
             max_request_images=config.max_request_images,
-            max_message_bytes=config.max_message_mb << 20,
+            max_message_bytes=int(config.max_message_mb * (1 << 20)),
             max_image_pixels=config.max_image_pixels,
         )
         self.service = FeatureService(
@@ -165,6 +168,7 @@ class FeatureServer:
         clean = await self.service.drain(timeout)
         if not clean:
             log.warning("drain timed out after %.0fs; stopping with calls in flight", timeout)
+        await asyncio.sleep(self.config.drain_linger_s)
         await self._server.stop(grace=1.0)
         await asyncio.to_thread(self.batcher.stop)
         self.service.close()

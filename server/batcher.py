@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,7 +75,8 @@ class Batcher:
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._pending = 0  # admitted images not yet computed or dropped (includes preprocessing)
-        self._closed = False  # no new admissions (draining)
+        self._closed = False  # no new admissions (stopped)
+        self._flush = False  # no waiting for fuller batches (draining)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vit22b-batcher", daemon=True)
 
@@ -83,7 +84,7 @@ class Batcher:
     def admit(self, n: int) -> None:
         with self._cond:
             if self._closed:
-                raise Draining("server is shutting down")
+                raise Draining("server is shutting down; retry on another replica")
             if self._pending + n > self.max_queue_images:
                 self.metrics.images.labels("rejected").inc(n)
                 raise QueueFull(
@@ -115,10 +116,11 @@ class Batcher:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """Refuse new admissions; queued work still runs."""
+    def flush(self) -> None:
+        """From now on queued work runs at once, without waiting for fuller batches (draining)."""
         with self._cond:
-            self._closed = True
+            self._flush = True
+            self._cond.notify()
 
     def stop(self) -> None:
         """Compute what is queued (without waiting for fuller batches), then end the thread."""
@@ -149,7 +151,7 @@ class Batcher:
                 head = self._queue[0]
                 ready = sum(j.size - j.next_row for j in self._queue if j.outputs == head.outputs)
                 wait = head.submitted + self.max_delay_s - time.monotonic()
-                if ready >= self.max_batch_images or wait <= 0 or self._stopping:
+                if ready >= self.max_batch_images or wait <= 0 or self._flush or self._stopping:
                     return self._take(head.outputs)
                 self._cond.wait(wait)
 
@@ -173,13 +175,13 @@ class Batcher:
         now = time.monotonic()
         for job in list(self._queue):
             expired = job.deadline is not None and now >= job.deadline
-            if not (job.cancelled or expired):
+            if not (expired or job.cancelled or job.future.cancelled()):
                 continue
             self._queue.remove(job)
             rows = job.size - job.next_row
             self._pending -= rows
             self.metrics.queue_images.set(self._pending)
-            if expired and not job.cancelled:
+            if expired:  # the transport may also have cancelled it: the deadline came first
                 self.metrics.images.labels("expired").inc(rows)
                 err: Exception = DeadlineExpired(
                     f"deadline passed in the queue; {rows} of {job.size} images not computed"
@@ -222,13 +224,20 @@ class Batcher:
             job.compute_s += elapsed
             job.done_rows += rows
             offset += rows
-            if job.done_rows == job.size and not job.future.done():
+            if job.done_rows == job.size:
                 parts = [part for _, part in sorted(job.parts, key=lambda p: p[0])]
-                job.future.set_result(
-                    Result(concat(parts), job.started - job.submitted, job.compute_s)
-                )
+                result = Result(concat(parts), job.started - job.submitted, job.compute_s)
+                _settle(job.future, lambda f, r=result: f.set_result(r))
 
 
 def _fail(future: Future, err: Exception) -> None:
-    if not future.done():
-        future.set_exception(err)
+    _settle(future, lambda f: f.set_exception(err))
+
+
+def _settle(future: Future, settle) -> None:
+    """Resolve ``future`` unless the caller already cancelled it (from another thread)."""
+    try:
+        if not future.done():
+            settle(future)
+    except InvalidStateError:  # cancelled between the check and the call
+        pass

@@ -68,7 +68,12 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
         help="admitted images not yet computed; beyond: RESOURCE_EXHAUSTED",
     )
     parser.add_argument("--max-request-images", type=int, default=d.max_request_images)
-    parser.add_argument("--max-message-mb", type=int, default=d.max_message_mb)
+    parser.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=d.max_message_mb,
+        help="largest request or response message, MiB",
+    )
     parser.add_argument(
         "--max-image-pixels",
         type=int,

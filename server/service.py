@@ -33,7 +33,6 @@ from .preprocess import check_pixels, decode
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "vit22b 0.1.0"
-_RESPONSE_OVERHEAD = 64 * 1024  # ids, model reference, timings and framing, generously
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,8 @@ def plan_request(
     dtype = wire.output_dtype(request.dtype)
     if request.l2_normalize and "pooled" not in kinds:
         raise InvalidRequest("l2_normalize applies to pooled features, which were not requested")
-    size = n * wire.row_bytes(info, list(kinds), list(layers), dtype) + _RESPONSE_OVERHEAD
+    row = wire.row_bytes(info, list(kinds), list(layers), dtype)
+    size = wire.response_bytes(row, [image.id for image in request.images])
     if size > limits.max_message_bytes:
         raise InvalidRequest(
             f"the response for {n} images would be about {size >> 20} MiB, over the message "
@@ -176,7 +176,7 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
     async def drain(self, timeout: float | None) -> bool:
         """Refuse new calls, let accepted ones finish; False if ``timeout`` passed first."""
         self._draining.set()
-        self.batcher.close()
+        self.batcher.flush()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:

@@ -140,3 +140,18 @@ def row_bytes(info: pb.ModelInfo, kinds: list[str], layers: list[int], dtype: st
     """Bytes of one image's outputs in a response (tensor payload only)."""
     itemsize = _NUMPY[dtype_code(dtype)].itemsize
     return sum(math.prod(s) for s in row_shapes(info, kinds, layers).values()) * itemsize
+
+
+# Message-size accounting, the same on both sides so the client's requests always fit the
+# server's limit: per image its id and field framing, per message the rest (model reference,
+# timings, tensor headers).
+MESSAGE_SLACK = 4096
+
+
+def image_overhead(image_id: str) -> int:
+    return len(image_id.encode()) + 32
+
+
+def response_bytes(row: int, ids: list[str]) -> int:
+    """Upper bound of a response's size for images with these ids, ``row`` bytes each."""
+    return sum(row + image_overhead(i) for i in ids) + MESSAGE_SLACK

@@ -1,0 +1,89 @@
+"""Shared by the server tests: one engine per test session, real servers on loopback, metrics.
+
+The engine (tiny default model, seeded weights, mesh data=2,model=4 on the 8 emulated devices,
+buckets 2/4/8) is built once and shared by every in-process server: each test server still has
+its own batcher, service, gRPC port and metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import urllib.request
+
+import grpc
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+from vit22b.server.app import BackgroundServer, ServeConfig
+from vit22b.server.engine import Engine
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import features_pb2_grpc as pb_grpc
+from vit22b.v1 import wire
+
+MESH = "data=2,model=4"
+MAX_BATCH = 8
+
+
+@functools.cache
+def shared_engine() -> Engine:
+    engine = Engine.load(mesh=MESH, max_batch_images=MAX_BATCH)
+    engine.warm_up()
+    return engine
+
+
+def start_server(**overrides) -> BackgroundServer:
+    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=MAX_BATCH)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return BackgroundServer(config, engine=shared_engine()).start()
+
+
+def stub(address: str, credentials=None, max_mb: int = 64) -> pb_grpc.FeatureServiceStub:
+    options = [
+        ("grpc.max_send_message_length", max_mb << 20),
+        ("grpc.max_receive_message_length", max_mb << 20),
+    ]
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options)
+    else:
+        channel = grpc.secure_channel(address, credentials, options)
+    return pb_grpc.FeatureServiceStub(channel)
+
+
+def metrics(server: BackgroundServer) -> dict[tuple[str, tuple], float]:
+    """Scrape the server's /metrics over HTTP: {(sample name, sorted labels): value}."""
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def random_images(n: int, seed: int = 0, size=(72, 96)) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (*size, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def raw_image(pixels: np.ndarray, image_id: str = "") -> pb.Image:
+    return pb.Image(id=image_id, pixels=wire.to_tensor(pixels))
+
+
+def assert_same_rows(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal up to bf16-compute noise, row for row (each image's features depend a little on
+    the batch it was packed into: bf16 matmul inputs, f32 accumulation in another order)."""
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    distances = np.linalg.norm(got[:, None] - want[None], axis=-1)
+    assert (distances.argmin(axis=1) == np.arange(len(got))).all()  # nothing out of order

@@ -1,0 +1,351 @@
+"""The feature service over real gRPC on loopback: results, shapes, dtypes, ordering, bad input."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import zlib
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving import (
+    assert_same_rows,
+    metric,
+    metrics,
+    png,
+    random_images,
+    raw_image,
+    start_server,
+    stub,
+)
+from vit22b.clients import FeatureClient, FeatureError
+from vit22b.model import OutputRequest, get_config
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+MAX_REQUEST = 16
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(max_delay_ms=20, max_request_images=MAX_REQUEST, max_message_mb=0.25)
+    yield srv
+    assert srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with FeatureClient(server.address) as c:
+        yield c
+
+
+def test_model_info_names_model_weights_mesh_and_preprocessing(client, server):
+    info = client.model_info()
+    cfg = get_config("vit-22b-tiny/16")
+    assert info.model.name == cfg.name
+    assert info.source == "init:seed=0"  # seeded random weights, labelled as such
+    assert info.model.fingerprint == server.engine.identity.fingerprint
+    assert info.model.preprocess_hash == cfg.preprocess_hash()
+    assert info.preprocessing.hash == cfg.preprocess_hash()
+    assert info.preprocessing.image_size == 64
+    assert info.preprocessing.resize == cfg.preprocess.resize
+    assert "centre crop 64x64" in info.preprocessing.description
+    assert info.mesh.spec == "data=2,model=4" and dict(info.mesh.axes) == {"data": 2, "model": 4}
+    assert list(info.limits.batch_buckets) == [2, 4, 8]  # multiples of the data axis
+    assert info.limits.max_request_images == MAX_REQUEST
+    assert json.loads(info.config_json)["width"] == 64
+    assert (info.width, info.depth, info.heads, info.num_patches) == (64, 4, 4, 16)
+    names = [wire.kind_name(k) for k in info.outputs]
+    assert names == ["pooled", "patch_tokens", "attention_stats"]  # no class token, no logits
+
+
+def test_raw_pixels_float32_equal_the_in_process_engine_exactly(client, server):
+    images = random_images(5, seed=1)
+    got = client.embed(images)
+    want = server.engine.embed(images)
+    assert got.pooled.dtype == np.float32 and got.pooled.shape == (5, 64)
+    np.testing.assert_array_equal(got.pooled, want["pooled"])
+    assert got.ids == [str(i) for i in range(5)]
+    assert got.model.fingerprint == server.engine.identity.fingerprint
+
+
+def test_png_bytes_and_paths_equal_the_in_process_engine(client, server, tmp_path):
+    images = random_images(3, seed=2, size=(80, 50))
+    paths = []
+    for i, pixels in enumerate(images):
+        paths.append(tmp_path / f"{i}.png")
+        paths[-1].write_bytes(png(pixels))
+    got = client.embed(paths)
+    want = server.engine.embed([png(p) for p in images])
+    np.testing.assert_array_equal(got.pooled, want["pooled"])
+    assert got.ids == [str(p) for p in paths]
+    # The PNG is lossless: same features as the raw pixels.
+    np.testing.assert_array_equal(got.pooled, server.engine.embed(images)["pooled"])
+
+
+def test_layers_and_attention_stats_have_the_documented_shapes(client, server):
+    images = random_images(3, seed=3)
+    got = client.embed(images, outputs=["pooled", "attention_stats"], layers=[0, -1, 2])
+    assert set(got.patch_tokens) == {0, -1, 2}
+    for tokens in got.patch_tokens.values():
+        assert tokens.shape == (3, 16, 64) and tokens.dtype == np.float32
+    assert got.attention_entropy.shape == (3, 4, 4) and got.attention_max_logit.shape == (3, 4, 4)
+    want = server.engine.embed(images, OutputRequest(patch_layers=(0, 2, 3), attention_stats=True))
+    np.testing.assert_array_equal(got.patch_tokens[-1], want["patch_tokens"][3])
+    np.testing.assert_array_equal(got.patch_tokens[0], want["patch_tokens"][0])
+    np.testing.assert_array_equal(got.attention_entropy, want["attention_entropy"])
+    # Entropy of a softmax over 16 keys lies in [0, log 16].
+    assert (got.attention_entropy >= 0).all() and (got.attention_entropy <= np.log(16) + 1e-5).all()
+
+
+def test_normalised_patches_differ_from_raw(client):
+    images = random_images(2, seed=4)
+    raw = client.embed(images, outputs=["patch_tokens"], layers=[1])
+    normed = client.embed(images, outputs=["patch_tokens"], layers=[1], normalize_patches=True)
+    assert raw.pooled is None and normed.patch_tokens[1].shape == (2, 16, 64)
+    assert not np.allclose(raw.patch_tokens[1], normed.patch_tokens[1])
+    rms = np.sqrt((normed.patch_tokens[1] ** 2).mean(-1))  # RMSNorm with unit scale at init
+    np.testing.assert_allclose(rms, 1.0, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype,numpy_dtype", [("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16)]
+)
+def test_reduced_precision_outputs_round_trip_through_numpy(client, server, dtype, numpy_dtype):
+    images = random_images(4, seed=5)
+    got = client.embed(images, outputs=["pooled"], layers=[-1], dtype=dtype)
+    want = server.engine.embed(images, OutputRequest(patch_layers=(3,)))
+    assert got.pooled.dtype == np.dtype(numpy_dtype)
+    np.testing.assert_array_equal(got.pooled, want["pooled"].astype(numpy_dtype))
+    np.testing.assert_array_equal(got.patch_tokens[-1], want["patch_tokens"][3].astype(numpy_dtype))
+
+
+def test_l2_normalised_pooled_features(client, server):
+    images = random_images(3, seed=6)
+    got = client.embed(images, l2_normalize=True)
+    np.testing.assert_allclose(np.linalg.norm(got.pooled, axis=-1), 1.0, rtol=1e-6)
+    want = server.engine.embed(images, l2_normalize=True)["pooled"]
+    np.testing.assert_array_equal(got.pooled, want)
+
+
+def test_large_inputs_are_split_into_requests_and_batches(client, server):
+    images = random_images(37, seed=7, size=(64, 64))
+    got = client.embed(images, batch_size=16)
+    assert len(got.timings) == 3  # 16 + 16 + 5
+    assert got.ids == [str(i) for i in range(37)]
+    assert_same_rows(got.pooled, server.engine.embed(images)["pooled"])
+
+
+def test_32_concurrent_clients_get_their_own_results_in_order(server):
+    per_client = [random_images(3, seed=100 + i, size=(64, 64)) for i in range(32)]
+    before = metrics(server)
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(32)
+
+    def run(i: int) -> None:
+        try:
+            with FeatureClient(server.address) as c:
+                start.wait()
+                results[i] = c.embed(per_client[i], ids=[f"c{i}-{j}" for j in range(3)])
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    engine = server.engine
+    for i in range(32):
+        assert results[i].ids == [f"c{i}-{j}" for j in range(3)]
+        assert_same_rows(results[i].pooled, engine.embed(per_client[i])["pooled"])
+    after = metrics(server)
+    batches = metric(after, "vit22b_batch_images_count") - metric(
+        before, "vit22b_batch_images_count"
+    )
+    single = metric(after, "vit22b_batch_images_bucket", le="1.0") - metric(
+        before, "vit22b_batch_images_bucket", le="1.0"
+    )
+    images = metric(after, "vit22b_batch_images_sum") - metric(before, "vit22b_batch_images_sum")
+    assert images == 96
+    assert batches < 96 / 3  # images from several requests were packed together
+    assert batches - single > 0  # batches larger than one image
+
+
+def test_embed_stream_answers_in_request_order(server):
+    s = stub(server.address)
+    groups = [random_images(n, seed=200 + n, size=(64, 64)) for n in (3, 1, 8, 2, 5)]
+    requests = [
+        pb.EmbedRequest(images=[raw_image(p, f"g{g}-{i}") for i, p in enumerate(group)])
+        for g, group in enumerate(groups)
+    ]
+    responses = list(s.EmbedStream(iter(requests), timeout=60))
+    assert len(responses) == len(groups)
+    for g, (group, response) in enumerate(zip(groups, responses)):
+        assert list(response.ids) == [f"g{g}-{i}" for i in range(len(group))]
+        pooled = wire.from_tensor(response.pooled)
+        assert_same_rows(pooled, server.engine.embed(group)["pooled"])
+        assert response.model.preprocess_hash == server.engine.identity.preprocess_hash
+        assert response.timings.total_ms > 0 and response.timings.compute_ms > 0
+
+
+def test_skip_invalid_images_reports_them_and_returns_the_rest(client, server):
+    images = random_images(3, seed=8)
+    mixed = [images[0], b"not an image", images[1], b"", images[2]]
+    got = client.embed(mixed, skip_invalid=True)
+    assert list(got.indices) == [0, 2, 4]
+    assert [e.index for e in got.errors] == [1, 3]
+    assert "not a JPEG, PNG or WebP" in got.errors[0].reason
+    assert "empty" in got.errors[1].reason
+    np.testing.assert_array_equal(got.pooled, server.engine.embed(images)["pooled"])
+
+
+# ---- bad input: each kind its own case; the server keeps serving --------------------------
+
+
+def _png_with_declared_size(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose header claims another size (a decompression bomb's signature)."""
+    data = bytearray(png(np.zeros((1, 1, 3), np.uint8)))
+    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return bytes(data)
+
+
+def _raw(array: np.ndarray, dtype: int | None = None, length_delta: int = 0) -> pb.Image:
+    tensor = wire.to_tensor(array)
+    if dtype is not None:
+        tensor.dtype = dtype
+    if length_delta:
+        tensor.data = tensor.data[:length_delta] if length_delta < 0 else tensor.data + b"\0"
+    return pb.Image(id="bad", pixels=tensor)
+
+
+GOOD = np.full((64, 64, 3), 128, np.uint8)
+_TRUNCATED = png(random_images(1, seed=9, size=(64, 64))[0])
+
+BAD_INPUTS = {
+    "no images": (pb.EmbedRequest(), "no images"),
+    "empty bytes": (pb.EmbedRequest(images=[pb.Image(id="bad", encoded=b"")]), "empty"),
+    "not an image": (
+        pb.EmbedRequest(images=[pb.Image(id="bad", encoded=b"GIF89a this is text")]),
+        "not a JPEG, PNG or WebP",
+    ),
+    "truncated png": (
+        pb.EmbedRequest(images=[pb.Image(id="bad", encoded=_TRUNCATED[: len(_TRUNCATED) // 2])]),
+        "cannot decode PNG",
+    ),
+    "decompression bomb": (
+        pb.EmbedRequest(images=[pb.Image(id="bad", encoded=_png_with_declared_size(10**5, 10**5))]),
+        "decompression bomb",
+    ),
+    "over the pixel limit": (
+        pb.EmbedRequest(images=[pb.Image(id="bad", encoded=_png_with_declared_size(8000, 8000))]),
+        "over the limit of 40000000",
+    ),
+    "raw wrong length": (pb.EmbedRequest(images=[_raw(GOOD, length_delta=-5)]), "bytes, got"),
+    "raw wrong dtype": (
+        pb.EmbedRequest(images=[_raw(GOOD.astype(np.float32))]),
+        "must be uint8, got dtype float32",
+    ),
+    "raw wrong channels": (
+        pb.EmbedRequest(images=[_raw(np.zeros((8, 8, 4), np.uint8))]),
+        "[height, width, 3]",
+    ),
+    "zero-sized": (pb.EmbedRequest(images=[_raw(np.zeros((0, 8, 3), np.uint8))]), "zero-sized"),
+    "unknown output kind": (
+        pb.EmbedRequest(images=[raw_image(GOOD)], outputs=[99]),
+        "unknown output kind 99",
+    ),
+    "layer out of range": (
+        pb.EmbedRequest(images=[raw_image(GOOD)], patch_layers=[4]),
+        "layer index 4 is out of range",
+    ),
+    "unknown dtype": (pb.EmbedRequest(images=[raw_image(GOOD)], dtype=77), "unknown dtype code 77"),
+    "uint8 output dtype": (
+        pb.EmbedRequest(images=[raw_image(GOOD)], dtype=pb.DTYPE_UINT8),
+        "not an output dtype",
+    ),
+    "no class token": (
+        pb.EmbedRequest(images=[raw_image(GOOD)], outputs=[pb.OUTPUT_KIND_CLASS_TOKEN]),
+        "has no class token",
+    ),
+    "too many images": (
+        pb.EmbedRequest(images=[raw_image(GOOD)] * (MAX_REQUEST + 1)),
+        f"exceed the limit of {MAX_REQUEST}",
+    ),
+    "response over the message limit": (
+        pb.EmbedRequest(images=[raw_image(GOOD)] * MAX_REQUEST, patch_layers=[0, 1, 2, 3]),
+        "over the message limit",
+    ),
+}
+IMAGE_LEVEL = {
+    "empty bytes",
+    "not an image",
+    "truncated png",
+    "decompression bomb",
+    "over the pixel limit",
+    "raw wrong length",
+    "raw wrong dtype",
+    "raw wrong channels",
+    "zero-sized",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_invalid_argument_and_the_server_survives(server, case):
+    request, reason = BAD_INPUTS[case]
+    s = stub(server.address)
+    if case in IMAGE_LEVEL:  # put the bad image at index 2, behind two good ones
+        images = [raw_image(GOOD), raw_image(GOOD), *request.images]
+        request = pb.EmbedRequest(images=images)
+    with pytest.raises(grpc.RpcError) as info:
+        s.Embed(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert reason in info.value.details()
+    if case in IMAGE_LEVEL:
+        assert info.value.details().startswith("image 2 (id 'bad'): ")
+    _assert_still_serving(server)
+
+
+def test_message_over_the_size_limit_is_resource_exhausted(server):
+    s = stub(server.address)
+    big = np.zeros((300, 300, 3), np.uint8)  # 270 kB raw, over the 256 kB limit
+    with pytest.raises(grpc.RpcError) as info:
+        s.Embed(pb.EmbedRequest(images=[raw_image(big)]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _assert_still_serving(server)
+
+
+def test_client_reports_bad_input_with_index_and_reason(client):
+    with pytest.raises(FeatureError) as info:
+        client.embed([GOOD, GOOD, GOOD, b"junk"], ids=["a", "b", "c", "d"])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "image 3 (id 'd')" in str(info.value)
+    with pytest.raises(ValueError, match="unknown output kind"):
+        client.embed([GOOD], outputs=["everything"])
+    with pytest.raises(ValueError, match="image 1: numpy images must be uint8"):
+        client.embed([GOOD, GOOD.astype(np.float32)])
+
+
+def test_invalid_images_are_counted_in_metrics(server):
+    samples = metrics(server)
+    assert metric(samples, "vit22b_images_total", outcome="invalid") >= len(IMAGE_LEVEL)
+    assert metric(samples, "vit22b_requests_total", method="Embed", code="INVALID_ARGUMENT") > 0
+    assert metric(samples, "vit22b_queue_images") == 0  # nothing leaked from failed calls
+
+
+def _assert_still_serving(server) -> None:
+    channel = grpc.insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="vit22b.v1.FeatureService"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    response = stub(server.address).Embed(pb.EmbedRequest(images=[raw_image(GOOD)]), timeout=30)
+    assert wire.from_tensor(response.pooled).shape == (1, 64)
+    channel.close()

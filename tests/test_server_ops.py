@@ -1,0 +1,314 @@
+"""Operating the server: overload, deadlines, cancellation, auth, TLS, draining, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving import (
+    assert_same_rows,
+    metric,
+    metrics,
+    random_images,
+    raw_image,
+    start_server,
+    stub,
+)
+from vit22b.clients import FeatureClient, FeatureError, Retry
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+SERVICE = "vit22b.v1.FeatureService"
+DELAY_MS = 1500  # a long batching delay keeps admitted requests waiting in the queue
+QUEUE = 6
+
+
+def request(n: int, seed: int = 0) -> pb.EmbedRequest:
+    return pb.EmbedRequest(images=[raw_image(p) for p in random_images(n, seed, (64, 64))])
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def queued(server) -> float:
+    return metric(metrics(server), "vit22b_queue_images")
+
+
+@pytest.fixture(scope="module")
+def slow():
+    srv = start_server(max_delay_ms=DELAY_MS, max_queue_images=QUEUE, max_request_images=QUEUE)
+    yield srv
+    srv.stop()
+
+
+def test_overload_is_refused_at_once_while_admitted_requests_complete(slow):
+    s = stub(slow.address)
+    before = metrics(slow)
+    admitted = [s.Embed.future(request(3, seed=i), timeout=60) for i in range(2)]
+    wait_for(lambda: queued(slow) == QUEUE)
+    with pytest.raises(grpc.RpcError) as info:
+        s.Embed(request(1), timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue full" in info.value.details()
+    # Refused while the admitted requests were still waiting for their batch.
+    assert not any(f.done() for f in admitted)
+    for i, future in enumerate(admitted):
+        pooled = wire.from_tensor(future.result().pooled)
+        assert_same_rows(pooled, slow.engine.embed(random_images(3, i, (64, 64)))["pooled"])
+    after = metrics(slow)
+    assert (
+        metric(after, "vit22b_images_total", outcome="rejected")
+        - metric(before, "vit22b_images_total", outcome="rejected")
+        == 1
+    )
+    assert metric(after, "vit22b_requests_total", method="Embed", code="RESOURCE_EXHAUSTED") >= 1
+
+
+def test_client_retries_resource_exhausted_with_backoff(slow):
+    s = stub(slow.address)
+    before = metrics(slow)
+    admitted = [s.Embed.future(request(3, seed=i), timeout=60) for i in range(2)]
+    wait_for(lambda: queued(slow) == QUEUE)
+    images = random_images(2, seed=9, size=(64, 64))
+    retry = Retry(attempts=50, initial_s=0.1, max_s=0.3)
+    with FeatureClient(slow.address, retry=retry) as client:
+        got = client.embed(images)
+    assert_same_rows(got.pooled, slow.engine.embed(images)["pooled"])
+    for future in admitted:
+        future.result()
+    rejected = metric(metrics(slow), "vit22b_images_total", outcome="rejected")
+    assert rejected - metric(before, "vit22b_images_total", outcome="rejected") >= 2  # retried
+
+
+def test_expired_deadline_in_the_queue_is_not_computed(slow):
+    s = stub(slow.address)
+    before = metrics(slow)
+    with pytest.raises(grpc.RpcError) as info:
+        s.Embed(request(2), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(
+        lambda: (
+            metric(metrics(slow), "vit22b_images_total", outcome="expired")
+            - metric(before, "vit22b_images_total", outcome="expired")
+            == 2
+        )
+    )
+    after = metrics(slow)
+    for name in ("vit22b_batch_images_count", "vit22b_batch_images_sum"):
+        assert metric(after, name) == metric(before, name)  # no batch ran
+    assert metric(after, "vit22b_queue_images") == 0
+
+
+def test_cancelled_call_is_not_computed(slow):
+    s = stub(slow.address)
+    before = metrics(slow)
+    future = s.Embed.future(request(2), timeout=60)
+    wait_for(lambda: queued(slow) == 2)
+    future.cancel()
+    wait_for(
+        lambda: (
+            metric(metrics(slow), "vit22b_images_total", outcome="cancelled")
+            - metric(before, "vit22b_images_total", outcome="cancelled")
+            == 2
+        )
+    )
+    after = metrics(slow)
+    assert metric(after, "vit22b_batch_images_count") == metric(before, "vit22b_batch_images_count")
+    assert metric(after, "vit22b_queue_images") == 0
+
+
+# ---- authentication and TLS ---------------------------------------------------------------
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a self-signed certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (d / "tokens").write_text(f"# clients\n{TOKEN}\nanother-token\n")
+    srv = start_server(
+        token_file=str(d / "tokens"), tls_cert=str(d / "cert.pem"), tls_key=str(d / "key.pem")
+    )
+    yield srv, d / "cert.pem"
+    srv.stop()
+
+
+def test_tls_client_with_token_round_trips(secure):
+    srv, cert = secure
+    images = random_images(3, seed=11)
+    with FeatureClient(srv.address, tls=cert, token=TOKEN) as client:
+        got = client.embed(images)
+        assert client.model_info().model.name == "vit-22b-tiny/16"
+    np.testing.assert_array_equal(got.pooled, srv.engine.embed(images)["pooled"])
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token", ""])
+def test_missing_or_wrong_token_is_unauthenticated(secure, token):
+    srv, cert = secure
+    with FeatureClient(srv.address, tls=cert, token=token) as client:
+        with pytest.raises(FeatureError) as info:
+            client.model_info()
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_stream_without_token_is_unauthenticated(secure):
+    srv, cert = secure
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    responses = stub(srv.address, creds).EmbedStream(iter([request(1)]), timeout=30)
+    with pytest.raises(grpc.RpcError) as info:
+        list(responses)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_stays_open_and_plaintext_is_refused(secure):
+    srv, cert = secure
+    channel = grpc.secure_channel(srv.address, grpc.ssl_channel_credentials(cert.read_bytes()))
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+    with pytest.raises(grpc.RpcError) as info:
+        stub(srv.address).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- draining -------------------------------------------------------------------------------
+
+
+def test_drain_goes_not_serving_and_finishes_accepted_calls():
+    srv = start_server(max_delay_ms=DELAY_MS * 4)
+    s = stub(srv.address)
+    accepted = s.Embed.future(request(2, seed=3), timeout=60)
+    wait_for(lambda: queued(srv) == 2)
+    channel = grpc.insecure_channel(srv.address)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=SERVICE), timeout=60
+    )
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    outcome = {}
+    stopper = threading.Thread(target=lambda: outcome.update(clean=srv.stop()))
+    stopper.start()
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    response = accepted.result()  # not cut: drained without waiting out the batching delay
+    assert wire.from_tensor(response.pooled).shape == (2, 64)
+    stopper.join(60)
+    assert outcome["clean"] is True
+    channel.close()
+    with pytest.raises(grpc.RpcError) as info:
+        s.Embed(request(1), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_during_load_loses_no_accepted_request():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vit22b.clients.cli",
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--mesh",
+            "data=2,model=4",
+            "--max-batch-images",
+            "8",
+            "--max-delay-ms",
+            "100",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        address = None
+        for line in proc.stdout:
+            match = re.search(r"SERVING .* on (\S+),", line)
+            if match:
+                address = match[1]
+                break
+        assert address, "the server did not report SERVING"
+        outcomes: list[tuple[str, str]] = []
+        stop = threading.Event()
+
+        def load(seed: int) -> None:
+            s = stub(address)
+            while not stop.is_set():
+                try:
+                    response = s.Embed(request(2, seed), timeout=60)
+                    assert wire.from_tensor(response.pooled).shape == (2, 64)
+                    outcomes.append(("OK", ""))
+                except grpc.RpcError as err:
+                    outcomes.append((err.code().name, err.details() or ""))
+                    if err.code() == grpc.StatusCode.UNAVAILABLE:
+                        return
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(outcomes) >= 40, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert proc.returncode == 0, rest
+        assert "stopped (clean)" in rest
+        codes = {code for code, _ in outcomes}
+        assert codes <= {"OK", "UNAVAILABLE"}, outcomes
+        assert sum(code == "OK" for code, _ in outcomes) >= 40
+        for code, details in outcomes:  # refused at the door, never cut mid-call
+            if code == "UNAVAILABLE":
+                assert re.search(r"shutting down|connect|refused", details), details
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
