@@ -20,7 +20,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -169,6 +169,7 @@ class JobConfig:
     shard_size: int = 1024
     extensions: tuple[str, ...] = ()
     quiet: bool = False
+    on_shard: Callable[[int], None] | None = None  # called after each shard is written
 
 
 @dataclass
@@ -301,7 +302,7 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
         t.start()
     total = sum(len(slices[k]) for k in pending)
     bar = _progress(total, config.quiet)
-    alive, remaining = len(threads), len(pending)
+    alive, remaining, reported = len(threads), len(pending), set()
     try:
         while remaining and alive:
             kind, what, payload = results.get()
@@ -314,10 +315,14 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
                     _write_shard(store, items, slices[shard], shard, config.batch_size,
                                  shards.pop(shard), summary)
                     remaining -= 1
+                    if config.on_shard is not None:
+                        config.on_shard(shard)
             elif kind == "lost":
                 alive -= 1
                 summary.lost_workers.append(what)
-                bar.write(f"vit22b embed: {what} lost ({payload}); its work moves to the others")
+                if payload not in reported:  # once per server, not once per connection
+                    reported.add(payload)
+                    bar.write(f"vit22b embed: {what} lost ({payload}); its work moves on")
             elif kind == "error":
                 raise JobFailed(f"{what} failed: {type(payload).__name__}: {payload}") from payload
             else:  # idle: the queue was empty when it looked

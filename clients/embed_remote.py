@@ -1,0 +1,186 @@
+"""`vit22b embed --server ADDR ...`: the job's batches through one or more feature servers.
+
+One SDK client per address, ``concurrency`` workers each. Files are read here and sent as
+bytes with ``skip_invalid_images``: the server decodes them and reports each bad one (with the
+decoder's reason) instead of failing the request, so a bad image costs nothing to the good ones
+next to it. A server that stays UNAVAILABLE (or unreachable) through the SDK's retries, or
+starts serving another model, is dropped: its batch goes back to the queue for the other
+servers. No jax here.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+
+import grpc
+from vit22b.v1 import features_pb2 as pb
+
+from .client import FeatureClient, FeatureError, Retry
+from .embed import BatchResult, ModelRef, OutputSpec, WorkerLost, os_reason, read_file, to_stored
+from .embed_inputs import InputItem
+from .inputs import InputError
+from .outputs import array_name
+
+# A server answering with these after the SDK's retries is gone (or hopeless): move off it.
+LOST = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+)
+
+
+def model_ref(info: pb.ModelInfo) -> ModelRef:
+    kinds = set(info.outputs)
+    return ModelRef(
+        name=info.model.name,
+        fingerprint=info.model.fingerprint,
+        preprocess_hash=info.model.preprocess_hash,
+        source=info.source,
+        width=info.width,
+        depth=info.depth,
+        num_patches=info.num_patches,
+        has_class_token=pb.OUTPUT_KIND_CLASS_TOKEN in kinds,
+        has_pooled=pb.OUTPUT_KIND_POOLED in kinds,
+    )
+
+
+class _Server:
+    def __init__(self, address: str, client: FeatureClient, model: ModelRef):
+        self.address, self.client, self.model = address, client, model
+        self.lost: str | None = None  # why it was dropped
+        self._lock = threading.Lock()
+
+    def drop(self, reason: str) -> str:
+        with self._lock:
+            self.lost = self.lost or reason
+            return self.lost
+
+
+class RemoteWorker:
+    def __init__(self, server: _Server, spec: OutputSpec, layers: tuple[int, ...], name: str):
+        self.server, self.spec, self.layers, self.name = server, spec, layers, name
+        kinds = [k for k, on in (("pooled", spec.pooled), ("class_token", spec.class_token)) if on]
+        self.options = dict(
+            outputs=tuple(kinds),
+            layers=layers,
+            dtype=spec.dtype,
+            l2_normalize=spec.l2_normalize,
+            normalize_patches=spec.normalize_patches,
+            skip_invalid=True,
+        )
+
+    def embed(self, items: Sequence[InputItem]) -> BatchResult:
+        server = self.server
+        if server.lost:
+            raise WorkerLost(server.lost)
+        blobs, positions, failed = [], [], []
+        for position, item in enumerate(items):
+            try:
+                blobs.append(read_file(item))
+                positions.append(position)
+            except OSError as err:
+                failed.append((position, os_reason(err)))
+        while blobs:
+            try:
+                result = server.client.embed(
+                    blobs,
+                    ids=[items[p].id for p in positions],
+                    batch_size=len(blobs),
+                    **self.options,
+                )
+                break
+            except InputError as err:  # an image the SDK cannot send (e.g. over the size limit)
+                failed.append((positions.pop(err.index), err.reason))
+                del blobs[err.index]
+            except FeatureError as err:
+                if err.code in LOST:
+                    raise WorkerLost(server.drop(f"{err.code.name}: {err.details}")) from None
+                raise
+        else:
+            return BatchResult([], {}, sorted(failed))
+        ref = result.model
+        if result.ids and (ref.fingerprint, ref.preprocess_hash) != (
+            server.model.fingerprint,
+            server.model.preprocess_hash,
+        ):
+            changed = f"now serves another model ({ref.name}, weights {ref.fingerprint})"
+            raise WorkerLost(server.drop(changed))
+        failed += [(positions[e.index], e.reason) for e in result.errors]
+        rows = [positions[i] for i in result.indices]
+        if not rows:
+            return BatchResult([], {}, sorted(failed))
+        arrays = {}
+        if self.spec.pooled:
+            arrays["pooled"] = to_stored(result.pooled, self.spec.dtype)
+        if self.spec.class_token:
+            arrays["class_token"] = to_stored(result.class_token, self.spec.dtype)
+        for layer in self.layers:
+            arrays[array_name("patch_tokens", layer)] = to_stored(
+                result.patch_tokens[layer], self.spec.dtype
+            )
+        return BatchResult(rows, arrays, sorted(failed))
+
+
+class RemoteBackend:
+    """Workers over every reachable server; all must serve the same model, weights and pixels."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        spec: OutputSpec,
+        *,
+        token: str | None = None,
+        tls: bool | str = False,
+        batch_size: int = 32,
+        concurrency: int = 2,
+        retry: Retry | None = None,
+        timeout: float = 300.0,
+        quiet: bool = False,
+    ):
+        self.spec, self.concurrency = spec, max(1, concurrency)
+        self.servers: list[_Server] = []
+        unreachable = []
+        for address in dict.fromkeys(addresses):
+            client = FeatureClient(
+                address, token=token, tls=tls, retry=retry, timeout=timeout, concurrency=1
+            )
+            try:
+                info = client.model_info()
+            except FeatureError as err:
+                client.close()
+                if err.code not in LOST:
+                    raise ValueError(f"server {address}: {err}") from None
+                unreachable.append(f"{address} ({err.code.name}: {err.details})")
+                continue
+            self.servers.append(_Server(address, client, model_ref(info)))
+        if not self.servers:
+            raise ValueError("no server reachable: " + "; ".join(unreachable))
+        if unreachable and not quiet:
+            print(f"vit22b embed: skipping unreachable {', '.join(unreachable)}", file=sys.stderr)
+        models = {
+            (s.model.name, s.model.fingerprint, s.model.preprocess_hash): s.address
+            for s in self.servers
+        }
+        if len(models) > 1:
+            listing = "; ".join(
+                f"{a} serves {m[0]} (weights {m[1]}, preprocessing {m[2]})"
+                for m, a in models.items()
+            )
+            raise ValueError(f"the servers serve different models, refusing to mix: {listing}")
+        self.model = self.servers[0].model
+        self.layers = spec.layers(self.model.depth)
+
+    def workers(self) -> list[RemoteWorker]:
+        return [
+            RemoteWorker(s, self.spec, self.layers, f"{s.address}#{i}")
+            for i in range(self.concurrency)
+            for s in self.servers
+        ]
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.client.close()

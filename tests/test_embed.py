@@ -1,0 +1,253 @@
+"""`vit22b embed` in process: inputs, shards, manifest, resume, refusals, errors, the loader.
+
+The job runs through the real in-process engine (tiny model) on real image files written with
+PIL; the remote backend, SIGKILL-and-resume and server failover are in test_embed_remote.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+from vit22b.clients.embed_inputs import InputError, enumerate_inputs
+from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
+from vit22b.clients.outputs import (
+    OutputsError,
+    bfloat16_to_float32,
+    open_outputs,
+    read_manifest,
+)
+
+
+def write_images(root, count: int, seed: int = 0) -> list[str]:
+    """JPEG and PNG files of varied sizes in nested folders; returns their ids (relative paths)."""
+    rng = np.random.default_rng(seed)
+    ids = []
+    for i in range(count):
+        rel = f"class{i % 3}/" + ("deep/" if i % 4 == 3 else "") + f"img{i:03d}"
+        rel += ".png" if i % 2 else ".jpg"
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        pixels = rng.integers(0, 256, (48 + 7 * (i % 5), 64 + 5 * (i % 3), 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(path)
+        ids.append(rel)
+    return sorted(ids)
+
+
+def write_bad_files(root) -> dict[str, str]:
+    """A truncated JPEG, a text file, an empty file; id -> a word its reason must contain."""
+    good = os.path.join(root, "class0", "img000.jpg")
+    with open(good, "rb") as f:
+        head = f.read(200)
+    bad = {"class1/truncated.jpg": head, "notes.txt": b"not an image\n",
+           "class2/deep/empty.png": b""}
+    for rel, data in bad.items():
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(data)
+    return {"class1/truncated.jpg": "Truncated", "notes.txt": "not a JPEG, PNG or WebP",
+            "class2/deep/empty.png": "empty"}
+
+
+# ---- inputs ------------------------------------------------------------------------------
+
+
+def test_folder_glob_and_list_inputs(tmp_path):
+    data = tmp_path / "data"
+    ids = write_images(data, 9)
+    (data / ".hidden.jpg").write_bytes(b"x")
+    (data / ".cache").mkdir()
+    (data / ".cache" / "x.jpg").write_bytes(b"x")
+    items = enumerate_inputs([str(data)])
+    assert [i.id for i in items] == ids  # recursive, sorted, hidden skipped, ids relative
+    assert all(os.path.isabs(i.path) and os.path.exists(i.path) for i in items)
+
+    globbed = enumerate_inputs([str(data / "**" / "*.png")])  # ids: the matches as written
+    assert [i.id for i in globbed] == [f"{data}/{i}" for i in ids if i.endswith(".png")]
+
+    listing = tmp_path / "lists" / "some.txt"
+    listing.parent.mkdir()
+    listing.write_text(f"# a comment\n../data/{ids[2]}\n\n../data/{ids[0]}\n../data/{ids[2]}\n")
+    listed = enumerate_inputs([str(listing)])
+    assert [i.id for i in listed] == sorted([f"../data/{ids[0]}", f"../data/{ids[2]}"])
+    assert listed[0].path == str(data / ids[0])  # relative to the list file's folder
+
+    # several inputs: folder ids carry the folder argument so they cannot collide; duplicates
+    # of the same file collapse to one
+    both = enumerate_inputs([str(data), str(data / ids[1])])
+    assert [i.id for i in both] == [f"{data}/{i}" for i in ids]
+
+    assert [i.id for i in enumerate_inputs([str(data)], extensions=("PNG",))] == [
+        i for i in ids if i.endswith(".png")]
+
+
+def test_bad_inputs_are_named(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        enumerate_inputs([str(tmp_path / "nope")])
+    with pytest.raises(InputError, match="matches nothing"):
+        enumerate_inputs([str(tmp_path / "*.jpg")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no files found"):
+        enumerate_inputs([str(tmp_path / "empty")])
+
+
+# ---- store -------------------------------------------------------------------------------
+
+
+def test_atomic_write_leaves_old_file_on_failure(tmp_path):
+    path = str(tmp_path / "f.bin")
+    atomic_write(path, lambda f: f.write(b"old"))
+
+    def boom(f):
+        f.write(b"half")
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(path, boom)
+    assert open(path, "rb").read() == b"old"
+    assert os.listdir(tmp_path) == ["f.bin"]  # no temp file left behind
+
+
+def test_store_refuses_other_settings_and_a_second_writer(tmp_path):
+    identity = {"model": "m", "dtype": "float32", "shard_size": 4}
+    arrays = {"pooled": {"dtype": "float32", "shape": [2]}}
+    store = OutputStore.open(str(tmp_path), identity, arrays, 1)
+    with pytest.raises(JobMismatch, match="lock is held"):
+        OutputStore.open(str(tmp_path), identity, arrays, 1)
+    store.close()
+    with pytest.raises(JobMismatch, match=r"dtype: 'float32' in the manifest, 'float16' now"):
+        OutputStore.open(str(tmp_path), {**identity, "dtype": "float16"}, arrays, 1)
+    OutputStore.open(str(tmp_path), identity, arrays, 1).close()  # same settings: fine
+
+
+# ---- the job through the in-process engine ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from vit22b.server.engine import Engine
+
+    return Engine.load("vit-22b-tiny/16", mesh="data=8", max_batch_images=8)
+
+
+def local_job(engine, data, out, spec: OutputSpec | None = None, **kw):
+    from vit22b.clients.embed_local import LocalBackend
+
+    spec = spec or OutputSpec()
+    backend = LocalBackend(spec, engine=engine, concurrency=kw.pop("concurrency", 2))
+    config = JobConfig([str(data)], str(out), spec, quiet=True,
+                       **{"batch_size": 4, "shard_size": 6, **kw})
+    return run_job(config, backend)
+
+
+def read_dir(out) -> dict[str, bytes]:
+    files = {}
+    for root, _, names in os.walk(out):
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, out)] = open(path, "rb").read()
+    return files
+
+
+def test_folder_with_bad_files(engine, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    good = write_images(data, 14)
+    bad = write_bad_files(data)
+    summary = local_job(engine, data, out)
+    assert (summary.embedded, summary.failed, summary.skipped) == (14, 3, 0)
+    assert summary.complete
+
+    result = open_outputs(str(out), verify=True)
+    assert result.ids == good  # every good image once, in input order
+    assert result["pooled"].shape == (14, 64)
+    errors = [json.loads(line) for line in open(out / "errors.jsonl")]
+    assert sorted(e["id"] for e in errors) == sorted(bad)
+    for e in errors:
+        assert bad[e["id"]] in e["reason"], e
+        assert e["path"] == str(data / e["id"])
+
+    # the features are the engine's own for those files
+    reference = engine.embed([open(data / i, "rb").read() for i in good])["pooled"]
+    np.testing.assert_allclose(np.asarray(result["pooled"]), reference, rtol=1e-5, atol=1e-5)
+
+    manifest = read_manifest(str(out))
+    assert manifest["identity"]["model"] == "vit-22b-tiny/16"
+    assert manifest["identity"]["checkpoint_fingerprint"] == engine.identity.fingerprint
+    assert manifest["identity"]["preprocess_hash"] == engine.identity.preprocess_hash
+    assert sum(s["count"] for s in manifest["shards"]) == 14
+    assert sum(s["failed"] for s in manifest["shards"]) == 3
+
+    # numpy alone, as the README shows
+    rows = []
+    for shard in manifest["shards"]:
+        rows.append(np.load(out / shard["files"]["pooled"]["file"], mmap_mode="r"))
+    np.testing.assert_array_equal(np.concatenate(rows), np.asarray(result["pooled"]))
+
+
+def test_resume_skips_done_shards_and_matches_a_full_run(engine, tmp_path):
+    data = tmp_path / "data"
+    write_images(data, 20)
+    write_bad_files(data)
+    full = local_job(engine, data, tmp_path / "full")
+    assert full.complete and full.embedded == 20
+
+    # a run that lost shards 1 and 3 (e.g. killed before the manifest named them)
+    partial = tmp_path / "partial"
+    local_job(engine, data, partial)
+    manifest = read_manifest(str(partial))
+    manifest["shards"] = [s for s in manifest["shards"] if s["index"] not in (1, 3)]
+    manifest["complete"] = False
+    (partial / "manifest.json").write_text(json.dumps(manifest))
+    (partial / "shards" / "00001.pooled.npy").write_bytes(b"torn")  # stale, unlisted file
+    (partial / "shards" / "00003.pooled.npy.tmp-1-2").write_bytes(b"temp")  # from a kill
+
+    resumed = local_job(engine, data, partial)
+    assert resumed.complete
+    assert resumed.skipped == 12  # shards 0 and 2; shards 1 and 3 hold the other 11 inputs
+    assert resumed.embedded + resumed.failed == 11
+    assert read_dir(partial) == read_dir(tmp_path / "full")  # bit for bit, manifest included
+
+
+def test_resume_refuses_other_options(engine, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_images(data, 5)
+    local_job(engine, data, out)
+    with pytest.raises(JobMismatch, match="outputs") as err:
+        local_job(engine, data, out, OutputSpec(pooled=True, patch_layers=(-1,)))
+    assert "choose another --output" in str(err.value)
+    with pytest.raises(JobMismatch, match="inputs"):
+        write_images(data / "more", 1)
+        local_job(engine, data, out)
+
+
+def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    ids = write_images(data, 7)
+    spec = OutputSpec(pooled=True, patch_layers=(-1, 1), dtype="bfloat16", l2_normalize=True)
+    summary = local_job(engine, data, out, spec, shard_size=3)
+    assert summary.complete and summary.embedded == 7
+    result = open_outputs(str(out))
+    assert result.names == ["pooled", "patch_tokens.1", "patch_tokens.3"]
+    assert result["patch_tokens.3"].shape == (7, 16, 64)
+    assert result.ids == ids and len(result.shards) == 3
+    raw = np.load(out / "shards" / "00000.pooled.npy")
+    assert raw.dtype == np.uint16  # bfloat16 bits: numpy can open it
+    pooled = np.asarray(result["pooled"])
+    assert pooled.dtype == np.float32
+    np.testing.assert_array_equal(pooled[:3], bfloat16_to_float32(raw))
+    np.testing.assert_allclose(np.linalg.norm(pooled, axis=1), 1.0, atol=1e-2)
+    tokens = result["patch_tokens.1"]
+    np.testing.assert_array_equal(tokens[4], np.asarray(tokens)[4])
+    np.testing.assert_array_equal(result["pooled"][[6, 0]], pooled[[6, 0]])
+    np.testing.assert_array_equal(result["pooled"][-1], pooled[6])
+
+    # a damaged shard is caught by verify
+    with open(out / "shards" / "00001.patch_tokens.1.npy", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\0\0\0\1")
+    with pytest.raises(OutputsError, match="00001.patch_tokens.1.npy does not match"):
+        open_outputs(str(out), verify=True)
