@@ -141,10 +141,6 @@ def shapes_of(tree) -> Shapes:
     }
 
 
-def _fmt(shape: tuple[int, ...] | None) -> str:
-    return "absent" if shape is None else str(tuple(shape))
-
-
 def shape_problems(
     expected: Shapes, actual: Shapes, expected_name: str, actual_name: str, dtypes: bool = True
 ) -> list[str]:
@@ -152,27 +148,37 @@ def shape_problems(
     problems = []
     for path in sorted(set(expected) | set(actual)):
         want, got = expected.get(path), actual.get(path)
-        if want is None or got is None or want[0] != got[0]:
+        if got is None:
             problems.append(
-                f"parameter {path}: {actual_name} has shape {_fmt(got and got[0])}, "
-                f"{expected_name} expects {_fmt(want and want[0])}"
+                f"parameter {path}: missing from {actual_name} ({expected_name} expects shape "
+                f"{want[0]})"
+            )
+        elif want is None:
+            problems.append(
+                f"parameter {path}: {actual_name} has shape {got[0]}, {expected_name} has no "
+                "such parameter"
+            )
+        elif want[0] != got[0]:
+            problems.append(
+                f"parameter {path}: {actual_name} has shape {got[0]}, {expected_name} expects "
+                f"{want[0]}"
             )
         elif dtypes and want[1] != got[1]:
             problems.append(
                 f"parameter {path}: {actual_name} has dtype {got[1]}, {expected_name} expects "
-                f"{want[1]} (shape {_fmt(want[0])})"
+                f"{want[1]} (shape {want[0]})"
             )
     return problems
 
 
-def _error(problems: list[str], context: str, limit: int = 12) -> CheckpointError:
+def format_problems(problems: list[str], context: str, limit: int = 12) -> str:
     more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
-    return CheckpointError(f"{context}:\n  " + "\n  ".join(problems[:limit]) + more)
+    return f"{context}:\n  " + "\n  ".join(problems[:limit]) + more
 
 
 def _raise(problems: list[str], context: str) -> None:
     if problems:
-        raise _error(problems, context)
+        raise CheckpointError(format_problems(problems, context))
 
 
 def expected_shapes(cfg: ViTConfig) -> Shapes:
@@ -370,7 +376,8 @@ def _unreadable(params_dir: Path, target: dict, err: Exception) -> CheckpointErr
                 f"parameter {path} (shape {tuple(leaf.shape)}, {np.dtype(leaf.dtype).name}): "
                 f"stored data is unreadable, truncated or corrupt ({_first_line(leaf_err)})"
             )
-    return _error(bad or [_first_line(err)], f"checkpoint {params_dir.parent} cannot be restored")
+    context = f"checkpoint {params_dir.parent} cannot be restored"
+    return CheckpointError(format_problems(bad or [_first_line(err)], context))
 
 
 def restore(

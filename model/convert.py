@@ -18,7 +18,14 @@ import ml_dtypes
 import numpy as np
 
 from . import convert_big_vision, convert_hf, convert_timm
-from .checkpoint import expected_shapes, flatten, shape_problems, shapes_of, unflatten
+from .checkpoint import (
+    expected_shapes,
+    flatten,
+    format_problems,
+    shape_problems,
+    shapes_of,
+    unflatten,
+)
 from .config import ConfigError, ViTConfig
 from .convert_common import (
     ConvertError,
@@ -73,7 +80,7 @@ def _with_preset(cfg: ViTConfig, preset: ViTConfig, notes: list[str], has_prepro
         if name not in _NOT_COMPARED and getattr(cfg, name) != getattr(preset, name)
     ]
     if problems:
-        raise ConvertError(f"the checkpoint is not a {preset.name}:\n  " + "\n  ".join(problems))
+        raise ConvertError(format_problems(problems, f"the checkpoint is not a {preset.name}", 40))
     for name in _SOURCE_DECIDES:
         if getattr(cfg, name) != getattr(preset, name):
             notes.append(
@@ -114,5 +121,5 @@ def convert(source: str, input_path, hints: Hints | None = None) -> Converted:
     params = unflatten({k: np.asarray(v, dtype) for k, v in flatten(params).items()})
     problems = shape_problems(expected_shapes(cfg), shapes_of(params), cfg.name, "the import")
     if problems:  # an importer bug, not a user error: say so plainly
-        raise AssertionError("importer produced a wrong layout:\n  " + "\n  ".join(problems))
+        raise AssertionError(format_problems(problems, "importer bug: wrong layout"))
     return Converted(cfg, params, name, notes + t.notes)

@@ -17,6 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .checkpoint import format_problems
 from .config import ViTConfig
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
@@ -192,12 +193,8 @@ class SourceTensors:
             f"unexpected key {key!r} with shape {self.shape(key)}" for key in unexpected
         ]
         if problems:
-            more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
-            raise ConvertError(
-                f"{self.source} checkpoint does not convert:\n  "
-                + "\n  ".join(problems[:40])
-                + more
-            )
+            context = f"{self.source} checkpoint does not convert"
+            raise ConvertError(format_problems(problems, context, limit=40))
 
     def float_dtype(self) -> str:
         """'bfloat16' when every floating tensor is, else 'float32'."""

@@ -1,0 +1,126 @@
+"""`vit22b init` and `vit22b convert`: write a checkpoint from a seed or from public weights.
+
+    vit22b init --model vit-22b-tiny/16 --seed 0 --out ckpt/tiny
+    vit22b convert --from timm --input vit_base_patch16_224.safetensors --heads 12 --out ckpt/b16
+    vit22b convert --from hf --input google-vit-base-patch16-224/ --model vit-b/16 --out ckpt/hf
+
+The last line printed is one JSON object describing the checkpoint (path, model, fingerprint, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import DEFAULT_MODEL, ConfigError, get_config
+
+
+def _summary(out: str, meta) -> str:
+    cfg = meta.config
+    return json.dumps(
+        {
+            "path": out,
+            "model": cfg.name,
+            "source": meta.source,
+            "fingerprint": meta.fingerprint,
+            "param_count": meta.param_count,
+            "param_bytes": meta.param_bytes,
+            "param_dtype": cfg.param_dtype,
+            "num_classes": cfg.num_classes,
+            "preprocess_hash": meta.preprocess_hash,
+        }
+    )
+
+
+def _init(args: argparse.Namespace) -> int:
+    from .checkpoint import save
+    from .sharding import init_sharded, make_mesh
+
+    cfg = get_config(args.model)
+    if args.dtype:
+        cfg = cfg.replace(param_dtype=args.dtype)
+    mesh = make_mesh(args.mesh) if args.mesh else _tensor_parallel_mesh(cfg)
+    params = init_sharded(cfg, mesh, args.seed)
+    meta = save(args.out, cfg, params, f"init:seed={args.seed}", overwrite=args.overwrite)
+    print(_summary(args.out, meta))
+    return 0
+
+
+def _tensor_parallel_mesh(cfg):
+    """The most devices that split the heads evenly, all on the model axis: no replicas."""
+    import jax
+
+    from .sharding import make_mesh
+
+    devices = jax.devices()
+    model = max(
+        n for n in range(1, len(devices) + 1) if cfg.heads % n == 0 and cfg.mlp_dim % n == 0
+    )
+    return make_mesh(f"data=1,model={model}", devices[:model])
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .checkpoint import save
+    from .convert import Hints, convert
+
+    hints = Hints(
+        preset=get_config(args.model) if args.model else None, heads=args.heads, dtype=args.dtype
+    )
+    converted = convert(args.source, args.input, hints)
+    for note in converted.notes:
+        print(f"note: {note}", file=sys.stderr)
+    meta = save(
+        args.out,
+        converted.config,
+        converted.params,
+        converted.source,
+        notes=tuple(converted.notes),
+        overwrite=args.overwrite,
+    )
+    print(_summary(args.out, meta))
+    return 0
+
+
+def _guarded(handler):
+    """Every refusal (bad preset, mesh, checkpoint or source) is one line on stderr, exit 2."""
+    from .checkpoint import CheckpointError
+    from .convert import ConvertError
+    from .sharding import MeshError
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except (ConfigError, MeshError, CheckpointError, ConvertError) as err:
+            print(f"vit22b {args.command}: {err}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser):
+    parser.set_defaults(command=command)
+    dtype_help = "parameter dtype (default: the preset's, or the source's)"
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help=dtype_help)
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
+    if command == "init":
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name (vit22b models)")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--mesh",
+            help="mesh the weights are created on, e.g. data=1,model=8 (default: as many devices "
+            "as split the heads, on the model axis)",
+        )
+        return _guarded(_init)
+    from .convert import SOURCES
+
+    parser.add_argument("--from", dest="source", required=True, choices=SOURCES)
+    parser.add_argument("--input", required=True, help="weight file, or a directory holding one")
+    parser.add_argument(
+        "--model", help="preset the checkpoint must match (default: inferred from the weights)"
+    )
+    parser.add_argument(
+        "--heads", type=int, help="attention heads, when neither weights nor config.json tell"
+    )
+    return _guarded(_convert)

@@ -1,0 +1,173 @@
+"""Tensor parallelism on 8 emulated CPU devices: equal outputs, one all-reduce a block, refusals."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from peers import rel_err
+from vit22b.model import OutputRequest, ViTConfig, apply, get_config
+from vit22b.model.checkpoint import abstract_target, fingerprint, flatten
+from vit22b.model.sharding import (
+    MeshError,
+    batch_sharding,
+    init_sharded,
+    make_mesh,
+    param_shardings,
+    parse_mesh_spec,
+    shard_params,
+)
+
+# 8 heads so that every mesh of 8 devices divides them; f32 compute so equality is tight.
+PARALLEL = get_config("vit-22b-tiny/16").replace(heads=8, depth=3, compute_dtype="float32")
+SEQUENTIAL = ViTConfig(
+    name="tiny-seq-8h",
+    width=64,
+    depth=2,
+    heads=8,
+    mlp_dim=128,
+    patch=8,
+    image_size=32,
+    block="sequential",
+    norm="layernorm",
+    qkv_bias=True,
+    qk_norm=False,
+    head="cls",
+    class_token=True,
+    posemb_covers_cls=True,
+    compute_dtype="float32",
+)
+MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
+REQUEST = OutputRequest(pooled=True, patch_layers=(0, -1), attention_stats=True)
+
+
+def _images(cfg: ViTConfig, n: int = 8) -> np.ndarray:
+    shape = (n, cfg.image_size, cfg.image_size, cfg.channels)
+    return np.asarray(jax.random.normal(jax.random.key(7), shape))
+
+
+def _sharded_forward(cfg: ViTConfig, mesh):
+    return jax.jit(
+        lambda params, images: apply(cfg, params, images, REQUEST),
+        in_shardings=(param_shardings(cfg, mesh), batch_sharding(mesh)),
+    )
+
+
+@pytest.fixture(scope="module")
+def single_device_params():
+    """Seeded parameters of both test models, initialised on one device."""
+    single = make_mesh("auto", jax.devices()[:1])
+    return {cfg.name: init_sharded(cfg, single, seed=1) for cfg in (PARALLEL, SEQUENTIAL)}
+
+
+@pytest.mark.parametrize("cfg", [PARALLEL, SEQUENTIAL], ids=["parallel", "sequential"])
+def test_sharded_forward_equals_single_device(cfg, single_device_params):
+    images = _images(cfg)
+    params = single_device_params[cfg.name]
+    want = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST))(params, images)
+    for spec in MESHES:
+        mesh = make_mesh(spec)
+        got = _sharded_forward(cfg, mesh)(shard_params(cfg, params, mesh), images)
+        for key in ("pooled", "attention_entropy", "attention_max_logit"):
+            assert rel_err(got[key], want[key]) < 1e-5, (spec, key)
+        for layer in (0, cfg.depth - 1):
+            err = rel_err(got["patch_tokens"][layer], want["patch_tokens"][layer])
+            assert err < 1e-5, (spec, layer)
+
+
+def test_init_lands_in_its_sharding_with_the_same_values_as_on_one_device(single_device_params):
+    mesh = make_mesh("data=2,model=4")
+    params = init_sharded(PARALLEL, mesh, seed=1)
+    assert fingerprint(params) == fingerprint(single_device_params[PARALLEL.name])
+    flat = flatten(params)
+    assert flat["block_0/w_in"].sharding.spec == P(None, "model", None)
+    assert flat["block_0/w_out"].sharding.spec == P("model", None, None)
+    assert flat["map_head/w_kv"].sharding.spec == P(None, "model", None)
+    assert flat["pos_embedding"].sharding.spec == P()
+    # each device holds whole heads (8 over a model axis of 4): q|k|v (hd 8) + the MLP slice
+    shards = {s.data.shape for s in flat["block_0/w_in"].addressable_shards}
+    assert shards == {(64, 2, 3 * 8 + 256 // 8)}
+
+
+def _collectives_by_scope(hlo: str) -> dict[str, dict[str, int]]:
+    """Count collective instructions in compiled HLO text by the module scope in their metadata.
+
+    Scope is the flax module path in ``op_name`` (``.../ViT/block_3/...`` -> ``block_3``); async
+    pairs count once (the ``-start`` half).
+    """
+    counts: dict[str, dict[str, int]] = {}
+    pattern = re.compile(
+        r"=\s*\S+\s+(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+        r"(?:-start)?\("
+    )
+    for line in hlo.splitlines():
+        match = pattern.search(line)
+        if not match:
+            continue
+        scope = re.search(r'op_name="[^"]*?/ViT/(block_\d+|map_head)/', line)
+        name = scope[1] if scope else "<outside>"
+        counts.setdefault(name, {}).setdefault(match[1], 0)
+        counts[name][match[1]] += 1
+    return counts
+
+
+def _compiled_text(cfg: ViTConfig, spec: str) -> str:
+    mesh = make_mesh(spec)
+    params = abstract_target(cfg, mesh)  # shapes and shardings only: nothing is allocated
+    images = jax.ShapeDtypeStruct(
+        (8, cfg.image_size, cfg.image_size, cfg.channels), np.float32, sharding=batch_sharding(mesh)
+    )
+    forward = jax.jit(lambda p, x: apply(cfg, p, x, OutputRequest(pooled=True)))
+    return forward.lower(params, images).compile().as_text()
+
+
+def test_parallel_block_compiles_to_exactly_one_all_reduce():
+    counts = _collectives_by_scope(_compiled_text(PARALLEL, "data=1,model=8"))
+    for i in range(PARALLEL.depth):
+        assert counts.get(f"block_{i}") == {"all-reduce": 1}, (i, counts)
+    # nothing outside the blocks and the MAP head (split like a block: attention out, MLP out)
+    assert set(counts) == {f"block_{i}" for i in range(PARALLEL.depth)} | {"map_head"}
+    assert counts["map_head"] == {"all-reduce": 2}
+
+
+def test_sequential_block_needs_two_all_reduces_on_a_data_and_model_mesh():
+    counts = _collectives_by_scope(_compiled_text(SEQUENTIAL, "data=2,model=4"))
+    for i in range(SEQUENTIAL.depth):
+        assert counts.get(f"block_{i}") == {"all-reduce": 2}, (i, counts)
+    assert set(counts) == {f"block_{i}" for i in range(SEQUENTIAL.depth)}
+
+
+def test_a_mesh_that_does_not_divide_the_heads_is_refused_naming_both():
+    tiny = get_config("vit-22b-tiny/16")  # 4 heads
+    with pytest.raises(MeshError, match=r"model axis \(8\) does not divide heads \(4\)"):
+        param_shardings(tiny, make_mesh("data=1,model=8"))
+    with pytest.raises(MeshError, match=r"model axis \(3\) does not divide heads \(4\)"):
+        param_shardings(tiny, make_mesh("data=1,model=3", jax.devices()[:3]))
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("data=2,model=4", (2, 4)),
+        ("model=8", (1, 8)),
+        ("data=4", (4, 2)),
+        ("auto", (8, 1)),
+        (" data = 1 , model = 8 ", (1, 8)),
+    ],
+)
+def test_mesh_spec_parsing(spec, expected):
+    assert parse_mesh_spec(spec, 8) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("data=3,model=2", r"needs data\*model = 3\*2 = 6 devices, but 8 are available"),
+        ("data=2,heads=4", r"expected 'data=N,model=M'"),
+        ("data=0,model=8", r"must be positive"),
+    ],
+)
+def test_bad_mesh_specs_are_refused_naming_the_numbers(spec, message):
+    with pytest.raises(MeshError, match=message):
+        parse_mesh_spec(spec, 8)
