@@ -1,0 +1,143 @@
+"""Calibration: ECE, adaptive ECE, MCE, NLL, Brier, and temperature scaling.
+
+Conventions (the tests check them by hand):
+- Confidence is the top softmax probability; a prediction is correct when its arg-max is the label.
+- ECE uses ``bins`` equal-width bins: bin ``i`` holds confidences in ``[i/bins, (i+1)/bins)``, the
+  last bin is closed, so a confidence of exactly 1.0 falls in the last bin and 0.0 in the first.
+  ECE = sum over bins of (bin size / N) * |accuracy(bin) - mean confidence(bin)|.
+- MCE is the largest |accuracy - mean confidence| over the non-empty equal-width bins.
+- Adaptive ECE uses equal-mass bins: samples sorted by confidence (stable) and cut into ``bins``
+  consecutive groups whose sizes differ by at most one (``numpy.array_split``); same formula.
+- NLL is the mean of -log p(label); Brier is the mean over samples of sum_c (p_c - onehot_c)^2.
+- Temperature scaling divides logits by T > 0 fitted to minimise NLL on a validation split;
+  the arg-max, hence accuracy, does not change.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .metrics import log_softmax
+
+DEFAULT_BINS = 15
+
+
+def _confidence_and_correct(probs: np.ndarray, labels: np.ndarray):
+    probs = np.asarray(probs, np.float64)
+    return probs.max(axis=1), (probs.argmax(axis=1) == np.asarray(labels)).astype(np.float64)
+
+
+def _gaps(confidence: np.ndarray, correct: np.ndarray, groups: list[np.ndarray]):
+    """Per non-empty group: (size, accuracy, mean confidence)."""
+    return [(len(g), correct[g].mean(), confidence[g].mean()) for g in groups if len(g)]
+
+
+def equal_width_bins(confidence: np.ndarray, bins: int) -> list[np.ndarray]:
+    index = np.clip(np.floor(confidence * bins).astype(int), 0, bins - 1)
+    return [np.flatnonzero(index == b) for b in range(bins)]
+
+
+def equal_mass_bins(confidence: np.ndarray, bins: int) -> list[np.ndarray]:
+    return np.array_split(np.argsort(confidence, kind="stable"), bins)
+
+
+def _ece(confidence, correct, groups) -> float:
+    n = len(confidence)
+    return float(
+        sum(size / n * abs(acc - conf) for size, acc, conf in _gaps(confidence, correct, groups))
+    )
+
+
+def ece(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> float:
+    confidence, correct = _confidence_and_correct(probs, labels)
+    return _ece(confidence, correct, equal_width_bins(confidence, bins))
+
+
+def adaptive_ece(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> float:
+    confidence, correct = _confidence_and_correct(probs, labels)
+    return _ece(confidence, correct, equal_mass_bins(confidence, bins))
+
+
+def mce(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> float:
+    confidence, correct = _confidence_and_correct(probs, labels)
+    gaps = _gaps(confidence, correct, equal_width_bins(confidence, bins))
+    return float(max(abs(acc - conf) for _, acc, conf in gaps))
+
+
+def nll(probs: np.ndarray, labels: np.ndarray) -> float:
+    p = np.asarray(probs, np.float64)[np.arange(len(labels)), labels]
+    return float(-np.mean(np.log(np.maximum(p, 1e-300))))
+
+
+def brier(probs: np.ndarray, labels: np.ndarray) -> float:
+    probs = np.asarray(probs, np.float64)
+    onehot = np.eye(probs.shape[1])[labels]
+    return float(np.mean(np.sum((probs - onehot) ** 2, axis=1)))
+
+
+def reliability_table(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> list:
+    """Per equal-width bin: its range, count, accuracy and mean confidence (None when empty)."""
+    confidence, correct = _confidence_and_correct(probs, labels)
+    rows = []
+    for b, group in enumerate(equal_width_bins(confidence, bins)):
+        rows.append(
+            {
+                "low": b / bins,
+                "high": (b + 1) / bins,
+                "count": len(group),
+                "accuracy": float(correct[group].mean()) if len(group) else None,
+                "confidence": float(confidence[group].mean()) if len(group) else None,
+            }
+        )
+    return rows
+
+
+def calibration_metrics(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> dict:
+    confidence, correct = _confidence_and_correct(probs, labels)
+    return {
+        "accuracy": float(correct.mean()),
+        "mean_confidence": float(confidence.mean()),
+        "ece": ece(probs, labels, bins),
+        "adaptive_ece": adaptive_ece(probs, labels, bins),
+        "mce": mce(probs, labels, bins),
+        "nll": nll(probs, labels),
+        "brier": brier(probs, labels),
+    }
+
+
+def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> float:
+    """The T > 0 minimising NLL(softmax(logits / T)), searched over log T in [-7, 7]."""
+    from scipy.optimize import minimize_scalar
+
+    logits = np.asarray(logits, np.float64)
+    rows = np.arange(len(labels))
+
+    def loss(log_t: float) -> float:
+        return float(-log_softmax(logits / np.exp(log_t))[rows, labels].mean())
+
+    result = minimize_scalar(loss, bounds=(-7.0, 7.0), method="bounded", options={"xatol": 1e-6})
+    return float(np.exp(result.x))
+
+
+def calibration_probe(
+    val_logits: np.ndarray,
+    val_labels: np.ndarray,
+    test_logits: np.ndarray,
+    test_labels: np.ndarray,
+    bins: int = DEFAULT_BINS,
+) -> dict:
+    """Fit the temperature on the validation split; metrics on the test split before and after."""
+    temperature = fit_temperature(val_logits, val_labels)
+    before = np.exp(log_softmax(test_logits))
+    after = np.exp(log_softmax(np.asarray(test_logits, np.float64) / temperature))
+    return {
+        "probe": "calibration",
+        "bins": bins,
+        "temperature": temperature,
+        "num_val": len(val_labels),
+        "num_test": len(test_labels),
+        "before": calibration_metrics(before, test_labels, bins),
+        "after": calibration_metrics(after, test_labels, bins),
+        "reliability_before": reliability_table(before, test_labels, bins),
+        "reliability_after": reliability_table(after, test_labels, bins),
+    }

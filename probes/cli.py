@@ -1,0 +1,333 @@
+"""``vit22b probe KIND`` and ``vit22b explore``.
+
+Images (with their labels, depth maps or masks) come from one of ``--shapes-world N``,
+``--digits`` or ``--data DIR``; their features from a server (``--server ADDR``) or, without one,
+the backbone run in-process (``--model``, random weights from ``--seed``). ``--features PATH``
+reads features computed before (a .npz written with ``--save-features``, or a ``vit22b embed``
+output folder). Reports go to ``--out`` as ``<kind>.json`` plus a PNG where a picture helps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .data import (
+    DataError,
+    LabelledImages,
+    load_cue_conflict,
+    load_dense_folder,
+    load_digits_images,
+    load_image_folder,
+    read_images,
+    shapes_world,
+)
+from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_world, run_probe
+
+DENSE = ("depth", "segmentation")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _probe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", choices=KINDS, help="which probe to run")
+    src = parser.add_argument_group("images and targets (one of)")
+    one = src.add_mutually_exclusive_group(required=True)
+    one.add_argument(
+        "--shapes-world",
+        type=int,
+        metavar="N",
+        help="generate N shapes-world images (shape-bias: N cue-agreeing images to "
+        "train on, plus --conflict cue-conflict images to test)",
+    )
+    one.add_argument("--digits", action="store_true", help="scikit-learn's bundled digits")
+    one.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR",
+        help="class subfolders; for shape-bias a cue-conflict folder "
+        "(<shape>/<shape>N-<texture>M.png); for depth/segmentation a folder "
+        "of images with --depth and/or --masks",
+    )
+    one.add_argument(
+        "--features",
+        type=Path,
+        metavar="PATH",
+        help="features computed before: a .npz from --save-features, or a "
+        "`vit22b embed` output folder",
+    )
+    src.add_argument(
+        "--depth",
+        type=Path,
+        metavar="DIR",
+        help="depth maps (.npy or 16-bit PNG) matched to --data images by file stem",
+    )
+    src.add_argument(
+        "--masks",
+        type=Path,
+        metavar="DIR",
+        help="indexed-PNG segmentation masks matched to --data images by file stem",
+    )
+    src.add_argument(
+        "--conflict",
+        type=int,
+        metavar="N",
+        help="shape-bias on the shapes world: cue-conflict images (default N/3)",
+    )
+    src.add_argument("--world-seed", type=int, default=0, help="seed of the shapes world")
+
+    feat = parser.add_argument_group("features of the images")
+    feat.add_argument("--server", metavar="ADDR", help="a running `vit22b serve` (host:port)")
+    feat.add_argument("--token", help="bearer token for the server")
+    feat.add_argument(
+        "--model",
+        help="without --server: the preset run in-process with random "
+        "weights (default: the served default)",
+    )
+    feat.add_argument(
+        "--seed", type=int, default=0, help="weights seed (in-process) and split seed"
+    )
+    feat.add_argument(
+        "--layers",
+        type=_ints,
+        default=None,
+        metavar="I,J,...",
+        help="patch-token layers for depth/segmentation (default: 4 evenly "
+        "spaced in-process, the last 4 from a server)",
+    )
+    feat.add_argument(
+        "--feature",
+        choices=("pooled", "class_token", "patch_mean"),
+        default="pooled",
+        help="what classification probes read",
+    )
+    feat.add_argument(
+        "--head",
+        type=Path,
+        metavar="FILE",
+        help="imported classifier head (.npz: kernel [d, C], bias [C], "
+        "class_names) for calibration and shape-bias",
+    )
+    feat.add_argument(
+        "--save-features",
+        type=Path,
+        metavar="PATH",
+        help="also save the features and targets to this .npz",
+    )
+
+    opt = parser.add_argument_group("probe options")
+    opt.add_argument("--steps", type=int, help="decoder training steps (depth, segmentation)")
+    opt.add_argument("--decoders", default="linear,dpt", help="depth decoders (linear, dpt)")
+    opt.add_argument("--shots", type=_ints, help="few-shot: shots per class (1,5,10,25)")
+    opt.add_argument("--ks", type=_ints, help="kNN: neighbour counts (10,20,100,200)")
+    opt.add_argument("--temperature", type=float, help="kNN: vote temperature (0.07)")
+    opt.add_argument("--bins", type=int, help="calibration: bins (15)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("probe-reports"),
+        help="folder for <kind>.json and PNGs (default: probe-reports)",
+    )
+
+
+def _layers_to_request(args, kind: str) -> tuple[int, ...]:
+    if kind not in DENSE:
+        return ()
+    if args.layers:
+        return args.layers
+    if args.server:
+        return (-4, -3, -2, -1)
+    from vit22b.model import DEFAULT_MODEL, get_config
+
+    depth = get_config(args.model or DEFAULT_MODEL).depth
+    return tuple(sorted({max(depth * q // 4 - 1, 0) for q in (1, 2, 3, 4)}))
+
+
+def _embed(args, images, kind: str):
+    """Features of ``images`` from the server, or from the model in-process."""
+    layers = _layers_to_request(args, kind)
+    stats = kind == "diagnostics"
+    if args.server:
+        from .features import features_from_server
+
+        kwargs = {"token": args.token} if args.token else {}
+        return features_from_server(
+            args.server, images, patch_layers=layers, attention_stats=stats, **kwargs
+        )
+    from .features import features_from_model
+
+    return features_from_model(
+        read_images(images),
+        model=args.model,
+        seed=args.seed,
+        patch_layers=layers,
+        attention_stats=stats,
+    )
+
+
+def _from_labelled(args, kind: str, data: LabelledImages) -> ProbeData:
+    arrays = [a for a in data.images if isinstance(a, np.ndarray)]
+    return ProbeData(
+        features=_embed(args, data.images, kind),
+        labels=data.labels,
+        class_names=data.class_names,
+        texture=data.extra.get("texture"),
+        images=np.stack(arrays) if len(arrays) == len(data.images) else None,
+    )
+
+
+def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
+    """The data to probe and the extra keyword arguments of ``run_probe``."""
+    extra: dict = {}
+    if args.features:
+        if args.features.is_dir():
+            from .features import features_from_embed_folder
+
+            features_from_embed_folder(args.features)  # raises until embed folders are wired
+        return load_probe_data(args.features), extra
+    if args.shapes_world:
+        if kind == "shape-bias":
+            train = shapes_world(args.shapes_world, seed=args.world_seed, texture="matched")
+            n = args.conflict or max(args.shapes_world // 3, 1)
+            test = shapes_world(n, seed=args.world_seed + 1, texture="conflict")
+            extra["train"] = probe_data_from_shapes_world(train, _embed(args, train.images, kind))
+            return probe_data_from_shapes_world(test, _embed(args, test.images, kind)), extra
+        world = shapes_world(args.shapes_world, seed=args.world_seed)
+        return probe_data_from_shapes_world(world, _embed(args, world.images, kind)), extra
+    if args.digits:
+        return _from_labelled(args, kind, load_digits_images()), extra
+    if kind in DENSE:
+        dense = load_dense_folder(args.data, args.depth, args.masks)
+        images = read_images(dense.images)
+        same_size = len({a.shape for a in images}) == 1
+        data = ProbeData(
+            features=_embed(args, images, kind),
+            depth=dense.depth,
+            mask=dense.mask,
+            images=np.stack(images) if same_size else None,
+        )
+        return data, extra
+    loader = load_cue_conflict if kind == "shape-bias" else load_image_folder
+    return _from_labelled(args, kind, loader(args.data)), extra
+
+
+def _options(args, kind: str) -> dict:
+    """Probe options given on the command line (others keep the probe's defaults)."""
+    chosen = {}
+    if kind in ("linear", "fewshot", "knn", "calibration", "shape-bias"):
+        chosen["feature"] = args.feature
+    if kind in DENSE and args.steps:
+        chosen["steps"] = args.steps
+    if kind == "depth":
+        chosen["decoders"] = tuple(d.strip() for d in args.decoders.split(",") if d.strip())
+    if kind == "fewshot" and args.shots:
+        chosen["shots"] = args.shots
+    if kind == "knn":
+        if args.ks:
+            chosen["ks"] = args.ks
+        if args.temperature:
+            chosen["temperature"] = args.temperature
+    if kind == "calibration" and args.bins:
+        chosen["bins"] = args.bins
+    if kind in ("calibration", "shape-bias") and args.head:
+        from .heads import load_head
+
+        chosen["head"] = load_head(args.head)
+    return chosen
+
+
+def _run_probe_command(args) -> int:
+    from .report import summarize
+    from .runner import save_probe_data
+
+    kind = args.kind
+    try:
+        if kind in DENSE and args.data and not (args.depth or args.masks):
+            raise DataError(f"{kind} on --data needs --depth DIR or --masks DIR")
+        if args.shapes_world is not None and args.shapes_world < 8:
+            raise DataError("--shapes-world needs at least 8 images")
+        data, extra = _probe_data(args, kind)
+        if args.save_features:
+            save_probe_data(args.save_features, data)
+        report = run_probe(
+            kind, data, out_dir=args.out, seed=args.seed, **extra, **_options(args, kind)
+        )
+    except (DataError, ValueError, NotImplementedError) as err:
+        print(f"vit22b probe {kind}: error: {err}", file=sys.stderr)
+        return 2
+    print(summarize(report))
+    print(
+        f"report: {report['report']}"
+        + (f"  figure: {report['figure']}" if "figure" in report else "")
+    )
+    return 0
+
+
+def _explore_arguments(parser: argparse.ArgumentParser) -> None:
+    from .explore import DEFAULT_SCALES
+
+    parser.add_argument(
+        "--scales",
+        type=_floats,
+        default=DEFAULT_SCALES,
+        help="query/key weight scales (comma-separated)",
+    )
+    parser.add_argument("--tokens", type=int, default=8, help="sequence length")
+    parser.add_argument("--width", type=int, default=32, help="model width (one head)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("probe-reports"),
+        help="folder for explore.json and entropy_vs_scale.png",
+    )
+
+
+def _run_explore_command(args) -> int:
+    from .explore import explore, format_table
+    from .plots import entropy_vs_scale
+    from .report import write_report
+
+    if args.tokens < 2 or args.width < 2 or not args.scales or min(args.scales) <= 0:
+        print(
+            "vit22b explore: error: needs --tokens >= 2, --width >= 2 and positive --scales",
+            file=sys.stderr,
+        )
+        return 2
+    report = explore(args.scales, tokens=args.tokens, width=args.width, seed=args.seed)
+    figure = entropy_vs_scale(report, args.out / "entropy_vs_scale.png")
+    report["figure"] = str(figure)
+    path = write_report(report, args.out, "explore")
+    print(format_table(report))
+    print(f"report: {path}  figure: {figure}")
+    return 0
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser):
+    """The dispatcher's contract: register the command's options, return its handler."""
+    if command == "probe":
+        _probe_arguments(parser)
+        return _run_probe_command
+    if command == "explore":
+        _explore_arguments(parser)
+        return _run_explore_command
+    raise ValueError(f"vit22b.probes.cli does not provide the command {command!r}")

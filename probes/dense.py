@@ -1,0 +1,388 @@
+"""Dense probes on frozen patch tokens: depth (linear and DPT-style decoders) and segmentation.
+
+Decoders read the patch tokens of several layers as grids [N, g, g, d] (plus, optionally, the
+pooled feature broadcast to every token) and predict at a few times the token resolution; the
+prediction is then resized bilinearly to the label's pixels, where the loss and the metrics are
+computed. They train with optax (Adam) on standardised features; only the decoder learns.
+
+- ``linear``: one linear map per token to an ``sub x sub`` block of outputs (a linear decoder
+  with sub-patch resolution), then bilinear upsampling (DINOv2's linear heads, with a finer
+  output grid).
+- ``dpt``: DPT's reassemble (project each layer, resample layer ``i`` of ``L`` by
+  ``2**(L-2-i)``, so the earliest layer is the finest) and fusion (residual conv units, coarse
+  to fine, each stage upsampled to the next), then a small conv head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .features import Features
+
+
+@dataclass
+class DenseInputs:
+    """Standardised decoder inputs: per-layer token grids and the pooled feature."""
+
+    layers: tuple[np.ndarray, ...]  # each [N, g, g, d]
+    pooled: np.ndarray | None  # [N, d]
+
+    def take(self, index) -> DenseInputs:
+        pooled = None if self.pooled is None else self.pooled[index]
+        return DenseInputs(tuple(x[index] for x in self.layers), pooled)
+
+
+def dense_inputs(
+    features: Features, layers: tuple[int, ...], use_pooled: bool, train_index: np.ndarray
+) -> DenseInputs:
+    """Token grids of ``layers`` (and the pooled feature), standardised with training statistics."""
+
+    def standardise(x: np.ndarray) -> np.ndarray:
+        ref = x[train_index].reshape(-1, x.shape[-1])
+        return ((x - ref.mean(0)) / (ref.std(0) + 1e-6)).astype(np.float32)
+
+    grids = tuple(standardise(features.patch_grid(layer)) for layer in layers)
+    pooled = standardise(features.require("pooled")) if use_pooled else None
+    return DenseInputs(grids, pooled)
+
+
+def _with_pooled(x: jax.Array, pooled: jax.Array | None) -> jax.Array:
+    if pooled is None:
+        return x
+    tiled = jnp.broadcast_to(pooled[:, None, None, :], x.shape[:3] + pooled.shape[-1:])
+    return jnp.concatenate([x, tiled], axis=-1)
+
+
+class LinearDecoder(nn.Module):
+    out_channels: int
+    sub: int = 4  # output pixels per token side, before the bilinear upsampling
+
+    @nn.compact
+    def __call__(self, layers, pooled):
+        x = _with_pooled(jnp.concatenate(layers, axis=-1), pooled)
+        b, g, _, _ = x.shape
+        s, c = self.sub, self.out_channels
+        y = nn.Dense(s * s * c)(x).reshape(b, g, g, s, s, c)
+        return y.transpose(0, 1, 3, 2, 4, 5).reshape(b, g * s, g * s, c)
+
+
+class ResidualConvUnit(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Conv(self.features, (3, 3))(nn.relu(x))
+        y = nn.Conv(self.features, (3, 3))(nn.relu(y))
+        return x + y
+
+
+class DPTDecoder(nn.Module):
+    out_channels: int
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, layers, pooled):
+        f, depth = self.features, len(layers)
+        maps = []
+        for i, tokens in enumerate(layers):
+            if pooled is not None:  # DPT's "project" readout: mix the global feature into tokens
+                tokens = nn.gelu(nn.Dense(tokens.shape[-1])(_with_pooled(tokens, pooled)))
+            x = nn.Dense(f)(tokens)
+            factor = 2.0 ** (depth - 2 - i)
+            if factor > 1:
+                k = int(factor)
+                x = nn.ConvTranspose(f, (k, k), strides=(k, k))(x)
+            elif factor < 1:
+                x = nn.Conv(f, (3, 3), strides=(2, 2))(x)
+            maps.append(x)
+        x = ResidualConvUnit(f)(maps[-1])
+        for skip in reversed(maps[:-1]):
+            x = jax.image.resize(x, skip.shape[:3] + (f,), "bilinear")
+            x = ResidualConvUnit(f)(x + skip)  # DPT has a second unit on the skip: CPU-costly
+        x = nn.gelu(nn.Conv(f // 2, (3, 3))(x))
+        return nn.Conv(self.out_channels, (1, 1))(x)
+
+
+# decoder -> (module class, Adam learning rate that trains it well in a few hundred steps)
+DECODERS = {"linear": (LinearDecoder, 3e-2), "dpt": (DPTDecoder, 3e-3)}
+
+
+def make_decoder(kind: str, out_channels: int) -> tuple[nn.Module, float]:
+    if kind not in DECODERS:
+        raise ValueError(f"unknown decoder {kind!r}; choose from {sorted(DECODERS)}")
+    module, learning_rate = DECODERS[kind]
+    return module(out_channels), learning_rate
+
+
+def downsample_depth(depth: np.ndarray, stride: int) -> np.ndarray:
+    """Mean over ``stride x stride`` blocks (the training resolution of depth targets)."""
+    n, h, w = depth.shape[:3]
+    if stride == 1:
+        return depth
+    if h % stride or w % stride:
+        raise ValueError(f"label size {h}x{w} is not divisible by train_stride={stride}")
+    return depth.reshape(n, h // stride, stride, w // stride, stride, *depth.shape[3:]).mean((2, 4))
+
+
+def downsample_mask(mask: np.ndarray, stride: int) -> np.ndarray:
+    """Every ``stride``-th pixel (labels cannot be averaged)."""
+    return mask[:, stride // 2 :: stride, stride // 2 :: stride]
+
+
+def _to_pixels(y: jax.Array, size: tuple[int, int]) -> jax.Array:
+    return jax.image.resize(y, (y.shape[0], *size, y.shape[-1]), "bilinear")
+
+
+def init_decoder(decoder: nn.Module, inputs: DenseInputs, rng: np.random.Generator):
+    """LeCun-normal kernels and zero biases (Flax's defaults), drawn with numpy from the shapes
+    ``eval_shape`` gives: compiling Flax's init costs seconds per conv on CPU."""
+    shapes = jax.eval_shape(decoder.init, jax.random.key(0), *_batch(inputs, np.arange(1)))
+
+    def draw(path, leaf):
+        if path[-1].key != "kernel":
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        fan_in = int(np.prod(leaf.shape[:-1]))
+        return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def train_decoder(
+    decoder: nn.Module,
+    inputs: DenseInputs,
+    targets: np.ndarray,
+    loss_fn,
+    steps: int = 300,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+):
+    """Adam(W) on mini-batches; returns the trained parameters and the loss curve."""
+    size = targets.shape[1:3]
+    rng = np.random.default_rng(seed)
+    params = init_decoder(decoder, inputs, rng)
+    schedule = optax.cosine_decay_schedule(learning_rate, steps)
+    optimizer = optax.adamw(schedule, weight_decay=weight_decay)
+    state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, state, layers, pooled, target):
+        def loss(p):
+            return loss_fn(_to_pixels(decoder.apply(p, layers, pooled), size), target)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for index in _minibatches(len(targets), batch_size, steps, rng):
+        params, state, value = step(params, state, *_batch(inputs, index), targets[index])
+        losses.append(float(value))
+    return params, losses
+
+
+def _minibatches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
+    """``steps`` index batches of one fixed size (one jit shape): reshuffled every epoch."""
+    batch_size = min(batch_size, n)
+    per_epoch = n // batch_size
+    for i in range(steps):
+        if i % per_epoch == 0:
+            order = rng.permutation(n)
+        start = (i % per_epoch) * batch_size
+        yield order[start : start + batch_size]
+
+
+def _batch(inputs: DenseInputs, index):
+    layers = tuple(jnp.asarray(x[index]) for x in inputs.layers)
+    return layers, None if inputs.pooled is None else jnp.asarray(inputs.pooled[index])
+
+
+def predict(decoder, params, inputs: DenseInputs, size, batch_size: int = 64) -> np.ndarray:
+    """Decoder outputs at pixel resolution [N, H, W, C] (batches padded to one compiled shape)."""
+    forward = jax.jit(partial(_predict_batch, decoder, size=size))
+    n = len(inputs.layers[0])
+    batch_size = min(batch_size, n)
+    out = []
+    for start in range(0, n, batch_size):
+        index = np.arange(start, start + batch_size) % n  # the last batch wraps around
+        out.append(np.asarray(forward(params, *_batch(inputs, index)))[: n - start])
+    return np.concatenate(out)
+
+
+def _predict_batch(decoder, params, layers, pooled, size):
+    return _to_pixels(decoder.apply(params, layers, pooled), size)
+
+
+# ------------------------------------------------------------------------------------------
+# depth
+# ------------------------------------------------------------------------------------------
+
+
+def depth_metrics(pred: np.ndarray, target: np.ndarray, min_depth: float = 1e-3) -> dict:
+    """MSE, RMSE, AbsRel = mean |p - t| / t, and delta<1.25 = share with max(p/t, t/p) < 1.25."""
+    pred = np.maximum(np.asarray(pred, np.float64), min_depth)
+    target = np.asarray(target, np.float64)
+    valid = target > min_depth
+    p, t = pred[valid], target[valid]
+    mse = float(np.mean((p - t) ** 2))
+    return {
+        "mse": mse,
+        "rmse": mse**0.5,
+        "abs_rel": float(np.mean(np.abs(p - t) / t)),
+        "delta1": float(np.mean(np.maximum(p / t, t / p) < 1.25)),
+    }
+
+
+def depth_probe(
+    features: Features,
+    depth: np.ndarray,
+    train_index: np.ndarray,
+    test_index: np.ndarray,
+    layers: tuple[int, ...],
+    decoders: tuple[str, ...] = ("linear", "dpt"),
+    use_pooled: bool = True,
+    steps: int = 300,
+    train_stride: int = 2,
+    seed: int = 0,
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """Train each decoder on the training images' depth (standardised, pooled to 1/train_stride
+    resolution); metrics on the test images at full resolution.
+
+    Returns the report and the test predictions by decoder ([N_test, H, W], for the PNG).
+    """
+    inputs = dense_inputs(features, layers, use_pooled, train_index)
+    depth = np.asarray(depth, np.float32)
+    mean, std = float(depth[train_index].mean()), float(depth[train_index].std())
+    target = downsample_depth((depth[train_index] - mean) / std, train_stride)[..., None]
+    size = depth.shape[1:3]
+
+    def mse(pred, tgt):
+        return jnp.mean((pred - tgt) ** 2)
+
+    report = {
+        "probe": "depth",
+        "layers": list(layers),
+        "pooled": use_pooled,
+        "steps": steps,
+        "train_stride": train_stride,
+        "num_train": len(train_index),
+        "num_test": len(test_index),
+        "baselines": {
+            "mean_depth": depth_metrics(np.full_like(depth[test_index], mean), depth[test_index]),
+            "per_pixel_mean_depth": depth_metrics(
+                np.broadcast_to(depth[train_index].mean(0), depth[test_index].shape),
+                depth[test_index],
+            ),
+        },
+    }
+    predictions = {}
+    for kind in decoders:
+        decoder, learning_rate = make_decoder(kind, 1)
+        params, losses = train_decoder(
+            decoder,
+            inputs.take(train_index),
+            target,
+            mse,
+            steps,
+            learning_rate=learning_rate,
+            seed=seed,
+        )
+        pred = predict(decoder, params, inputs.take(test_index), size)[..., 0] * std + mean
+        predictions[kind] = pred
+        report[kind] = {**depth_metrics(pred, depth[test_index]), "final_train_loss": losses[-1]}
+    return report, predictions
+
+
+# ------------------------------------------------------------------------------------------
+# segmentation
+# ------------------------------------------------------------------------------------------
+
+
+def segmentation_metrics(pred: np.ndarray, target: np.ndarray, num_classes: int) -> dict:
+    """Pixel accuracy and mean IoU over the classes present in the labels or the predictions.
+
+    IoU of a class = |pred & target| / |pred | target| summed over all test pixels.
+    """
+    pred, target = np.asarray(pred).ravel(), np.asarray(target).ravel()
+    confusion = np.bincount(target * num_classes + pred, minlength=num_classes**2)
+    confusion = confusion.reshape(num_classes, num_classes)
+    inter = np.diag(confusion).astype(np.float64)
+    union = confusion.sum(0) + confusion.sum(1) - inter
+    present = union > 0
+    iou = np.where(present, inter / np.maximum(union, 1), np.nan)
+    return {
+        "pixel_accuracy": float(inter.sum() / confusion.sum()),
+        "miou": float(np.nanmean(iou)),
+        "iou_per_class": [None if np.isnan(v) else float(v) for v in iou],
+    }
+
+
+def segmentation_probe(
+    features: Features,
+    mask: np.ndarray,
+    num_classes: int,
+    train_index: np.ndarray,
+    test_index: np.ndarray,
+    layers: tuple[int, ...],
+    use_pooled: bool = False,
+    steps: int = 300,
+    train_stride: int = 2,
+    seed: int = 0,
+) -> tuple[dict, np.ndarray]:
+    """Linear decoder with per-pixel softmax cross-entropy (trained on every train_stride-th
+    pixel); mIoU and pixel accuracy on the test images at full resolution."""
+    mask = np.asarray(mask, np.int32)
+    if mask.min() < 0 or mask.max() >= num_classes:
+        raise ValueError(
+            f"mask values span {mask.min()}..{mask.max()}, outside 0..{num_classes - 1}"
+        )
+    inputs = dense_inputs(features, layers, use_pooled, train_index)
+    decoder, learning_rate = make_decoder("linear", num_classes)
+
+    def cross_entropy(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    params, losses = train_decoder(
+        decoder,
+        inputs.take(train_index),
+        downsample_mask(mask[train_index], train_stride),
+        cross_entropy,
+        steps,
+        learning_rate=learning_rate,
+        seed=seed,
+    )
+    pred = predict(decoder, params, inputs.take(test_index), mask.shape[1:3]).argmax(-1)
+    majority = int(np.bincount(mask[train_index].ravel(), minlength=num_classes).argmax())
+    report = {
+        "probe": "segmentation",
+        "layers": list(layers),
+        "pooled": use_pooled,
+        "steps": steps,
+        "train_stride": train_stride,
+        "num_classes": num_classes,
+        "num_train": len(train_index),
+        "num_test": len(test_index),
+        "linear": {
+            **segmentation_metrics(pred, mask[test_index], num_classes),
+            "final_train_loss": losses[-1],
+        },
+        "baselines": {
+            "majority_class": majority,
+            **{
+                f"majority_{k}": v
+                for k, v in segmentation_metrics(
+                    np.full_like(mask[test_index], majority), mask[test_index], num_classes
+                ).items()
+                if k != "iou_per_class"
+            },
+        },
+    }
+    return report, pred

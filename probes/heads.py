@@ -1,0 +1,82 @@
+"""Imported classifier heads applied to pooled features.
+
+File format (``.npz``, written by ``save_head`` and by the weight converter; numpy alone reads it):
+
+- ``kernel``: float array [d, C], the head's weight in Flax (in, out) layout
+  (a PyTorch ``nn.Linear.weight`` is [C, d]: transpose it);
+- ``bias``: float array [C];
+- ``class_names`` (optional): unicode string array [C] (e.g. ImageNet synset names), stored
+  without pickling.
+
+``logits = pooled @ kernel + bias``: the features must be the same pooled representation the
+head was trained on (big_vision's ``pre_logits``, timm's ``forward_head(pre_logits=True)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .data import DataError
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    kernel: np.ndarray  # [d, C]
+    bias: np.ndarray  # [C]
+    class_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kernel.ndim != 2:
+            raise DataError(f"head kernel must be [d, C], got shape {self.kernel.shape}")
+        if self.bias.shape != (self.kernel.shape[1],):
+            raise DataError(
+                f"head bias of shape {self.bias.shape} does not match kernel {self.kernel.shape}"
+            )
+        if self.class_names and len(self.class_names) != self.kernel.shape[1]:
+            raise DataError(
+                f"head has {len(self.class_names)} class names for {self.kernel.shape[1]} classes"
+            )
+
+    @property
+    def num_classes(self) -> int:
+        return self.kernel.shape[1]
+
+    def logits(self, pooled: np.ndarray) -> np.ndarray:
+        pooled = np.asarray(pooled, np.float32)
+        if pooled.ndim != 2 or pooled.shape[1] != self.kernel.shape[0]:
+            raise DataError(
+                f"pooled features of shape {pooled.shape} do not fit a head of input width "
+                f"{self.kernel.shape[0]}"
+            )
+        return pooled @ self.kernel + self.bias
+
+
+def save_head(path: str | Path, head: LinearHead) -> None:
+    arrays = {"kernel": head.kernel.astype(np.float32), "bias": head.bias.astype(np.float32)}
+    if head.class_names:
+        arrays["class_names"] = np.asarray(head.class_names, dtype=str)
+    np.savez(path, **arrays)
+
+
+def load_head(path: str | Path) -> LinearHead:
+    path = Path(path)
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: not a readable .npz head file ({err})") from err
+    with npz:
+        missing = {"kernel", "bias"} - set(npz.files)
+        if missing:
+            raise DataError(f"{path}: head file lacks {sorted(missing)} (has {npz.files})")
+        kernel, bias = npz["kernel"], npz["bias"]
+        names = tuple(str(s) for s in npz["class_names"]) if "class_names" in npz.files else ()
+    for name, array in (("kernel", kernel), ("bias", bias)):
+        if not np.issubdtype(array.dtype, np.floating):
+            raise DataError(f"{path}: {name} must be floating point, got {array.dtype}")
+    try:
+        return LinearHead(kernel.astype(np.float32), bias.astype(np.float32), names)
+    except DataError as err:
+        raise DataError(f"{path}: {err}") from None

@@ -1,0 +1,73 @@
+"""k-nearest-neighbour probe: cosine similarity, temperature-weighted votes (DINOv2 eval/knn.py).
+
+Each test feature votes with its k most similar training features; a neighbour with cosine
+similarity s adds ``exp(s / T)`` to its class. Top-1 / top-5 of the summed votes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .metrics import classification_scores, num_classes_of, trivial_baselines
+
+DEFAULT_KS = (10, 20, 100, 200)
+DEFAULT_TEMPERATURE = 0.07
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def knn_votes(
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    test_x: np.ndarray,
+    ks: tuple[int, ...],
+    num_classes: int,
+    temperature: float = DEFAULT_TEMPERATURE,
+    chunk: int = 1024,
+) -> dict[int, np.ndarray]:
+    """Class votes [N_test, num_classes] for each k (k is capped at the training set's size)."""
+    bank, queries = _unit(train_x), _unit(test_x)
+    kmax = min(max(ks), len(bank))
+    votes = {k: np.zeros((len(queries), num_classes)) for k in ks}
+    for start in range(0, len(queries), chunk):
+        sim = queries[start : start + chunk] @ bank.T
+        top = np.argpartition(-sim, kmax - 1, axis=1)[:, :kmax]
+        top_sim = np.take_along_axis(sim, top, axis=1)
+        order = np.argsort(-top_sim, axis=1, kind="stable")
+        top, top_sim = np.take_along_axis(top, order, 1), np.take_along_axis(top_sim, order, 1)
+        weights = np.exp(top_sim.astype(np.float64) / temperature)
+        onehot = np.eye(num_classes)[train_y[top]]  # [n, kmax, C]
+        for k in ks:
+            kk = min(k, kmax)
+            votes[k][start : start + chunk] = np.einsum(
+                "nk,nkc->nc", weights[:, :kk], onehot[:, :kk]
+            )
+    return votes
+
+
+def knn_probe(
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    test_x: np.ndarray,
+    test_y: np.ndarray,
+    ks: tuple[int, ...] = DEFAULT_KS,
+    temperature: float = DEFAULT_TEMPERATURE,
+    class_names: tuple[str, ...] = (),
+) -> dict:
+    num_classes = num_classes_of(train_y, test_y, names=class_names)
+    votes = knn_votes(train_x, train_y, test_x, ks, num_classes, temperature)
+    return {
+        "probe": "knn",
+        "temperature": temperature,
+        "num_train": len(train_y),
+        "num_test": len(test_y),
+        "num_classes": num_classes,
+        "by_k": {
+            str(k): {"k_used": min(k, len(train_y)), **classification_scores(v, test_y)}
+            for k, v in votes.items()
+        },
+        "baselines": trivial_baselines(train_y, test_y, num_classes),
+    }

@@ -1,0 +1,61 @@
+"""Small numpy helpers every classification probe shares: softmax, top-k, baselines, splits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    return np.exp(log_softmax(logits))
+
+
+def topk_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """Fraction of rows whose label is among the ``k`` highest scores (ties: lower index first)."""
+    k = min(k, scores.shape[1])
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return float(np.mean(np.any(top == np.asarray(labels)[:, None], axis=1)))
+
+
+def classification_scores(scores: np.ndarray, labels: np.ndarray) -> dict:
+    return {"top1": topk_accuracy(scores, labels, 1), "top5": topk_accuracy(scores, labels, 5)}
+
+
+def trivial_baselines(train_labels: np.ndarray, test_labels: np.ndarray, num_classes: int) -> dict:
+    """What a probe must beat: uniform guessing, and always answering the training majority."""
+    majority = np.bincount(train_labels, minlength=num_classes).argmax()
+    return {
+        "chance_top1": 1.0 / num_classes,
+        "majority_class": int(majority),
+        "majority_top1": float(np.mean(test_labels == majority)),
+    }
+
+
+def split_indices(
+    labels: np.ndarray, fractions: tuple[float, ...], seed: int = 0
+) -> list[np.ndarray]:
+    """Stratified random split of ``range(len(labels))`` into parts of the given fractions.
+
+    Each class is shuffled and cut by the fractions separately, so every part keeps the class
+    proportions; the last part takes the rounding remainder.
+    """
+    if abs(sum(fractions) - 1.0) > 1e-6 or min(fractions) <= 0:
+        raise ValueError(f"split fractions must be positive and sum to 1, got {fractions}")
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[] for _ in fractions]
+    bounds = np.cumsum(fractions)[:-1]
+    for cls in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == cls))
+        cuts = np.round(bounds * len(members)).astype(int)
+        for part, chunk in zip(parts, np.split(members, cuts)):
+            part.append(chunk)
+    return [np.sort(np.concatenate(p)) for p in parts]
+
+
+def num_classes_of(*label_arrays: np.ndarray, names: tuple[str, ...] = ()) -> int:
+    return max(len(names), *(int(np.max(a)) + 1 for a in label_arrays if len(a)))

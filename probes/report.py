@@ -1,0 +1,101 @@
+"""Probe reports: one JSON file per run (numpy values turned into plain JSON)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+def to_jsonable(value):
+    """Dicts, lists, numpy scalars and arrays -> JSON types; NaN and infinities -> None."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
+    """Write ``<out_dir>/<name>.json`` atomically (temporary file, then rename)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(to_jsonable(report), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def summarize(report: dict) -> str:
+    """A few lines with each probe's headline figures beside its trivial baseline."""
+    kind = report.get("probe")
+    base = report.get("baselines", {})
+    if kind == "linear":
+        return (
+            f"linear: top-1 {_fmt(report['top1'])}, top-5 {_fmt(report['top5'])} "
+            f"(C={report['best_C']:g}); chance {_fmt(base['chance_top1'])}, "
+            f"majority {_fmt(base['majority_top1'])}"
+        )
+    if kind == "fewshot":
+        shots = ", ".join(
+            f"{k}-shot {_fmt(v['top1_mean'])}±{v['top1_std']:.3f}"
+            for k, v in report["shots"].items()
+        )
+        return f"fewshot: {shots}; chance {_fmt(base['chance_top1'])}"
+    if kind == "knn":
+        ks = ", ".join(f"k={k} {_fmt(v['top1'])}" for k, v in report["by_k"].items())
+        return f"knn top-1: {ks}; chance {_fmt(base['chance_top1'])}"
+    if kind == "calibration":
+        b, a = report["before"], report["after"]
+        return (
+            f"calibration (T={report['temperature']:.3f}): ECE {_fmt(b['ece'])} -> "
+            f"{_fmt(a['ece'])}, NLL {_fmt(b['nll'])} -> {_fmt(a['nll'])}, "
+            f"accuracy {_fmt(b['accuracy'])}"
+        )
+    if kind == "depth":
+        lines = [
+            f"depth {k}: RMSE {_fmt(report[k]['rmse'])}, AbsRel {_fmt(report[k]['abs_rel'])},"
+            f" delta1 {_fmt(report[k]['delta1'])}"
+            for k in ("linear", "dpt")
+            if k in report
+        ]
+        mean = base["mean_depth"]
+        lines.append(
+            f"depth mean-depth baseline: RMSE {_fmt(mean['rmse'])}, "
+            f"AbsRel {_fmt(mean['abs_rel'])}, delta1 {_fmt(mean['delta1'])}"
+        )
+        return "\n".join(lines)
+    if kind == "segmentation":
+        lin = report["linear"]
+        return (
+            f"segmentation: mIoU {_fmt(lin['miou'])}, pixel accuracy "
+            f"{_fmt(lin['pixel_accuracy'])}; majority class: mIoU "
+            f"{_fmt(base['majority_miou'])}, pixel accuracy "
+            f"{_fmt(base['majority_pixel_accuracy'])}"
+        )
+    if kind == "shape-bias":
+        return (
+            f"shape bias {_fmt(report['shape_bias'])} ({report['shape_decisions']} shape, "
+            f"{report['texture_decisions']} texture, {report['other_decisions']} other "
+            f"decisions; {report['same_category_excluded']} same-category images left out)"
+        )
+    if kind == "diagnostics":
+        layers = ", ".join(f"L{r['layer']} {r['entropy_mean']:.3f}" for r in report["per_layer"])
+        collapsed = report.get("collapsed_heads")
+        return f"attention entropy by layer: {layers}" + (
+            f"; collapsed heads: {collapsed}" if collapsed else ""
+        )
+    return f"{kind}: see the JSON report"

@@ -1,0 +1,299 @@
+"""Run a probe end to end on a :class:`ProbeData`: split, fit, score, write JSON and PNG.
+
+This is the library entry the CLI (``vit22b probe KIND``) and the demo call; each probe module
+stays a pure function of arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shape_bias
+from .data import DataError, ShapesWorld
+from .features import Features, load_npz_features, save_features
+from .heads import LinearHead
+from .metrics import log_softmax, split_indices
+from .report import write_report
+
+KINDS = (
+    "linear", "fewshot", "knn", "calibration", "depth", "segmentation", "shape-bias", "diagnostics",
+)  # fmt: skip
+
+
+@dataclass
+class ProbeData:
+    """Features of N images with whatever targets the probes need (all aligned on N)."""
+
+    features: Features
+    labels: np.ndarray | None = None  # class (for cue-conflict images: shape category)
+    class_names: tuple[str, ...] = ()
+    texture: np.ndarray | None = None  # texture category of cue-conflict images
+    depth: np.ndarray | None = None  # [N, H, W]
+    mask: np.ndarray | None = None  # [N, H, W], 0..num_mask_classes-1
+    num_mask_classes: int | None = None
+    images: np.ndarray | None = None  # uint8 [N, H, W, 3], for figures only
+
+    def require(self, name: str, why: str) -> np.ndarray:
+        value = getattr(self, name)
+        if value is None:
+            raise DataError(f"the {why} needs {name} for the images, and this data has none")
+        return value
+
+
+def probe_data_from_shapes_world(world: ShapesWorld, features: Features) -> ProbeData:
+    return ProbeData(
+        features=features,
+        labels=world.shape,
+        class_names=world.shape_names,
+        texture=world.texture,
+        depth=world.depth,
+        mask=world.mask,
+        num_mask_classes=world.num_mask_classes,
+        images=world.images,
+    )
+
+
+_TARGETS = ("labels", "texture", "depth", "mask")
+
+
+def save_probe_data(path: str | Path, data: ProbeData) -> None:
+    """Features and targets in one .npz (``target/<name>``), reloadable with ``--features``."""
+    save_features(path, data.features)
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = dict(npz)
+    for name in _TARGETS:
+        if getattr(data, name) is not None:
+            arrays[f"target/{name}"] = getattr(data, name)
+    if data.class_names:
+        arrays["target/class_names"] = np.asarray(data.class_names, dtype=str)
+    if data.num_mask_classes:
+        arrays["target/num_mask_classes"] = np.asarray(data.num_mask_classes)
+    np.savez(path, **arrays)
+
+
+def load_probe_data(path: str | Path) -> ProbeData:
+    features = load_npz_features(path)
+    with np.load(path, allow_pickle=False) as npz:
+        targets = {k.split("/", 1)[1]: npz[k] for k in npz.files if k.startswith("target/")}
+    names = tuple(str(s) for s in targets.pop("class_names", ()))
+    num_mask = targets.pop("num_mask_classes", None)
+    return ProbeData(
+        features=features,
+        class_names=names,
+        num_mask_classes=None if num_mask is None else int(num_mask),
+        **{k: targets.get(k) for k in _TARGETS},
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# the probes
+# ------------------------------------------------------------------------------------------
+
+
+def classification_inputs(data: ProbeData, feature: str = "pooled") -> np.ndarray:
+    """The per-image vector a classification probe reads: ``pooled``, ``class_token``, or
+    ``patch_mean`` (the mean patch token of the deepest layer available)."""
+    if feature == "patch_mean":
+        tokens = data.features.require("patch_tokens")
+        return tokens[max(tokens)].mean(axis=1)
+    if feature not in ("pooled", "class_token"):
+        raise ValueError(f"feature must be pooled, class_token or patch_mean, got {feature!r}")
+    return data.features.require(feature)
+
+
+def _splits(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    train, val, test = split_indices(labels, (0.6, 0.2, 0.2), seed)
+    return train, val, test
+
+
+def run_classification(
+    kind: str, data: ProbeData, seed: int = 0, feature: str = "pooled", **options
+) -> dict:
+    """linear / fewshot / knn on a stratified 80 / 20 split (linear picks C inside the 80)."""
+    labels = data.require("labels", f"{kind} probe")
+    x = classification_inputs(data, feature)
+    train, val, test = _splits(labels, seed)
+    pool = np.sort(np.concatenate([train, val]))
+    fn = {"linear": linear.linear_probe, "fewshot": fewshot.fewshot_probe, "knn": knn.knn_probe}
+    report = fn[kind](
+        x[pool], labels[pool], x[test], labels[test], class_names=data.class_names, **options
+    )
+    return {**report, "feature": feature}
+
+
+def _head_logits(data: ProbeData, head: LinearHead | None) -> np.ndarray | None:
+    if head is not None:
+        return head.logits(data.features.require("pooled"))
+    return data.features.logits
+
+
+def run_calibration(
+    data: ProbeData,
+    seed: int = 0,
+    feature: str = "pooled",
+    head: LinearHead | None = None,
+    bins: int = calibration.DEFAULT_BINS,
+) -> dict:
+    """Logits from an imported head (or the model's classifier) when given, else from a logistic
+    regression fitted on a training split; temperature fitted on validation; report on test."""
+    labels = data.require("labels", "calibration probe")
+    train, val, test = _splits(labels, seed)
+    logits = _head_logits(data, head)
+    source = "imported head" if head is not None else "model classifier"
+    if logits is None:
+        x = classification_inputs(data, feature)
+        best_c, _ = linear.select_c(x[train], labels[train], x[val], labels[val])
+        model = linear.fit_logistic(x[train], labels[train], best_c)
+        num_classes = max(len(data.class_names), int(labels.max()) + 1)
+        logits = linear.class_scores(model, x, num_classes)
+        source = f"logistic regression on {feature} features (C={best_c:g})"
+    report = calibration.calibration_probe(
+        logits[val], labels[val], logits[test], labels[test], bins
+    )
+    return {**report, "logits_from": source}
+
+
+def _dense_split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    train, test = split_indices(np.zeros(n, int), (0.75, 0.25), seed)
+    return train, test
+
+
+def _default_layers(features: Features, layers) -> tuple[int, ...]:
+    available = sorted(features.require("patch_tokens"))
+    layers = tuple(layers) if layers else tuple(available)
+    missing = [layer for layer in layers if layer not in available]
+    if missing:
+        raise DataError(f"no patch tokens of layers {missing}; available: {available}")
+    return layers
+
+
+def run_depth(data: ProbeData, seed: int = 0, layers=(), out_dir=None, **options) -> dict:
+    depth = data.require("depth", "depth probe")
+    train, test = _dense_split(len(depth), seed)
+    layers = _default_layers(data.features, layers)
+    report, predictions = dense.depth_probe(
+        data.features, depth, train, test, layers,
+        use_pooled=data.features.pooled is not None, seed=seed, **options,
+    )  # fmt: skip
+    if out_dir is not None:
+        images = None if data.images is None else data.images[test]
+        report["figure"] = str(
+            plots.depth_figure(images, depth[test], predictions, Path(out_dir) / "depth.png")
+        )
+    return report
+
+
+def run_segmentation(data: ProbeData, seed: int = 0, layers=(), out_dir=None, **options) -> dict:
+    mask = data.require("mask", "segmentation probe")
+    num_classes = data.num_mask_classes or int(mask.max()) + 1
+    train, test = _dense_split(len(mask), seed)
+    layers = _default_layers(data.features, layers)
+    report, pred = dense.segmentation_probe(
+        data.features, mask, num_classes, train, test, layers, seed=seed, **options
+    )
+    if out_dir is not None:
+        images = None if data.images is None else data.images[test]
+        report["figure"] = str(plots.segmentation_figure(
+            images, mask[test], pred, num_classes, Path(out_dir) / "segmentation.png"
+        ))  # fmt: skip
+    return report
+
+
+def run_shape_bias(
+    conflict: ProbeData,
+    train: ProbeData | None = None,
+    head: LinearHead | None = None,
+    feature: str = "pooled",
+    seed: int = 0,
+    out_dir=None,
+) -> dict:
+    """Decisions on cue-conflict images from: an imported head or the model's classifier
+    (1000-way ImageNet -> 16 categories, or one logit per category), or else a logistic
+    regression trained on ``train`` (images whose shape and texture agree)."""
+    shapes = conflict.require("labels", "shape-bias probe")
+    textures = conflict.require("texture", "shape-bias probe")
+    names = conflict.class_names
+    logits = _head_logits(conflict, head)
+    if logits is not None:
+        if logits.shape[1] == 1000 and len(names) == len(shape_bias.CATEGORIES):
+            if names != shape_bias.CATEGORIES:
+                raise DataError(
+                    f"1000-way ImageNet decisions map to {shape_bias.CATEGORIES}, "
+                    f"but the stimuli's categories are {names}"
+                )
+            scores = shape_bias.imagenet_to_categories(np.exp(log_softmax(logits)))
+            source = "1000-way ImageNet head mapped to 16 categories (mean probability)"
+        elif logits.shape[1] == len(names):
+            scores, source = logits, f"{len(names)}-way head"
+        else:
+            raise DataError(
+                f"a head with {logits.shape[1]} classes cannot decide between the "
+                f"{len(names)} categories {names}"
+            )
+    elif train is not None:
+        labels = train.require("labels", "shape-bias head training")
+        x = classification_inputs(train, feature)
+        fit, val = split_indices(labels, (0.8, 0.2), seed)
+        best_c, _ = linear.select_c(x[fit], labels[fit], x[val], labels[val])
+        model = linear.fit_logistic(x, labels, best_c)
+        scores = linear.class_scores(model, classification_inputs(conflict, feature), len(names))
+        source = f"logistic regression (C={best_c:g}) trained on {len(labels)} cue-agreeing images"
+    else:
+        raise DataError(
+            "shape bias needs decisions: an imported head (--head), a model with a "
+            "classifier, or cue-agreeing training images"
+        )
+    report = {
+        "probe": "shape-bias",
+        "decisions_from": source,
+        "num_images": len(shapes),
+        "num_classes": len(names),
+        "chance_cue_decision_rate": 2 / len(names),
+        **shape_bias.shape_bias(scores.argmax(axis=1), shapes, textures, names),
+    }
+    if out_dir is not None:
+        report["figure"] = str(plots.shape_bias_figure(report, Path(out_dir) / "shape_bias.png"))
+    return report
+
+
+def run_diagnostics(data: ProbeData, out_dir=None) -> dict:
+    features = data.features
+    report = diagnostics.attention_diagnostics(
+        features.require("attention_entropy"),
+        features.require("attention_max_logit"),
+        num_tokens=features.meta.get("num_tokens"),
+    )
+    if out_dir is not None:
+        report["figure"] = str(plots.attention_heatmaps(report, Path(out_dir) / "attention.png"))
+    return report
+
+
+def run_probe(kind: str, data: ProbeData, out_dir=None, seed: int = 0, **options) -> dict:
+    """Run one probe; with ``out_dir``, write ``<kind>.json`` (and its PNG) there."""
+    if kind in ("linear", "fewshot", "knn"):
+        report = run_classification(kind, data, seed=seed, **options)
+    elif kind == "calibration":
+        report = run_calibration(data, seed=seed, **options)
+    elif kind == "depth":
+        report = run_depth(data, seed=seed, out_dir=out_dir, **options)
+    elif kind == "segmentation":
+        report = run_segmentation(data, seed=seed, out_dir=out_dir, **options)
+    elif kind == "shape-bias":
+        report = run_shape_bias(data, seed=seed, out_dir=out_dir, **options)
+    elif kind == "diagnostics":
+        report = run_diagnostics(data, out_dir=out_dir)
+    else:
+        raise ValueError(f"unknown probe {kind!r}; choose from {KINDS}")
+    report = {**report, "features": dict(data.features.meta), "num_images": len(data.features)}
+    if kind == "calibration" and out_dir is not None:
+        report["figure"] = str(plots.reliability_diagram(report, Path(out_dir) / "reliability.png"))
+    if out_dir is not None:
+        report["report"] = str(write_report(report, out_dir, kind))
+    return report
+
+
+def with_features(data: ProbeData, features: Features) -> ProbeData:
+    return replace(data, features=features)
