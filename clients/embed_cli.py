@@ -43,6 +43,8 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     backend.add_argument("--server", action="append", default=[], metavar="ADDR",
                          help="feature server host:port; repeat to spread over several")
     backend.add_argument("--token", help="bearer token for the servers")
+    backend.add_argument("--tls", nargs="?", const=True, default=False, metavar="ROOTS_PEM",
+                         help="TLS to the servers (system roots, or this PEM of trusted roots)")
     backend.add_argument("--local", action="store_true", help="run the engine in this process")
     backend.add_argument("--model", help="local: preset name (default: the embedded model)")
     backend.add_argument("--checkpoint", help="local: checkpoint directory")
@@ -92,7 +94,8 @@ def make_backend(args: argparse.Namespace, spec: OutputSpec):
     if args.server:
         from .embed_remote import RemoteBackend
 
-        return RemoteBackend(args.server, spec, token=args.token, batch_size=args.batch_size,
+        return RemoteBackend(args.server, spec, token=args.token, tls=args.tls,
+                             batch_size=args.batch_size,
                              concurrency=args.concurrency, quiet=args.quiet)
     from .embed_local import LocalBackend  # imports jax
 

@@ -251,3 +251,31 @@ def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):
         f.write(b"\0\0\0\1")
     with pytest.raises(OutputsError, match="00001.patch_tokens.1.npy does not match"):
         open_outputs(str(out), verify=True)
+
+
+def test_cli_local_with_list_file_and_extension_filter(engine, tmp_path, capsys):
+    from vit22b.clients.cli import main
+
+    data = tmp_path / "data"
+    ids = write_images(data, 6)
+    write_bad_files(data)
+    listing = tmp_path / "few.txt"
+    listing.write_text("".join(f"data/{i}\n" for i in ids[:4]) + "data/missing.jpg\n")
+    out = tmp_path / "out"
+    rc = main(["embed", str(listing), str(data), "--ext", "png", "--output", str(out),
+               "--local", "--mesh", "data=8", "--batch-size", "8", "--quiet"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    result = open_outputs(str(out))
+    pngs = [f"{data}/{i}" for i in ids if i.endswith(".png")]
+    listed = [f"data/{i}" for i in ids[:4] if i.endswith(".png")]
+    assert result.ids == sorted(listed + pngs)  # several INPUTs: ids as written, sorted
+    # missing.jpg, truncated.jpg and notes.txt are filtered out by --ext png; empty.png is not
+    assert [f["id"] for f in result.failed] == [f"{data}/class2/deep/empty.png"]
+    assert f"embedded {len(listed) + len(pngs)}, skipped 0" in stdout
+    assert result.manifest["identity"]["checkpoint_fingerprint"] == engine.identity.fingerprint
+
+    local_job(engine, listing, tmp_path / "o2")  # a list file alone: ids as its lines
+    failed = open_outputs(str(tmp_path / "o2")).failed
+    assert [(f["id"], f["reason"]) for f in failed] == [
+        ("data/missing.jpg", "cannot read file: No such file or directory")]
