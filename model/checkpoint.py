@@ -360,6 +360,9 @@ def _orbax_restore(params_dir: Path, target: dict, partial: bool = False) -> dic
 
 
 def _first_line(err: BaseException) -> str:
+    """The innermost cause's first line: orbax wraps tensorstore's precise message."""
+    while err.__cause__ is not None:
+        err = err.__cause__
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
@@ -374,7 +377,7 @@ def _unreadable(params_dir: Path, target: dict, err: Exception) -> CheckpointErr
         except Exception as leaf_err:
             bad.append(
                 f"parameter {path} (shape {tuple(leaf.shape)}, {np.dtype(leaf.dtype).name}): "
-                f"stored data is unreadable, truncated or corrupt ({_first_line(leaf_err)})"
+                f"stored data is unreadable, truncated or corrupt: {_first_line(leaf_err)}"
             )
     context = f"checkpoint {params_dir.parent} cannot be restored"
     return CheckpointError(format_problems(bad or [_first_line(err)], context))
@@ -400,7 +403,7 @@ def restore(
             f"checkpoint {path} is inconsistent",
         )
     _raise(
-        shape_problems(want, stored_shapes(path), f"config {cfg.name}", "the stored weights"),
+        shape_problems(want, stored_shapes(path), f"config {cfg.name}", "the stored checkpoint"),
         f"checkpoint {path} does not match its config",
     )
     check_mesh_fits(cfg, mesh)

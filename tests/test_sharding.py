@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from peers import rel_err
+from tiny_models import PARALLEL, SEQUENTIAL, images
 from vit22b.model import OutputRequest, ViTConfig, apply, get_config
 from vit22b.model.checkpoint import abstract_target, fingerprint, flatten
 from vit22b.model.sharding import (
@@ -19,37 +20,13 @@ from vit22b.model.sharding import (
     shard_params,
 )
 
-# 8 heads so that every mesh of 8 devices divides them; f32 compute so equality is tight.
-PARALLEL = get_config("vit-22b-tiny/16").replace(heads=8, depth=3, compute_dtype="float32")
-SEQUENTIAL = ViTConfig(
-    name="tiny-seq-8h",
-    width=64,
-    depth=2,
-    heads=8,
-    mlp_dim=128,
-    patch=8,
-    image_size=32,
-    block="sequential",
-    norm="layernorm",
-    qkv_bias=True,
-    qk_norm=False,
-    head="cls",
-    class_token=True,
-    posemb_covers_cls=True,
-    compute_dtype="float32",
-)
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
 REQUEST = OutputRequest(pooled=True, patch_layers=(0, -1), attention_stats=True)
 
 
-def _images(cfg: ViTConfig, n: int = 8) -> np.ndarray:
-    shape = (n, cfg.image_size, cfg.image_size, cfg.channels)
-    return np.asarray(jax.random.normal(jax.random.key(7), shape))
-
-
 def _sharded_forward(cfg: ViTConfig, mesh):
     return jax.jit(
-        lambda params, images: apply(cfg, params, images, REQUEST),
+        lambda params, pixels: apply(cfg, params, pixels, REQUEST),
         in_shardings=(param_shardings(cfg, mesh), batch_sharding(mesh)),
     )
 
@@ -63,12 +40,12 @@ def single_device_params():
 
 @pytest.mark.parametrize("cfg", [PARALLEL, SEQUENTIAL], ids=["parallel", "sequential"])
 def test_sharded_forward_equals_single_device(cfg, single_device_params):
-    images = _images(cfg)
+    pixels = images(cfg)
     params = single_device_params[cfg.name]
-    want = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST))(params, images)
+    want = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST))(params, pixels)
     for spec in MESHES:
         mesh = make_mesh(spec)
-        got = _sharded_forward(cfg, mesh)(shard_params(cfg, params, mesh), images)
+        got = _sharded_forward(cfg, mesh)(shard_params(cfg, params, mesh), pixels)
         for key in ("pooled", "attention_entropy", "attention_max_logit"):
             assert rel_err(got[key], want[key]) < 1e-5, (spec, key)
         for layer in (0, cfg.depth - 1):
@@ -115,11 +92,11 @@ def _collectives_by_scope(hlo: str) -> dict[str, dict[str, int]]:
 def _compiled_text(cfg: ViTConfig, spec: str) -> str:
     mesh = make_mesh(spec)
     params = abstract_target(cfg, mesh)  # shapes and shardings only: nothing is allocated
-    images = jax.ShapeDtypeStruct(
+    batch = jax.ShapeDtypeStruct(
         (8, cfg.image_size, cfg.image_size, cfg.channels), np.float32, sharding=batch_sharding(mesh)
     )
     forward = jax.jit(lambda p, x: apply(cfg, p, x, OutputRequest(pooled=True)))
-    return forward.lower(params, images).compile().as_text()
+    return forward.lower(params, batch).compile().as_text()
 
 
 def test_parallel_block_compiles_to_exactly_one_all_reduce():

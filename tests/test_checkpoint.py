@@ -1,0 +1,241 @@
+"""Orbax checkpoints: save on one mesh, restore on another, refuse every broken or foreign one."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from peers import rel_err
+from tiny_models import PARALLEL, images, random_params
+from vit22b.clients.cli import main
+from vit22b.model import OutputRequest, apply, get_config
+from vit22b.model import checkpoint as ckpt
+from vit22b.model.sharding import (
+    MeshError,
+    batch_sharding,
+    init_sharded,
+    make_mesh,
+    param_shardings,
+    shard_params,
+)
+
+REQUEST = OutputRequest(pooled=True, patch_layers=(-1,))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of PARALLEL written from parameters sharded on (2, 4)."""
+    path = tmp_path_factory.mktemp("ckpt") / "parallel"
+    params = init_sharded(PARALLEL, make_mesh("data=2,model=4"), seed=5)
+    meta = ckpt.save(path, PARALLEL, params, "init:seed=5")
+    return path, params, meta
+
+
+def _features(cfg, params, mesh):
+    forward = jax.jit(
+        lambda p, x: apply(cfg, p, x, REQUEST),
+        in_shardings=(param_shardings(cfg, mesh), batch_sharding(mesh)),
+    )
+    return jax.tree.map(np.asarray, forward(params, images(cfg)))
+
+
+def test_saved_on_2x4_restores_on_1x8_and_one_device_with_identical_features(saved):
+    path, original, meta = saved
+    one_device = make_mesh("auto", jax.devices()[:1])
+    features = {}
+    for mesh in (make_mesh("data=1,model=8"), one_device):
+        cfg, params, restored_meta = ckpt.restore(path, mesh)
+        assert cfg == PARALLEL and restored_meta == meta
+        expected = param_shardings(cfg, mesh)
+        for path_, leaf in ckpt.flatten(params).items():
+            assert leaf.sharding == ckpt.flatten(expected)[path_], path_
+            np.testing.assert_array_equal(
+                np.asarray(leaf), np.asarray(ckpt.flatten(original)[path_])
+            )
+        assert ckpt.fingerprint(params) == meta.fingerprint
+        got = _features(cfg, params, mesh)
+        # the same features, bit for bit, as the saved parameters placed on the same mesh
+        want = _features(cfg, shard_params(cfg, original, mesh), mesh)
+        for key in ("pooled",):
+            np.testing.assert_array_equal(got[key], want[key])
+        np.testing.assert_array_equal(got["patch_tokens"][2], want["patch_tokens"][2])
+        features[len(mesh.devices.flat)] = got
+    # and across meshes they agree to rounding (the all-reduce sums in another order)
+    assert rel_err(features[8]["pooled"], features[1]["pooled"]) < 1e-5
+
+
+def test_metadata_beside_the_weights(saved):
+    path, params, meta = saved
+    assert sorted(p.name for p in path.iterdir()) == ["metadata.json", "params"]  # no classifier
+    on_disk = json.loads((path / "metadata.json").read_text())
+    assert on_disk["fingerprint"] == meta.fingerprint == ckpt.fingerprint(params)
+    assert on_disk["source"] == "init:seed=5"
+    assert on_disk["preprocess_hash"] == PARALLEL.preprocess_hash()
+    assert on_disk["config"]["heads"] == 8 and on_disk["config"]["block"] == "parallel"
+    assert on_disk["parameters"]["block_0/w_in"] == {"shape": [64, 8, 56], "dtype": "float32"}
+    assert on_disk["param_count"] == sum(leaf.size for leaf in jax.tree.leaves(params))
+    assert ckpt.read_metadata(path) == meta
+
+
+def test_fingerprint_depends_on_every_byte_but_not_on_the_mesh():
+    params = random_params(PARALLEL)
+    base = ckpt.fingerprint(params)
+    assert ckpt.fingerprint(shard_params(PARALLEL, params, make_mesh("data=1,model=8"))) == base
+    params["block_1"]["b_out"][3] += 1e-6
+    assert ckpt.fingerprint(params) != base
+
+
+def test_a_classifier_is_kept_and_written_as_a_linear_head(tmp_path):
+    cfg = PARALLEL.replace(num_classes=5)
+    params = random_params(cfg, seed=1)
+    ckpt.save(tmp_path / "c", cfg, params, "test")
+    head = np.load(tmp_path / "c" / "head.npz")
+    np.testing.assert_array_equal(head["kernel"], params["classifier"])
+    np.testing.assert_array_equal(head["bias"], params["classifier_bias"])
+    assert ckpt.read_metadata(tmp_path / "c").to_dict()["classifier"]["num_classes"] == 5
+
+
+def test_cli_init_writes_a_checkpoint_and_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert main(["init", "--model", "vit-22b-tiny/16", "--seed", "2", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["model"] == "vit-22b-tiny/16" and summary["source"] == "init:seed=2"
+    cfg, params, meta = ckpt.restore(out, make_mesh("data=2,model=4"), verify=True)
+    assert cfg == get_config("vit-22b-tiny/16") and meta.fingerprint == summary["fingerprint"]
+
+    assert main(["init", "--model", "vit-22b-tiny/16", "--seed", "3", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert ckpt.read_metadata(out).fingerprint == summary["fingerprint"]  # untouched
+    assert main(["init", "--model", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown model preset 'nope'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# refusals
+# ------------------------------------------------------------------------------------------
+
+MESH = "data=2,model=4"
+
+
+def _copy(saved, tmp_path) -> Path:
+    return Path(shutil.copytree(saved[0], tmp_path / "copy"))
+
+
+def test_missing_checkpoints_are_refused(saved, tmp_path):
+    mesh = make_mesh(MESH)
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint at .*nothing: not a directory"):
+        ckpt.restore(tmp_path / "nothing", mesh)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="has no metadata.json"):
+        ckpt.restore(tmp_path / "empty", mesh)
+    copy = _copy(saved, tmp_path)
+    shutil.rmtree(copy / "params")
+    with pytest.raises(ckpt.CheckpointError, match="no params/ directory: the weights are missing"):
+        ckpt.restore(copy, mesh)
+
+
+# orbax leaves its failed reads' coroutines behind when a restore fails
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_truncated_weights_are_refused_naming_the_parameter(saved, tmp_path):
+    copy = _copy(saved, tmp_path)
+    data = max(
+        (p for p in (copy / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.restore(copy, make_mesh(MESH))
+    assert "cannot be restored" in str(err.value)
+    assert err.match(r"parameter \S+ \(shape \(\d+(, \d+)*\), float32\): stored data is unreadable")
+
+
+def test_wrong_preset_is_refused_naming_parameter_and_both_shapes(saved):
+    tiny = get_config("vit-22b-tiny/16")  # 4 heads, the checkpoint has 8
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.restore(saved[0], make_mesh(MESH), expect=tiny)
+    assert err.match(
+        r"parameter block_0/w_in: the checkpoint has shape \(64, 8, 56\), "
+        r"model vit-22b-tiny/16 expects \(64, 4, 112\)"
+    )
+
+
+def test_stored_parameter_of_the_wrong_shape_is_refused(saved, tmp_path):
+    """Weights of another architecture under this config's metadata: caught by parameter."""
+    other = PARALLEL.replace(mlp_dim=512, qkv_bias=True)
+    ckpt.save(tmp_path / "other", other, random_params(other), "test")
+    copy = _copy(saved, tmp_path)
+    shutil.rmtree(copy / "params")
+    shutil.copytree(tmp_path / "other" / "params", copy / "params")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.restore(copy, make_mesh(MESH))
+    message = str(err.value)
+    assert "does not match its config" in message
+    assert (
+        "parameter block_0/w_in: the stored checkpoint has shape (64, 8, 88), "
+        "config tiny-parallel-8h expects (64, 8, 56)"
+    ) in message
+    assert (
+        "parameter block_0/b_qkv: the stored checkpoint has shape (8, 24), "
+        "config tiny-parallel-8h has no such parameter"
+    ) in message
+
+
+def test_metadata_that_disagrees_with_its_own_parameter_table_is_refused(saved, tmp_path):
+    copy = _copy(saved, tmp_path)
+    meta = json.loads((copy / "metadata.json").read_text())
+    meta["config"]["mlp_dim"] = 512
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"parameter block_0/w_in: metadata.json has "
+        r"shape \(64, 8, 56\), config tiny-parallel-8h expects \(64, 8, 88\)",
+    ):
+        ckpt.restore(copy, make_mesh(MESH))
+
+
+def test_unreadable_or_future_metadata_is_refused(saved, tmp_path):
+    copy = _copy(saved, tmp_path)
+    (copy / "metadata.json").write_text("{ not json")
+    with pytest.raises(ckpt.CheckpointError, match="metadata.json is unreadable"):
+        ckpt.read_metadata(copy)
+    meta = saved[2].to_dict() | {"format_version": ckpt.FORMAT_VERSION + 1}
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="newer than this code's"):
+        ckpt.read_metadata(copy)
+
+
+def test_verify_catches_weights_swapped_under_the_metadata(saved, tmp_path):
+    ckpt.save(tmp_path / "b", PARALLEL, random_params(PARALLEL, seed=9), "test")
+    copy = _copy(saved, tmp_path)
+    shutil.rmtree(copy / "params")
+    shutil.copytree(tmp_path / "b" / "params", copy / "params")
+    ckpt.restore(copy, make_mesh(MESH))  # same shapes: only the fingerprint can tell
+    with pytest.raises(ckpt.CheckpointError, match="fingerprint is .*, the metadata says"):
+        ckpt.restore(copy, make_mesh(MESH), verify=True)
+
+
+def test_a_mesh_that_does_not_fit_is_refused_before_reading(saved):
+    with pytest.raises(MeshError, match=r"model axis \(3\) does not divide heads \(8\)"):
+        ckpt.restore(saved[0], make_mesh("data=1,model=3", jax.devices()[:3]))
+
+
+def test_save_refuses_parameters_that_do_not_fit_and_existing_directories(saved, tmp_path):
+    params = random_params(PARALLEL)
+    params["block_2"]["w_out"] = np.zeros((4, 80, 64), np.float32)
+    del params["map_head"]["probe"]
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.save(tmp_path / "bad", PARALLEL, params, "test")
+    assert (
+        "parameter block_2/w_out: the parameter tree has shape (4, 80, 64), "
+        "config tiny-parallel-8h expects (8, 40, 64)"
+    ) in str(err.value)
+    assert "map_head/probe: missing from the parameter tree" in str(err.value)
+    with pytest.raises(ckpt.CheckpointError, match="already exists and is not empty"):
+        ckpt.save(saved[0], PARALLEL, random_params(PARALLEL), "test")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint directory"):
+        ckpt.save(tmp_path / "notes", PARALLEL, random_params(PARALLEL), "test", overwrite=True)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
