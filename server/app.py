@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from vit22b.model import DEFAULT_MODEL, OutputRequest
+from vit22b.model import OutputRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 
@@ -80,8 +80,8 @@ class ServeConfig:
 
 def build_engine(config: ServeConfig) -> Engine:
     engine = Engine.load(
-        model=config.model or (None if config.checkpoint else DEFAULT_MODEL),
-        checkpoint=config.checkpoint,
+        model=config.model,
+        checkpoint_dir=config.checkpoint,
         mesh=config.mesh,
         seed=config.seed,
         max_batch_images=config.max_batch_images,

@@ -102,33 +102,29 @@ class Engine:
     def load(
         cls,
         model: str | None = None,
-        checkpoint: str | None = None,
+        checkpoint_dir: str | None = None,
         mesh: str | Mesh = "auto",
         seed: int = 0,
         **kwargs,
     ) -> Engine:
-        """A checkpoint restored onto the mesh, or a preset with seeded random weights."""
-        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
-        if checkpoint:
-            from vit22b.model import checkpoint as ckpt  # orbax: only when restoring
+        """A checkpoint restored onto the mesh, or a preset with seeded random weights.
 
-            cfg, params, meta = ckpt.restore(checkpoint, mesh)
-            if model and model != cfg.name:
-                raise ValueError(
-                    f"--model {model} does not match the checkpoint's model {cfg.name}"
-                )
-            source = meta.source or f"checkpoint:{checkpoint}"
-            return cls(cfg, params, mesh, fingerprint=meta.fingerprint, source=source, **kwargs)
+        With both, ``model`` is what the checkpoint must hold (refused if its architecture
+        differs); the checkpoint's metadata names its source and fingerprint.
+        """
+        from vit22b.model import checkpoint  # orbax: only when serving
+
+        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        if checkpoint_dir:
+            expect = get_config(model) if model else None
+            cfg, params, meta = checkpoint.restore(checkpoint_dir, mesh, expect=expect)
+            return cls(cfg, params, mesh, fingerprint=meta.fingerprint, source=meta.source,
+                       **kwargs)
         cfg = get_config(model or DEFAULT_MODEL)
         params = init_sharded(cfg, mesh, seed)
-        return cls(
-            cfg,
-            params,
-            mesh,
-            fingerprint=_fingerprint(params),
-            source=seeded_source(seed),
-            **kwargs,
-        )
+        fingerprint = checkpoint.fingerprint(params)
+        return cls(cfg, params, mesh, fingerprint=fingerprint, source=seeded_source(seed),
+                   **kwargs)
 
     @property
     def mesh_spec(self) -> str:
@@ -237,19 +233,6 @@ class Engine:
         step = self.max_batch_images
         parts = [self.forward(pixels[i : i + step], outputs) for i in range(0, len(pixels), step)]
         return finish(concat(parts), l2_normalize)
-
-
-def _fingerprint(params) -> str:
-    try:
-        from vit22b.model.checkpoint import fingerprint
-    except ImportError:  # TEMPORARY until model/checkpoint.py lands
-        import hashlib
-
-        digest = hashlib.sha256()
-        for leaf in jax.tree.leaves(params):
-            digest.update(np.asarray(leaf).tobytes())
-        return digest.hexdigest()[:16]
-    return fingerprint(params)
 
 
 def _to_host(tree, n: int):

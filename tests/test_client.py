@@ -1,0 +1,237 @@
+"""The client SDK: no jax, inputs, chunking, retries, several addresses, the async twin."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+from serving import assert_same_rows, metric, metrics, png, random_images, start_server
+from vit22b.clients import (
+    AsyncFeatureClient,
+    Embeddings,
+    FeatureClient,
+    InputError,
+    MixedModelsError,
+    Retry,
+)
+from vit22b.clients.client import EmbedOptions, chunk_items
+from vit22b.clients.embeddings import merge
+from vit22b.clients.inputs import as_images, items, to_proto
+from vit22b.model import OutputRequest
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+
+def test_importing_the_client_never_imports_jax():
+    code = (
+        "import sys\n"
+        "import vit22b.clients as c\n"
+        "c.FeatureClient, c.AsyncFeatureClient, c.Embeddings, c.Retry\n"
+        "import vit22b.clients.client, vit22b.clients.aio, vit22b.clients.demo\n"
+        "import vit22b.v1.wire, vit22b.v1.features_pb2_grpc\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+
+def test_one_image_or_many():
+    array = np.zeros((8, 9, 3), np.uint8)
+    assert len(as_images("a.png")) == 1 and len(as_images(b"\x89PNG")) == 1
+    assert len(as_images(array)) == 1 and len(as_images(np.stack([array] * 4))) == 4
+    assert len(as_images(Image.new("RGB", (4, 4)))) == 1
+
+
+def test_pixels_are_sent_raw_and_converted_to_rgb():
+    gray = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    rgba = np.zeros((3, 4, 4), np.uint8)
+    palette = Image.fromarray(gray).convert("P")
+    for image in (gray, rgba, palette, Image.fromarray(gray)):
+        proto = to_proto(next(items([image])))
+        pixels = wire.from_tensor(proto.pixels)
+        assert pixels.shape == (3, 4, 3) and pixels.dtype == np.uint8
+    np.testing.assert_array_equal(
+        wire.from_tensor(to_proto(next(items([gray]))).pixels)[..., 1], gray
+    )
+
+
+def test_bad_local_inputs_name_their_index(tmp_path):
+    bad = [np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 2), np.uint8), tmp_path / "missing.png"]
+    for image, reason in zip(bad, ["must be uint8", r"must be \[H, W\]", "cannot read"]):
+        with pytest.raises(InputError, match=f"image 1.*{reason}"):
+            [to_proto(i) for i in items([np.zeros((4, 4, 3), np.uint8), image])]
+
+
+def _info(max_batch=8, max_request=16, max_bytes=64 << 10) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        width=64,
+        depth=4,
+        heads=4,
+        num_patches=16,
+        limits=pb.Limits(
+            max_batch_images=max_batch, max_request_images=max_request, max_message_bytes=max_bytes
+        ),
+    )
+
+
+def test_chunks_respect_images_per_request_and_message_size():
+    small = [np.zeros((10, 10, 3), np.uint8)] * 20
+    sizes = [len(c) for c in chunk_items(items(small), _info(), EmbedOptions(), None)]
+    assert sizes == [8, 8, 4]  # the server's batch by default
+    sizes = [len(c) for c in chunk_items(items(small), _info(), EmbedOptions(), 100)]
+    assert sizes == [16, 4]  # never more than the server takes per request
+    big = [np.zeros((60, 60, 3), np.uint8)] * 10  # 10.8 kB each; 64 kB messages
+    chunks = list(chunk_items(items(big), _info(), EmbedOptions(), 100))
+    assert [len(c) for c in chunks] == [5, 5]
+    # Responses count too: pooled + 4 layers of patch tokens are 16.6 kB per image in float32.
+    options = EmbedOptions(layers=(0, 1, 2, 3))
+    chunks = list(chunk_items(items(small), _info(), options, 100))
+    assert [len(c) for c in chunks] == [3] * 6 + [2]
+    half = EmbedOptions(layers=(0, 1, 2, 3), dtype="float16")
+    assert len(next(chunk_items(items(small), _info(), half, 100))) == 7
+    with pytest.raises(InputError, match="image 0: its outputs"):
+        list(chunk_items(items(small), _info(max_bytes=16 << 10), options, None))
+
+
+def test_options_are_checked_before_sending():
+    with pytest.raises(wire.WireError, match="unknown output kind"):
+        EmbedOptions(outputs=("pooled", "cls"))
+    with pytest.raises(ValueError, match="float64"):
+        EmbedOptions(dtype="float64")
+    request = EmbedOptions(outputs=("pooled",), layers=(-1, -1, 2)).request([])
+    assert list(request.patch_layers) == [-1, 2]
+    assert [wire.kind_name(k) for k in request.outputs] == ["pooled", "patch_tokens"]
+
+
+class _Failure(grpc.RpcError):
+    def __init__(self, code, details=""):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_retry_policy():
+    retry = Retry(attempts=3, initial_s=0.1, max_s=0.3)
+    assert retry.should_retry(_Failure(grpc.StatusCode.UNAVAILABLE), 0)
+    assert retry.should_retry(_Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"), 1)
+    assert not retry.should_retry(_Failure(grpc.StatusCode.UNAVAILABLE), 2)  # attempts spent
+    assert not retry.should_retry(_Failure(grpc.StatusCode.INVALID_ARGUMENT), 0)
+    too_big = _Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max")
+    assert not retry.should_retry(too_big, 0)
+    delays = [retry.delay(a) for a in range(5)]
+    assert all(0.05 <= d <= 0.3 for d in delays) and delays[-1] >= 0.15
+
+
+def test_results_of_different_models_are_not_merged():
+    a = Embeddings(
+        pooled=np.zeros((1, 4), np.float32),
+        ids=["a"],
+        indices=np.array([0]),
+        model=pb.ModelRef(name="m", fingerprint="1", preprocess_hash="p"),
+    )
+    b = Embeddings(
+        pooled=np.zeros((1, 4), np.float32),
+        ids=["b"],
+        indices=np.array([1]),
+        model=pb.ModelRef(name="m", fingerprint="2", preprocess_hash="p"),
+    )
+    with pytest.raises(MixedModelsError):
+        merge([a, b])
+    b.model = a.model
+    assert merge([a, b]).pooled.shape == (2, 4)
+
+
+# ---- against real servers --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers():
+    pair = [start_server(max_delay_ms=5), start_server(max_delay_ms=5)]
+    yield pair
+    for srv in pair:
+        srv.stop()
+
+
+def test_requests_are_spread_over_several_addresses(servers):
+    images = random_images(24, seed=30, size=(64, 64))
+    before = [
+        metric(metrics(s), "vit22b_requests_total", method="Embed", code="OK") for s in servers
+    ]
+    with FeatureClient([s.address for s in servers]) as client:
+        got = client.embed(images, batch_size=4)
+    assert got.ids == [str(i) for i in range(24)]
+    assert_same_rows(got.pooled, servers[0].engine.embed(images)["pooled"])
+    calls = [
+        metric(metrics(s), "vit22b_requests_total", method="Embed", code="OK") - b
+        for s, b in zip(servers, before)
+    ]
+    assert calls == [3, 3]  # six requests, round-robin
+
+
+def _dead_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"  # closed again: nothing listens
+
+
+def test_an_unreachable_address_is_retried_on_the_next(servers):
+    images = random_images(12, seed=31, size=(64, 64))
+    retry = Retry(attempts=4, initial_s=0.01, max_s=0.05)
+    with FeatureClient([_dead_address(), servers[0].address], retry=retry) as client:
+        got = client.embed(images, batch_size=4)
+    assert_same_rows(got.pooled, servers[0].engine.embed(images)["pooled"])
+
+
+def test_iter_embed_reads_a_generator_lazily_and_keeps_order(servers, tmp_path):
+    images = random_images(10, seed=32, size=(64, 64))
+    paths = []
+    for i, pixels in enumerate(images):
+        paths.append(tmp_path / f"{i}.png")
+        paths[-1].write_bytes(png(pixels))
+    paths[4] = tmp_path / "missing.png"
+    with FeatureClient(servers[0].address, concurrency=2) as client:
+        parts = list(
+            client.iter_embed((p for p in paths), batch_size=3, skip_invalid=True, progress=True)
+        )
+    assert [len(p) for p in parts] == [3, 2, 3, 1]
+    merged = merge(parts)
+    assert list(merged.indices) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert [(e.index, "cannot read" in e.reason) for e in merged.errors] == [(4, True)]
+    kept = [images[i] for i in merged.indices]
+    assert_same_rows(merged.pooled, servers[0].engine.embed(kept)["pooled"])
+
+
+def test_async_client_matches_the_blocking_one(servers):
+    images = random_images(9, seed=33)
+
+    async def main():
+        async with AsyncFeatureClient([s.address for s in servers], concurrency=3) as client:
+            info = await client.model_info()
+            got = await client.embed(
+                images, outputs=["pooled"], layers=[-1], batch_size=2, dtype="bfloat16"
+            )
+            return info, got
+
+    info, got = asyncio.run(main())
+    assert info.model.name == "vit-22b-tiny/16"
+    assert got.ids == [str(i) for i in range(9)] and len(got.timings) == 5
+    want = servers[0].engine.embed(images, OutputRequest(patch_layers=(-1,)))
+    assert_same_rows(got.pooled.astype(np.float32), want["pooled"])
+    assert_same_rows(
+        got.patch_tokens[-1].astype(np.float32).reshape(9, -1),
+        want["patch_tokens"][3].reshape(9, -1),
+    )
