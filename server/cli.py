@@ -99,6 +99,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -9,6 +9,7 @@ thread), queue them, and turn the features into wire tensors in the requested dt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -209,51 +210,46 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
         self.metrics.requests.labels("GetModelInfo", "OK").inc()
         return self.info
 
-    async def Embed(self, request, context):
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context):
+        """One call's bookkeeping: refuse while draining, count it, map failures to codes."""
         try:
             self._enter()
         except Draining as err:
-            await self._abort("Embed", context, err)
+            await self._abort(method, context, err)
         try:
-            response = await self._embed(request, context)
+            yield
         except asyncio.CancelledError:
-            self.metrics.requests.labels("Embed", "CANCELLED").inc()
+            self.metrics.requests.labels(method, "CANCELLED").inc()
             raise
         except Exception as err:  # noqa: BLE001 - mapped through the status table
-            await self._abort("Embed", context, err)
+            await self._abort(method, context, err)
         finally:
             self._leave()
-        self.metrics.requests.labels("Embed", "OK").inc()
-        return response
+        self.metrics.requests.labels(method, "OK").inc()
+
+    async def Embed(self, request, context):
+        async with self._call("Embed", context):
+            return await self._embed(request, context)
 
     async def EmbedStream(self, request_iterator, context) -> AsyncIterator[pb.EmbedResponse]:
-        try:
-            self._enter()
-        except Draining as err:
-            await self._abort("EmbedStream", context, err)
-        order: asyncio.Queue = asyncio.Queue(self._stream_window)
-        reader = asyncio.create_task(self._read_stream(request_iterator, context, order))
-        try:
-            while True:
-                item = await order.get()
-                if item is None:
-                    break
-                if isinstance(item, Exception):
-                    raise item
-                yield await item
-        except asyncio.CancelledError:
-            self.metrics.requests.labels("EmbedStream", "CANCELLED").inc()
-            raise
-        except Exception as err:  # noqa: BLE001 - mapped through the status table
-            await self._abort("EmbedStream", context, err)
-        finally:
-            reader.cancel()
-            while not order.empty():
-                item = order.get_nowait()
-                if isinstance(item, asyncio.Task):
-                    item.cancel()
-            self._leave()
-        self.metrics.requests.labels("EmbedStream", "OK").inc()
+        async with self._call("EmbedStream", context):
+            order: asyncio.Queue = asyncio.Queue(self._stream_window)
+            reader = asyncio.create_task(self._read_stream(request_iterator, context, order))
+            try:
+                while True:
+                    item = await order.get()
+                    if item is None:
+                        break
+                    if isinstance(item, Exception):
+                        raise item
+                    yield await item
+            finally:
+                reader.cancel()
+                while not order.empty():
+                    item = order.get_nowait()
+                    if isinstance(item, asyncio.Task):
+                        item.cancel()
 
     async def _read_stream(self, request_iterator, context, order: asyncio.Queue) -> None:
         """Start each incoming request at once; queue its task so responses keep request order."""

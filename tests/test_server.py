@@ -349,3 +349,32 @@ def _assert_still_serving(server) -> None:
     response = stub(server.address).Embed(pb.EmbedRequest(images=[raw_image(GOOD)]), timeout=30)
     assert wire.from_tensor(response.pooled).shape == (1, 64)
     channel.close()
+
+
+def test_embed_stream_ends_with_the_first_bad_request_after_the_good_ones(server):
+    good = pb.EmbedRequest(images=[raw_image(GOOD, "ok")])
+    bad = pb.EmbedRequest(images=[raw_image(GOOD), pb.Image(id="junk", encoded=b"junk")])
+    responses = stub(server.address).EmbedStream(iter([good, good, bad, good]), timeout=60)
+    received = []
+    with pytest.raises(grpc.RpcError) as info:
+        for response in responses:
+            received.append(list(response.ids))
+    assert received == [["ok"], ["ok"]]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("image 1 (id 'junk'): ")
+    _assert_still_serving(server)
+
+
+def test_reflection_lists_the_services_and_describes_the_contract(server):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    channel = grpc.insecure_channel(server.address)
+    database = ProtoReflectionDescriptorDatabase(channel)
+    services = set(database.get_services())
+    assert {"vit22b.v1.FeatureService", "grpc.health.v1.Health"} <= services
+    service = DescriptorPool(database).FindServiceByName("vit22b.v1.FeatureService")
+    assert [m.name for m in service.methods] == ["Embed", "EmbedStream", "GetModelInfo"]
+    channel.close()

@@ -46,6 +46,14 @@ def wait_for(condition, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def wait_for_images(server, before: dict, outcome: str, count: int) -> None:
+    """Until the server counts ``count`` more images with this outcome than ``before``."""
+    start = metric(before, "vit22b_images_total", outcome=outcome)
+    wait_for(
+        lambda: metric(metrics(server), "vit22b_images_total", outcome=outcome) - start == count
+    )
+
+
 def queued(server) -> float:
     return metric(metrics(server), "vit22b_queue_images")
 
@@ -102,13 +110,7 @@ def test_expired_deadline_in_the_queue_is_not_computed(slow):
     with pytest.raises(grpc.RpcError) as info:
         s.Embed(request(2), timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(
-        lambda: (
-            metric(metrics(slow), "vit22b_images_total", outcome="expired")
-            - metric(before, "vit22b_images_total", outcome="expired")
-            == 2
-        )
-    )
+    wait_for_images(slow, before, "expired", 2)
     after = metrics(slow)
     for name in ("vit22b_batch_images_count", "vit22b_batch_images_sum"):
         assert metric(after, name) == metric(before, name)  # no batch ran
@@ -121,13 +123,7 @@ def test_cancelled_call_is_not_computed(slow):
     future = s.Embed.future(request(2), timeout=60)
     wait_for(lambda: queued(slow) == 2)
     future.cancel()
-    wait_for(
-        lambda: (
-            metric(metrics(slow), "vit22b_images_total", outcome="cancelled")
-            - metric(before, "vit22b_images_total", outcome="cancelled")
-            == 2
-        )
-    )
+    wait_for_images(slow, before, "cancelled", 2)
     after = metrics(slow)
     assert metric(after, "vit22b_batch_images_count") == metric(before, "vit22b_batch_images_count")
     assert metric(after, "vit22b_queue_images") == 0
