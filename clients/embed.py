@@ -6,7 +6,10 @@ server, or a thread of the in-process engine). Workers pull batches in order fro
 worker whose server is lost puts its batch back at the front and retires, so the others finish
 the job. A shard is written (see embed_store) once all its batches are back. Because a batch's
 members are fixed by position, results do not depend on which worker computed them, how often
-the job was killed, or in what order shards completed.
+the job was killed, or in what order shards completed. (Bit for bit, that holds while each image
+is computed in a batch of the same padded size: always in local mode; a server's batcher may
+pack concurrent requests differently, and on CPU a lone image, padded to a batch of one, comes
+out a few ulps off the same image in a larger batch.)
 
 Backends (embed_local: the in-process engine, needs jax; embed_remote: gRPC servers, no jax)
 provide ``model`` (a ModelRef), ``array_specs()`` and ``workers()``; a worker's

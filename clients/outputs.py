@@ -8,6 +8,7 @@ Layout of an output directory (everything written atomically: temp file + rename
     DIR/shards/00000.pooled.npy        [n, d]      rows in the order of "ids"
     DIR/shards/00000.class_token.npy   [n, d]      (models with a class token)
     DIR/shards/00000.patch_tokens.3.npy [n, N, d]  patch tokens after block 3 (index >= 0)
+    DIR/.lock                          empty; a running job holds an flock on it
 
 Shard ``k`` covers positions ``k*shard_size .. (k+1)*shard_size - 1`` of the sorted input list;
 its arrays hold the images of that range that were embedded, its ``failed`` list the others.
