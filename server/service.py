@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-import jax
 import numpy as np
 from vit22b.model import OutputRequest
 from vit22b.v1 import features_pb2 as pb
@@ -131,7 +130,7 @@ def model_info(engine: Engine, batcher: Batcher, limits: Limits) -> pb.ModelInfo
         mesh=pb.Mesh(
             spec=engine.mesh_spec,
             axes=dict(engine.mesh.shape),
-            platform=jax.devices()[0].platform,
+            platform=engine.mesh.devices.flat[0].platform,
             num_devices=engine.mesh.size,
         ),
         limits=pb.Limits(
