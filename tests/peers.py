@@ -13,11 +13,13 @@ few and all belong to its data pipeline and BatchNorm freezing, never to a ViT's
 
 (the others, e.g. torchvision.models.feature_extraction, are imported inside try/except
 ImportError and simply stay absent). ``import_timm()`` registers a stand-in ``torchvision``
-package providing exactly those names before the first ``import timm``: ``InterpolationMode`` is
-a real enum with torchvision's values; every class raises ``RuntimeError`` when instantiated, so
-anything that did reach torchvision fails loudly instead of quietly doing something else. timm's
-own modules (VisionTransformer, Block, Attention, ParallelScalingBlock, AttentionPoolLatent,
-RmsNorm, ...) then run unmodified. If a real torchvision imports, it is used instead.
+package providing exactly those names for the duration of ``import timm``, then removes it from
+``sys.modules`` again, so that ``importlib.util.find_spec("torchvision")`` keeps answering None
+(transformers asks) and a later ``import torchvision`` fails as it should. ``InterpolationMode``
+is a real enum with torchvision's values; every stand-in class raises ``RuntimeError`` when
+instantiated, so anything that reached torchvision fails loudly instead of quietly doing
+something else. timm's own modules (VisionTransformer, Block, Attention, ParallelScalingBlock,
+AttentionPoolLatent, RmsNorm, ...) then run unmodified. If a real torchvision imports, it is used.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return module
 
 
-def install_torchvision_stand_in() -> None:
+def _stand_in_modules() -> list[types.ModuleType]:
     import torch
 
     functional = _module("torchvision.transforms.functional", InterpolationMode=InterpolationMode)
@@ -89,26 +91,36 @@ def install_torchvision_stand_in() -> None:
         ops=ops,
         datasets=datasets,
     )
-    for module in (root, transforms, functional, ops, misc, datasets):
-        sys.modules[module.__name__] = module
+    return [root, transforms, functional, ops, misc, datasets]
+
+
+_used_stand_in = False
 
 
 def import_timm():
     """``timm``, importing a real torchvision if one loads, else with the stand-in above."""
-    if "timm" not in sys.modules and "torchvision" not in sys.modules:
+    global _used_stand_in
+    if "timm" in sys.modules:
+        return sys.modules["timm"]
+    try:
+        importlib.import_module("torchvision")
+    except Exception:  # absent, or present but built for another torch
+        for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        stand_in = _stand_in_modules()
+        sys.modules.update({module.__name__: module for module in stand_in})
         try:
-            importlib.import_module("torchvision")
-        except Exception:  # absent, or present but built for another torch
-            for name in [
-                n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")
-            ]:
-                del sys.modules[name]
-            install_torchvision_stand_in()
+            import timm
+        finally:
+            for module in stand_in:
+                del sys.modules[module.__name__]
+        _used_stand_in = True
+        return timm
     return importlib.import_module("timm")
 
 
 def uses_stand_in() -> bool:
-    return getattr(sys.modules.get("torchvision"), "__version__", None) == STAND_IN_VERSION
+    return _used_stand_in
 
 
 def perturb(module, seed: int = 0, scale: float = 0.05) -> None:

@@ -1,0 +1,430 @@
+"""Weight import, checked against the peers' own code: timm's and Hugging Face's models (random,
+tiny, perturbed so that no bias or norm is trivially zero or one) exported, converted, and run on
+the same pixels. big_vision files are checked through timm's own big_vision .npz loader."""
+
+import json
+import re
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+import torch
+from peers import import_timm, perturb, rel_err, uses_stand_in
+from safetensors.torch import save_file
+from vit22b.clients.cli import main
+from vit22b.model import OutputRequest, apply, get_config
+from vit22b.model import checkpoint as ckpt
+from vit22b.model.convert import ConvertError, Hints, convert
+from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings
+
+timm = import_timm()
+from timm.models._hub import save_config_for_hf  # noqa: E402
+from timm.models.vision_transformer import ParallelScalingBlock, VisionTransformer  # noqa: E402
+
+TOL = 1e-4  # relative error, f32
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4)
+FEATURES = OutputRequest(pooled=True, patch_layers=(-1,), norm_patches=True)
+EVERYTHING = OutputRequest(pooled=True, patch_layers=(-1,), norm_patches=True, logits=True)
+
+
+def _pixels(n: int = 2, size: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _ours(converted, pixels: torch.Tensor, request: OutputRequest = EVERYTHING) -> dict:
+    cfg = converted.config.replace(compute_dtype="float32")
+    return apply(cfg, converted.params, pixels.permute(0, 2, 3, 1).numpy(), request)
+
+
+def _timm_outputs(model, pixels: torch.Tensor) -> dict:
+    with torch.no_grad():
+        tokens = model.forward_features(pixels)
+        raw_last = model.forward_intermediates(
+            pixels, indices=[len(model.blocks) - 1], intermediates_only=True, output_fmt="NLC"
+        )[0]
+        return {
+            "pooled": model.forward_head(tokens, pre_logits=True).numpy(),
+            "patches": tokens[:, model.num_prefix_tokens :].numpy(),
+            "raw_patches": raw_last.numpy(),
+            "logits": model.forward_head(tokens).numpy(),
+        }
+
+
+def _assert_parity(converted, peer: dict, pixels: torch.Tensor, logits: bool = True) -> None:
+    """Pooled feature, the last layer's normed patch tokens, logits and, where the peer gives
+    them, the last block's raw patch tokens, all within TOL of the peer's."""
+    ours = _ours(converted, pixels, EVERYTHING if logits else FEATURES)
+    last = converted.config.depth - 1
+    assert rel_err(ours["pooled"], peer["pooled"]) < TOL
+    assert rel_err(ours["patch_tokens"][last], peer["patches"]) < TOL
+    if logits:
+        assert rel_err(ours["logits"], peer["logits"]) < TOL
+    if "raw_patches" in peer:  # un-normed tokens of the last block (timm forward_intermediates)
+        raw = _ours(converted, pixels, OutputRequest(pooled=False, patch_layers=(-1,)))
+        assert rel_err(raw["patch_tokens"][last], peer["raw_patches"]) < TOL
+
+
+def test_timm_runs_its_own_modules_without_torchvision():
+    import importlib.util
+
+    import timm.data.transforms
+    import timm.layers.norm_act
+
+    if uses_stand_in():
+        # the stand-in lived only while timm imported; what timm kept of it refuses to run
+        assert importlib.util.find_spec("torchvision") is None
+        with pytest.raises(RuntimeError, match="stand-in"):
+            timm.layers.norm_act.FrozenBatchNorm2d(4)
+        with pytest.raises(RuntimeError, match="stand-in"):
+            timm.data.transforms.MaybeToTensor()
+    model = timm.create_model("vit_base_patch16_xp_224", pretrained=False, **TINY)
+    assert isinstance(model.blocks[0], ParallelScalingBlock)
+    assert model(_pixels()).shape == (2, 1000)
+
+
+# ------------------------------------------------------------------------------------------
+# timm
+# ------------------------------------------------------------------------------------------
+
+TIMM_CASES = {
+    # standard ViT (Block): fused qkv with bias, CLS token, classifier; heads from timm's config
+    "vit": ("vit_base_patch16_224", dict(num_classes=5), "config"),
+    # LayerScale folded into the out-projections, no qkv bias, a .pth file
+    "vit-layerscale": (
+        "vit_base_patch16_224",
+        dict(num_classes=0, init_values=1e-5, qkv_bias=False),
+        "pth",
+    ),
+    # ViT-22B-style *_xp_*: ParallelScalingBlock, in_proj mlp|q|k|v, RmsNorm, QK-norm, norm_pre
+    "xp": ("vit_base_patch16_xp_224", dict(num_classes=7), "safetensors"),
+    # the same with in_proj bias (mlp bias inside it) and one fused out-projection
+    "xp-fused": (
+        "vit_base_patch16_xp_224",
+        dict(
+            qkv_bias=True,
+            init_values=1e-5,
+            block_fn=partial(ParallelScalingBlock, fuse_out_proj=True),
+        ),
+        "safetensors",
+    ),
+    # the paper's head: no class token, multi-head attention pooling
+    "xp-map": (
+        "vit_base_patch16_xp_224",
+        dict(class_token=False, global_pool="map"),
+        "safetensors",
+    ),
+}
+
+
+def _export_timm(model, folder, how: str) -> str:
+    folder.mkdir(exist_ok=True)
+    if how == "pth":
+        torch.save(model.state_dict(), folder / "model.pth")
+        return str(folder / "model.pth")
+    save_file(model.state_dict(), str(folder / "model.safetensors"))
+    if how == "config":
+        save_config_for_hf(model, str(folder / "config.json"))
+        return str(folder)
+    return str(folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("case", list(TIMM_CASES))
+def test_timm_parity(case, tmp_path):
+    name, kwargs, how = TIMM_CASES[case]
+    model = timm.create_model(name, pretrained=False, **{**TINY, **kwargs}).eval()
+    perturb(model, seed=1)
+    source = _export_timm(model, tmp_path / case, how)
+    heads = None if how == "config" or "xp" in case else 4  # QK-norm or config.json tell
+    converted = convert("timm", source, Hints(heads=heads))
+    cfg = converted.config
+    assert cfg.block == ("parallel" if "xp" in case else "sequential")
+    assert cfg.heads == 4 and cfg.width == 64 and cfg.depth == 2 and cfg.image_size == 32
+    assert cfg.num_classes == model.num_classes
+    pixels = _pixels()
+    _assert_parity(converted, _timm_outputs(model, pixels), pixels, logits=model.num_classes > 0)
+    if how == "config":
+        assert converted.source == "timm:vit_base_patch16_224"
+        assert cfg.preprocess.resize == 35 and cfg.preprocess.interpolation == "bicubic"
+
+
+def test_timm_parallel_model_converts_into_the_default_preset(tmp_path):
+    """A timm ParallelScalingBlock model with vit-22b-tiny/16's shape *is* that preset."""
+    preset = get_config("vit-22b-tiny/16")
+    model = timm.create_model(
+        "vit_base_patch16_xp_224",
+        pretrained=False,
+        img_size=64,
+        patch_size=16,
+        embed_dim=64,
+        depth=4,
+        num_heads=4,
+        num_classes=0,
+        class_token=False,
+        global_pool="map",
+        pre_norm=False,
+    ).eval()
+    perturb(model, seed=4)
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    out = tmp_path / "ckpt"
+    args = ["convert", "--from", "timm", "--input", str(tmp_path / "w.safetensors")]
+    assert main([*args, "--model", preset.name, "--out", str(out)]) == 0
+    meta = ckpt.read_metadata(out)
+    assert meta.config == preset
+    assert meta.source == "timm:w"
+
+    # restored onto a (2, 4) mesh, the checkpoint gives timm's features
+    mesh = make_mesh("data=2,model=4")
+    cfg, params, _ = ckpt.restore(out, mesh, expect=preset)
+    cfg = cfg.replace(compute_dtype="float32")
+    pixels = _pixels(8, 64)
+    forward = jax.jit(
+        lambda p, x: apply(cfg, p, x, FEATURES),
+        in_shardings=(param_shardings(cfg, mesh), batch_sharding(mesh)),
+    )
+    ours = forward(params, pixels.permute(0, 2, 3, 1).numpy())
+    peer = _timm_outputs(model, pixels)
+    assert rel_err(ours["pooled"], peer["pooled"]) < TOL
+    assert rel_err(ours["patch_tokens"][3], peer["patches"]) < TOL
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face
+# ------------------------------------------------------------------------------------------
+
+
+def _hf_model(cls_name: str, model_kwargs: dict | None = None, **kw):
+    import transformers
+
+    config = transformers.ViTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+        **kw,
+    )
+    model = getattr(transformers, cls_name)(config, **(model_kwargs or {})).eval()
+    perturb(model, seed=2)
+    return model
+
+
+def test_hf_vit_model_parity_from_save_pretrained(tmp_path):
+    model = _hf_model("ViTModel")
+    model.save_pretrained(tmp_path / "hf")
+    converted = convert("hf", tmp_path / "hf")
+    assert converted.config.norm_eps == 1e-12 and converted.config.heads == 4
+    assert any("dropped pooler.dense.weight" in note for note in converted.notes)
+    pixels = _pixels()
+    with torch.no_grad():
+        out = model(pixel_values=pixels, output_hidden_states=True)
+    peer = {
+        "pooled": out.last_hidden_state[:, 0].numpy(),  # what ViTForImageClassification reads
+        "patches": out.last_hidden_state[:, 1:].numpy(),
+        "raw_patches": out.hidden_states[-1][:, 1:].numpy(),
+    }
+    _assert_parity(converted, peer, pixels, logits=False)
+
+
+def test_hf_classifier_is_kept_with_a_head_file(tmp_path, capsys):
+    model = _hf_model("ViTForImageClassification", num_labels=6)
+    model.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "ckpt"
+    assert (
+        main(["convert", "--from", "hf", "--input", str(tmp_path / "hf"), "--out", str(out)]) == 0
+    )
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["num_classes"] == 6 and summary["source"] == "hf:hf"
+    cfg, params, meta = ckpt.restore(out, make_mesh("data=2,model=4"), verify=True)
+    head = np.load(out / "head.npz")
+    assert head["kernel"].shape == (64, 6) and head["bias"].shape == (6,)
+    np.testing.assert_array_equal(head["kernel"], model.classifier.weight.detach().numpy().T)
+    converted = convert("hf", tmp_path / "hf")
+    pixels = _pixels()
+    with torch.no_grad():
+        out_hf = model.vit(pixel_values=pixels)
+        logits = model(pixel_values=pixels).logits
+    peer = {
+        "pooled": out_hf.last_hidden_state[:, 0].numpy(),
+        "patches": out_hf.last_hidden_state[:, 1:].numpy(),
+        "logits": logits.numpy(),
+    }
+    _assert_parity(converted, peer, pixels)
+
+
+def test_hf_state_dict_without_config_needs_heads(tmp_path):
+    """transformers 5 names modules differently in memory (layers.N.attention.q_proj ...)."""
+    model = _hf_model("ViTModel", {"add_pooling_layer": False})
+    save_file(model.state_dict(), str(tmp_path / "sd.safetensors"))
+    assert any(k.startswith("layers.0.attention.q_proj") for k in model.state_dict())
+    with pytest.raises(ConvertError, match="pass --heads N"):
+        convert("hf", tmp_path / "sd.safetensors")
+    converted = convert("hf", tmp_path / "sd.safetensors", Hints(heads=4))
+    assert any("LayerNorm epsilon 1e-12" in note for note in converted.notes)
+    pixels = _pixels()
+    with torch.no_grad():
+        hidden = model(pixel_values=pixels).last_hidden_state
+    peer = {"pooled": hidden[:, 0].numpy(), "patches": hidden[:, 1:].numpy()}
+    _assert_parity(converted, peer, pixels, logits=False)
+
+
+# ------------------------------------------------------------------------------------------
+# big_vision
+# ------------------------------------------------------------------------------------------
+
+D, H, HD, M, P, C, DEPTH, N, CLASSES = 64, 4, 16, 128, 8, 3, 2, 16, 5
+
+
+def _big_vision_npz(pool: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights under big_vision models/vit.py's parameter names."""
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, centre=0.0):
+        return (centre + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+    def attention(prefix: str) -> dict:
+        w = {f"{prefix}{n}/kernel": r(D, H, HD) for n in ("query", "key", "value")}
+        w |= {f"{prefix}{n}/bias": r(H, HD) for n in ("query", "key", "value")}
+        return w | {f"{prefix}out/kernel": r(H, HD, D), f"{prefix}out/bias": r(D)}
+
+    def mlp(prefix: str) -> dict:
+        return {
+            f"{prefix}Dense_0/kernel": r(D, M),
+            f"{prefix}Dense_0/bias": r(M),
+            f"{prefix}Dense_1/kernel": r(M, D),
+            f"{prefix}Dense_1/bias": r(D),
+        }
+
+    def norm(prefix: str) -> dict:
+        return {f"{prefix}scale": r(D, centre=1.0), f"{prefix}bias": r(D)}
+
+    w = {"embedding/kernel": r(P, P, C, D), "embedding/bias": r(D), "pos_embedding": r(1, N, D)}
+    w |= norm("Transformer/encoder_norm/") | {"head/kernel": r(D, CLASSES), "head/bias": r(CLASSES)}
+    if pool == "tok":
+        w["cls"] = r(1, 1, D)
+    for i in range(DEPTH):
+        b = f"Transformer/encoderblock_{i}/"
+        w |= norm(b + "LayerNorm_0/") | norm(b + "LayerNorm_1/")
+        w |= attention(b + "MultiHeadDotProductAttention_0/") | mlp(b + "MlpBlock_0/")
+    if pool == "map":
+        w |= {"MAPHead_0/probe": r(1, 1, D)} | attention(
+            "MAPHead_0/MultiHeadDotProductAttention_0/"
+        )
+        w |= norm("MAPHead_0/LayerNorm_0/") | mlp("MAPHead_0/MlpBlock_0/")
+    return w
+
+
+# big_vision's pooling types as timm builds them (its loader reads big_vision's names)
+BIG_VISION_TIMM = {
+    "tok": dict(class_token=True, no_embed_class=True, global_pool="token"),
+    "map": dict(class_token=False, global_pool="map"),
+    "gap": dict(class_token=False, global_pool="avg", fc_norm=False),
+}
+
+
+@pytest.mark.parametrize("pool", list(BIG_VISION_TIMM))
+def test_big_vision_parity_through_timms_loader(pool, tmp_path):
+    path = tmp_path / f"{pool}.npz"
+    np.savez(path, **_big_vision_npz(pool))
+    model = VisionTransformer(
+        img_size=32,
+        patch_size=P,
+        embed_dim=D,
+        depth=DEPTH,
+        num_heads=H,
+        mlp_ratio=M / D,
+        num_classes=CLASSES,
+        act_layer="gelu_tanh",  # flax's nn.gelu
+        **BIG_VISION_TIMM[pool],
+    ).eval()
+    model.load_pretrained(str(path))  # timm's own reader of big_vision checkpoints
+    converted = convert("big_vision", path)
+    cfg = converted.config
+    assert not cfg.posemb_covers_cls and not cfg.gelu_exact
+    assert cfg.head == {"tok": "cls", "map": "map", "gap": "gap"}[pool]
+    pixels = _pixels()
+    _assert_parity(converted, _timm_outputs(model, pixels), pixels)
+
+
+def test_big_vision_scanned_and_prefixed_layouts_convert_alike(tmp_path):
+    flat = _big_vision_npz("map", seed=3)
+    np.savez(tmp_path / "flat.npz", **flat)
+    scanned = {k: v for k, v in flat.items() if not k.startswith("Transformer/encoderblock_")}
+    for key in [k for k in flat if k.startswith("Transformer/encoderblock_0/")]:
+        rest = key.removeprefix("Transformer/encoderblock_0/")
+        stack = [flat[f"Transformer/encoderblock_{i}/{rest}"] for i in range(DEPTH)]
+        scanned[f"Transformer/encoderblock/{rest}"] = np.stack(stack)
+    np.savez(tmp_path / "scanned.npz", **{f"params/{k}": v for k, v in scanned.items()})
+    a = convert("big_vision", tmp_path / "flat.npz")
+    b = convert("big_vision", tmp_path / "scanned.npz")
+    assert a.config.replace(name="x") == b.config.replace(name="x")
+    assert ckpt.fingerprint(a.params) == ckpt.fingerprint(b.params)
+
+
+# ------------------------------------------------------------------------------------------
+# refusals: every key accounted for, by name
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def timm_state():
+    model = timm.create_model("vit_base_patch16_xp_224", pretrained=False, **TINY)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _convert_state(state, tmp_path, **hints):
+    save_file(state, str(tmp_path / "s.safetensors"))
+    return convert("timm", tmp_path / "s.safetensors", Hints(**hints))
+
+
+def test_missing_unexpected_and_misshaped_keys_are_named(timm_state, tmp_path):
+    state = dict(timm_state)
+    del state["blocks.1.attn_out_proj.weight"]
+    state["blocks.0.extra.weight"] = torch.zeros(3)
+    state["blocks.1.mlp_bias"] = torch.zeros(255)
+    with pytest.raises(ConvertError) as err:
+        _convert_state(state, tmp_path)
+    message = str(err.value)
+    assert "missing key 'blocks.1.attn_out_proj.weight' (expected shape (64, 64))" in message
+    assert "unexpected key 'blocks.0.extra.weight' with shape (3,)" in message
+    assert "key 'blocks.1.mlp_bias' has shape (255,), expected (256,)" in message
+
+
+@pytest.mark.parametrize(
+    "key, shape, what",
+    [
+        ("fc_norm.weight", (64,), "a norm after average pooling"),
+        ("reg_token", (1, 4, 64), "register tokens"),
+    ],
+)
+def test_keys_the_model_cannot_express_are_refused_not_dropped(
+    timm_state, tmp_path, key, shape, what
+):
+    state = dict(timm_state) | {key: torch.zeros(shape)}
+    with pytest.raises(ConvertError, match=re.escape(f"key {key!r} {tuple(shape)} is {what}")):
+        _convert_state(state, tmp_path)
+
+
+def test_heads_must_come_from_somewhere(tmp_path):
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY)
+    with pytest.raises(ConvertError, match=r"number of heads is not in the weights .* --heads N"):
+        _convert_state(model.state_dict(), tmp_path)
+    assert _convert_state(model.state_dict(), tmp_path, heads=2).config.heads == 2
+
+
+def test_a_preset_that_does_not_match_is_refused_by_parameter(timm_state, tmp_path, capsys):
+    save_file(timm_state, str(tmp_path / "s.safetensors"))
+    args = ["convert", "--from", "timm", "--input", str(tmp_path / "s.safetensors")]
+    assert main([*args, "--model", "vit-22b-tiny/16", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint is not a vit-22b-tiny/16" in err
+    assert (
+        "parameter patch_embed: the checkpoint has shape (192, 64), "
+        "preset vit-22b-tiny/16 expects (768, 64)"
+    ) in err
+    assert not (tmp_path / "o").exists()
+    assert (
+        main([*args[:-1], str(tmp_path / "absent.safetensors"), "--out", str(tmp_path / "o")]) == 2
+    )
+    assert "no such file or directory" in capsys.readouterr().err
