@@ -43,8 +43,13 @@ def _visible(name: str) -> bool:
 
 
 def _walk(folder: str, prefix: str | None) -> list[InputItem]:
-    items = []
+    items, seen = [], set()
     for root, dirs, files in os.walk(folder, followlinks=True):
+        stat = os.stat(root)
+        if (stat.st_dev, stat.st_ino) in seen:  # a symlink back up the tree: walk it once
+            dirs[:] = []
+            continue
+        seen.add((stat.st_dev, stat.st_ino))
         dirs[:] = [d for d in dirs if _visible(d)]
         for name in filter(_visible, files):
             path = os.path.join(root, name)

@@ -86,12 +86,8 @@ class RemoteWorker:
                 failed.append((position, os_reason(err)))
         while blobs:
             try:
-                result = server.client.embed(
-                    blobs,
-                    ids=[items[p].id for p in positions],
-                    batch_size=len(blobs),
-                    **self.options,
-                )
+                # no ids on the wire: file names need not be UTF-8; rows map back by index
+                result = server.client.embed(blobs, batch_size=len(blobs), **self.options)
                 break
             except InputError as err:  # an image the SDK cannot send (e.g. over the size limit)
                 failed.append((positions.pop(err.index), err.reason))

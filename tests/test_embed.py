@@ -62,9 +62,11 @@ def test_folder_glob_and_list_inputs(tmp_path):
     (data / ".hidden.jpg").write_bytes(b"x")
     (data / ".cache").mkdir()
     (data / ".cache" / "x.jpg").write_bytes(b"x")
+    os.symlink(data, data / "class0" / "loop")  # a cycle: walked once, not forever
     items = enumerate_inputs([str(data)])
     assert [i.id for i in items] == ids  # recursive, sorted, hidden skipped, ids relative
     assert all(os.path.isabs(i.path) and os.path.exists(i.path) for i in items)
+    os.remove(data / "class0" / "loop")
 
     globbed = enumerate_inputs([str(data / "**" / "*.png")])  # ids: the matches as written
     assert [i.id for i in globbed] == [f"{data}/{i}" for i in ids if i.endswith(".png")]
