@@ -4,10 +4,11 @@ Batch buckets are the mesh's data-axis size times powers of two, up to ``max_bat
 (rounded up to a multiple of the data axis); a batch is padded with zeros to the smallest bucket
 that holds it. The warm output sets (by default: pooled features) are compiled for every bucket
 before the server reports SERVING. Any other output set (patch tokens at chosen layers,
-attention statistics, ...) is compiled on its first use for the bucket it needs and kept
-(an LRU bounded by ``max_compiled``): compiling every combination of layers up front is
-impossible, and one superset forward returning every layer would hold batch x depth x tokens x
-width activations per device (about 10 GB for ViT-22B at batch 32).
+attention statistics, ...) is compiled on its first use for the bucket it needs, in the batcher's
+thread, and kept (an LRU of ``max_compiled`` entries besides the warm ones, which stay):
+compiling every combination of layers up front is impossible, and one superset forward
+returning every layer would hold batch x depth x tokens x width activations per device (about
+10 GB for ViT-22B at batch 32). ``vit22b serve --warm-outputs`` compiles more sets up front.
 
 ``forward`` is the model's own ``apply``; ``embed`` is the in-process path (decode, preprocess,
 forward, finish) that the server's results are checked against.
@@ -92,6 +93,7 @@ class Engine:
         self.parameter_count = count(params)
         self._max_compiled = max_compiled
         self._compiled: OrderedDict[tuple[int, OutputRequest], jax.stages.Compiled] = OrderedDict()
+        self._warm: dict[tuple[int, OutputRequest], jax.stages.Compiled] = {}
         self._compile_lock = threading.Lock()
         self._batch_sharding = batch_sharding(mesh)
         self._param_shardings = param_shardings(cfg, mesh, params)
@@ -162,17 +164,20 @@ class Engine:
     def compiled(self, bucket: int, outputs: OutputRequest, warm: bool = False):
         key = (bucket, outputs)
         with self._compile_lock:
-            fn = self._compiled.get(key)
+            fn = self._warm.get(key) or self._compiled.get(key)
             if fn is not None:
-                self._compiled.move_to_end(key)
+                if key in self._compiled:
+                    self._compiled.move_to_end(key)
                 return fn
             start = time.perf_counter()
             fn = self._compile(bucket, outputs)
-            self._compiled[key] = fn
-            while len(self._compiled) > self._max_compiled:
-                self._compiled.popitem(last=False)
-            if not warm:
+            if warm:
+                self._warm[key] = fn
+            else:
                 self.compilations += 1
+                self._compiled[key] = fn
+                while len(self._compiled) > self._max_compiled:
+                    self._compiled.popitem(last=False)
             log.info(
                 "compiled forward for bucket %d, %s in %.2fs%s",
                 bucket,
