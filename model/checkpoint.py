@@ -34,6 +34,11 @@ from .sharding import check_mesh_fits, param_shardings
 from .vit import abstract_params
 
 FORMAT_VERSION = 1
+# Bytes being read at once during a restore. Orbax's default lets every read start together, and
+# the transient buffers then add about half the checkpoint to the peak resident memory; a quarter
+# of a gigabyte keeps the peak near the weights' own size and was no slower here
+# (benchmarks/restore.py).
+RESTORE_CONCURRENT_GB = 0.25
 METADATA_FILE = "metadata.json"
 PARAMS_DIR = "params"
 HEAD_FILE = "head.npz"
@@ -216,14 +221,17 @@ def fingerprint(params) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def _checkpointer() -> ocp.Checkpointer:
+def _checkpointer(restore_concurrent_gb: float | None = None) -> ocp.Checkpointer:
     # Replica-parallel saving splits each replicated array across its replicas with one jitted
     # slice per array (seconds of compiling for nothing on a few hosts): replica 0 writes instead.
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
     )
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+    handler = ocp.PyTreeCheckpointHandler(
+        type_handler_registry=registry, restore_concurrent_gb=restore_concurrent_gb
+    )
+    return ocp.Checkpointer(handler)
 
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
@@ -356,7 +364,7 @@ def _orbax_restore(params_dir: Path, target: dict, partial: bool = False) -> dic
         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=partial,
     )
-    return _checkpointer().restore(params_dir, args=args)
+    return _checkpointer(RESTORE_CONCURRENT_GB).restore(params_dir, args=args)
 
 
 def _first_line(err: BaseException) -> str:
