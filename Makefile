@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch only for the tests that compare against PyTorch peers; 2.13.0 is the CPU wheel on disk.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[all,dev,compare]'
+	# timm's own model code for the import parity tests. --no-deps: its torchvision does not load
+	# beside this torch; tests/peers.py runs timm without it.
+	$(PY) -m pip install -q --no-deps timm==1.0.31
 	touch $(STAMP)
 
 install: $(STAMP)
