@@ -280,10 +280,12 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
     # ---- one request -------------------------------------------------------------------------
     async def _embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         start = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else start + remaining
         plan = plan_request(request, self.engine, self.info, self.limits)
         n = len(request.images)
         self.batcher.admit(n)
-        admitted = n
+        admitted = n  # admitted images this call still has to give back
         try:
             pixels, indices, errors = await self._preprocess(request.images, plan.skip_invalid)
             preprocessed = time.monotonic()
@@ -292,8 +294,6 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
             admitted = len(indices)
             features, queue_s, compute_s = {}, 0.0, 0.0
             if indices:
-                remaining = context.time_remaining()
-                deadline = None if remaining is None else time.monotonic() + remaining
                 job = self.batcher.submit(pixels, plan.outputs, deadline)
                 admitted = 0  # the batcher accounts for queued rows from here on
                 try:
@@ -302,6 +302,11 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
                     job.cancel()
                     raise
                 features, queue_s, compute_s = result.features, result.queue_s, result.compute_s
+        except asyncio.CancelledError:  # gone (or out of time) while its images were decoded
+            if admitted:
+                expired = deadline is not None and time.monotonic() >= deadline
+                self.metrics.images.labels("expired" if expired else "cancelled").inc(admitted)
+            raise
         finally:
             if admitted:
                 self.batcher.release(admitted)
