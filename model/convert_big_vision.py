@@ -10,6 +10,7 @@ from .config import Preprocess, ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
+    Sizes,
     SourceTensors,
     count_blocks,
     grid_of,
@@ -68,14 +69,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     head = "map" if "MAPHead_0/probe" in t else "cls" if class_token else "gap"
     mlp_dim = t.shape("Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel")[1]
     head_mlp = t.shape("MAPHead_0/MlpBlock_0/Dense_0/kernel")[1] if head == "map" else None
-    return ViTConfig(
-        width=width,
-        depth=depth,
-        heads=heads,
-        mlp_dim=mlp_dim,
-        patch=patch,
-        image_size=grid * patch,
-        channels=channels,
+    sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
+    return sizes.config(
         block="sequential",
         norm="layernorm",
         norm_eps=1e-6,
@@ -84,7 +79,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp_bias=True,
         qk_norm=False,
         head=head,
-        head_mlp_dim=head_mlp if head_mlp != mlp_dim else None,
         class_token=class_token,
         posemb="learn" if "pos_embedding" in t else "sincos2d",
         posemb_covers_cls=False,  # big_vision adds it to the patches, then prepends the token

@@ -36,6 +36,34 @@ class Hints:
     dtype: str | None = None
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What a checkpoint's tensor shapes tell: the sizes of its ViT."""
+
+    width: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    patch: int
+    grid: int
+    channels: int
+    head_mlp_dim: int | None = None  # the attention-pooling head's MLP, where there is one
+
+    def config(self, **fields) -> ViTConfig:
+        """The config: these sizes plus the source's ``fields``."""
+        return ViTConfig(
+            width=self.width,
+            depth=self.depth,
+            heads=self.heads,
+            mlp_dim=self.mlp_dim,
+            patch=self.patch,
+            image_size=self.grid * self.patch,
+            channels=self.channels,
+            head_mlp_dim=None if self.head_mlp_dim in (None, self.mlp_dim) else self.head_mlp_dim,
+            **fields,
+        )
+
+
 # ------------------------------------------------------------------------------------------
 # reading the source files
 # ------------------------------------------------------------------------------------------

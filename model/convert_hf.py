@@ -11,6 +11,7 @@ from .config import Preprocess, ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
+    Sizes,
     SourceTensors,
     count_blocks,
     grid_of,
@@ -66,14 +67,10 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     if "layer_norm_eps" not in side:
         t.notes.append("no config.json: LayerNorm epsilon 1e-12 (Hugging Face's default)")
     b = "encoder.layer.0."
-    return ViTConfig(
-        width=width,
-        depth=depth,
-        heads=infer_heads(t, hints, None, width, side.get("num_attention_heads")),
-        mlp_dim=t.shape(b + "intermediate.dense.weight")[0],
-        patch=patch,
-        image_size=grid * patch,
-        channels=channels,
+    heads = infer_heads(t, hints, None, width, side.get("num_attention_heads"))
+    mlp_dim = t.shape(b + "intermediate.dense.weight")[0]
+    sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels)
+    return sizes.config(
         block="sequential",
         norm="layernorm",
         norm_eps=float(side.get("layer_norm_eps", 1e-12)),

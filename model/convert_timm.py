@@ -15,6 +15,7 @@ from .config import Preprocess, ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
+    Sizes,
     SourceTensors,
     count_blocks,
     fold_layer_scale,
@@ -97,14 +98,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     else:
         raise ConvertError(f"timm checkpoint: global_pool={pool!r} is not supported")
     head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
-    return ViTConfig(
-        width=width,
-        depth=depth,
-        heads=heads,
-        mlp_dim=mlp_dim,
-        patch=patch,
-        image_size=grid * patch,
-        channels=channels,
+    sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
+    return sizes.config(
         block="parallel" if parallel else "sequential",
         norm=norm,
         norm_eps=1e-6,
@@ -113,7 +108,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp_bias=mlp_bias,
         qk_norm=qk_key in t,
         head=head,
-        head_mlp_dim=head_mlp if head_mlp != mlp_dim else None,
         class_token=class_token,
         posemb_covers_cls=covers_cls,
         pre_norm="norm_pre.weight" in t,

@@ -8,7 +8,8 @@ from vit22b.model.checkpoint import expected_shapes, unflatten
 PARALLEL = get_config("vit-22b-tiny/16").replace(
     name="tiny-parallel-8h", heads=8, depth=3, compute_dtype="float32"
 )
-SEQUENTIAL = ViTConfig(
+# a standard ViT (sequential blocks, LayerNorm, CLS token) at the same scale
+SEQUENTIAL = get_config("vit-ti/16").replace(
     name="tiny-seq-8h",
     width=64,
     depth=2,
@@ -16,13 +17,6 @@ SEQUENTIAL = ViTConfig(
     mlp_dim=128,
     patch=8,
     image_size=32,
-    block="sequential",
-    norm="layernorm",
-    qkv_bias=True,
-    qk_norm=False,
-    head="cls",
-    class_token=True,
-    posemb_covers_cls=True,
     compute_dtype="float32",
 )
 
