@@ -22,18 +22,14 @@ from .metrics import log_softmax
 DEFAULT_BINS = 15
 
 
-def _confidence_and_correct(probs: np.ndarray, labels: np.ndarray):
+def confidence_and_correct(probs: np.ndarray, labels: np.ndarray):
+    """Top probability of each row, and 1.0 where its arg-max is the label (else 0.0)."""
     probs = np.asarray(probs, np.float64)
     return probs.max(axis=1), (probs.argmax(axis=1) == np.asarray(labels)).astype(np.float64)
 
 
-def _gaps(confidence: np.ndarray, correct: np.ndarray, groups: list[np.ndarray]):
-    """Per non-empty group: (size, accuracy, mean confidence)."""
-    return [(len(g), correct[g].mean(), confidence[g].mean()) for g in groups if len(g)]
-
-
 def equal_width_bins(confidence: np.ndarray, bins: int) -> list[np.ndarray]:
-    index = np.clip(np.floor(confidence * bins).astype(int), 0, bins - 1)
+    index = np.clip(np.floor(np.asarray(confidence) * bins).astype(int), 0, bins - 1)
     return [np.flatnonzero(index == b) for b in range(bins)]
 
 
@@ -41,27 +37,32 @@ def equal_mass_bins(confidence: np.ndarray, bins: int) -> list[np.ndarray]:
     return np.array_split(np.argsort(confidence, kind="stable"), bins)
 
 
-def _ece(confidence, correct, groups) -> float:
-    n = len(confidence)
+def _gaps(confidence, correct, groups) -> list[tuple[int, float]]:
+    """Per non-empty group: (size, |accuracy - mean confidence|)."""
+    confidence, correct = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
+    return [(len(g), abs(correct[g].mean() - confidence[g].mean())) for g in groups if len(g)]
+
+
+def _weighted(gaps: list[tuple[int, float]]) -> float:
+    total = sum(size for size, _ in gaps)
+    return float(sum(size * gap for size, gap in gaps) / total)
+
+
+def ece(confidence, correct, bins: int = DEFAULT_BINS) -> float:
+    """Expected calibration error over equal-width bins (confidence 1.0 in the last bin)."""
+    return _weighted(_gaps(confidence, correct, equal_width_bins(confidence, bins)))
+
+
+def adaptive_ece(confidence, correct, bins: int = DEFAULT_BINS) -> float:
+    """Expected calibration error over equal-mass bins."""
+    return _weighted(_gaps(confidence, correct, equal_mass_bins(confidence, bins)))
+
+
+def mce(confidence, correct, bins: int = DEFAULT_BINS) -> float:
+    """Maximum calibration error: the largest gap of a non-empty equal-width bin."""
     return float(
-        sum(size / n * abs(acc - conf) for size, acc, conf in _gaps(confidence, correct, groups))
+        max(gap for _, gap in _gaps(confidence, correct, equal_width_bins(confidence, bins)))
     )
-
-
-def ece(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> float:
-    confidence, correct = _confidence_and_correct(probs, labels)
-    return _ece(confidence, correct, equal_width_bins(confidence, bins))
-
-
-def adaptive_ece(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> float:
-    confidence, correct = _confidence_and_correct(probs, labels)
-    return _ece(confidence, correct, equal_mass_bins(confidence, bins))
-
-
-def mce(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> float:
-    confidence, correct = _confidence_and_correct(probs, labels)
-    gaps = _gaps(confidence, correct, equal_width_bins(confidence, bins))
-    return float(max(abs(acc - conf) for _, acc, conf in gaps))
 
 
 def nll(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -77,7 +78,7 @@ def brier(probs: np.ndarray, labels: np.ndarray) -> float:
 
 def reliability_table(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> list:
     """Per equal-width bin: its range, count, accuracy and mean confidence (None when empty)."""
-    confidence, correct = _confidence_and_correct(probs, labels)
+    confidence, correct = confidence_and_correct(probs, labels)
     rows = []
     for b, group in enumerate(equal_width_bins(confidence, bins)):
         rows.append(
@@ -93,13 +94,13 @@ def reliability_table(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT
 
 
 def calibration_metrics(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> dict:
-    confidence, correct = _confidence_and_correct(probs, labels)
+    confidence, correct = confidence_and_correct(probs, labels)
     return {
         "accuracy": float(correct.mean()),
         "mean_confidence": float(confidence.mean()),
-        "ece": ece(probs, labels, bins),
-        "adaptive_ece": adaptive_ece(probs, labels, bins),
-        "mce": mce(probs, labels, bins),
+        "ece": ece(confidence, correct, bins),
+        "adaptive_ece": adaptive_ece(confidence, correct, bins),
+        "mce": mce(confidence, correct, bins),
         "nll": nll(probs, labels),
         "brier": brier(probs, labels),
     }

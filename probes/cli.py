@@ -18,13 +18,16 @@ import numpy as np
 from .data import (
     DataError,
     LabelledImages,
-    load_cue_conflict,
-    load_dense_folder,
+    cue_conflict_labels,
+    dense_targets,
+    image_files,
+    labels_from_folders,
     load_digits_images,
     load_image_folder,
     read_images,
     shapes_world,
 )
+from .features import features_from_embed_folder
 from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_world, run_probe
 
 DENSE = ("depth", "segmentation")
@@ -184,26 +187,36 @@ def _embed(args, images, kind: str):
     )
 
 
-def _from_labelled(args, kind: str, data: LabelledImages) -> ProbeData:
-    arrays = [a for a in data.images if isinstance(a, np.ndarray)]
+def _image_data(args, kind: str, data: LabelledImages) -> ProbeData:
+    """In-memory images (digits) with their labels, embedded."""
     return ProbeData(
         features=_embed(args, data.images, kind),
         labels=data.labels,
         class_names=data.class_names,
-        texture=data.extra.get("texture"),
-        images=np.stack(arrays) if len(arrays) == len(data.images) else None,
+        images=np.stack(data.images),
     )
+
+
+def _targets_of_paths(args, kind: str, paths: list) -> dict:
+    """ProbeData targets of image files, from their names, folders and label folders."""
+    if kind in DENSE:
+        depth, mask = dense_targets(paths, args.depth, args.masks)
+        return {"depth": depth, "mask": mask}
+    labels, names = labels_from_folders(paths)
+    if kind == "shape-bias":
+        shapes, textures = cue_conflict_labels(paths, names)
+        return {"labels": shapes, "texture": textures, "class_names": names}
+    return {"labels": labels, "class_names": names}
 
 
 def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
     """The data to probe and the extra keyword arguments of ``run_probe``."""
     extra: dict = {}
-    if args.features:
-        if args.features.is_dir():
-            from .features import features_from_embed_folder
-
-            features_from_embed_folder(args.features)  # raises until embed folders are wired
+    if args.features and not args.features.is_dir():
         return load_probe_data(args.features), extra
+    if args.features:  # a `vit22b embed` output folder: targets from the embedded files
+        features, paths = features_from_embed_folder(args.features)
+        return ProbeData(features=features, **_targets_of_paths(args, kind, paths)), extra
     if args.shapes_world:
         if kind == "shape-bias":
             train = shapes_world(args.shapes_world, seed=args.world_seed, texture="matched")
@@ -214,20 +227,16 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
         world = shapes_world(args.shapes_world, seed=args.world_seed)
         return probe_data_from_shapes_world(world, _embed(args, world.images, kind)), extra
     if args.digits:
-        return _from_labelled(args, kind, load_digits_images()), extra
-    if kind in DENSE:
-        dense = load_dense_folder(args.data, args.depth, args.masks)
-        images = read_images(dense.images)
-        same_size = len({a.shape for a in images}) == 1
-        data = ProbeData(
-            features=_embed(args, images, kind),
-            depth=dense.depth,
-            mask=dense.mask,
-            images=np.stack(images) if same_size else None,
-        )
-        return data, extra
-    loader = load_cue_conflict if kind == "shape-bias" else load_image_folder
-    return _from_labelled(args, kind, loader(args.data)), extra
+        return _image_data(args, kind, load_digits_images()), extra
+    paths = image_files(args.data) if kind in DENSE else load_image_folder(args.data).images
+    images = read_images(paths)
+    data = ProbeData(
+        features=_embed(args, paths if args.server else images, kind),
+        **_targets_of_paths(args, kind, paths),
+    )
+    if len({a.shape for a in images}) == 1:
+        data.images = np.stack(images)  # for the figures
+    return data, extra
 
 
 def _options(args, kind: str) -> dict:

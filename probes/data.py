@@ -202,8 +202,25 @@ class LabelledImages:
         return len(self.images)
 
 
-def _image_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+def image_files(folder: str | Path) -> list[Path]:
+    """The image files directly in ``folder``, sorted by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder}: not a folder")
+    files = sorted(
+        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+    if not files:
+        raise DataError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+def labels_from_folders(paths) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Class of each image = the name of its folder; classes in sorted order."""
+    parents = [Path(p).parent.name for p in paths]
+    names = tuple(sorted(set(parents)))
+    index = {name: i for i, name in enumerate(names)}
+    return np.asarray([index[p] for p in parents], np.int64), names
 
 
 def load_image_folder(root: str | Path) -> LabelledImages:
@@ -214,14 +231,34 @@ def load_image_folder(root: str | Path) -> LabelledImages:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     if not classes:
         raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<image>)")
-    paths, labels = [], []
-    for index, name in enumerate(classes):
-        files = _image_files(root / name)
-        paths += files
-        labels += [index] * len(files)
+    paths = [
+        path
+        for name in classes
+        for path in sorted((root / name).iterdir())
+        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
+    ]
     if not paths:
         raise DataError(f"{root}: the class subfolders hold no images ({IMAGE_SUFFIXES})")
-    return LabelledImages(paths, np.asarray(labels), tuple(classes))
+    return LabelledImages(paths, *labels_from_folders(paths))
+
+
+def cue_conflict_labels(paths, categories: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Shape and texture category indices from names ``<shape>/<shape><i>-<texture><j>.png``."""
+    index = {name: i for i, name in enumerate(categories)}
+    shapes, textures = [], []
+    for path in map(Path, paths):
+        match = re.fullmatch(r"([a-z_]+)\d*-([a-z_]+)\d*", path.stem)
+        if not match:
+            raise DataError(f"{path}: name is not '<shape><i>-<texture><j>'")
+        shape_name, texture_name = match[1], match[2]
+        if shape_name != path.parent.name:
+            raise DataError(f"{path}: shape {shape_name!r} differs from folder {path.parent.name}")
+        for name in (shape_name, texture_name):
+            if name not in index:
+                raise DataError(f"{path}: category {name!r} is not one of {categories}")
+        shapes.append(index[shape_name])
+        textures.append(index[texture_name])
+    return np.asarray(shapes, np.int64), np.asarray(textures, np.int64)
 
 
 def load_cue_conflict(root: str | Path, categories: tuple[str, ...] | None = None):
@@ -232,23 +269,8 @@ def load_cue_conflict(root: str | Path, categories: tuple[str, ...] | None = Non
     """
     data = load_image_folder(root)
     names = tuple(categories) if categories else data.class_names
-    index = {name: i for i, name in enumerate(names)}
-    shapes, textures = [], []
-    for path in data.images:
-        match = re.fullmatch(r"([a-z_]+)\d*-([a-z_]+)\d*", path.stem)
-        if not match:
-            raise DataError(f"{path}: name is not '<shape><i>-<texture><j>'")
-        shape_name, texture_name = match[1], match[2]
-        if shape_name != path.parent.name:
-            raise DataError(f"{path}: shape {shape_name!r} differs from folder {path.parent.name}")
-        for name in (shape_name, texture_name):
-            if name not in index:
-                raise DataError(f"{path}: category {name!r} is not one of {names}")
-        shapes.append(index[shape_name])
-        textures.append(index[texture_name])
-    return LabelledImages(
-        data.images, np.asarray(shapes), names, extra={"texture": np.asarray(textures)}
-    )
+    shapes, textures = cue_conflict_labels(data.images, names)
+    return LabelledImages(data.images, shapes, names, extra={"texture": textures})
 
 
 def _read_depth(path: Path) -> np.ndarray:
@@ -306,23 +328,17 @@ def _stack(arrays: list[np.ndarray], paths: list[Path], what: str) -> np.ndarray
     return np.stack(arrays)
 
 
-def load_dense_folder(
-    images: str | Path, depth: str | Path | None = None, masks: str | Path | None = None
-) -> DenseSet:
-    """Paired folders: images, depth maps (.npy or 16-bit PNG) and indexed-PNG masks by stem.
+def dense_targets(
+    image_paths, depth: str | Path | None = None, masks: str | Path | None = None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Depth maps (.npy or 16-bit PNG) and indexed-PNG masks of images, matched by file stem.
 
     Every image needs its depth map and mask (when those folders are given); extra files in the
     label folders are ignored.
     """
-    image_dir = Path(images)
-    if not image_dir.is_dir():
-        raise DataError(f"{image_dir}: not a folder")
     if depth is None and masks is None:
-        raise DataError("a dense set needs a depth folder, a mask folder, or both")
-    image_files = _by_stem(image_dir, IMAGE_SUFFIXES)
-    if not image_files:
-        raise DataError(f"{image_dir}: no images ({IMAGE_SUFFIXES})")
-    stems = sorted(image_files)
+        raise DataError("dense targets need a depth folder, a mask folder, or both")
+    stems = [Path(p).stem for p in image_paths]
     out: dict[str, np.ndarray | None] = {"depth": None, "mask": None}
     for key, folder, suffixes, read in (
         ("depth", depth, (".npy", ".png"), _read_depth),
@@ -330,13 +346,23 @@ def load_dense_folder(
     ):
         if folder is None:
             continue
+        if not Path(folder).is_dir():
+            raise DataError(f"{folder}: not a folder")
         labels = _by_stem(Path(folder), suffixes)
         missing = [s for s in stems if s not in labels]
         if missing:
             raise DataError(f"{folder}: no {key} for images {missing[:5]} (matched by file stem)")
         paths = [labels[s] for s in stems]
         out[key] = _stack([read(p) for p in paths], paths, key)
-    return DenseSet([image_files[s] for s in stems], out["depth"], out["mask"])
+    return out["depth"], out["mask"]
+
+
+def load_dense_folder(
+    images: str | Path, depth: str | Path | None = None, masks: str | Path | None = None
+) -> DenseSet:
+    """Paired folders: images, and their depth maps and / or masks (see ``dense_targets``)."""
+    paths = image_files(images)
+    return DenseSet(paths, *dense_targets(paths, depth, masks))
 
 
 def load_digits_images(size: int = 64) -> LabelledImages:

@@ -9,6 +9,7 @@ describes; with QK-norm the normalised queries and keys do not change, nor does 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -33,6 +34,30 @@ def _scaled_qk(params: dict, block: str, head_dim: int, scale: float) -> dict:
     return {**params, name: w * factor}
 
 
+@functools.lru_cache(maxsize=16)
+def _sweep(block: str, qk_norm: bool, tokens: int, width: int, batch: int):
+    """Jitted (seed, scales) -> per-scale mean entropy and max logit of one block variant."""
+    cfg = ViTConfig(
+        name="explore", width=width, depth=1, heads=1, mlp_dim=2 * width, block=block,
+        qk_norm=qk_norm, compute_dtype="float32",
+    )  # fmt: skip
+    module = (ParallelBlock if block == "parallel" else SequentialBlock)(cfg)
+
+    def sweep(seed: jax.Array, scales: jax.Array):
+        key = jax.random.key(seed)
+        x = jax.random.normal(jax.random.fold_in(key, 1), (batch, tokens, width), jnp.float32)
+        params = module.init(key, x, True)["params"]
+
+        def at(scale):
+            variables = {"params": _scaled_qk(params, block, cfg.head_dim, scale)}
+            entropy, max_logit = module.apply(variables, x, True)[1]
+            return entropy.mean(), max_logit.max()
+
+        return jax.vmap(at)(scales)
+
+    return jax.jit(sweep)
+
+
 def explore(
     scales: tuple[float, ...] = DEFAULT_SCALES,
     tokens: int = 8,
@@ -41,28 +66,14 @@ def explore(
     seed: int = 0,
 ) -> dict:
     """Mean attention entropy (nats) and max logit of the head for each scale and variant."""
-    x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, width), jnp.float32)
     results = {}
     for block, qk_norm in VARIANTS:
-        cfg = ViTConfig(
-            name="explore", width=width, depth=1, heads=1, mlp_dim=2 * width, block=block,
-            qk_norm=qk_norm, compute_dtype="float32",
-        )  # fmt: skip
-        module = (ParallelBlock if block == "parallel" else SequentialBlock)(cfg)
-        init = jax.jit(lambda key, module=module: module.init(key, x, True)["params"])
-        params = init(jax.random.key(seed))
-        stats = jax.jit(lambda p, module=module: module.apply({"params": p}, x, True)[1])
-        rows = []
-        for scale in scales:
-            entropy, max_logit = stats(_scaled_qk(params, block, cfg.head_dim, scale))
-            rows.append(
-                {
-                    "scale": float(scale),
-                    "entropy": float(np.mean(entropy)),
-                    "max_logit": float(np.max(max_logit)),
-                }
-            )
-        results[variant_name(block, qk_norm)] = rows
+        sweep = _sweep(block, qk_norm, tokens, width, batch)
+        entropy, max_logit = sweep(seed, jnp.asarray(scales, jnp.float32))
+        results[variant_name(block, qk_norm)] = [
+            {"scale": float(s), "entropy": float(e), "max_logit": float(m)}
+            for s, e, m in zip(scales, np.asarray(entropy), np.asarray(max_logit))
+        ]
     return {
         "probe": "explore",
         "tokens": tokens,

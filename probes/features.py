@@ -8,6 +8,7 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,16 +104,36 @@ def load_npz_features(path: str | Path) -> Features:
     return features_from_outputs(outputs, {"source": str(path)})
 
 
-def features_from_embed_folder(path: str | Path) -> Features:
-    """Features of a ``vit22b embed`` output folder (shards + manifest).
+def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:
+    """The features of a ``vit22b embed`` output folder and the image paths of its rows.
 
-    Not wired yet: the folder format is defined by the embed job (``vit22b.clients``); this is
-    the one place that reads it into :class:`Features`.
+    Reads the stored arrays (``pooled``, ``class_token``, ``patch_tokens.<layer>``) with the
+    embed job's numpy-only loader; bfloat16 outputs are widened to float32.
     """
-    raise NotImplementedError(
-        f"{path}: reading `vit22b embed` output folders is not wired into the probes yet; "
-        "save features with vit22b.probes.features.save_features (.npz) or use --server"
-    )
+    from vit22b.clients.outputs import OutputsError, open_outputs
+
+    try:
+        outputs = open_outputs(str(path))
+    except OutputsError as err:
+        raise DataError(str(err)) from None
+    if not len(outputs):
+        raise DataError(f"{path}: the embed output holds no embedded images yet")
+    arrays: dict = {"patch_tokens": {}}
+    for name in outputs.names:
+        kind, _, layer = name.partition(".")
+        value = np.asarray(outputs[name])
+        if kind == "patch_tokens":
+            arrays["patch_tokens"][int(layer)] = value
+        else:
+            arrays[kind] = value
+    identity = outputs.manifest.get("identity", {})
+    meta = {
+        "source": str(path),
+        "model": identity.get("model"),
+        "checkpoint_fingerprint": identity.get("checkpoint_fingerprint"),
+        "preprocess_hash": identity.get("preprocess_hash"),
+    }
+    return features_from_outputs(arrays, meta), outputs.paths
 
 
 def load_features(source) -> Features:
@@ -123,7 +144,7 @@ def load_features(source) -> Features:
         return features_from_outputs(source, {"source": "arrays"})
     path = Path(source)
     if path.is_dir():
-        return features_from_embed_folder(path)
+        return features_from_embed_folder(path)[0]
     if path.suffix == ".npz" and path.is_file():
         return load_npz_features(path)
     raise DataError(f"{source}: not a features .npz file nor an embed output folder")
@@ -134,29 +155,22 @@ def load_features(source) -> Features:
 # ------------------------------------------------------------------------------------------
 
 
-def preprocess(images, cfg) -> np.ndarray:
-    """uint8 images ([N, H, W, 3], or a list of [H, W, 3] of any sizes) -> the model's
-    normalised input [N, S, S, 3], per ``cfg.preprocess``.
+@functools.lru_cache(maxsize=2)
+def _random_params(cfg, seed: int) -> dict:
+    """Seeded weights, jitted like the server's sharded init (and 3x faster than eager)."""
+    import jax
+    from vit22b.model import init_params
 
-    Shorter side resized to ``preprocess.resize`` (PIL, the contract's interpolation), centre crop
-    to ``cfg.image_size``, then ``(x / 255 - mean) / std``.
-    """
-    from PIL import Image
+    return jax.jit(lambda key: init_params(cfg, key))(jax.random.key(seed))
 
-    pp, size = cfg.preprocess, cfg.image_size
-    method = Image.BICUBIC if pp.interpolation == "bicubic" else Image.BILINEAR
-    out = np.empty((len(images), size, size, 3), np.float32)
-    for i, image in enumerate(images):
-        h, w = image.shape[:2]
-        scale = pp.resize / min(h, w)
-        rh, rw = max(size, round(h * scale)), max(size, round(w * scale))
-        im = Image.fromarray(image)
-        if (rh, rw) != (h, w):
-            im = im.resize((rw, rh), method)
-        top, left = (rh - size) // 2, (rw - size) // 2
-        out[i] = np.asarray(im.crop((left, top, left + size, top + size)), np.float32)
-    mean, std = np.asarray(pp.mean, np.float32), np.asarray(pp.std, np.float32)
-    return (out / 255.0 - mean) / std
+
+@functools.lru_cache(maxsize=8)
+def _forward(cfg, request):
+    """One jitted forward per (model, outputs): compiled once per batch shape."""
+    import jax
+    from vit22b.model import apply
+
+    return jax.jit(lambda params, images: apply(cfg, params, images, request))
 
 
 def features_from_model(
@@ -169,33 +183,33 @@ def features_from_model(
     logits: bool = False,
     batch_size: int = 64,
 ) -> Features:
-    """Run the backbone in-process on uint8 images: ``model`` a preset name or a ViTConfig
-    (default: the served default), random weights from ``seed`` unless ``params`` are given.
-    For tests, demos and users without a server."""
+    """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]):
+    ``model`` a preset name or a ViTConfig (default: the served default), random weights from
+    ``seed`` unless ``params`` are given. For tests, demos and users without a server."""
     import jax
-    from vit22b.model import (
-        DEFAULT_MODEL,
-        OutputRequest,
-        ViTConfig,
-        apply,
-        get_config,
-        init_params,
-    )
+    from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
+    from vit22b.server.preprocess import Preprocessor
 
     cfg = model if isinstance(model, ViTConfig) else get_config(model or DEFAULT_MODEL)
     random_weights = params is None
-    if random_weights:  # jitted like the server's sharded init (and 3x faster than eager)
-        params = jax.jit(lambda key: init_params(cfg, key))(jax.random.key(seed))
+    if random_weights:
+        params = _random_params(cfg, seed)
     request = OutputRequest(
         pooled=cfg.head != "none",
         patch_layers=tuple(patch_layers),
         attention_stats=attention_stats,
         logits=logits,
     )
-    forward = jax.jit(lambda p, x: apply(cfg, p, x, request))
+    forward = _forward(cfg, request)
+    pre = Preprocessor(cfg)  # the server's own preprocessing: the same pixels as served
     chunks, batch_size = [], min(batch_size, len(images))
     for start in range(0, len(images), batch_size):
-        batch = preprocess(images[start : start + batch_size], cfg)
+        batch = np.stack(
+            [
+                _load(pre, image, start + i)
+                for i, image in enumerate(images[start : start + batch_size])
+            ]
+        )
         n = len(batch)  # pad the last batch: one compiled shape for all
         batch = np.pad(batch, ((0, batch_size - n), (0, 0), (0, 0), (0, 0)))
         chunks.append(jax.tree.map(lambda a, n=n: np.asarray(a)[:n], forward(params, batch)))
@@ -209,28 +223,47 @@ def features_from_model(
     return features_from_outputs(outputs, meta)
 
 
+def _load(pre, image, index: int) -> np.ndarray:
+    from vit22b.server.errors import InvalidImage
+
+    try:
+        return pre.load(np.asarray(image))
+    except InvalidImage as err:
+        raise DataError(f"image {index}: {err.reason}") from None
+
+
 def features_from_server(
     address: str,
     images,
     patch_layers: tuple[int, ...] = (),
     attention_stats: bool = False,
     logits: bool = False,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     **client_kwargs,
 ) -> Features:
-    """Features from a running server through the SDK's ``FeatureClient``.
+    """Features of ``images`` (paths, bytes, PIL images or uint8 arrays) from a running server,
+    through the SDK's ``FeatureClient`` (``client_kwargs``: token, tls, timeout, ...).
 
-    Expects ``FeatureClient(address, **client_kwargs).embed(images, outputs=..., batch_size=...)``
-    to return a dict shaped like ``vit22b.model.apply``'s outputs (numpy arrays).
+    ``patch_layers`` may count from the end (-1 is the last block); the returned patch tokens
+    are keyed by the layers as requested.
     """
+    import json
+
     from vit22b.clients import FeatureClient
 
-    outputs = {
-        "pooled": True,
-        "patch_layers": tuple(patch_layers),
-        "attention_stats": attention_stats,
-        "logits": logits,
-    }
+    outputs = ["pooled"] + ["attention_stats"] * attention_stats + ["logits"] * logits
     with FeatureClient(address, **client_kwargs) as client:
-        result = client.embed(list(images), outputs=outputs, batch_size=batch_size)
-    return features_from_outputs(dict(result), {"source": address})
+        info = client.model_info()
+        result = client.embed(
+            list(images), outputs=outputs, layers=tuple(patch_layers), batch_size=batch_size
+        )
+    config = json.loads(info.config_json or "{}")
+    meta = {
+        "source": address,
+        "model": result.model.name if result.model else info.model.name,
+        "checkpoint_fingerprint": info.model.fingerprint,
+        "preprocess_hash": info.model.preprocess_hash,
+        "num_tokens": info.num_patches + int(bool(config.get("class_token"))),
+        "depth": info.depth,
+    }
+    return features_from_outputs(result.as_dict(), meta)

@@ -1,0 +1,282 @@
+"""Probe metrics against values computed by hand: calibration, shape bias, kNN, ridge, splits."""
+
+import math
+
+import numpy as np
+import pytest
+from vit22b.probes import calibration, fewshot, knn, linear, shape_bias
+from vit22b.probes.data import DataError
+from vit22b.probes.heads import LinearHead, load_head, save_head
+from vit22b.probes.metrics import split_indices, topk_accuracy
+
+# ---- calibration ---------------------------------------------------------------------------
+
+# Confidences include exactly 0 (first bin) and exactly 1 (last bin, which is closed).
+CONF = np.array([0.0, 0.05, 0.5, 0.52, 0.9, 1.0, 1.0, 0.999])
+CORRECT = np.array([0, 1, 1, 0, 1, 1, 0, 1], float)
+# 15 equal-width bins of width 1/15:
+#   bin 0  {0.0, 0.05}        accuracy 1/2, confidence 0.025     gap 0.475
+#   bin 7  {0.5, 0.52}        accuracy 1/2, confidence 0.51      gap 0.01
+#   bin 13 {0.9}              accuracy 1,   confidence 0.9       gap 0.1
+#   bin 14 {1.0, 1.0, 0.999}  accuracy 2/3, confidence 0.999667  gap 0.333
+ECE_BY_HAND = (2 * 0.475 + 2 * 0.01 + 1 * 0.1 + 3 * (2.999 / 3 - 2 / 3)) / 8  # 0.258625
+MCE_BY_HAND = 0.475
+# Equal mass, 4 bins of 2 after a stable sort by confidence:
+#   {0.0:0, 0.05:1} gap 0.475; {0.5:1, 0.52:0} gap 0.01; {0.9:1, 0.999:1} gap 0.0505;
+#   {1.0:1, 1.0:0} gap 0.5
+ADAPTIVE_4_BY_HAND = (0.475 + 0.01 + 0.0505 + 0.5) / 4  # 0.258875
+# With 15 equal-mass bins and 8 samples every sample is its own bin: mean |correct - conf|.
+ADAPTIVE_15_BY_HAND = (0 + 0.95 + 0.5 + 0.52 + 0.1 + 0 + 1 + 0.001) / 8  # 0.383875
+
+
+def test_ece_mce_and_adaptive_ece_match_hand_computed_values():
+    assert calibration.ece(CONF, CORRECT) == pytest.approx(ECE_BY_HAND, abs=1e-12)
+    assert calibration.mce(CONF, CORRECT) == pytest.approx(MCE_BY_HAND, abs=1e-12)
+    assert calibration.adaptive_ece(CONF, CORRECT, bins=4) == pytest.approx(
+        ADAPTIVE_4_BY_HAND, abs=1e-12
+    )
+    assert calibration.adaptive_ece(CONF, CORRECT) == pytest.approx(ADAPTIVE_15_BY_HAND, abs=1e-12)
+
+
+def test_confidence_one_falls_in_the_last_bin_and_zero_in_the_first():
+    bins = calibration.equal_width_bins(np.array([1.0, 0.0, 14 / 15 + 1e-9]), 15)
+    assert list(bins[14]) == [0, 2]
+    assert list(bins[0]) == [1]
+    assert sum(len(b) for b in bins) == 3
+
+
+def test_metrics_from_probabilities_nll_and_brier():
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
+    labels = np.array([0, 2])
+    metrics = calibration.calibration_metrics(probs, labels)
+    assert metrics["accuracy"] == 0.5
+    assert metrics["mean_confidence"] == pytest.approx(0.65)
+    assert metrics["nll"] == pytest.approx(-(math.log(0.7) + math.log(0.3)) / 2)
+    # (0.3^2 + 0.2^2 + 0.1^2 + 0.1^2 + 0.6^2 + 0.7^2) / 2
+    assert metrics["brier"] == pytest.approx(0.5)
+    # bins: 0.7 -> bin 10 (correct), 0.6 -> bin 9 (wrong): ECE = (0.3 + 0.6) / 2
+    assert metrics["ece"] == pytest.approx(0.45)
+    assert metrics["mce"] == pytest.approx(0.6)
+
+
+def _overconfident(n: int, seed: int):
+    """Logits of a classifier right about 70% of the time but sure of itself: scaled by 6."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 5, n)
+    logits = rng.standard_normal((n, 5)) + 1.5 * np.eye(5)[labels]
+    return 6.0 * logits, labels
+
+
+def test_temperature_scaling_lowers_nll_and_keeps_accuracy():
+    val_logits, val_labels = _overconfident(600, seed=1)
+    test_logits, test_labels = _overconfident(600, seed=2)
+    report = calibration.calibration_probe(val_logits, val_labels, test_logits, test_labels)
+    before, after = report["before"], report["after"]
+    assert report["temperature"] > 2.0  # the logits were inflated six-fold
+    assert after["nll"] < before["nll"]
+    assert after["ece"] < before["ece"]
+    assert after["accuracy"] == before["accuracy"]
+    assert 0.4 < before["accuracy"] < 0.95
+    assert len(report["reliability_before"]) == 15
+
+
+def test_fitted_temperature_recovers_a_known_scale():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4000, 4)) * 2
+    labels = np.array([rng.choice(4, p=p) for p in np.exp(logits) / np.exp(logits).sum(1)[:, None]])
+    # Labels drawn from softmax(logits): the calibrated temperature of 3 * logits is 3.
+    assert calibration.fit_temperature(3 * logits, labels) == pytest.approx(3.0, rel=0.1)
+
+
+# ---- shape bias ----------------------------------------------------------------------------
+
+
+def test_shape_bias_of_hand_made_decisions():
+    names = ("a", "b", "c", "d")
+    shapes = np.array([0, 0, 1, 1, 2, 3, 3, 2])
+    textures = np.array([1, 0, 2, 3, 0, 3, 0, 1])
+    decisions = np.array([0, 0, 2, 3, 1, 3, 0, 2])
+    # 0: shape; 1: same category (left out, although it names both); 2, 3: texture;
+    # 4: neither; 5: same category (left out); 6: texture; 7: shape.
+    report = shape_bias.shape_bias(decisions, shapes, textures, names)
+    assert report["shape_decisions"] == 2
+    assert report["texture_decisions"] == 3
+    assert report["other_decisions"] == 1
+    assert report["conflict_images"] == 6
+    assert report["same_category_excluded"] == 2
+    assert report["shape_bias"] == pytest.approx(2 / 5)
+    assert report["cue_decision_rate"] == pytest.approx(5 / 6)
+    per = report["per_category"]
+    assert per["a"]["shape_bias"] == 1.0 and per["a"]["same_category_excluded"] == 1
+    assert per["b"]["shape_bias"] == 0.0 and per["b"]["texture_decisions"] == 2
+    assert per["c"]["shape_bias"] == 1.0 and per["c"]["other_decisions"] == 1
+    assert per["d"]["shape_bias"] == 0.0 and per["d"]["same_category_excluded"] == 1
+
+
+def test_shape_bias_without_cue_decisions_is_undefined_not_zero():
+    report = shape_bias.shape_bias(np.array([2]), np.array([0]), np.array([1]), ("a", "b", "c"))
+    assert report["shape_bias"] is None
+    assert report["other_decisions"] == 1
+
+
+# model-vs-human, modelvshuman/helper/human_categories.py, HumanCategories.<category>_indices
+MODEL_VS_HUMAN = {
+    "airplane": [404],
+    "bear": [294, 295, 296, 297],
+    "bicycle": [444, 671],
+    "bird": [8, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 22, 23, 24, 80, 81, 82, 83, 87, 88, 89,
+             90, 91, 92, 93, 94, 95, 96, 98, 99, 100, 127, 128, 129, 130, 131, 132, 133, 135,
+             136, 137, 138, 139, 140, 141, 142, 143, 144, 145],
+    "boat": [472, 554, 625, 814, 914],
+    "bottle": [440, 720, 737, 898, 899, 901, 907],
+    "car": [436, 511, 817],
+    "cat": [281, 282, 283, 284, 285, 286],
+    "chair": [423, 559, 765, 857],
+    "clock": [409, 530, 892],
+    "dog": [152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168,
+            169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185,
+            186, 187, 188, 189, 190, 191, 193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203,
+            205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221,
+            222, 223, 224, 225, 226, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239,
+            240, 241, 243, 244, 245, 246, 247, 248, 249, 250, 252, 253, 254, 255, 256, 257, 259,
+            261, 262, 263, 265, 266, 267, 268],
+    "elephant": [385, 386],
+    "keyboard": [508, 878],
+    "knife": [499],
+    "oven": [766],
+    "truck": [555, 569, 656, 675, 717, 734, 864, 867],
+}  # fmt: skip
+
+
+def test_sixteen_category_mapping_is_model_vs_humans():
+    assert shape_bias.CATEGORIES == tuple(sorted(MODEL_VS_HUMAN))
+    assert {k: list(v) for k, v in shape_bias.IMAGENET_INDICES.items()} == MODEL_VS_HUMAN
+    everything = [i for v in MODEL_VS_HUMAN.values() for i in v]
+    assert len(everything) == len(set(everything))  # no ImageNet class in two categories
+
+
+def test_category_scores_are_mean_probabilities():
+    probs = np.full((2, 1000), 0.0)
+    dog = shape_bias.IMAGENET_INDICES["dog"]
+    probs[0, dog] = 0.5 / len(dog)  # half the mass spread over 109 dog classes ...
+    probs[0, 499] = 0.1  # ... loses to a tenth on the one knife class: means, not sums
+    probs[1, 404] = 1.0
+    scores = shape_bias.imagenet_to_categories(probs)
+    names = shape_bias.CATEGORIES
+    assert names[scores[0].argmax()] == "knife"
+    assert scores[0, names.index("dog")] == pytest.approx(0.5 / 109)
+    assert names[scores[1].argmax()] == "airplane"
+    with pytest.raises(ValueError, match="1000"):
+        shape_bias.imagenet_to_categories(np.ones((1, 999)))
+
+
+# ---- classification probes ------------------------------------------------------------------
+
+
+def test_topk_accuracy():
+    scores = np.array([[0.1, 0.5, 0.4], [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]])
+    labels = np.array([2, 0, 0])
+    assert topk_accuracy(scores, labels, 1) == pytest.approx(1 / 3)
+    assert topk_accuracy(scores, labels, 2) == pytest.approx(2 / 3)
+    assert topk_accuracy(scores, labels, 5) == 1.0  # k beyond the classes: all
+
+
+def test_knn_votes_are_temperature_weighted_cosine_similarities():
+    train = np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0], [-1.0, 0.0]])
+    labels = np.array([0, 1, 1, 0])
+    query = np.array([[2.0, 0.5]])
+    votes = knn.knn_votes(train, labels, query, ks=(1, 2, 10), num_classes=2, temperature=0.5)
+    unit = train / np.linalg.norm(train, axis=1, keepdims=True)
+    sims = unit @ (query[0] / np.linalg.norm(query))
+    # neighbours by similarity: 0 (class 0), 2 (class 1), 1 (class 1), 3 (class 0)
+    w = np.exp(sims / 0.5)
+    np.testing.assert_allclose(votes[1][0], [w[0], 0], rtol=1e-5)  # float32 similarities
+    np.testing.assert_allclose(votes[2][0], [w[0], w[2]], rtol=1e-5)
+    np.testing.assert_allclose(votes[10][0], [w[0] + w[3], w[1] + w[2]], rtol=1e-5)  # k <= 4
+
+
+def _blobs(n: int, classes: int, dim: int, seed: int, spread: float = 1.0):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((classes, dim)) * 3
+    labels = rng.integers(0, classes, n)
+    return centres[labels] + spread * rng.standard_normal((n, dim)), labels
+
+
+@pytest.mark.parametrize("n_per_class", [3, 40])  # fewer and more points than dimensions
+def test_ridge_classifier_matches_the_normal_equations(n_per_class):
+    x, y = _blobs(4 * n_per_class, 4, 20, seed=3)
+    y = np.repeat(np.arange(4), n_per_class)
+    predict = fewshot.ridge_classifier(x, y, 4, l2=8.0)
+    mean, std = x.mean(0), x.std(0) + 1e-5
+
+    def design(v):
+        return np.pad((v - mean) / std, ((0, 0), (0, 1)), constant_values=fewshot.BIAS_FEATURE)
+
+    a = design(x)
+    w = np.linalg.solve(a.T @ a + 8.0 * np.eye(a.shape[1]), a.T @ (2 * np.eye(4)[y] - 1))
+    test = np.random.default_rng(9).standard_normal((5, 20))
+    np.testing.assert_allclose(predict(test), design(test) @ w, rtol=1e-6, atol=1e-8)
+
+
+def test_fewshot_reports_mean_and_spread_and_skips_impossible_shots():
+    x, y = _blobs(300, 3, 16, seed=4)
+    report = fewshot.fewshot_probe(x[:200], y[:200], x[200:], y[200:], shots=(1, 5, 500))
+    assert set(report["shots"]) == {"1", "5"}
+    assert "500" in report["skipped"]
+    five = report["shots"]["5"]
+    assert len(five["top1_per_seed"]) == 3
+    assert five["top1_mean"] == pytest.approx(np.mean(five["top1_per_seed"]))
+    assert five["top1_std"] == pytest.approx(np.std(five["top1_per_seed"]))
+    assert five["top1_mean"] > 0.9  # well separated blobs
+
+
+def test_linear_probe_sweeps_c_and_scores_held_out_data():
+    x, y = _blobs(400, 5, 10, seed=5, spread=2.0)
+    report = linear.linear_probe(x[:300], y[:300], x[300:], y[300:])
+    assert report["best_C"] in linear.DEFAULT_CS
+    assert set(report["val_top1_by_C"]) == {f"{c:g}" for c in linear.DEFAULT_CS}
+    assert report["top1"] > 0.8
+    assert report["top5"] == 1.0  # five classes
+    assert report["top1"] > report["baselines"]["majority_top1"]
+
+
+def test_stratified_split_is_a_partition_that_keeps_class_shares():
+    labels = np.repeat([0, 1, 2], [50, 30, 20])
+    parts = split_indices(labels, (0.6, 0.2, 0.2), seed=0)
+    joined = np.concatenate(parts)
+    assert sorted(joined) == list(range(100))
+    assert [len(p) for p in parts] == [60, 20, 20]
+    assert np.bincount(labels[parts[1]]).tolist() == [10, 6, 4]
+    with pytest.raises(ValueError):
+        split_indices(labels, (0.5, 0.4))
+
+
+# ---- imported heads -------------------------------------------------------------------------
+
+
+def test_head_file_round_trip_and_logits(tmp_path):
+    rng = np.random.default_rng(0)
+    head = LinearHead(rng.standard_normal((8, 3)).astype(np.float32),
+                      np.arange(3, dtype=np.float32), ("x", "y", "z"))  # fmt: skip
+    save_head(tmp_path / "head.npz", head)
+    loaded = load_head(tmp_path / "head.npz")
+    assert loaded.class_names == ("x", "y", "z")
+    pooled = rng.standard_normal((4, 8)).astype(np.float32)
+    np.testing.assert_allclose(loaded.logits(pooled), pooled @ head.kernel + head.bias, rtol=1e-6)
+    with pytest.raises(DataError, match="input width 8"):
+        loaded.logits(np.ones((2, 7), np.float32))
+
+
+def test_bad_head_files_are_refused_with_the_reason(tmp_path):
+    np.savez(tmp_path / "nobias.npz", kernel=np.ones((4, 2), np.float32))
+    with pytest.raises(DataError, match=r"lacks \['bias'\]"):
+        load_head(tmp_path / "nobias.npz")
+    np.savez(tmp_path / "shape.npz", kernel=np.ones((4, 2), np.float32), bias=np.ones(3))
+    with pytest.raises(DataError, match="does not match kernel"):
+        load_head(tmp_path / "shape.npz")
+    np.savez(tmp_path / "ints.npz", kernel=np.ones((4, 2), np.int32), bias=np.ones(2))
+    with pytest.raises(DataError, match="floating point"):
+        load_head(tmp_path / "ints.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="junk.npz"):
+        load_head(tmp_path / "junk.npz")
