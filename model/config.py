@@ -172,6 +172,8 @@ def _vit22b_recipe(name: str, width: int, depth: int, heads: int, **kw) -> ViTCo
     """The paper's recipe (parallel, QK-norm, RMSNorm, no QKV/norm biases, MAP, no class token)."""
     kw.setdefault("mlp_dim", 4 * width)
     kw.setdefault("patch", 14)
+    # big_vision's recipe: resize the whole image to the input size (no crop margin).
+    kw.setdefault("preprocess", Preprocess(resize=kw.get("image_size", 224)))
     return ViTConfig(name=name, width=width, depth=depth, heads=heads, **kw)
 
 
