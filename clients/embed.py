@@ -7,9 +7,9 @@ worker whose server is lost puts its batch back at the front and retires, so the
 the job. A shard is written (see embed_store) once all its batches are back. Because a batch's
 members are fixed by position, results do not depend on which worker computed them, how often
 the job was killed, or in what order shards completed. (Bit for bit, that holds while each image
-is computed in a batch of the same padded size: always in local mode; a server's batcher may
-pack concurrent requests differently, and on CPU a lone image, padded to a batch of one, comes
-out a few ulps off the same image in a larger batch.)
+is computed in a batch of the same padded size: always in local mode, and remotely with one
+request in flight per server; a server's batcher may pack concurrent requests into other batch
+sizes, and XLA's results for one image then move by an ulp or so.)
 
 Backends (embed_local: the in-process engine, needs jax; embed_remote: gRPC servers, no jax)
 provide ``model`` (a ModelRef), ``array_specs()`` and ``workers()``; a worker's
@@ -182,11 +182,19 @@ class _ShardProgress:
 
 
 class _Queue:
-    """Batches in input order. A lost worker's batch goes back to the front, so a worker waits
-    while batches are in flight elsewhere instead of leaving when the queue looks empty."""
+    """Batches ``(shard, index, positions)`` in input order.
 
-    def __init__(self, tasks):
+    A lost worker's batch goes back to the front, so a worker waits while batches are in flight
+    elsewhere instead of leaving when the queue looks empty. Only batches of the first
+    ``window`` unwritten shards are handed out: a slow or hung server then holds back the
+    others instead of letting results pile up in memory behind the shard it blocks.
+    """
+
+    def __init__(self, tasks, shards: list[int], window: int):
         self._tasks = collections.deque(tasks)
+        self._unwritten = list(shards)
+        self._window = window
+        self._open = set(self._unwritten[:window])
         self._cond = threading.Condition()
         self._in_flight = 0
         self._closed = False
@@ -194,13 +202,19 @@ class _Queue:
     def take(self):
         with self._cond:
             while not self._closed:
-                if self._tasks:
+                if self._tasks and self._tasks[0][0] in self._open:
                     self._in_flight += 1
                     return self._tasks.popleft()
-                if not self._in_flight:
+                if not self._tasks and not self._in_flight:
                     break
                 self._cond.wait()
             return None
+
+    def written(self, shard: int) -> None:
+        with self._cond:
+            self._unwritten.remove(shard)
+            self._open = set(self._unwritten[: self._window])
+            self._cond.notify_all()
 
     def done(self) -> None:
         with self._cond:
@@ -270,17 +284,19 @@ def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None =
 def _run_pending(config, backend, items, slices, pending, store, summary) -> None:
     if not pending:
         return
+    workers = backend.workers()
+    if not workers:
+        raise JobFailed("no worker available (no server reachable)")
+    in_flight = len(workers) * config.batch_size
     tasks = _Queue(
-        (k, b, batch)
-        for k in pending
-        for b, batch in enumerate(_batches(slices[k], config.batch_size))
+        ((k, b, batch) for k in pending
+         for b, batch in enumerate(_batches(slices[k], config.batch_size))),
+        pending,
+        window=2 + -(-in_flight // config.shard_size),
     )
     shards = {k: _ShardProgress(batches=len(_batches(slices[k], config.batch_size)))
               for k in pending}
     results: queue.Queue = queue.Queue()
-    workers = backend.workers()
-    if not workers:
-        raise JobFailed("no worker available (no server reachable)")
 
     def work(worker: Worker) -> None:
         while (task := tasks.take()) is not None:
@@ -317,6 +333,7 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
                 if len(progress.results) == progress.batches:
                     _write_shard(store, items, slices[shard], shard, config.batch_size,
                                  shards.pop(shard), summary)
+                    tasks.written(shard)
                     remaining -= 1
                     if config.on_shard is not None:
                         config.on_shard(shard)

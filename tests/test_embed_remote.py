@@ -143,13 +143,15 @@ def test_two_servers_one_killed_mid_job(server, victim, dataset, tmp_path):
     assert result.ids == good  # nothing lost, nothing twice
     assert sorted(f["id"] for f in result.failed) == sorted(bad)
 
-    # the same features as one server alone computes (same mesh, same weights)
+    # the same features as one server alone computes (same mesh, same weights); concurrent
+    # requests may be packed into other batch sizes than alone, which moves a few values by an ulp
     alone = RemoteBackend([server.address], spec, quiet=True)
     run_job(JobConfig([str(data)], str(tmp_path / "alone"), spec, batch_size=2, shard_size=4,
                       quiet=True), alone)
     alone.close()
-    np.testing.assert_array_equal(np.asarray(result["pooled"]),
-                                  np.asarray(open_outputs(str(tmp_path / "alone"))["pooled"]))
+    np.testing.assert_allclose(np.asarray(result["pooled"]),
+                               np.asarray(open_outputs(str(tmp_path / "alone"))["pooled"]),
+                               rtol=1e-5, atol=1e-6)
     assert (out / "errors.jsonl").read_bytes() == (tmp_path / "alone" / "errors.jsonl").read_bytes()
 
 
