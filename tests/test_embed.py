@@ -97,6 +97,28 @@ def test_bad_inputs_are_named(tmp_path):
         enumerate_inputs([str(tmp_path / "empty")])
 
 
+def test_work_queue_window_and_put_back():
+    import threading
+
+    from vit22b.clients.embed import _Queue
+
+    q = _Queue([(k, b, None) for k in range(4) for b in range(2)], [0, 1, 2, 3], window=2)
+    taken = [q.take() for _ in range(4)]  # shards 0 and 1 only: the window
+    assert [t[:2] for t in taken] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    later = []
+    waiter = threading.Thread(target=lambda: later.append(q.take()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # shard 2 waits until shard 0 is written
+    q.put_back(taken[1])  # a lost worker's batch: first in line again
+    waiter.join(5)
+    assert later[0][:2] == (0, 1)
+    for _ in range(4):
+        q.done()
+    q.written(0)
+    assert q.take()[:2] == (2, 0)
+
+
 # ---- store -------------------------------------------------------------------------------
 
 
