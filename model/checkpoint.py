@@ -240,6 +240,18 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def check_writable(path, overwrite: bool = False) -> bool:
+    """Whether a checkpoint is already at ``path`` (to be replaced); refuses what must not be."""
+    path = Path(path)
+    if not path.exists() or not any(path.iterdir()):
+        return False
+    if not overwrite:
+        raise CheckpointError(f"{path} already exists and is not empty (overwrite to replace)")
+    if not (path / METADATA_FILE).exists() and not (path / PARAMS_DIR).exists():
+        raise CheckpointError(f"{path} is not a checkpoint directory; refusing to replace it")
+    return True
+
+
 def save(
     path,
     cfg: ViTConfig,
@@ -256,11 +268,7 @@ def save(
         shape_problems(expected_shapes(cfg), shapes, f"config {cfg.name}", "the parameter tree"),
         f"cannot save a checkpoint of {cfg.name}: the parameters do not fit the config",
     )
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise CheckpointError(f"{path} already exists and is not empty (overwrite to replace)")
-        if not (path / METADATA_FILE).exists() and not (path / PARAMS_DIR).exists():
-            raise CheckpointError(f"{path} is not a checkpoint directory; refusing to replace it")
+    if check_writable(path, overwrite):
         for name in (METADATA_FILE, HEAD_FILE):
             (path / name).unlink(missing_ok=True)
         shutil.rmtree(path / PARAMS_DIR, ignore_errors=True)

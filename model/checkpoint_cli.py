@@ -34,9 +34,10 @@ def _summary(out: str, meta) -> str:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from .checkpoint import save
+    from .checkpoint import check_writable, save
     from .sharding import init_sharded, make_mesh
 
+    check_writable(args.out, args.overwrite)  # before minutes of initialising a large model
     cfg = get_config(args.model)
     if args.dtype:
         cfg = cfg.replace(param_dtype=args.dtype)
@@ -61,9 +62,10 @@ def _tensor_parallel_mesh(cfg):
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .checkpoint import save
+    from .checkpoint import check_writable, save
     from .convert import Hints, convert
 
+    check_writable(args.out, args.overwrite)
     hints = Hints(
         preset=get_config(args.model) if args.model else None, heads=args.heads, dtype=args.dtype
     )
