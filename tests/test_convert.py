@@ -428,3 +428,19 @@ def test_a_preset_that_does_not_match_is_refused_by_parameter(timm_state, tmp_pa
         main([*args[:-1], str(tmp_path / "absent.safetensors"), "--out", str(tmp_path / "o")]) == 2
     )
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_bfloat16_weights_stay_bfloat16_unless_asked(tmp_path):
+    model = timm.create_model("vit_base_patch16_xp_224", pretrained=False, **TINY).eval()
+    perturb(model, seed=5)
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "bf16.pth")
+    converted = convert("timm", tmp_path / "bf16.pth")
+    assert converted.config.param_dtype == "bfloat16"
+    w_in = converted.params["block_0"]["w_in"]
+    assert w_in.dtype.name == "bfloat16"
+    # bit-exact regrouping: the in_proj's q rows are w_in's first head_dim columns, per head
+    q_rows = state["blocks.0.in_proj.weight"][256 : 256 + 64].float().numpy()  # after the MLP
+    np.testing.assert_array_equal(w_in[:, :, :16].astype(np.float32).reshape(64, 64), q_rows.T)
+    as_f32 = convert("timm", tmp_path / "bf16.pth", Hints(dtype="float32"))
+    assert as_f32.params["block_0"]["w_in"].dtype == np.float32
