@@ -272,15 +272,19 @@ def _run_probe_command(args) -> int:
     try:
         if kind in DENSE and args.data and not (args.depth or args.masks):
             raise DataError(f"{kind} on --data needs --depth DIR or --masks DIR")
+        if kind == "shape-bias" and not args.shapes_world and not args.head:
+            raise DataError(
+                "shape-bias on given images needs their decisions: --head FILE "
+                "(a 16-way or 1000-way ImageNet head on pooled features)"
+            )
         if args.shapes_world is not None and args.shapes_world < 8:
             raise DataError("--shapes-world needs at least 8 images")
+        options = _options(args, kind)  # reads --head first: fail before embedding anything
         data, extra = _probe_data(args, kind)
         if args.save_features:
             save_probe_data(args.save_features, data)
-        report = run_probe(
-            kind, data, out_dir=args.out, seed=args.seed, **extra, **_options(args, kind)
-        )
-    except (DataError, ValueError, NotImplementedError) as err:
+        report = run_probe(kind, data, out_dir=args.out, seed=args.seed, **extra, **options)
+    except (DataError, ValueError, OSError) as err:
         print(f"vit22b probe {kind}: error: {err}", file=sys.stderr)
         return 2
     print(summarize(report))

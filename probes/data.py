@@ -324,7 +324,10 @@ def _stack(arrays: list[np.ndarray], paths: list[Path], what: str) -> np.ndarray
     shape = arrays[0].shape
     for array, path in zip(arrays, paths):
         if array.shape != shape:
-            raise DataError(f"{path}: {what} of shape {array.shape}, others are {shape}")
+            raise DataError(
+                f"{path}: {what} of shape {array.shape}, but {paths[0]} has {shape} "
+                "(all must share one size)"
+            )
     return np.stack(arrays)
 
 

@@ -96,6 +96,8 @@ def save_features(path: str | Path, features: Features) -> None:
 
 
 def load_npz_features(path: str | Path) -> Features:
+    if not Path(path).is_file():
+        raise DataError(f"{path}: not a features .npz file nor an embed output folder")
     with np.load(path, allow_pickle=False) as npz:
         outputs: dict = {k: npz[k] for k in npz.files if k in _ARRAY_KEYS}
         outputs["patch_tokens"] = {
@@ -145,9 +147,7 @@ def load_features(source) -> Features:
     path = Path(source)
     if path.is_dir():
         return features_from_embed_folder(path)[0]
-    if path.suffix == ".npz" and path.is_file():
-        return load_npz_features(path)
-    raise DataError(f"{source}: not a features .npz file nor an embed output folder")
+    return load_npz_features(path)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, c: float, max_iter: int = 500):
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
-
     from threadpoolctl import threadpool_limits
 
     model = make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=max_iter))

@@ -13,7 +13,7 @@ from vit22b.probes.features import features_from_model
 from vit22b.probes.runner import probe_data_from_shapes_world, run_probe
 
 N = 480
-STEPS = 200
+STEPS = 120
 
 
 @pytest.fixture(scope="module")

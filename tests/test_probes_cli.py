@@ -1,0 +1,159 @@
+"""`vit22b probe KIND`: in-process features, saved features, a real server, embed output folders."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from serving import start_server
+from vit22b.clients.cli import main
+from vit22b.probes.data import shapes_world
+from vit22b.probes.features import features_from_model, features_from_server
+from vit22b.probes.heads import LinearHead, save_head
+from vit22b.probes.shape_bias import CATEGORIES
+
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cue-conflict-sample"
+
+
+def _report(out: Path, kind: str) -> dict:
+    return json.loads((out / f"{kind}.json").read_text())
+
+
+def test_linear_on_the_shapes_world_in_process(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["probe", "linear", "--shapes-world", "160", "--out", str(out),
+                 "--save-features", str(tmp_path / "f.npz")]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    report = _report(out, "linear")
+    assert report["num_images"] == 160 and report["num_classes"] == 8
+    assert report["features"]["model"] == "vit-22b-tiny/16"
+    assert f"top-1 {report['top1']:.4f}" in printed
+    # The same probe on the saved features gives the same figures.
+    again = tmp_path / "again"
+    assert main(["probe", "linear", "--features", str(tmp_path / "f.npz"),
+                 "--out", str(again)]) == 0  # fmt: skip
+    assert _report(again, "linear")["top1"] == report["top1"]
+
+
+def _write_dense_folders(root: Path, n: int) -> None:
+    world = shapes_world(n, seed=2)
+    for sub in ("images", "depth", "masks"):
+        (root / sub).mkdir(parents=True)
+    for i in range(n):
+        Image.fromarray(world.images[i]).save(root / "images" / f"{i:03d}.png")
+        np.save(root / "depth" / f"{i:03d}.npy", world.depth[i])
+        Image.fromarray(world.mask[i], "L").save(root / "masks" / f"{i:03d}.png")
+
+
+def test_depth_and_segmentation_on_paired_folders(tmp_path):
+    _write_dense_folders(tmp_path / "set", 32)
+    args = ["--data", str(tmp_path / "set" / "images"), "--steps", "20", "--out", str(tmp_path)]
+    assert main(["probe", "depth", *args, "--depth", str(tmp_path / "set" / "depth"),
+                 "--decoders", "linear"]) == 0  # fmt: skip
+    depth = _report(tmp_path, "depth")
+    assert depth["layers"] == [0, 1, 2, 3] and "dpt" not in depth
+    assert depth["num_test"] == 8 and depth["linear"]["rmse"] > 0
+    assert main(["probe", "segmentation", *args, "--masks", str(tmp_path / "set" / "masks")]) == 0
+    seg = _report(tmp_path, "segmentation")
+    assert seg["num_classes"] == int(shapes_world(32, seed=2).mask.max()) + 1
+    assert (tmp_path / "depth.png").is_file() and (tmp_path / "segmentation.png").is_file()
+
+
+def test_shape_bias_of_the_cue_conflict_sample_through_an_imported_imagenet_head(tmp_path):
+    rng = np.random.default_rng(0)
+    head = tmp_path / "imagenet_head.npz"
+    save_head(head, LinearHead(rng.standard_normal((64, 1000)).astype(np.float32),
+                               np.zeros(1000, np.float32)))  # fmt: skip
+    assert main(["probe", "shape-bias", "--data", str(SAMPLE), "--head", str(head),
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    report = _report(tmp_path, "shape-bias")
+    assert report["decisions_from"].startswith("1000-way ImageNet head mapped to 16")
+    assert report["same_category_excluded"] == 6 and report["conflict_images"] == 74
+    decided = report["shape_decisions"] + report["texture_decisions"] + report["other_decisions"]
+    assert decided == 74
+    assert set(report["per_category"]) == set(CATEGORIES)
+
+
+def test_calibration_with_an_imported_head_on_digits(tmp_path):
+    rng = np.random.default_rng(1)
+    head = tmp_path / "digits_head.npz"
+    save_head(head, LinearHead(rng.standard_normal((64, 10)).astype(np.float32),
+                               np.zeros(10, np.float32), tuple("0123456789")))  # fmt: skip
+    assert main(["probe", "calibration", "--digits", "--head", str(head),
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    report = _report(tmp_path, "calibration")
+    assert report["logits_from"] == "imported head"
+    assert abs(report["num_test"] - 0.2 * 1797) < 10  # a fifth of the digits, per class
+    assert report["after"]["accuracy"] == report["before"]["accuracy"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["depth", "--data", "IMAGES"], "needs --depth DIR or --masks DIR"),
+        (["shape-bias", "--data", "SAMPLE"], "needs their decisions: --head FILE"),
+        (["linear", "--features", "MISSING"], "missing.npz: not a features .npz"),
+        (["calibration", "--digits", "--head", "MISSING"], "missing.npz: not a readable"),
+        (["depth", "--shapes-world", "16", "--layers", "9"], "layer index 9 is out of range"),
+        (["segmentation", "--features", "EMPTY"], "not a vit22b embed output directory"),
+        (["linear", "--shapes-world", "4"], "at least 8 images"),
+    ],
+)
+def test_bad_probe_commands_fail_with_the_reason(tmp_path, capsys, argv, message):
+    (tmp_path / "empty").mkdir()
+    paths = {"IMAGES": tmp_path, "SAMPLE": SAMPLE, "MISSING": tmp_path / "missing.npz",
+             "EMPTY": tmp_path / "empty"}  # fmt: skip
+    argv = [str(paths.get(a, a)) for a in argv]
+    assert main(["probe", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- against a real server, and an embed output folder ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv.address
+    srv.stop()
+
+
+def test_server_features_match_in_process_features(server):
+    images = shapes_world(16, seed=4).images
+    remote = features_from_server(server, list(images), patch_layers=(-1,), attention_stats=True)
+    local = features_from_model(images, patch_layers=(3,), attention_stats=True)
+    assert remote.meta["model"] == "vit-22b-tiny/16" and remote.meta["num_tokens"] == 16
+    assert remote.meta["preprocess_hash"] == local.meta["preprocess_hash"]
+    # Same seed, same preprocessing; the server shards bf16 matmuls over a 2x4 mesh.
+    np.testing.assert_allclose(remote.pooled, local.pooled, atol=0.05, rtol=0.05)
+    np.testing.assert_allclose(remote.patch_tokens[-1], local.patch_tokens[3], atol=0.05, rtol=0.05)
+    assert remote.attention_entropy.shape == (16, 4, 4)
+
+
+def test_probe_with_server_features(server, tmp_path):
+    assert main(["probe", "knn", "--server", server, "--shapes-world", "64", "--ks", "5,10",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    report = _report(tmp_path, "knn")
+    assert report["features"]["source"] == server and set(report["by_k"]) == {"5", "10"}
+
+
+def test_probes_read_an_embed_output_folder(server, tmp_path):
+    world = shapes_world(40, seed=5)
+    for i, image in enumerate(world.images):
+        folder = tmp_path / "images" / world.shape_names[world.shape[i]]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{i:03d}.png")
+        (tmp_path / "masks").mkdir(exist_ok=True)
+        Image.fromarray(world.mask[i], "L").save(tmp_path / "masks" / f"{i:03d}.png")
+    embedded = tmp_path / "embedded"
+    assert main(["embed", str(tmp_path / "images"), "--server", server, "--output", str(embedded),
+                 "--layers", "-1", "--quiet"]) == 0  # fmt: skip
+    assert main(["probe", "linear", "--features", str(embedded), "--out", str(tmp_path)]) == 0
+    linear = _report(tmp_path, "linear")
+    assert linear["num_images"] == 40 and linear["num_classes"] == len(set(world.shape))
+    assert linear["features"]["model"] == "vit-22b-tiny/16"
+    masks = str(tmp_path / "masks")
+    assert main(["probe", "segmentation", "--features", str(embedded), "--masks", masks,
+                 "--steps", "20", "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert _report(tmp_path, "segmentation")["layers"] == [3]

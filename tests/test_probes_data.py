@@ -1,0 +1,171 @@
+"""Probe data loaders: class folders, cue-conflict stimuli, paired dense folders, digits, .npz."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from vit22b.probes.data import (
+    DataError,
+    dense_targets,
+    image_files,
+    load_cue_conflict,
+    load_dense_folder,
+    load_digits_images,
+    load_image_folder,
+    read_images,
+    shapes_world,
+)
+from vit22b.probes.features import Features, features_from_outputs, load_features, save_features
+from vit22b.probes.runner import ProbeData, load_probe_data, save_probe_data
+from vit22b.probes.shape_bias import CATEGORIES
+
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cue-conflict-sample"
+
+
+def _png(path: Path, array: np.ndarray, mode: str | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array, mode).save(path)
+    return path
+
+
+def test_class_folders(tmp_path):
+    world = shapes_world(6, seed=0)
+    for i, image in enumerate(world.images):
+        _png(tmp_path / ("zebra" if i % 2 else "apple") / f"{i}.png", image)
+    (tmp_path / "apple" / "notes.txt").write_text("not an image")
+    (tmp_path / "empty").mkdir()
+    data = load_image_folder(tmp_path)
+    assert data.class_names == ("apple", "zebra")  # folders without images are no class
+    assert [p.name for p in data.images] == ["0.png", "2.png", "4.png", "1.png", "3.png", "5.png"]
+    assert data.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    np.testing.assert_array_equal(read_images(data.images[:1])[0], world.images[0])
+
+
+def test_class_folder_errors_name_the_folder(tmp_path):
+    with pytest.raises(DataError, match="not a folder"):
+        load_image_folder(tmp_path / "missing")
+    with pytest.raises(DataError, match="no class subfolders"):
+        load_image_folder(tmp_path)
+    (tmp_path / "cls").mkdir()
+    with pytest.raises(DataError, match="hold no images"):
+        load_image_folder(tmp_path)
+
+
+def test_cue_conflict_sample_layout():
+    data = load_cue_conflict(SAMPLE)
+    assert data.class_names == CATEGORIES
+    assert len(data) == 80
+    texture = data.extra["texture"]
+    for path, shape, tex in zip(data.images, data.labels, texture):
+        shape_name, texture_name = path.stem.split("-")
+        assert CATEGORIES[shape] == shape_name.rstrip("0123456789") == path.parent.name
+        assert CATEGORIES[tex] == texture_name.rstrip("0123456789")
+    # bear1-bear3, bicycle1-bicycle3, car1-car2, cat1-cat3, chair1-chair1, clock1-clock2
+    assert int((data.labels == texture).sum()) == 6
+
+
+def test_cue_conflict_names_are_checked(tmp_path):
+    image = np.zeros((8, 8, 3), np.uint8)
+    _png(tmp_path / "cat" / "cat1-dog2.png", image)
+    _png(tmp_path / "cat" / "cat-and-dog.png", image)
+    with pytest.raises(DataError, match="cat-and-dog.png: name is not"):
+        load_cue_conflict(tmp_path, categories=("cat", "dog"))
+    (tmp_path / "cat" / "cat-and-dog.png").unlink()
+    _png(tmp_path / "cat" / "dog1-cat2.png", image)
+    with pytest.raises(DataError, match="differs from folder cat"):
+        load_cue_conflict(tmp_path, categories=("cat", "dog"))
+    (tmp_path / "cat" / "dog1-cat2.png").unlink()
+    with pytest.raises(DataError, match="'dog' is not one of"):
+        load_cue_conflict(tmp_path)  # categories from the folders: only 'cat'
+
+
+def _dense_folders(tmp_path: Path, n: int = 4):
+    world = shapes_world(n, seed=3)
+    for folder in ("depth", "masks"):
+        (tmp_path / folder).mkdir()
+    for i in range(n):
+        _png(tmp_path / "images" / f"im{i}.png", world.images[i])
+        if i % 2:  # depth as 16-bit PNG (millimetres) and as .npy
+            _png(tmp_path / "depth" / f"im{i}.png", (world.depth[i] * 1000).astype(np.uint16))
+        else:
+            np.save(tmp_path / "depth" / f"im{i}.npy", world.depth[i])
+        mask = Image.fromarray(world.mask[i], "P")
+        mask.putpalette([(i * k) % 256 for i in range(256) for k in (1, 7, 13)])  # distinct
+        mask.save(tmp_path / "masks" / f"im{i}.png")
+    return world
+
+
+def test_paired_dense_folders_match_by_stem(tmp_path):
+    world = _dense_folders(tmp_path)
+    (tmp_path / "depth" / "unrelated.npy").write_bytes(b"")  # extra label files are ignored
+    data = load_dense_folder(tmp_path / "images", tmp_path / "depth", tmp_path / "masks")
+    assert [p.stem for p in data.images] == ["im0", "im1", "im2", "im3"]
+    np.testing.assert_allclose(data.depth[0], world.depth[0])
+    np.testing.assert_allclose(data.depth[1], np.floor(world.depth[1] * 1000), rtol=0)
+    np.testing.assert_array_equal(data.mask, world.mask)
+    depth_only = load_dense_folder(tmp_path / "images", depth=tmp_path / "depth")
+    assert depth_only.mask is None
+
+
+def test_dense_folder_errors(tmp_path):
+    _dense_folders(tmp_path)
+    (tmp_path / "masks" / "im2.png").unlink()
+    with pytest.raises(DataError, match=r"no mask for images \['im2'\]"):
+        load_dense_folder(tmp_path / "images", masks=tmp_path / "masks")
+    _png(tmp_path / "masks" / "im2.png", np.zeros((64, 64, 3), np.uint8))  # RGB, not indexed
+    with pytest.raises(DataError, match="im2.png: mask must be an indexed"):
+        load_dense_folder(tmp_path / "images", masks=tmp_path / "masks")
+    np.save(tmp_path / "depth" / "im0.npy", np.ones((32, 32), np.float32))
+    with pytest.raises(DataError, match=r"im1.png: depth of shape \(64, 64\), but .*im0.npy has"):
+        load_dense_folder(tmp_path / "images", depth=tmp_path / "depth")
+    with pytest.raises(DataError, match="need a depth folder, a mask folder, or both"):
+        dense_targets(image_files(tmp_path / "images"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty: no images"):
+        image_files(tmp_path / "empty")
+
+
+def test_digits_as_images():
+    data = load_digits_images()
+    assert len(data) == 1797 and data.class_names == tuple("0123456789")
+    assert data.images[0].shape == (64, 64, 3) and data.images[0].dtype == np.uint8
+    assert np.bincount(data.labels).min() > 170
+
+
+def test_unreadable_images_are_named(tmp_path):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"\x89PNG not really")
+    with pytest.raises(DataError, match="broken.png: cannot decode"):
+        read_images([bad])
+    with pytest.raises(DataError, match="image 0: expected uint8"):
+        read_images([np.zeros((4, 4), np.uint8)])
+
+
+def test_features_and_targets_round_trip_through_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    features = features_from_outputs(
+        {"pooled": rng.standard_normal((5, 8)), "patch_tokens": {3: rng.random((5, 4, 8))}},
+        {"model": "m"},
+    )
+    data = ProbeData(features, labels=np.arange(5) % 2, class_names=("a", "b"),
+                     mask=np.zeros((5, 4, 4), np.uint8), num_mask_classes=3)  # fmt: skip
+    save_probe_data(tmp_path / "f.npz", data)
+    loaded = load_probe_data(tmp_path / "f.npz")
+    np.testing.assert_array_equal(loaded.features.pooled, features.pooled)
+    np.testing.assert_array_equal(loaded.features.patch_tokens[3], features.patch_tokens[3])
+    assert loaded.class_names == ("a", "b") and loaded.num_mask_classes == 3
+    np.testing.assert_array_equal(loaded.labels, data.labels)
+    assert loaded.depth is None and loaded.mask.shape == (5, 4, 4)
+    save_features(tmp_path / "g.npz", features)
+    assert isinstance(load_features(tmp_path / "g.npz"), Features)
+    with pytest.raises(DataError, match="not a features .npz"):
+        load_features(tmp_path / "missing.npz")
+
+
+def test_missing_outputs_say_what_to_request():
+    features = Features(pooled=np.zeros((2, 4)), meta={"source": "here"})
+    with pytest.raises(DataError, match="here has no 'patch_tokens' features"):
+        features.patch_grid(0)
+    with pytest.raises(DataError, match="here has no 'attention_entropy'"):
+        features.require("attention_entropy")
