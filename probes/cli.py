@@ -33,22 +33,21 @@ from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_wo
 DENSE = ("depth", "segmentation")
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+def _number_list(cast, what: str):
+    """argparse type: comma-separated numbers -> tuple."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(cast(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}, got {text!r}"
+            ) from None
+
+    return parse
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
+_ints, _floats = _number_list(int, "integers"), _number_list(float, "numbers")
 
 
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,8 +113,8 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         type=_ints,
         default=None,
         metavar="I,J,...",
-        help="patch-token layers for depth/segmentation (default: 4 evenly "
-        "spaced in-process, the last 4 from a server)",
+        help="patch-token layers for depth/segmentation, negative from the end "
+        "(default: 4 evenly spaced, ending at the last block)",
     )
     feat.add_argument(
         "--feature",
@@ -152,22 +151,9 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _layers_to_request(args, kind: str) -> tuple[int, ...]:
-    if kind not in DENSE:
-        return ()
-    if args.layers:
-        return args.layers
-    if args.server:
-        return (-4, -3, -2, -1)
-    from vit22b.model import DEFAULT_MODEL, get_config
-
-    depth = get_config(args.model or DEFAULT_MODEL).depth
-    return tuple(sorted({max(depth * q // 4 - 1, 0) for q in (1, 2, 3, 4)}))
-
-
 def _embed(args, images, kind: str):
     """Features of ``images`` from the server, or from the model in-process."""
-    layers = _layers_to_request(args, kind)
+    layers = args.layers or ("auto" if kind in DENSE else ())
     stats = kind == "diagnostics"
     if args.server:
         from .features import features_from_server

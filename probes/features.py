@@ -56,22 +56,6 @@ class Features:
             raise DataError(f"layer {layer}: {p} patch tokens do not form a square grid")
         return tokens[layer].reshape(n, g, g, d)
 
-    def subset(self, index: np.ndarray) -> Features:
-        """The features of the images ``index`` selects (for train / validation / test splits)."""
-
-        def take(value):
-            return None if value is None else value[index]
-
-        return Features(
-            pooled=take(self.pooled),
-            class_token=take(self.class_token),
-            patch_tokens={k: v[index] for k, v in self.patch_tokens.items()},
-            attention_entropy=take(self.attention_entropy),
-            attention_max_logit=take(self.attention_max_logit),
-            logits=take(self.logits),
-            meta=dict(self.meta),
-        )
-
 
 _ARRAY_KEYS = ("pooled", "class_token", "attention_entropy", "attention_max_logit", "logits")
 
@@ -155,6 +139,16 @@ def load_features(source) -> Features:
 # ------------------------------------------------------------------------------------------
 
 
+def evenly_spaced_layers(depth: int, count: int = 4) -> tuple[int, ...]:
+    """``count`` blocks spread over the depth, ending at the last (DPT's choice: 2, 5, 8, 11 of
+    a 12-block ViT-B); ``patch_layers="auto"`` asks for these."""
+    return tuple(sorted({max(depth * q // count - 1, 0) for q in range(1, count + 1)}))
+
+
+def _layers(patch_layers, depth: int) -> tuple[int, ...]:
+    return evenly_spaced_layers(depth) if patch_layers == "auto" else tuple(patch_layers)
+
+
 @functools.lru_cache(maxsize=2)
 def _random_params(cfg, seed: int) -> dict:
     """Seeded weights, jitted like the server's sharded init (and 3x faster than eager)."""
@@ -178,14 +172,15 @@ def features_from_model(
     model=None,
     params: dict | None = None,
     seed: int = 0,
-    patch_layers: tuple[int, ...] = (),
+    patch_layers: tuple[int, ...] | str = (),
     attention_stats: bool = False,
     logits: bool = False,
     batch_size: int = 64,
 ) -> Features:
     """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]):
     ``model`` a preset name or a ViTConfig (default: the served default), random weights from
-    ``seed`` unless ``params`` are given. For tests, demos and users without a server."""
+    ``seed`` unless ``params`` are given; ``patch_layers`` block indices or "auto" (4 evenly
+    spaced). For tests, demos and users without a server."""
     import jax
     from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
     from vit22b.server.preprocess import Preprocessor
@@ -196,7 +191,7 @@ def features_from_model(
         params = _random_params(cfg, seed)
     request = OutputRequest(
         pooled=cfg.head != "none",
-        patch_layers=tuple(patch_layers),
+        patch_layers=_layers(patch_layers, cfg.depth),
         attention_stats=attention_stats,
         logits=logits,
     )
@@ -235,7 +230,7 @@ def _load(pre, image, index: int) -> np.ndarray:
 def features_from_server(
     address: str,
     images,
-    patch_layers: tuple[int, ...] = (),
+    patch_layers: tuple[int, ...] | str = (),
     attention_stats: bool = False,
     logits: bool = False,
     batch_size: int | None = None,
@@ -244,8 +239,8 @@ def features_from_server(
     """Features of ``images`` (paths, bytes, PIL images or uint8 arrays) from a running server,
     through the SDK's ``FeatureClient`` (``client_kwargs``: token, tls, timeout, ...).
 
-    ``patch_layers`` may count from the end (-1 is the last block); the returned patch tokens
-    are keyed by the layers as requested.
+    ``patch_layers`` may count from the end (-1 is the last block), or be "auto" (4 evenly
+    spaced); the returned patch tokens are keyed by the layers as requested.
     """
     import json
 
@@ -254,9 +249,8 @@ def features_from_server(
     outputs = ["pooled"] + ["attention_stats"] * attention_stats + ["logits"] * logits
     with FeatureClient(address, **client_kwargs) as client:
         info = client.model_info()
-        result = client.embed(
-            list(images), outputs=outputs, layers=tuple(patch_layers), batch_size=batch_size
-        )
+        layers = _layers(patch_layers, info.depth)
+        result = client.embed(list(images), outputs=outputs, layers=layers, batch_size=batch_size)
     config = json.loads(info.config_json or "{}")
     meta = {
         "source": address,

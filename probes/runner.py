@@ -6,7 +6,7 @@ stays a pure function of arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -293,7 +293,3 @@ def run_probe(kind: str, data: ProbeData, out_dir=None, seed: int = 0, **options
     if out_dir is not None:
         report["report"] = str(write_report(report, out_dir, kind))
     return report
-
-
-def with_features(data: ProbeData, features: Features) -> ProbeData:
-    return replace(data, features=features)

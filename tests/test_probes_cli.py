@@ -121,13 +121,14 @@ def server():
 
 def test_server_features_match_in_process_features(server):
     images = shapes_world(16, seed=4).images
-    remote = features_from_server(server, list(images), patch_layers=(-1,), attention_stats=True)
+    remote = features_from_server(server, list(images), patch_layers="auto", attention_stats=True)
     local = features_from_model(images, patch_layers=(3,), attention_stats=True)
+    assert sorted(remote.patch_tokens) == [0, 1, 2, 3]  # "auto": 4 evenly spaced of 4 blocks
     assert remote.meta["model"] == "vit-22b-tiny/16" and remote.meta["num_tokens"] == 16
     assert remote.meta["preprocess_hash"] == local.meta["preprocess_hash"]
     # Same seed, same preprocessing; the server shards bf16 matmuls over a 2x4 mesh.
     np.testing.assert_allclose(remote.pooled, local.pooled, atol=0.05, rtol=0.05)
-    np.testing.assert_allclose(remote.patch_tokens[-1], local.patch_tokens[3], atol=0.05, rtol=0.05)
+    np.testing.assert_allclose(remote.patch_tokens[3], local.patch_tokens[3], atol=0.05, rtol=0.05)
     assert remote.attention_entropy.shape == (16, 4, 4)
 
 
