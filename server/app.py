@@ -50,6 +50,7 @@ class ServeConfig:
     max_message_mb: float = 64.0
     max_image_pixels: int = 40_000_000
     preprocess_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
+    chunk_images: int | None = None  # engine's sequential chunks per device; None: its plan
     warm_outputs: tuple[OutputRequest, ...] = (OutputRequest(),)
     drain_timeout_s: float = 60.0
     # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
@@ -74,6 +75,8 @@ class ServeConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_images is not None and self.chunk_images < 0:
+            raise ValueError(f"chunk_images must be >= 0, got {self.chunk_images}")
         if self.max_delay_ms < 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
 
@@ -85,6 +88,7 @@ def build_engine(config: ServeConfig) -> Engine:
         mesh=config.mesh,
         seed=config.seed,
         max_batch_images=config.max_batch_images,
+        chunk_images=config.chunk_images,
     )
     seconds = engine.warm_up(config.warm_outputs)
     log.info("compiled buckets %s in %.1fs", engine.buckets, seconds)

@@ -11,9 +11,13 @@ import asyncio
 import logging
 import sys
 
-from vit22b.model import DEFAULT_MODEL, OutputRequest
+from .cpu_devices import emulate_cpu_devices
 
-from .app import ServeConfig, serve_until_signal
+emulate_cpu_devices()  # before jax is imported (below): the device count is fixed at its start
+
+from vit22b.model import DEFAULT_MODEL, OutputRequest  # noqa: E402
+
+from .app import ServeConfig, serve_until_signal  # noqa: E402
 
 
 def parse_outputs(spec: str) -> OutputRequest:
@@ -82,6 +86,13 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     )
     parser.add_argument("--preprocess-threads", type=int, default=d.preprocess_threads)
     parser.add_argument(
+        "--chunk-images",
+        type=int,
+        default=d.chunk_images,
+        help="at most this many images per device in one sequential step of a batch "
+        "(0: whole batches); default: the platform's plan (bf16 on CPU: chunks)",
+    )
+    parser.add_argument(
         "--warm-outputs",
         type=parse_outputs,
         action="append",
@@ -121,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         max_message_mb=args.max_message_mb,
         max_image_pixels=args.max_image_pixels,
         preprocess_threads=args.preprocess_threads,
+        chunk_images=args.chunk_images,
         warm_outputs=tuple(args.warm_outputs or (OutputRequest(),)),
         drain_timeout_s=args.drain_timeout,
     )

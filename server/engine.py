@@ -12,6 +12,15 @@ returning every layer would hold batch x depth x tokens x width activations per 
 
 ``forward`` is the model's own ``apply``; ``embed`` is the in-process path (decode, preprocess,
 forward, finish) that the server's results are checked against.
+
+Execution plan (chosen from the backend, the compute dtype and the bucket; never changes a row's
+arithmetic; measured in benchmarks/NOTES.md):
+- matmul kernels are cast to the compute dtype once, at construction (``precast``), instead of
+  on every forward;
+- on CPU with bf16 compute, a bucket is run in sequential chunks of at most
+  ``CPU_CHUNK_ROWS[dtype]`` token rows per data shard (``chunk_images`` overrides: 0 = never);
+- ``mesh="auto"`` on a CPU host puts ``CPU_DATA_PARALLEL[dtype]`` devices on the data axis (the
+  server's CLI asks XLA for that many emulated CPU devices, see ``cpu_devices``).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 from jax.sharding import Mesh
-from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, apply, get_config
+from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
+from vit22b.model.forward import cast_matmul_kernels, chunked_apply
 from vit22b.model.info import count
 from vit22b.model.sharding import (
     batch_sharding,
@@ -72,6 +82,42 @@ def seeded_source(seed: int) -> str:
     return f"init:seed={seed}"
 
 
+# CPU plan, measured on 2-core hosts (benchmarks/NOTES.md). XLA:CPU's bf16 GEMM slows down
+# when one matmul has many rows (ViT-B/16 batch 32: 6304); f32 does not gain from chunks.
+CPU_CHUNK_ROWS: dict[str, int | None] = {"bfloat16": 1600, "float32": None}
+# Emulated CPU devices on the data axis that ``mesh="auto"`` uses: two keep both cores busy in
+# f32; bf16 already does on one.
+CPU_DATA_PARALLEL = {"bfloat16": 1, "float32": 2}
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` not above ``limit`` (at least 1)."""
+    return max(d for d in range(1, max(min(n, limit), 1) + 1) if n % d == 0)
+
+
+def chunk_images(
+    cfg: ViTConfig, platform: str, local_batch: int, override: int | None = None
+) -> int:
+    """Images per data shard in one sequential step of a bucket (``local_batch``: no chunks).
+
+    ``override``: at most that many images per step (0: no chunking); None: the platform's plan.
+    """
+    if override is not None:
+        return local_batch if override == 0 else largest_divisor(local_batch, override)
+    rows = CPU_CHUNK_ROWS.get(cfg.compute_dtype) if platform == "cpu" else None
+    if rows is None:
+        return local_batch
+    return largest_divisor(local_batch, max(rows // cfg.num_tokens, 1))
+
+
+def auto_mesh(cfg: ViTConfig, devices: Sequence | None = None) -> Mesh:
+    """``mesh="auto"``: every device on data, except on CPU hosts (``CPU_DATA_PARALLEL``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if devices[0].platform == "cpu":
+        devices = devices[: CPU_DATA_PARALLEL.get(cfg.compute_dtype, len(devices))]
+    return make_mesh("auto", devices)
+
+
 class Engine:
     def __init__(
         self,
@@ -83,9 +129,20 @@ class Engine:
         source: str,
         max_batch_images: int = 32,
         max_compiled: int = 64,
+        chunk_images: int | None = None,
+        precast: bool = True,
     ):
+        """``chunk_images``: at most this many images per data shard in one sequential step
+        (0: whole buckets; None: the platform's plan). ``precast=False`` keeps the parameters
+        as given (the kernels are then cast on every forward: for measurements only)."""
         check_mesh_fits(cfg, mesh)
-        self.cfg, self.params, self.mesh = cfg, params, mesh
+        if chunk_images is not None and chunk_images < 0:
+            raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
+        self.cfg, self.mesh = cfg, mesh
+        # The parameters count and fingerprint as given; the forward reads the pre-cast tree.
+        self.params = cast_matmul_kernels(cfg, params) if precast else params
+        self.platform = mesh.devices.flat[0].platform
+        self._chunk_override = chunk_images
         self.preprocess = Preprocessor(cfg)
         self.identity = Identity(cfg.name, fingerprint, cfg.preprocess_hash(), source)
         self.buckets = batch_buckets(max_batch_images, mesh.shape["data"])
@@ -96,7 +153,7 @@ class Engine:
         self._warm: dict[tuple[int, OutputRequest], jax.stages.Compiled] = {}
         self._compile_lock = threading.Lock()
         self._batch_sharding = batch_sharding(mesh)
-        self._param_shardings = param_shardings(cfg, mesh, params)
+        self._param_shardings = param_shardings(cfg, mesh, self.params)
         self.compilations = 0  # on-demand compilations after warm-up (for metrics and tests)
 
     # ---- construction ----------------------------------------------------------------------
@@ -116,6 +173,9 @@ class Engine:
         """
         from vit22b.model import checkpoint  # orbax: only when serving
 
+        if mesh == "auto":
+            config = checkpoint.read_metadata(checkpoint_dir).config if checkpoint_dir else None
+            mesh = auto_mesh(config or get_config(model or DEFAULT_MODEL))
         mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
         if checkpoint_dir:
             expect = get_config(model) if model else None
@@ -179,18 +239,24 @@ class Engine:
                 while len(self._compiled) > self._max_compiled:
                     self._compiled.popitem(last=False)
             log.info(
-                "compiled forward for bucket %d, %s in %.2fs%s",
+                "compiled forward for bucket %d (chunks of %d per shard), %s in %.2fs%s",
                 bucket,
+                self.chunk_images(bucket),
                 outputs,
                 time.perf_counter() - start,
                 "" if warm else " (on demand)",
             )
             return fn
 
+    def chunk_images(self, bucket: int) -> int:
+        """Images per data shard in each sequential step of this bucket's forward."""
+        local = bucket // self.mesh.shape["data"]
+        return chunk_images(self.cfg, self.platform, local, self._chunk_override)
+
     def _compile(self, bucket: int, outputs: OutputRequest):
-        cfg = self.cfg
+        cfg, shards, chunk = self.cfg, self.mesh.shape["data"], self.chunk_images(bucket)
         fn = jax.jit(
-            lambda params, images: apply(cfg, params, images, outputs),
+            lambda params, images: chunked_apply(cfg, params, images, outputs, chunk, shards),
             in_shardings=(self._param_shardings, self._batch_sharding),
         )
         shape = (bucket, cfg.image_size, cfg.image_size, cfg.channels)

@@ -1,0 +1,85 @@
+"""Execution helpers around ``apply`` that change speed, never the arithmetic of a row.
+
+- ``cast_matmul_kernels``: matmul kernels stored once in the compute dtype. ``dot`` casts its
+  weight to the compute dtype on every call; with f32 parameters and bf16 compute that re-cast
+  is a full pass over the weights per forward (design.md section 9). Pre-cast kernels give the
+  same bf16 values, so the outputs are those of ``apply`` on the original parameters. Norm
+  scales, biases, embeddings and the MAP probe stay as they are (they are read in f32).
+- ``chunked_apply``: the batch processed in sequential chunks (``lax.map``), so every GEMM has at
+  most ``chunk`` images' rows. XLA:CPU's bf16 GEMM loses a third of its speed at ViT-B/16's
+  batch-32 shapes (M = 6304 rows); in chunks of a few images it keeps it. Rows never interact
+  in a ViT, so each row's result is the unchunked one. With the batch sharded over ``shards``
+  devices (the mesh's data axis) every chunk takes ``chunk`` rows from each shard: the
+  reshape [B] -> [shards, n, chunk] -> [n, shards * chunk] keeps every row on its device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ViTConfig
+from .vit import OutputRequest, apply
+
+# Every parameter that only ever enters ``dot`` as its weight (model/vit.py).
+MATMUL_KERNELS = frozenset(
+    {"patch_embed", "w_in", "w_out", "w_qkv", "w_o", "w_fc1", "w_fc2", "w_q", "w_kv", "classifier"}
+)
+
+
+def _name(path) -> str:
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "name", last)))
+
+
+def cast_matmul_kernels(cfg: ViTConfig, params):
+    """``params`` with every matmul kernel in ``cfg.compute_dtype`` (others untouched).
+
+    Works on concrete arrays (device or host) and on abstract ``ShapeDtypeStruct`` trees;
+    a sharded array keeps its sharding.
+    """
+    dtype = jnp.dtype(cfg.compute_dtype)
+
+    def cast(path, leaf):
+        if _name(path) not in MATMUL_KERNELS or leaf.dtype == dtype:
+            return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+        return leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def chunked_apply(
+    cfg: ViTConfig,
+    params,
+    images: jax.Array,
+    request: OutputRequest,
+    chunk: int,
+    shards: int = 1,
+) -> dict:
+    """``apply`` over ``images`` [B, ...] in ``B / (shards * chunk)`` sequential steps.
+
+    ``shards`` is the number of contiguous blocks the batch is split into (the data axis of its
+    sharding); ``chunk`` images are taken from each block per step. Both must divide B.
+    """
+    b = images.shape[0]
+    if chunk <= 0 or b % (shards * chunk):
+        raise ValueError(
+            f"a batch of {b} images does not split into chunks of {chunk} images "
+            f"on each of {shards} shards"
+        )
+    steps = b // (shards * chunk)
+    if steps == 1:
+        return apply(cfg, params, images, request)
+
+    def to_steps(x):  # [B, ...] -> [steps, shards * chunk, ...]
+        x = x.reshape(shards, steps, chunk, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(steps, shards * chunk, *x.shape[3:])
+
+    def from_steps(y):  # [steps, shards * chunk, ...] -> [B, ...]
+        y = y.reshape(steps, shards, chunk, *y.shape[2:]).swapaxes(0, 1)
+        return y.reshape(b, *y.shape[3:])
+
+    out = jax.lax.map(lambda x: apply(cfg, params, x, request), to_steps(images))
+    return jax.tree.map(from_steps, out)

@@ -1,0 +1,222 @@
+"""The engine's execution plan changes speed, never results: pre-cast kernels, chunked batches
+(on one device and sharded over the data axis), the automatic mesh and emulated CPU devices."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from peers import rel_err
+from tiny_models import PARALLEL, SEQUENTIAL, images, random_params
+from vit22b.model import OutputRequest, ViTConfig, apply, get_config
+from vit22b.model.checkpoint import expected_shapes, flatten
+from vit22b.model.forward import MATMUL_KERNELS, cast_matmul_kernels, chunked_apply
+from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
+from vit22b.server.engine import (
+    CPU_CHUNK_ROWS,
+    CPU_DATA_PARALLEL,
+    Engine,
+    auto_mesh,
+    chunk_images,
+    largest_divisor,
+)
+
+REQUEST = OutputRequest(pooled=True, patch_layers=(0, -1), attention_stats=True)
+CONFIGS = [PARALLEL, SEQUENTIAL.replace(num_classes=5)]
+IDS = ["parallel", "sequential"]
+# bf16 rounding of an f32 value that differs in its last bit can flip: rows agree to about 1e-3
+# when the GEMM blocks a batch differently; f32 agrees to rounding.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-3}
+
+
+def _outputs(result: dict) -> dict[str, np.ndarray]:
+    flat = {k: v for k, v in result.items() if k != "patch_tokens"}
+    flat.update({f"patch_{k}": v for k, v in result.get("patch_tokens", {}).items()})
+    return {k: np.asarray(v) for k, v in flat.items()}
+
+
+def _assert_same(got: dict, want: dict, tol: float) -> None:
+    got, want = _outputs(got), _outputs(want)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        assert rel_err(got[key], want[key]) <= tol, (key, rel_err(got[key], want[key]))
+
+
+def _forward(cfg: ViTConfig, request=REQUEST, chunk: int | None = None, shards: int = 1):
+    if chunk is None:
+        return jax.jit(lambda p, x: apply(cfg, p, x, request))
+    return jax.jit(lambda p, x: chunked_apply(cfg, p, x, request, chunk, shards))
+
+
+# ---- pre-cast kernels ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_every_matmul_kernel_is_cast_and_nothing_else(cfg):
+    cfg = cfg.replace(compute_dtype="bfloat16")
+    cast = flatten(cast_matmul_kernels(cfg, random_params(cfg, seed=1)))
+    embeddings = {"pos_embedding", "cls", "probe"}  # added to activations in f32, not matmuls
+    for path, (shape, _) in expected_shapes(cfg).items():
+        name = path.split("/")[-1]
+        if len(shape) >= 2 and name not in embeddings and not name.startswith("b_"):
+            assert name in MATMUL_KERNELS, f"{path} is a matrix the plan does not pre-cast"
+        want = "bfloat16" if name in MATMUL_KERNELS else "float32"
+        assert cast[path].dtype == np.dtype(want), path
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_precast_kernels_give_the_outputs_of_the_original_parameters(cfg):
+    cfg = cfg.replace(compute_dtype="bfloat16")
+    params, pixels = random_params(cfg, seed=1), images(cfg)
+    request = OutputRequest(
+        pooled=True, patch_layers=(0,), attention_stats=True, logits=cfg.num_classes > 0
+    )
+    want = _forward(cfg, request)(params, pixels)
+    got = _forward(cfg, request)(cast_matmul_kernels(cfg, params), pixels)
+    _assert_same(got, want, 1e-6)
+
+
+def test_f32_compute_leaves_the_parameters_alone():
+    params = random_params(PARALLEL, seed=1)
+    cast = cast_matmul_kernels(PARALLEL, params)
+    assert all(a is b for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(params)))
+
+
+# ---- chunked batches ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_chunked_forward_equals_the_whole_batch(cfg, dtype):
+    cfg = cfg.replace(compute_dtype=dtype)
+    params, pixels = random_params(cfg, seed=2), images(cfg, n=8)
+    want = _forward(cfg)(params, pixels)
+    for chunk in (1, 2, 4):
+        _assert_same(_forward(cfg, chunk=chunk)(params, pixels), want, TOLERANCE[dtype])
+
+
+def test_chunks_that_do_not_divide_the_batch_are_refused():
+    pixels = images(PARALLEL, n=6)
+    with pytest.raises(ValueError, match="chunks of 4 images on each of 1 shards"):
+        chunked_apply(PARALLEL, random_params(PARALLEL), pixels, REQUEST, chunk=4)
+    with pytest.raises(ValueError, match="chunks of 2 images on each of 2 shards"):
+        chunked_apply(PARALLEL, random_params(PARALLEL), pixels, REQUEST, chunk=2, shards=2)
+
+
+def _collectives(hlo: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    pattern = r"=\s*\S+\s+(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+    for kind in re.findall(pattern + r"(?:-start)?\(", hlo):
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_chunks_of_a_sharded_batch_stay_on_their_devices(cfg):
+    """On data=2,model=4 a chunked forward equals the single-device whole batch, and compiles to
+    the same collectives as the unchunked sharded one (the tensor-parallel all-reduces): every
+    chunk takes its rows from each data shard, so no row moves between devices."""
+    params, pixels = random_params(cfg, seed=3), images(cfg, n=8)
+    want = _forward(cfg)(params, pixels)
+    mesh = make_mesh("data=2,model=4")
+    shardings = (param_shardings(cfg, mesh), batch_sharding(mesh))
+    sharded = shard_params(cfg, params, mesh)
+    batch = jax.device_put(pixels, batch_sharding(mesh))
+    whole = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST), in_shardings=shardings)
+    expected = _collectives(whole.lower(sharded, batch).compile().as_text())
+    assert expected.get("all-reduce") and set(expected) == {"all-reduce"}
+    for chunk in (1, 2):
+        fn = jax.jit(
+            lambda p, x, c=chunk: chunked_apply(cfg, p, x, REQUEST, c, shards=2),
+            in_shardings=shardings,
+        )
+        compiled = fn.lower(sharded, batch).compile()
+        assert _collectives(compiled.as_text()) == expected, chunk
+        _assert_same(compiled(sharded, batch), want, TOLERANCE["float32"])
+
+
+# ---- the engine's choices ------------------------------------------------------------------------
+
+
+def test_chunk_size_rule():
+    vit_b = get_config("vit-b/16")  # 197 tokens
+    bf16, f32 = vit_b.replace(compute_dtype="bfloat16"), vit_b.replace(compute_dtype="float32")
+    for local in (1, 2, 4, 8, 16, 32):
+        chunk = chunk_images(bf16, "cpu", local)
+        assert local % chunk == 0 and (chunk == 1 or chunk * 197 <= CPU_CHUNK_ROWS["bfloat16"])
+        assert 2 * chunk * 197 > CPU_CHUNK_ROWS["bfloat16"] or chunk == local  # the largest
+        assert chunk_images(bf16, "gpu", local) == local  # chunks are a CPU plan
+        assert chunk_images(bf16, "cpu", local, override=0) == local
+    assert chunk_images(bf16, "cpu", 32) < 32
+    if CPU_CHUNK_ROWS["float32"] is None:
+        assert chunk_images(f32, "cpu", 32) == 32
+    assert chunk_images(bf16, "gpu", 8, override=3) == 2  # a divisor of the local batch
+    assert [largest_divisor(12, limit) for limit in (0, 1, 5, 6, 100)] == [1, 1, 4, 6, 12]
+
+
+def test_auto_mesh_on_a_cpu_host_follows_the_compute_dtype():
+    for dtype, devices in CPU_DATA_PARALLEL.items():
+        mesh = auto_mesh(PARALLEL.replace(compute_dtype=dtype))
+        assert dict(mesh.shape) == {"data": devices, "model": 1}
+        assert list(mesh.devices.flat) == jax.devices()[:devices]
+
+
+@pytest.fixture(scope="module")
+def tiny_engines():
+    """The default tiny model (bf16 compute, f32 parameters) on data=2,model=4, three ways."""
+    cfg = get_config("vit-22b-tiny/16").replace(heads=8)
+    params = random_params(cfg, seed=4)
+    mesh = make_mesh("data=2,model=4")
+
+    def engine(**kw) -> Engine:
+        return Engine(
+            cfg, shard_params(cfg, params, mesh), mesh, fingerprint="f", source="s",
+            max_batch_images=8, **kw,
+        )
+
+    return engine(chunk_images=0, precast=False), engine(chunk_images=0), engine(chunk_images=1)
+
+
+def test_engine_forward_is_the_same_with_and_without_its_levers(tiny_engines):
+    plain, precast, chunked = tiny_engines
+    assert chunked.chunk_images(8) == 1 and plain.chunk_images(8) == 4
+    assert plain.parameter_count == precast.parameter_count == chunked.parameter_count
+    w_in = flatten(precast.params)["block_0/w_in"]
+    assert w_in.dtype == np.dtype("bfloat16") and w_in.sharding.spec[1] == "model"
+    assert flatten(plain.params)["block_0/w_in"].dtype == np.float32
+    request = plain.resolve(OutputRequest(pooled=True, patch_layers=(-1,), attention_stats=True))
+    pixels = images(plain.cfg, n=7)  # padded to the bucket of 8
+    want = plain.forward(pixels, request)
+    _assert_same(precast.forward(pixels, request), want, 1e-6)
+    _assert_same(chunked.forward(pixels, request), want, TOLERANCE["bfloat16"])
+
+
+def test_negative_chunk_override_is_refused():
+    cfg = get_config("vit-22b-tiny/16")
+    mesh = make_mesh("data=1", jax.devices()[:1])
+    with pytest.raises(ValueError, match="chunk_images must be >= 0"):
+        Engine(cfg, random_params(cfg), mesh, fingerprint="f", source="s", chunk_images=-1)
+
+
+# ---- emulated CPU devices (the server's command line, before jax starts) --------------------------
+
+
+def _cpu_devices_after_cli_import(xla_flags: str | None) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    code = "import vit22b.server.cli, jax; print(jax.device_count('cpu'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_server_cli_asks_for_emulated_cpu_devices_unless_the_user_chose():
+    assert _cpu_devices_after_cli_import(None) == min(os.cpu_count() or 1, 2)
+    assert _cpu_devices_after_cli_import("--xla_force_host_platform_device_count=3") == 3
