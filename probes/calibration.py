@@ -2,6 +2,9 @@
 
 Conventions (the tests check them by hand):
 - Confidence is the top softmax probability; a prediction is correct when its arg-max is the label.
+  ``ece``, ``adaptive_ece`` and ``mce`` take per-sample confidences in [0, 1] and correctness
+  (``confidence_and_correct`` derives both from probabilities); ``calibration_metrics`` takes
+  probabilities and labels.
 - ECE uses ``bins`` equal-width bins: bin ``i`` holds confidences in ``[i/bins, (i+1)/bins)``, the
   last bin is closed, so a confidence of exactly 1.0 falls in the last bin and 0.0 in the first.
   ECE = sum over bins of (bin size / N) * |accuracy(bin) - mean confidence(bin)|.

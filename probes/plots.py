@@ -45,15 +45,13 @@ def reliability_diagram(report: dict, path: str | Path) -> Path:
             color="tab:blue",
             label="accuracy",
         )
-        ax.bar(
+        ax.hlines(
+            [r["confidence"] for r in filled],
             [r["low"] for r in filled],
-            [r["confidence"] - r["accuracy"] for r in filled],
-            bottom=[r["accuracy"] for r in filled],
-            width=width,
-            align="edge",
-            color="tab:red",
-            alpha=0.35,
-            label="gap to confidence",
+            [r["high"] for r in filled],
+            colors="tab:red",
+            lw=2.5,
+            label="mean confidence",
         )
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         metrics = report[key]
