@@ -10,7 +10,7 @@ Runs alternate (engine, job, engine, job, ...) and the medians are compared. Als
 forward alone on pre-decoded pixels, an upper bound neither side can reach.
 
     python benchmarks/embed.py                       # tiny default model, 64x64 inputs
-    python benchmarks/embed.py --model vit-b/16 --images 128
+    python benchmarks/embed.py --model vit-b/16 --images 64 --batch-size 16 --shard-size 32
 
 The last line of stdout is one JSON object; ``ratio_job_to_engine`` is the figure (target >= 0.9).
 """
@@ -49,7 +49,7 @@ def write_jpegs(folder: str, count: int, size: tuple[int, int], seed: int = 0) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="preset (default: the embedded model)")
-    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=2)

@@ -3,11 +3,13 @@
 Decoding and preprocessing are the server's own (server/preprocess.py via the engine), so local
 and remote features of one checkpoint come from the same pixels. ``concurrency`` worker threads
 share one engine: while one runs a forward (XLA releases the GIL), another reads and decodes
-the next batch.
+the next batch. Forwards take turns (one lock): XLA already spreads one over every core, and
+two at once only compete for them.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,8 +47,10 @@ def stored_arrays(features: dict, spec: OutputSpec) -> dict[str, np.ndarray]:
 
 
 class LocalWorker:
-    def __init__(self, engine: Engine, request: OutputRequest, spec: OutputSpec, name: str):
+    def __init__(self, engine: Engine, request: OutputRequest, spec: OutputSpec, name: str,
+                 compute: threading.Lock):
         self.engine, self.request, self.spec, self.name = engine, request, spec, name
+        self.compute = compute
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
         rows, pixels, failed = [], [], []
@@ -61,8 +65,9 @@ class LocalWorker:
         if not rows:
             return BatchResult([], {}, failed)
         batch, step = np.stack(pixels), self.engine.max_batch_images
-        parts = [self.engine.forward(batch[i : i + step], self.request)
-                 for i in range(0, len(batch), step)]
+        with self.compute:
+            parts = [self.engine.forward(batch[i : i + step], self.request)
+                     for i in range(0, len(batch), step)]
         features = finish(concat(parts), self.spec.l2_normalize)
         return BatchResult(rows, stored_arrays(features, self.spec), failed)
 
@@ -102,7 +107,8 @@ class LocalBackend:
         self.engine.warm_up([self.request])
 
     def workers(self) -> list[LocalWorker]:
-        return [LocalWorker(self.engine, self.request, self.spec, f"local-{i}")
+        compute = threading.Lock()
+        return [LocalWorker(self.engine, self.request, self.spec, f"local-{i}", compute)
                 for i in range(self.concurrency)]
 
     def close(self) -> None:
