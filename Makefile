@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 demo: $(STAMP)
-	$(PY) -m vit22b.clients.demo
+	$(PY) -m vit22b.probes.demo
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \

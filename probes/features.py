@@ -45,6 +45,19 @@ class Features:
             raise DataError(f"{source} has no {name!r} features; request them when embedding")
         return value
 
+    def take(self, rows: np.ndarray) -> Features:
+        """The features of the given rows, in that order."""
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return Features(
+            pooled=pick(self.pooled),
+            class_token=pick(self.class_token),
+            patch_tokens={k: v[rows] for k, v in self.patch_tokens.items()},
+            attention_entropy=pick(self.attention_entropy),
+            attention_max_logit=pick(self.attention_max_logit),
+            logits=pick(self.logits),
+            meta=dict(self.meta),
+        )
+
     def patch_grid(self, layer: int) -> np.ndarray:
         """Patch tokens of one layer as [N, g, g, d] (square grid, row-major like the model)."""
         tokens = self.require("patch_tokens")
