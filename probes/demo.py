@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-
 from vit22b.clients import FeatureClient
 from vit22b.clients.demo import DEVICES, LAYER, MESH, SAMPLE, sample_images, served, summary
 
@@ -54,7 +53,8 @@ def probe_data(world: ShapesWorld, embeddings: Path) -> ProbeData:
     features, paths = features_from_embed_folder(embeddings)
     order = np.argsort([int(Path(p).stem) for p in paths])
     if len(order) != len(world.images):
-        raise SystemExit(f"demo: {embeddings} holds {len(order)} rows, expected {len(world.images)}")
+        expected = len(world.images)
+        raise SystemExit(f"demo: {embeddings} holds {len(order)} rows, expected {expected}")
     features = features.take(order)
     return probe_data_from_shapes_world(world, features)
 
