@@ -18,6 +18,7 @@ emulate_cpu_devices()  # before jax is imported (below): the device count is fix
 from vit22b.model import DEFAULT_MODEL, OutputRequest  # noqa: E402
 
 from .app import ServeConfig, serve_until_signal  # noqa: E402
+from .distributed_cli import add_group_arguments, group_from_args, supervise  # noqa: E402
 
 
 def parse_outputs(spec: str) -> OutputRequest:
@@ -106,6 +107,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
         help="seconds accepted calls get to finish after SIGTERM",
     )
     parser.add_argument("--log-level", default="INFO")
+    add_group_arguments(parser)
     return run
 
 
@@ -138,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config.check()
+        group = group_from_args(args)  # several processes: supervise this one's JAX process
+        if group is not None:
+            return supervise(config, group, args.log_level)
         return asyncio.run(serve_until_signal(config))
     except (ValueError, OSError) as err:  # bad flags, mesh, model, checkpoint or port
         print(f"vit22b serve: {err}", file=sys.stderr)

@@ -1,0 +1,483 @@
+"""One model served by several processes with JAX's multi-controller runtime (design.md section 3).
+
+Every process joins the group (``jax.distributed``), restores its own shards of the checkpoint
+onto the global mesh and compiles the same forwards. Process 0 runs the gRPC front end and the
+batcher; for each batch it posts a header (run or stop, bucket, output set) in the coordination
+service's key-value store and broadcasts the pixels; every process runs the forward together and
+the features are gathered back. Workers do nothing else: they follow the headers until process 0
+says stop.
+
+Liveness. With the runtime's defaults a dead peer takes everyone down: the coordination service
+(in process 0) propagates the missed heartbeats as a fatal error and the survivors abort. Process 0
+must outlive a worker to say so, so the group runs with ``jax_enable_recoverability`` and keeps
+its own heartbeats in the coordination service's key-value store: each worker bumps a counter
+every ``BEAT_S``; process 0 counts a worker gone when its counter stands still for the peer
+timeout, when it reports a failure there, or at once when a collective fails (gloo sees the
+closed connection of a dead peer). Then health goes NOT_SERVING and every call gets UNAVAILABLE.
+A collective hung on a live but stuck peer runs on its own thread, so neither the batcher nor the
+front end waits on it. When process 0 goes, the runtime aborts the workers (their heartbeats to the
+coordinator fail): the group lives and dies with process 0, and is restarted as a whole.
+
+``child_main`` is the JAX process of ``vit22b serve --coordinator ...``; ``distributed_cli``
+supervises it, because the runtime ends a process that cannot join by aborting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from grpc_health.v1 import health_pb2
+from jax.experimental import multihost_utils
+from vit22b.model import OutputRequest
+from vit22b.model.sharding import make_mesh
+
+from .app import SERVICE_NAME, FeatureServer, ServeConfig
+from .engine import Engine, Features, take
+from .errors import NotReady
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 0.5  # a worker's heartbeat period; process 0 polls at the same pace
+STATUS_FD_ENV = "VIT22B_STATUS_FD"  # where the JAX process reports its phases to its supervisor
+_KEY = "vit22b/{}/{}"  # coordination-service keys: vit22b/<what>/<process>
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where this process stands in the group and how long it waits for the others."""
+
+    coordinator: str  # HOST:PORT of process 0's coordination service
+    num_processes: int
+    process_id: int
+    init_timeout_s: int = 300  # every process must have joined by then (else the runtime aborts)
+    peer_timeout_s: float = 5.0  # a worker silent this long is gone
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def workers(self) -> range:
+        return range(1, self.num_processes)
+
+
+class GroupLost(NotReady):
+    """A process of the group is gone: the group cannot compute; health is NOT_SERVING."""
+
+
+class GroupError(RuntimeError):
+    """The group cannot start: a worker refused (other settings) or failed, or left."""
+
+
+# ------------------------------------------------------------------------------------------
+# the engine of a group
+# ------------------------------------------------------------------------------------------
+
+
+def outputs_from_dict(fields: dict) -> OutputRequest:
+    return OutputRequest(**{**fields, "patch_layers": tuple(fields["patch_layers"])})
+
+
+class GroupEngine(Engine):
+    """An engine whose mesh spans every process: process 0 leads each batch, workers follow.
+
+    Batch ``k``'s header (run or stop, bucket, output set) is the coordination service's key
+    ``vit22b/batch/k``: a worker waits for it there, not in a collective, because XLA's CPU
+    collectives give up after 30 minutes and a server may idle for longer. Then every process
+    makes the same collectives in the same order: the pixels' broadcast, the forward, the gather.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.client = _client()
+        self.lost: str | None = None  # why the group cannot compute any more
+        self.on_lost: Callable[[str], None] = lambda reason: None
+        self._lost_lock = threading.Lock()
+        self._batches = 0  # headers posted (process 0) or taken (workers)
+        # One thread makes every collective on process 0, so a hung one blocks only itself.
+        self._collectives = ThreadPoolExecutor(1, thread_name_prefix="vit22b-collective")
+
+    def lose(self, reason: str) -> None:
+        """From any thread: the group is broken; refuse all work from now on (once)."""
+        with self._lost_lock:
+            if self.lost is not None:
+                return
+            self.lost = reason
+        log.error("the serving group is broken: %s; NOT_SERVING, calls get UNAVAILABLE", reason)
+        self.on_lost(reason)
+
+    def check_group(self) -> None:
+        if self.lost is not None:
+            raise GroupLost(f"the serving group lost a process ({self.lost}); retry elsewhere")
+
+    def resolve(self, outputs: OutputRequest) -> OutputRequest:
+        # The service resolves every request first: a broken group refuses it before decoding.
+        self.check_group()
+        return super().resolve(outputs)
+
+    def forward(self, images: np.ndarray, outputs: OutputRequest) -> Features:
+        """Process 0: the batch through every process; returns host outputs for its rows."""
+        self.check_group()
+        n = images.shape[0]
+        size = self.bucket(n)
+        self.compiled(size, outputs)  # a compile error here leaves the group in step
+        pixels = np.zeros((size, *images.shape[1:]), np.float32)
+        pixels[:n] = images
+        step = self._collectives.submit(self._lead_step, "run", size, outputs, pixels)
+        while True:
+            try:
+                return take(step.result(timeout=BEAT_S / 5), 0, n)
+            except FutureTimeout:
+                self.check_group()  # a worker went silent while this batch ran
+            except Exception as err:  # the processes may have left lockstep: nothing is safe
+                self.lose(f"a batch failed across the group: {type(err).__name__}: {err}")
+                raise GroupLost(f"the serving group broke during this batch: {err}") from err
+
+    def stop_workers(self, timeout_s: float = 30.0) -> bool:
+        """Process 0: tell the workers to stop (False when the group is broken)."""
+        if self.lost is not None:
+            return False
+        step = self._collectives.submit(self._lead_step, "stop", 0, OutputRequest(), None)
+        step.result(timeout_s)
+        return True
+
+    def follow(self) -> None:
+        """A worker's life: run every batch process 0 posts, until it says stop."""
+        while True:
+            self._batches += 1
+            key = _KEY.format("batch", self._batches)
+            header = None
+            while header is None:  # the wait may be long: in slices, not in one call
+                try:
+                    header = json.loads(self.client.blocking_key_value_get(key, 10_000))
+                except jax.errors.JaxRuntimeError as err:
+                    if "DEADLINE_EXCEEDED" not in str(err):
+                        raise
+            if header["command"] == "stop":
+                return
+            self._step(header["bucket"], outputs_from_dict(header["outputs"]), None)
+
+    def _lead_step(self, command: str, bucket: int, outputs, pixels) -> Features | None:
+        self._batches += 1
+        key = _KEY.format("batch", self._batches)
+        header = {"command": command, "bucket": bucket, "outputs": dataclasses.asdict(outputs)}
+        self.client.key_value_set(key, json.dumps(header))
+        if command == "stop":
+            return None
+        result = self._step(bucket, outputs, pixels)
+        self.client.key_value_delete(key)  # every worker has taken it: they ran the batch
+        return result
+
+    def _step(self, bucket: int, outputs: OutputRequest, pixels: np.ndarray | None) -> Features:
+        """One batch in step with the group: the pixels' broadcast, the forward, the gather."""
+        if pixels is None:  # workers contribute zeros to the broadcast
+            cfg = self.cfg
+            pixels = np.zeros((bucket, cfg.image_size, cfg.image_size, cfg.channels), np.float32)
+        pixels = multihost_utils.broadcast_one_to_all(pixels)
+        batch = jax.make_array_from_callback(
+            pixels.shape, self._batch_sharding, lambda index: pixels[index]
+        )
+        result = self.compiled(bucket, outputs)(self.params, batch)
+        return multihost_utils.process_allgather(result, tiled=True)
+
+
+# ------------------------------------------------------------------------------------------
+# the coordination service: joining, settings, heartbeats
+# ------------------------------------------------------------------------------------------
+
+
+def join(group: Group) -> None:
+    """jax.distributed.initialize; the runtime aborts this process if a peer never arrives."""
+    jax.config.update("jax_enable_recoverability", True)  # process 0 must outlive a worker
+    jax.distributed.initialize(
+        group.coordinator,
+        group.num_processes,
+        group.process_id,
+        cluster_detection_method="deactivate",  # the flags say who is who
+        initialization_timeout=group.init_timeout_s,
+    )
+
+
+def _client():
+    from jax._src import distributed  # the runtime's client: its key-value store
+
+    return distributed.global_state.client
+
+
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # noqa: BLE001 - NOT_FOUND (or the coordinator is gone)
+        return None
+
+
+def start_heartbeat(client, process_id: int) -> None:
+    """A worker bumps its counter every BEAT_S until the coordinator is gone."""
+
+    def beat() -> None:
+        count = 0
+        while True:
+            count += 1
+            try:
+                client.key_value_set(_KEY.format("alive", process_id), str(count), True)
+            except Exception:  # noqa: BLE001 - the coordinator is gone; the runtime ends us
+                return
+            time.sleep(BEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="vit22b-heartbeat").start()
+
+
+class Watch:
+    """Process 0's view of the workers: who stopped beating or reported a failure."""
+
+    def __init__(self, client, group: Group):
+        self.client, self.group = client, group
+        now = time.monotonic()
+        self._seen: dict[int, tuple[str | None, float]] = {i: (None, now) for i in group.workers}
+
+    def gone(self) -> dict[int, str]:
+        """{process: why} for every worker that is gone, as of now."""
+        now, gone = time.monotonic(), {}
+        for i, (count, since) in self._seen.items():
+            failure = _try_get(self.client, _KEY.format("failed", i))
+            if failure is not None:
+                gone[i] = failure
+                continue
+            beat = _try_get(self.client, _KEY.format("alive", i))
+            if beat != count:
+                self._seen[i] = (beat, now)
+            elif now - since > self.group.peer_timeout_s:
+                gone[i] = f"no heartbeat for {now - since:.1f}s"
+        return gone
+
+    def await_workers(self, stage: str) -> dict[int, str]:
+        """Every worker's value for ``stage``; GroupError as soon as one is gone."""
+        values: dict[int, str] = {}
+        while len(values) < len(self._seen):
+            gone = self.gone()
+            if gone:
+                raise GroupError("; ".join(f"process {i}: {why}" for i, why in gone.items()))
+            for i in self._seen:
+                if i not in values and (value := _try_get(self.client, _KEY.format(stage, i))):
+                    values[i] = value
+            time.sleep(BEAT_S / 5)
+        return values
+
+    def watch_forever(self, engine: GroupEngine) -> None:
+        """Name each worker that goes, once; the first one breaks the group."""
+        named: set[int] = set()
+        while len(named) < len(self._seen):
+            for i, why in self.gone().items():
+                if i not in named:
+                    named.add(i)
+                    log.error("process %d of the group is gone: %s", i, why)
+                    engine.lose(f"process {i} is gone: {why}")
+            time.sleep(BEAT_S)
+
+
+def settings(config: ServeConfig, group: Group) -> dict:
+    """What every process must agree on before loading: one model, one mesh, the same code."""
+    from importlib.metadata import version
+
+    return {
+        "model": config.model,
+        "checkpoint": bool(config.checkpoint),  # paths may differ by host; the fingerprint may not
+        "seed": None if config.checkpoint else config.seed,
+        "mesh": config.mesh,
+        "max_batch_images": config.max_batch_images,
+        "warm_outputs": [repr(o) for o in config.warm_outputs],
+        "num_processes": group.num_processes,
+        "vit22b": version("vit22b"),
+        "jax": jax.__version__,
+    }
+
+
+def _differences(mine: dict, leader: dict) -> list[str]:
+    keys = sorted(set(mine) | set(leader))
+    return [
+        f"{k}: {mine.get(k)!r} here, {leader.get(k)!r} on process 0"
+        for k in keys
+        if mine.get(k) != leader.get(k)
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# the processes' lives
+# ------------------------------------------------------------------------------------------
+
+
+def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]) -> int:
+    """Join, agree, load and compile, then lead (process 0) or follow (workers)."""
+    join(group)
+    report("joined")
+    client = _client()
+    mine = settings(config, group)
+    if group.leader:
+        watch = Watch(client, group)
+        client.key_value_set(_KEY.format("settings", 0), json.dumps(mine))
+        watch.await_workers("agreed")
+        engine = _load(config)
+        fingerprints = watch.await_workers("ready")
+        wrong = {i: f for i, f in fingerprints.items() if f != engine.identity.fingerprint}
+        if wrong:
+            raise GroupError(
+                f"the workers hold other weights: fingerprints {wrong}, process 0 has "
+                f"{engine.identity.fingerprint}; give every process the same checkpoint"
+            )
+        return asyncio.run(_lead(config, group, engine, watch, report))
+    start_heartbeat(client, group.process_id)
+    try:
+        leader = json.loads(
+            client.blocking_key_value_get(_KEY.format("settings", 0), group.init_timeout_s * 1000)
+        )
+        differences = _differences(mine, leader)
+        if differences:
+            raise GroupError("settings differ from process 0's: " + "; ".join(differences))
+        client.key_value_set(_KEY.format("agreed", group.process_id), "yes")
+        engine = _load(config)
+        client.key_value_set(_KEY.format("ready", group.process_id), engine.identity.fingerprint)
+        report("ready")
+        print(
+            f"vit22b serve: process {group.process_id} of {group.num_processes} ready "
+            f"({jax.local_device_count()} of {jax.device_count()} devices, mesh "
+            f"{engine.mesh_spec}); following process 0",
+            flush=True,
+        )
+        engine.follow()
+    except BaseException as err:
+        with contextlib.suppress(Exception):  # the coordinator may be gone already
+            client.key_value_set(
+                _KEY.format("failed", group.process_id), f"{type(err).__name__}: {err}"
+            )
+        raise
+    # Stopped: tell the supervisor first (the runtime aborts us once process 0 has left), then
+    # process 0, which waits for this before it leaves.
+    report("stopped")
+    client.key_value_set(_KEY.format("stopped", group.process_id), "yes")
+    print(f"vit22b serve: process {group.process_id} stopped (process 0 stopped)", flush=True)
+    return 0
+
+
+def _load(config: ServeConfig) -> GroupEngine:
+    engine = GroupEngine.load(
+        model=config.model,
+        checkpoint_dir=config.checkpoint,
+        mesh=make_mesh(config.mesh),  # over every process's devices ("auto": all on data)
+        seed=config.seed,
+        max_batch_images=config.max_batch_images,
+        chunk_images=config.chunk_images,
+    )
+    seconds = engine.warm_up(config.warm_outputs)
+    log.info("compiled buckets %s in %.1fs", engine.buckets, seconds)
+    return engine
+
+
+async def _lead(
+    config: ServeConfig, group: Group, engine: GroupEngine, watch: Watch, report
+) -> int:
+    """Process 0: the front end over the group until SIGTERM; then the workers stop too."""
+    server = FeatureServer(config, engine)
+    await server.start()
+    loop = asyncio.get_running_loop()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    engine.on_lost = lambda reason: asyncio.run_coroutine_threadsafe(not_serving(), loop)
+    threading.Thread(target=watch.watch_forever, args=(engine,), daemon=True).start()
+    report("serving")
+    print(
+        f"vit22b serve: SERVING {engine.cfg.name} ({engine.identity.source}) on "
+        f"{server.address}, mesh {engine.mesh_spec} over {group.num_processes} processes "
+        f"({engine.mesh.size} devices), buckets {list(engine.buckets)}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("vit22b serve: draining (NOT_SERVING, new calls UNAVAILABLE)", flush=True)
+    clean = await server.drain_and_stop()
+    try:
+        stopped = await asyncio.to_thread(engine.stop_workers)
+    except Exception as err:  # noqa: BLE001 - leaving anyway
+        log.warning("the workers did not take the stop: %s", err)
+        stopped = False
+    if stopped:  # each worker says so before it leaves (it must not see process 0 go first)
+        try:
+            await asyncio.to_thread(watch.await_workers, "stopped")
+        except GroupError as err:
+            log.warning("a worker did not confirm its stop: %s", err)
+    print(
+        f"vit22b serve: stopped ({'clean' if clean else 'drain timed out'}; "
+        f"{'workers stopped' if stopped else 'group broken: ' + str(engine.lost)})",
+        flush=True,
+    )
+    return 0 if clean and stopped else 1
+
+
+# ------------------------------------------------------------------------------------------
+# the JAX process of `vit22b serve --coordinator ...` (started by distributed_cli)
+# ------------------------------------------------------------------------------------------
+
+
+def encode_spec(config: ServeConfig, group: Group, log_level: str) -> str:
+    return json.dumps(
+        {
+            "config": dataclasses.asdict(config),
+            "group": dataclasses.asdict(group),
+            "log_level": log_level,
+        }
+    )
+
+
+def decode_spec(text: str) -> tuple[ServeConfig, Group, str]:
+    spec = json.loads(text)
+    config = spec["config"]
+    config["warm_outputs"] = tuple(outputs_from_dict(o) for o in config["warm_outputs"])
+    return ServeConfig(**config), Group(**spec["group"]), spec["log_level"]
+
+
+def _reporter() -> Callable[[str], None]:
+    fd = os.environ.get(STATUS_FD_ENV)
+    if fd is None:
+        return lambda phase: None
+    stream = os.fdopen(int(fd), "w", buffering=1)
+    return lambda phase: stream.write(phase + "\n")
+
+
+def child_main(spec: str) -> int:
+    config, group, log_level = decode_spec(spec)
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s %(levelname)s process {group.process_id} %(name)s: %(message)s",
+    )
+    if not group.leader:  # blocked in a collective, a worker ends on the first signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        code = run_process(config, group, _reporter())
+    except (ValueError, OSError, GroupError) as err:  # flags, checkpoint, refusal, a peer gone
+        print(f"vit22b serve: process {group.process_id}: {err}", file=sys.stderr, flush=True)
+        code = 2
+    # A broken group may leave a collective hung on a thread, and a worker's orderly exit would
+    # wait on the runtime's shutdown: leave at once, streams flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

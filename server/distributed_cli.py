@@ -1,0 +1,151 @@
+"""`vit22b serve --coordinator HOST:PORT --num-processes N --process-id I`: one process of a group.
+
+This process only supervises: it starts the JAX process (``distributed.child_main``) as its child
+and says in plain words why it ended. The runtime ends a process that cannot join the group (a
+peer that never arrives) or whose coordinator has gone by aborting it (SIGABRT, design.md gotcha
+10): nothing in that process can catch it, so its parent reports it. The child dies with its
+parent. Every flag may also come from the environment (``VIT22B_COORDINATOR`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from .app import ServeConfig
+
+ENV = {
+    "coordinator": "VIT22B_COORDINATOR",
+    "num_processes": "VIT22B_NUM_PROCESSES",
+    "process_id": "VIT22B_PROCESS_ID",
+    "init_timeout": "VIT22B_INIT_TIMEOUT",
+    "peer_timeout": "VIT22B_PEER_TIMEOUT",
+}
+_CHILD = "import sys; from vit22b.server.distributed import child_main; child_main(sys.argv[1])"
+
+
+def add_group_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "several processes (jax.distributed; each flag also from the environment variable named)"
+    )
+    env = {name: os.environ.get(var) for name, var in ENV.items()}
+    group.add_argument(
+        "--coordinator",
+        default=env["coordinator"],
+        help="HOST:PORT of process 0's coordination service, the same for all "
+        f"(${ENV['coordinator']})",
+    )
+    group.add_argument(
+        "--num-processes",
+        type=int,
+        default=env["num_processes"],
+        help=f"processes in the group (${ENV['num_processes']})",
+    )
+    group.add_argument(
+        "--process-id",
+        type=int,
+        default=env["process_id"],
+        help=f"this process, 0..N-1; 0 serves gRPC, the others follow (${ENV['process_id']})",
+    )
+    group.add_argument(
+        "--init-timeout",
+        type=int,
+        default=int(env["init_timeout"] or 300),
+        help="seconds every process has to join; then the start-up ends "
+        f"(${ENV['init_timeout']}, default 300)",
+    )
+    group.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=float(env["peer_timeout"] or 5.0),
+        help="a worker silent this long is gone: process 0 goes NOT_SERVING "
+        f"(${ENV['peer_timeout']}, default 5)",
+    )
+
+
+def group_from_args(args: argparse.Namespace):
+    """The Group of these flags, or None for a single-process server."""
+    from .distributed import Group  # jax: only for a group
+
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if all(v is None for v in given):
+        return None
+    if any(v is None for v in given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together")
+    if not re.fullmatch(r"\S+:\d+", args.coordinator):
+        raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise ValueError(
+            f"--process-id must be in 0..{args.num_processes - 1} and --num-processes positive, "
+            f"got {args.process_id} of {args.num_processes}"
+        )
+    if args.init_timeout <= 0 or args.peer_timeout <= 0:
+        raise ValueError("--init-timeout and --peer-timeout must be positive")
+    return Group(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        init_timeout_s=args.init_timeout,
+        peer_timeout_s=args.peer_timeout,
+    )
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the supervisor dies (Linux prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def supervise(config: ServeConfig, group, log_level: str) -> int:
+    """Run the JAX process of this member of the group; its exit status, explained when needed."""
+    from .distributed import STATUS_FD_ENV, encode_spec
+
+    read_fd, write_fd = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, encode_spec(config, group, log_level)],
+        pass_fds=(write_fd,),
+        env={**os.environ, STATUS_FD_ENV: str(write_fd)},
+        preexec_fn=_die_with_parent,
+    )
+    os.close(write_fd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    code = child.wait()
+    with os.fdopen(read_fd) as status:
+        phases = status.read().split()
+    message = explain(code, phases[-1] if phases else "starting", group)
+    if message is None:
+        return 0
+    if message:
+        print(f"vit22b serve: {message}", file=sys.stderr, flush=True)
+    return code if code >= 0 else 128 - code
+
+
+def explain(code: int, phase: str, group) -> str | None:
+    """Why the JAX process ended: None for a clean stop, '' when it already said why."""
+    me = f"process {group.process_id} of {group.num_processes}"
+    if code == 0 or (phase == "stopped" and group.process_id):
+        return None  # a worker told to stop may be aborted as process 0 leaves: that is clean
+    if code > 0:
+        return ""
+    if code != -signal.SIGABRT:
+        return f"{me} was ended by {signal.Signals(-code).name}"
+    if phase == "starting":
+        waited = f"within --init-timeout {group.init_timeout_s}s"
+        if group.process_id == 0:
+            return (
+                f"{me} gave up: not every process joined the group at {group.coordinator} "
+                f"{waited}. Start all {group.num_processes} processes with the same --coordinator "
+                "and --num-processes, and make the port reachable from every host"
+            )
+        return (
+            f"{me} gave up: it could not join the group at {group.coordinator} {waited}: "
+            "process 0 (the coordinator) or another process never arrived"
+        )
+    if group.process_id:
+        return f"{me} was aborted by the JAX runtime: process 0 (the coordinator) is gone"
+    return f"{me} was aborted by the JAX runtime (see its log above)"
