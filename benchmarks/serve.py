@@ -1,17 +1,24 @@
-"""Feature service throughput: images/s through gRPC and the SDK against the engine's own, same run.
+"""The serving path end to end (JPEG in, pooled feature out over gRPC) against the engine, same run.
 
-Both sides embed the same JPEG bytes with the same engine (loaded and compiled once, before any
-clock starts):
+One engine (loaded and compiled once, before any clock starts) serves on loopback from this
+process; the clients run in a separate process (``--drive``, no jax; as callers would), so they
+do not share the server's interpreter lock. All sides embed the same JPEG bytes:
 - engine: ``Engine.embed`` in process (decode, preprocess, forward, batch by batch, one thread);
-- served: ``FeatureClient.embed`` against a server on loopback holding that engine (validation,
-  the preprocessing pool, dynamic batching, tensors on the wire; client and server share this
-  process and its cores).
-Runs alternate (engine, served, engine, served, ...) and the medians are compared.
+  its batch-1 time is ``Engine.embed`` of one image;
+- clients: 1, 8 and 32 concurrent clients (one channel each), every call one image
+  (``FeatureClient.embed([jpeg])``): throughput, per-call latency p50 / p99, and the average
+  batch the server formed, from its Prometheus metrics (``vit22b_batch_images`` sum / count);
+  one client is the serial baseline that dynamic batching is compared with;
+- bulk: one SDK client embedding the whole list (requests of ``max_batch_images``, 4 in flight).
+Each repeat runs every side once, in turn; medians are compared. Ratios:
+``ratio_clients32_to_engine`` (>= 0.9 wanted), ``ratio_batching_to_serial`` (32 clients / 1, >= 3),
+``ratio_p50_to_engine_b1_plus_delay`` (one client's p50 over the engine's batch-1 time plus
+``max_delay_ms``, <= 1.2), ``ratio_bulk_to_engine``.
 
-    python benchmarks/serve.py                            # tiny default model, mesh data=2,model=4
-    python benchmarks/serve.py --images 512 --concurrency 8
+    python benchmarks/serve.py                          # ViT-B/16 (seeded), the engine's own plan
+    python benchmarks/serve.py --model vit-22b-tiny/16 --size 64 --images 256
 
-The last line of stdout is one JSON object; ``ratio_served_to_engine`` is the figure.
+The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -19,24 +26,21 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import statistics
+import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+import numpy as np
+from benchlib import emit, log, machine, median, percentile, timed
+from PIL import Image
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
-from vit22b.clients import FeatureClient  # noqa: E402
-from vit22b.server.app import BackgroundServer, ServeConfig  # noqa: E402
-from vit22b.server.engine import Engine  # noqa: E402
+CLIENTS = (1, 8, 32)
 
 
 def jpegs(n: int, size: int, seed: int = 0) -> list[bytes]:
+    """Noise JPEGs (the costliest to decode at their size), deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -47,62 +51,189 @@ def jpegs(n: int, size: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+# ---- the client process ----------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--mesh", default="data=2,model=4")
-    parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--size", type=int, default=224, help="side of the JPEG files")
-    parser.add_argument("--batch", type=int, default=32, help="max_batch_images")
-    parser.add_argument("--concurrency", type=int, default=4, help="SDK requests in flight")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+def drive(address: str, clients: int, images: list[bytes], bulk_batch: int) -> dict:
+    """Client side of one phase: connect and warm up, print 'ready', wait for 'go' on stdin,
+    then run; returns wall seconds and per-call latencies. ``clients == 0``: one bulk call."""
+    from vit22b.clients import FeatureClient
+
+    if clients == 0:
+        with FeatureClient(address, concurrency=4) as client:
+            client.embed(images[:bulk_batch])
+            _handshake()
+            wall = timed(lambda: client.embed(images, batch_size=bulk_batch))
+        return {"wall_s": wall, "latencies_s": []}
+
+    shares = [images[i::clients] for i in range(clients)]
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+    errors: list[BaseException] = []
+
+    def client_loop(i: int) -> None:
+        try:
+            with FeatureClient(address) as client:
+                client.embed(shares[i][:1])  # channel and first call off the clock
+                start.wait()
+                for image in shares[i]:
+                    t0 = time.perf_counter()
+                    features = client.embed([image])
+                    latencies[i].append(time.perf_counter() - t0)
+                    assert features.pooled.shape[0] == 1
+        except BaseException as err:  # reported by the parent, never hidden
+            errors.append(err)
+            start.abort()
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    _handshake()
+    start.wait()
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return {"wall_s": wall, "latencies_s": [v for per in latencies for v in per]}
+
+
+def _handshake() -> None:
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("driver: parent went away")
+
+
+# ---- the server process -----------------------------------------------------------------------
+
+
+def scrape_batches(metrics_url: str) -> tuple[float, float]:
+    """(images, batches) computed so far, from the server's /metrics endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in ("vit22b_batch_images_sum", "vit22b_batch_images_count")
+    }
+    return values.get("vit22b_batch_images_sum", 0.0), values.get("vit22b_batch_images_count", 0.0)
+
+
+def run_phase(args, address: str, metrics_url: str, clients: int) -> dict:
+    """One client process; returns its figures plus the server's average batch in the phase."""
+    command = [
+        sys.executable, __file__, "--drive", address, "--clients", str(clients),
+        "--images", str(args.images), "--size", str(args.size), "--batch", str(args.batch),
+    ]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"client process for {clients} clients did not start")
+        before = scrape_batches(metrics_url)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        result = json.loads(proc.stdout.readline())
+        after = scrape_batches(metrics_url)
+    finally:
+        proc.stdin.close()
+        if proc.wait(timeout=60):
+            raise RuntimeError(f"client process for {clients} clients failed")
+    images, batches = after[0] - before[0], after[1] - before[1]
+    result["avg_batch"] = images / batches if batches else 0.0
+    return result
+
+
+def summarize(name: str, phases: list[dict], n: int) -> dict:
+    latencies = [v for p in phases for v in p["latencies_s"]]
+    out = {
+        "images_per_s": round(n / median([p["wall_s"] for p in phases]), 2),
+        "avg_batch": round(median([p["avg_batch"] for p in phases]), 2),
+    }
+    if latencies:
+        out["p50_ms"] = round(1e3 * percentile(latencies, 50), 1)
+        out["p99_ms"] = round(1e3 * percentile(latencies, 99), 1)
+    log(f"{name:>10s}: {out}")
+    return out
+
+
+def serve_main(args) -> int:
+    from vit22b.server.cpu_devices import emulate_cpu_devices
+
+    emulate_cpu_devices()  # what `vit22b serve` does before jax starts
+    from vit22b.server.app import BackgroundServer, ServeConfig
+    from vit22b.server.engine import Engine
 
     engine = Engine.load(args.model, mesh=args.mesh, max_batch_images=args.batch)
-    engine.warm_up()
+    warm_s = engine.warm_up()
     images = jpegs(args.images, args.size)
+    log(f"{engine.cfg.name} on {engine.mesh_spec}, buckets {engine.buckets}, "
+        f"chunks {[engine.chunk_images(b) for b in engine.buckets]}, compiled in {warm_s:.0f}s")
     config = ServeConfig(
-        mesh=args.mesh,
-        port=0,
-        metrics_port=None,
-        max_batch_images=args.batch,
-        max_request_images=args.batch,
+        mesh=args.mesh, port=0, metrics_port=0, max_batch_images=args.batch,
+        max_request_images=args.batch, max_delay_ms=args.max_delay_ms,
     )
-    with (
-        BackgroundServer(config, engine=engine) as server,
-        FeatureClient(server.address, concurrency=args.concurrency) as client,
-    ):
-        engine_s, served_s = [], []
-        client.embed(images[: args.batch])  # connection and first-call costs off the clock
+    engine_s, engine_b1_s = [], []
+    phases: dict[str, list[dict]] = {f"clients_{c}": [] for c in CLIENTS}
+    phases["bulk"] = []
+    with BackgroundServer(config, engine=engine) as server:
+        metrics_url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+        engine.embed(images[: args.batch])
         for _ in range(args.repeats):
             engine_s.append(timed(lambda: engine.embed(images)))
-            served_s.append(timed(lambda: client.embed(images)))
-    engine_ips = args.images / statistics.median(engine_s)
-    served_ips = args.images / statistics.median(served_s)
-    result = {
+            engine_b1_s.append(median([timed(lambda i=i: engine.embed([i])) for i in images[:8]]))
+            for clients in CLIENTS:
+                phases[f"clients_{clients}"].append(
+                    run_phase(args, server.address, metrics_url, clients)
+                )
+            phases["bulk"].append(run_phase(args, server.address, metrics_url, 0))
+    engine_ips = args.images / median(engine_s)
+    b1_ms = 1e3 * median(engine_b1_s)
+    log(f"    engine: {engine_ips:.2f} img/s, batch-1 {b1_ms:.1f} ms")
+    summary = {name: summarize(name, runs, args.images) for name, runs in phases.items()}
+    one, many = summary["clients_1"], summary[f"clients_{CLIENTS[-1]}"]
+    emit({
+        "benchmark": "serve",
         "model": engine.cfg.name,
         "mesh": engine.mesh_spec,
         "images": args.images,
         "jpeg_side": args.size,
         "max_batch_images": args.batch,
-        "concurrency": args.concurrency,
-        "engine_images_per_s": round(engine_ips, 1),
-        "served_images_per_s": round(served_ips, 1),
-        "ratio_served_to_engine": round(served_ips / engine_ips, 3),
-        "cores": os.cpu_count(),
-    }
-    print(
-        f"engine {engine_ips:.1f} img/s, served {served_ips:.1f} img/s (median of {args.repeats})",
-        file=sys.stderr,
-    )
-    print(json.dumps(result))
+        "max_delay_ms": args.max_delay_ms,
+        "repeats": args.repeats,
+        "engine_images_per_s": round(engine_ips, 2),
+        "engine_batch1_ms": round(b1_ms, 1),
+        **summary,
+        "ratio_clients32_to_engine": round(many["images_per_s"] / engine_ips, 3),
+        "ratio_batching_to_serial": round(many["images_per_s"] / one["images_per_s"], 3),
+        "ratio_p50_to_engine_b1_plus_delay": round(
+            one["p50_ms"] / (b1_ms + args.max_delay_ms), 3
+        ),
+        "ratio_bulk_to_engine": round(summary["bulk"]["images_per_s"] / engine_ips, 3),
+        "machine": machine(),
+    })
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit-b/16")
+    parser.add_argument("--mesh", default="auto", help="default: the engine's own choice")
+    parser.add_argument("--images", type=int, default=96, help="images per side and repeat")
+    parser.add_argument("--size", type=int, default=256, help="side of the JPEG files")
+    parser.add_argument("--batch", type=int, default=32, help="max_batch_images")
+    parser.add_argument("--max-delay-ms", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--drive", metavar="ADDRESS", help=argparse.SUPPRESS)  # client process
+    parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        result = drive(args.drive, args.clients, jpegs(args.images, args.size), args.batch)
+        print(json.dumps(result), flush=True)
+        return 0
+    return serve_main(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,196 @@
+"""Engine forward against the PyTorch peer (Hugging Face ViTModel), same weights, same run.
+
+The peer is a transformers ``ViTModel`` (ViT-B/16 at 224 by default, seeded init); its weights
+go through this project's importer (``model.convert``), so both sides compute the same numbers
+(checked: the pooled features must agree). The engine side is ``Engine.forward`` itself (pad to
+the bucket, put on the mesh, the compiled forward, back to the host) with the execution plan it
+chooses on its own (``mesh="auto"``, pre-cast kernels, chunks), unless overridden below.
+
+- float32: engine with f32 compute against torch f32 eager;
+- bfloat16: the engine's bf16 policy (bf16 matmul inputs, f32 accumulation and activations)
+  against the faster of two torch configurations per batch size: weights (and inputs) in bf16,
+  or f32 weights under ``torch.autocast(bfloat16)``.
+Each repeat runs every side once, in turn (engine, then the peers), after warm-up; medians are
+compared. MFU is achieved FLOP/s (``model.info.flops_per_image``) over the best GEMM GFLOP/s
+measured in this run (JAX or torch, n=4096, same dtype).
+
+    python benchmarks/forward.py                                   # batches 1 8 32, f32 and bf16
+    python benchmarks/forward.py --dtypes bfloat16 --batches 32 --chunk-images 0   # a lever off
+    python benchmarks/forward.py --dtypes float32 --devices 1                      # another
+
+The last line of stdout is one JSON object; ``ratio_<dtype>_b<batch>`` (engine / peer images/s)
+are the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from benchlib import alternate, emit, log, machine, matmul_peaks, median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from peers import rel_err  # noqa: E402  (the parity tests' measure of agreement)
+
+PEER_SIZES = {  # transformers.ViTConfig fields of the presets benchmarked here
+    "vit-b/16": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                     intermediate_size=3072, patch_size=16, image_size=224),
+    "vit-s/16": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
+                     intermediate_size=1536, patch_size=16, image_size=224),
+}
+
+
+def hf_peer(model: str, seed: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.ViTConfig(**PEER_SIZES[model])
+    return transformers.ViTModel(config, add_pooling_layer=False).eval()
+
+
+def imported(peer, model: str):
+    """The peer's weights through this project's Hugging Face importer."""
+    from vit22b.model.convert import convert
+
+    with tempfile.TemporaryDirectory() as folder:
+        peer.save_pretrained(folder)
+        converted = convert("hf", folder)
+    return converted.config.replace(name=model), converted.params, converted.source
+
+
+def peer_runners(peer, dtype: str) -> dict:
+    """name -> fn(NCHW float32 tensor) -> pooled numpy; the torch configurations compared."""
+    import copy
+
+    import torch
+
+    def run(model, cast=None, autocast=False):
+        def fn(x):
+            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                out = model(pixel_values=x if cast is None else x.to(cast)).last_hidden_state
+            return out[:, 0].float().numpy()
+
+        return fn
+
+    if dtype == "float32":
+        return {"torch f32": run(peer)}
+    bf16 = copy.deepcopy(peer).to(torch.bfloat16)
+    return {
+        "torch bf16 weights": run(bf16, torch.bfloat16),
+        "torch autocast": run(peer, None, True),
+    }
+
+
+def compare(engine, peers: dict, batch: int, repeats: int, rng) -> dict:
+    """One batch size: warm-up, agreement of the pooled features, alternating timed runs."""
+    import numpy as np
+    import torch
+    from vit22b.server.engine import POOLED
+
+    cfg, outputs = engine.cfg, engine.resolve(POOLED)
+    x = rng.standard_normal((batch, cfg.image_size, cfg.image_size, 3), np.float32)
+    x_torch = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    sides = {"engine": lambda: engine.forward(x, outputs)["pooled"]}
+    sides.update({name: (lambda fn=fn: fn(x_torch)) for name, fn in peers.items()})
+    results = {name: fn() for name, fn in sides.items()}  # warm-up (and compile)
+    for fn in sides.values():
+        fn()
+    agreement = {n: rel_err(results["engine"], out) for n, out in results.items() if n != "engine"}
+    ips = {name: batch / median(t) for name, t in alternate(sides, repeats).items()}
+    return {"images_per_s": ips, "agreement": agreement}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit-b/16", choices=sorted(PEER_SIZES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="engine override: this many devices on the data axis "
+                        "(default: mesh 'auto', the engine's own choice)")
+    parser.add_argument("--chunk-images", type=int, default=None,
+                        help="engine override: images per device and step (0: no chunks)")
+    parser.add_argument("--no-precast", action="store_true", help="engine override (ablation)")
+    parser.add_argument("--no-peak", action="store_true", help="skip the GEMM peak (no MFU)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from vit22b.server.cpu_devices import emulate_cpu_devices
+
+    emulate_cpu_devices()  # what `vit22b serve` does before jax starts
+    import jax
+    import numpy as np
+    import torch
+    from vit22b.model.info import flops_per_image
+    from vit22b.model.sharding import make_mesh, shard_params
+    from vit22b.server.engine import Engine, auto_mesh
+
+    peer = hf_peer(args.model, args.seed)
+    cfg, params, source = imported(peer, args.model)
+    flops = flops_per_image(cfg)
+    log(f"{args.model}: {flops / 1e9:.1f} GFLOP/image; torch threads {torch.get_num_threads()}, "
+        f"jax devices {jax.device_count()}, attention {peer.config._attn_implementation}")
+    peaks = {} if args.no_peak else matmul_peaks()
+    if peaks:
+        log("GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in peaks.items()))
+
+    rng = np.random.default_rng(args.seed)
+    rows, figures = [], {}
+    for dtype in args.dtypes:
+        cfg_d = cfg.replace(compute_dtype=dtype)
+        mesh = (auto_mesh(cfg_d) if args.devices is None
+                else make_mesh(f"data={args.devices},model=1", jax.devices()[: args.devices]))
+        engine = Engine(cfg_d, shard_params(cfg_d, params, mesh), mesh, fingerprint="bench",
+                        source=source, max_batch_images=max(args.batches),
+                        chunk_images=args.chunk_images, precast=not args.no_precast)
+        peers = peer_runners(peer, dtype)
+        for batch in args.batches:
+            measured = compare(engine, peers, batch, args.repeats, rng)
+            ips, agreement = measured["images_per_s"], measured["agreement"]
+            best = max((n for n in ips if n != "engine"), key=ips.get)
+            ratio = ips["engine"] / ips[best]
+            peak = peaks.get(f"peak_{dtype}")
+            bucket = engine.bucket(batch)
+            row = {
+                "dtype": dtype,
+                "batch": batch,
+                "engine_mesh": engine.mesh_spec,
+                "engine_bucket": bucket,
+                "engine_chunk_images": engine.chunk_images(bucket),
+                "engine_images_per_s": round(ips["engine"], 2),
+                "peer": best,
+                "peer_images_per_s": round(ips[best], 2),
+                "peers_images_per_s": {n: round(v, 2) for n, v in ips.items() if n != "engine"},
+                "ratio": round(ratio, 3),
+                "engine_mfu": round(ips["engine"] * flops / 1e9 / peak, 3) if peak else None,
+                "peer_mfu": round(ips[best] * flops / 1e9 / peak, 3) if peak else None,
+                "pooled_rel_err": {n: float(f"{e:.2g}") for n, e in agreement.items()},
+            }
+            rows.append(row)
+            figures[f"ratio_{dtype}_b{batch}"] = row["ratio"]
+            log(f"{dtype:8s} b={batch:<3d} engine {ips['engine']:6.2f} img/s "
+                f"[{engine.mesh_spec}, chunk {row['engine_chunk_images']}]  "
+                + "  ".join(f"{n} {v:6.2f}" for n, v in ips.items() if n != "engine")
+                + f"  ratio {ratio:.3f}  rel err {row['pooled_rel_err']}")
+    emit({
+        "benchmark": "forward",
+        "model": args.model,
+        "flops_per_image": flops,
+        "repeats": args.repeats,
+        "overrides": {"devices": args.devices, "chunk_images": args.chunk_images,
+                      "precast": not args.no_precast},
+        "matmul_gflops": peaks,
+        "rows": rows,
+        **figures,
+        "machine": machine(),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""`make bench`: run the performance benchmarks and write BENCHMARKS.md from their JSON lines.
+
+Every figure in BENCHMARKS.md comes from this run: each benchmark's last stdout line (one JSON
+object) is parsed and tabulated; the commands are listed as they ran. On a machine with an
+NVIDIA GPU the ViT-22B script runs too; elsewhere its CPU dry run checks it and the file says so.
+
+    python benchmarks/run_all.py              # the full run (about 10 minutes on 2 cores)
+    python benchmarks/run_all.py --quick      # fewer repeats and batches: checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchlib import cpu_flags, cpu_model, load_average, log
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {  # issue 7: key -> (comparison, threshold)
+    "forward ratio, ViT-B/16 batch 8 and 32, f32 and bf16": (">=", 0.9),
+    "ratio_clients32_to_engine": (">=", 0.9),
+    "ratio_p50_to_engine_b1_plus_delay": ("<=", 1.2),
+    "ratio_batching_to_serial": (">=", 3.0),
+}
+
+
+def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
+    py = [sys.executable]
+    forward = ["benchmarks/forward.py"]
+    serve_b = ["benchmarks/serve.py"]
+    serve_tiny = ["benchmarks/serve.py", "--model", "vit-22b-tiny/16", "--size", "64",
+                  "--images", "256"]
+    if quick:
+        forward += ["--batches", "1", "8", "--repeats", "2"]
+        serve_b += ["--images", "32", "--repeats", "1"]
+        serve_tiny += ["--repeats", "1"]
+    gpu_22b = ["benchmarks/gpu_22b.py"] if gpu else ["benchmarks/gpu_22b.py", "--dry-run"]
+    return [
+        ("forward", py + forward),
+        ("serve", py + serve_b),
+        ("serve_tiny", py + serve_tiny),
+        ("gpu_22b", py + gpu_22b),
+    ]
+
+
+def run(name: str, command: list[str]) -> dict:
+    log(f"== {name}: {' '.join(command[1:])}")
+    load_before = load_average()
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise SystemExit(f"{name} failed (exit {proc.returncode})")
+    result = json.loads(lines[-1])
+    result["_command"] = "python " + " ".join(command[1:])
+    result["_seconds"] = round(seconds)
+    result["_load_before"] = load_before
+    return result
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def meminfo_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return -1.0
+
+
+# ---- markdown ----------------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def met(value: float, target: tuple[str, float]) -> str:
+    op, threshold = target
+    ok = value >= threshold if op == ">=" else value <= threshold
+    return f"{value:.3g} ({op} {threshold}: {'met' if ok else 'NOT met'})"
+
+
+def forward_section(r: dict) -> str:
+    peaks = r["matmul_gflops"]
+    rows = [
+        [
+            row["dtype"], row["batch"], row["engine_images_per_s"],
+            f"{row['engine_mesh']}, bucket {row['engine_bucket']}, "
+            f"chunk {row['engine_chunk_images']}",
+            row["peer"], row["peer_images_per_s"],
+            ", ".join(f"{k} {v}" for k, v in row["peers_images_per_s"].items()),
+            f"**{row['ratio']}**", row["engine_mfu"], row["peer_mfu"],
+            ", ".join(f"{v}" for v in row["pooled_rel_err"].values()),
+        ]
+        for row in r["rows"]
+    ]
+    header = ["dtype", "batch", "engine img/s", "engine plan (chosen by itself)", "best peer",
+              "peer img/s", "all peers img/s", "ratio", "engine MFU", "peer MFU",
+              "pooled rel. err. vs peers"]
+    return "\n\n".join([
+        f"## Engine forward vs PyTorch ({r['model']}, {r['flops_per_image'] / 1e9:.1f} "
+        f"GFLOP/image)",
+        f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} alternating repeats, medians; "
+        f"load average {r['_load_before']} before, {r['machine']['load_avg_1m']} after)",
+        "Peer: Hugging Face `transformers.ViTModel` (SDPA attention), seeded init; the engine "
+        "runs the same weights through `model/convert_hf.py`. bf16: the faster of torch bf16 "
+        "weights and f32 weights under `torch.autocast(bfloat16)` per batch size. MFU: "
+        "achieved FLOP/s over the best GEMM measured in this run (n=4096, same dtype): "
+        + ", ".join(f"{k} {v} GFLOP/s" for k, v in peaks.items()) + ".",
+        table(header, rows),
+    ])
+
+
+def serve_section(r: dict) -> str:
+    rows = [["engine (in process, batches of "
+             f"{r['max_batch_images']})", r["engine_images_per_s"], "", "", "",
+             f"batch-1 {r['engine_batch1_ms']} ms"]]
+    for key in ("clients_1", "clients_8", "clients_32", "bulk"):
+        s = r[key]
+        label = f"{key.split('_')[1]} client(s), 1 image/call" if key != "bulk" else \
+            f"SDK bulk ({r['max_batch_images']} images/call, 4 in flight)"
+        rows.append([label, s["images_per_s"], s.get("p50_ms", ""), s.get("p99_ms", ""),
+                     s["avg_batch"], ""])
+    ratios = [
+        ["gRPC at 32 clients / engine", met(r["ratio_clients32_to_engine"],
+                                            TARGETS["ratio_clients32_to_engine"])],
+        ["1-client p50 / (engine batch-1 + max_delay_ms)",
+         met(r["ratio_p50_to_engine_b1_plus_delay"],
+             TARGETS["ratio_p50_to_engine_b1_plus_delay"])],
+        ["32 clients / serial single-image calls",
+         met(r["ratio_batching_to_serial"], TARGETS["ratio_batching_to_serial"])],
+        ["SDK bulk / engine", f"{r['ratio_bulk_to_engine']}"],
+    ]
+    return "\n\n".join([
+        f"## Serving path: gRPC end to end vs the engine ({r['model']}, mesh {r['mesh']})",
+        f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} alternating repeats of "
+        f"{r['images']} JPEGs of {r['jpeg_side']}x{r['jpeg_side']}, medians; max_delay_ms "
+        f"{r['max_delay_ms']}; load average {r['_load_before']} before, "
+        f"{r['machine']['load_avg_1m']} after). Clients run in a separate process, one channel "
+        "each; average batch from the server's `vit22b_batch_images` metric.",
+        table(["side", "img/s", "p50 ms", "p99 ms", "avg batch", ""], rows),
+        table(["ratio", "value (target)"], ratios),
+    ])
+
+
+def gpu_section(r: dict) -> str:
+    head = "## ViT-22B/14 bf16 on one GPU (`benchmarks/gpu_22b.py`)"
+    if r["dry_run"]:
+        return "\n\n".join([
+            head,
+            "**Not run on a GPU**: this machine has none. The script's logic ran as a CPU dry "
+            f"run (`{r['_command']}`, {r['model']}, batches "
+            f"{[row['batch'] for row in r['rows']]}): the timm peer's weights converted through "
+            "the importer agree with the engine (pooled rel. err. "
+            f"{[row.get('pooled_rel_err') for row in r['rows']]}). Its speed figures mean "
+            "nothing for a GPU and are not reported.",
+        ])
+    rows = [[row["batch"], row["engine_images_per_s"], row["engine_mfu"],
+             row["engine_mfu_datasheet"], row.get("peer_images_per_s", ""),
+             row.get("peer_mfu", ""), row.get("ratio", "")] for row in r["rows"]]
+    return "\n\n".join([
+        head,
+        f"`{r['_command']}` on {r['device_kind']}; bf16 GEMM peak measured in the run: "
+        f"{r['matmul_gflops']['peak_bfloat16']} GFLOP/s. Peer: {r['peer'] or r['peer_error']}.",
+        table(["batch", "engine img/s", "engine MFU (measured peak)", "engine MFU (datasheet)",
+               "peer img/s", "peer MFU", "ratio"], rows),
+    ])
+
+
+def summary_section(results: dict) -> str:
+    f = results["forward"]
+    rows = []
+    for row in f["rows"]:
+        if row["batch"] in (8, 32):
+            rows.append([f"engine / PyTorch, {f['model']} {row['dtype']} batch {row['batch']}",
+                         met(row["ratio"], TARGETS[next(iter(TARGETS))])])
+    s = results["serve"]
+    for key in ("ratio_clients32_to_engine", "ratio_p50_to_engine_b1_plus_delay",
+                "ratio_batching_to_serial"):
+        rows.append([f"{key} ({s['model']})", met(s[key], TARGETS[key])])
+    return "## Targets (issue 7), this run\n\n" + table(["figure", "value"], rows)
+
+
+def write_markdown(results: dict, started: str, quick: bool) -> str:
+    m = results["forward"]["machine"]
+    isa = cpu_flags()
+    amx = "" if any(flag.startswith("amx") for flag in isa) else " (no AMX)"
+    versions = ", ".join(f"{k} {m[k]}" for k in ("python", "jax", "jaxlib", "torch",
+                                                 "transformers", "grpc") if k in m)
+    parts = [
+        "# Benchmarks",
+        f"Written by `make bench` (`python benchmarks/run_all.py{' --quick' if quick else ''}`)"
+        f" on {started}. Every figure below comes from this one run; ratios compare sides "
+        "measured in the same process, alternating, after warm-up. Notes on every attempt "
+        "behind these figures: [benchmarks/NOTES.md](benchmarks/NOTES.md).",
+        "## Machine",
+        table(["", ""], [
+            ["CPU", f"{cpu_model()}, {m['cores']} cores, ISA: {', '.join(isa)}{amx}"],
+            ["memory", f"{meminfo_gb()} GiB"],
+            ["GPU", "none" if results["gpu_22b"]["dry_run"] else results["gpu_22b"]["device_kind"]],
+            ["software", versions],
+        ]),
+        summary_section(results),
+        forward_section(results["forward"]),
+        serve_section(results["serve"]),
+        serve_section(results["serve_tiny"]),
+        gpu_section(results["gpu_22b"]),
+        "## Commands\n\n" + "\n".join(f"    {r['_command']}" for r in results.values()),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    results = {name: run(name, command) for name, command in benchmarks(args.quick, has_gpu())}
+    Path(args.out).write_text(write_markdown(results, started, args.quick))
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
