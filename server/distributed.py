@@ -368,8 +368,8 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
     # Stopped: tell the supervisor first (the runtime aborts us once process 0 has left), then
     # process 0, which waits for this before it leaves.
     report("stopped")
-    client.key_value_set(_KEY.format("stopped", group.process_id), "yes")
     print(f"vit22b serve: process {group.process_id} stopped (process 0 stopped)", flush=True)
+    client.key_value_set(_KEY.format("stopped", group.process_id), "yes")
     return 0
 
 
