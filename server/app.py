@@ -81,8 +81,8 @@ class ServeConfig:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
 
 
-def build_engine(config: ServeConfig) -> Engine:
-    engine = Engine.load(
+def build_engine(config: ServeConfig, engine_class: type[Engine] = Engine) -> Engine:
+    engine = engine_class.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,
         mesh=config.mesh,
@@ -192,12 +192,21 @@ async def serve_until_signal(config: ServeConfig) -> int:
     """The CLI's main: serve until SIGTERM / SIGINT, drain, exit code 0 when the drain was clean."""
     server = FeatureServer(config)
     await server.start()
+    return await serve_started(server)
+
+
+async def serve_started(server: FeatureServer, mesh_note: str = "") -> int:
+    """Announce a started server, serve until SIGTERM / SIGINT, drain; 0 when the drain was clean.
+
+    ``mesh_note`` follows the mesh in the announcement (a group names its processes there).
+    """
     engine = server.engine
     log.info("%s (%s) on mesh %s", engine.cfg.name, engine.identity.source, engine.mesh_spec)
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
     print(
         f"vit22b serve: SERVING {engine.cfg.name} ({engine.identity.source}) on "
-        f"{server.address}, mesh {engine.mesh_spec}, buckets {list(engine.buckets)}{metrics}",
+        f"{server.address}, mesh {engine.mesh_spec}{mesh_note}, buckets {list(engine.buckets)}"
+        f"{metrics}",
         flush=True,
     )
     loop = asyncio.get_running_loop()

@@ -44,9 +44,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 from jax.experimental import multihost_utils
 from vit22b.model import OutputRequest
-from vit22b.model.sharding import make_mesh
 
-from .app import SERVICE_NAME, FeatureServer, ServeConfig
+from .app import SERVICE_NAME, FeatureServer, ServeConfig, build_engine, serve_started
 from .engine import Engine, Features, take
 from .errors import NotReady
 
@@ -374,17 +373,10 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
 
 
 def _load(config: ServeConfig) -> GroupEngine:
-    engine = GroupEngine.load(
-        model=config.model,
-        checkpoint_dir=config.checkpoint,
-        mesh=make_mesh(config.mesh),  # over every process's devices ("auto": all on data)
-        seed=config.seed,
-        max_batch_images=config.max_batch_images,
-        chunk_images=config.chunk_images,
-    )
-    seconds = engine.warm_up(config.warm_outputs)
-    log.info("compiled buckets %s in %.1fs", engine.buckets, seconds)
-    return engine
+    # "auto" is every device of every process on data (a single process's "auto" plans for
+    # its own host's CPU devices only).
+    spec = f"data={jax.device_count()},model=1" if config.mesh == "auto" else config.mesh
+    return build_engine(dataclasses.replace(config, mesh=spec), GroupEngine)
 
 
 async def _lead(
@@ -400,20 +392,12 @@ async def _lead(
             await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     engine.on_lost = lambda reason: asyncio.run_coroutine_threadsafe(not_serving(), loop)
+    if engine.lost is not None:  # lost while the server started
+        engine.on_lost(engine.lost)
     threading.Thread(target=watch.watch_forever, args=(engine,), daemon=True).start()
     report("serving")
-    print(
-        f"vit22b serve: SERVING {engine.cfg.name} ({engine.identity.source}) on "
-        f"{server.address}, mesh {engine.mesh_spec} over {group.num_processes} processes "
-        f"({engine.mesh.size} devices), buckets {list(engine.buckets)}",
-        flush=True,
-    )
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("vit22b serve: draining (NOT_SERVING, new calls UNAVAILABLE)", flush=True)
-    clean = await server.drain_and_stop()
+    note = f" over {group.num_processes} processes ({engine.mesh.size} devices)"
+    code = await serve_started(server, note)  # until SIGTERM, then drained
     try:
         stopped = await asyncio.to_thread(engine.stop_workers)
     except Exception as err:  # noqa: BLE001 - leaving anyway
@@ -425,11 +409,10 @@ async def _lead(
         except GroupError as err:
             log.warning("a worker did not confirm its stop: %s", err)
     print(
-        f"vit22b serve: stopped ({'clean' if clean else 'drain timed out'}; "
-        f"{'workers stopped' if stopped else 'group broken: ' + str(engine.lost)})",
+        "vit22b serve: " + ("workers stopped" if stopped else f"group broken: {engine.lost}"),
         flush=True,
     )
-    return 0 if clean and stopped else 1
+    return code if stopped else 1
 
 
 # ------------------------------------------------------------------------------------------

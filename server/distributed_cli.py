@@ -19,53 +19,33 @@ import sys
 
 from .app import ServeConfig
 
-ENV = {
-    "coordinator": "VIT22B_COORDINATOR",
-    "num_processes": "VIT22B_NUM_PROCESSES",
-    "process_id": "VIT22B_PROCESS_ID",
-    "init_timeout": "VIT22B_INIT_TIMEOUT",
-    "peer_timeout": "VIT22B_PEER_TIMEOUT",
-}
+# flag, type, default, help; each also from VIT22B_<FLAG> in the environment (the flag wins)
+FLAGS = (
+    ("--coordinator", str, None, "HOST:PORT of process 0's coordination service, the same for all"),
+    ("--num-processes", int, None, "processes in the group"),
+    ("--process-id", int, None, "this process, 0..N-1; 0 serves gRPC, the others follow it"),
+    ("--init-timeout", int, 300, "seconds every process has to join, else the start-up ends"),
+    ("--peer-timeout", float, 5.0, "a worker silent this long is gone: process 0 NOT_SERVING"),
+)
 _CHILD = "import sys; from vit22b.server.distributed import child_main; child_main(sys.argv[1])"
 
 
+def env_name(flag: str) -> str:
+    return "VIT22B_" + flag.lstrip("-").replace("-", "_").upper()
+
+
 def add_group_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "several processes (jax.distributed; each flag also from the environment variable named)"
-    )
-    env = {name: os.environ.get(var) for name, var in ENV.items()}
-    group.add_argument(
-        "--coordinator",
-        default=env["coordinator"],
-        help="HOST:PORT of process 0's coordination service, the same for all "
-        f"(${ENV['coordinator']})",
-    )
-    group.add_argument(
-        "--num-processes",
-        type=int,
-        default=env["num_processes"],
-        help=f"processes in the group (${ENV['num_processes']})",
-    )
-    group.add_argument(
-        "--process-id",
-        type=int,
-        default=env["process_id"],
-        help=f"this process, 0..N-1; 0 serves gRPC, the others follow (${ENV['process_id']})",
-    )
-    group.add_argument(
-        "--init-timeout",
-        type=int,
-        default=int(env["init_timeout"] or 300),
-        help="seconds every process has to join; then the start-up ends "
-        f"(${ENV['init_timeout']}, default 300)",
-    )
-    group.add_argument(
-        "--peer-timeout",
-        type=float,
-        default=float(env["peer_timeout"] or 5.0),
-        help="a worker silent this long is gone: process 0 goes NOT_SERVING "
-        f"(${ENV['peer_timeout']}, default 5)",
-    )
+    group = parser.add_argument_group("several processes, one model (jax.distributed)")
+    for flag, kind, default, help_ in FLAGS:
+        name = env_name(flag)
+        fallback = f", default {default}" if default is not None else ""
+        # argparse converts a string default with ``type``, and reports a bad one as a flag error
+        group.add_argument(
+            flag,
+            type=kind,
+            default=os.environ.get(name, default),
+            help=f"{help_} (${name}{fallback})",
+        )
 
 
 def group_from_args(args: argparse.Namespace):

@@ -164,7 +164,7 @@ def test_group_serves_the_features_of_one_process_then_stops_cleanly(checkpoint_
         members[0].kill(signal.SIGTERM)  # process 0 drains, then stops the workers
         assert members[0].wait(60) == 0, members[0].text()
         assert members[1].wait(30) == 0, members[1].text()
-        assert "stopped (clean; workers stopped)" in members[0].text()
+        assert "stopped (clean)\nvit22b serve: workers stopped" in members[0].text()
         assert "process 1 stopped" in members[1].text()
     finally:
         stop_all(members)
@@ -192,7 +192,7 @@ def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir
         assert "process 1 of the group is gone: no heartbeat" in members[0].text()
         members[0].kill(signal.SIGTERM)
         assert members[0].wait(60) == 1  # drained, but the group was broken
-        assert "group broken: process 1 is gone" in members[0].text()
+        assert "stopped (clean)\nvit22b serve: group broken: process 1 is gone" in members[0].text()
     finally:
         stop_all(members)
 
