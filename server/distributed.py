@@ -218,13 +218,6 @@ def _client():
     return distributed.global_state.client
 
 
-def _try_get(client, key: str) -> str | None:
-    try:
-        return client.key_value_try_get(key)
-    except Exception:  # noqa: BLE001 - NOT_FOUND (or the coordinator is gone)
-        return None
-
-
 def start_heartbeat(client, process_id: int) -> None:
     """A worker bumps its counter every BEAT_S until the coordinator is gone."""
 
@@ -250,32 +243,33 @@ class Watch:
         self._seen: dict[int, tuple[str | None, float]] = {i: (None, now) for i in group.workers}
 
     def gone(self) -> dict[int, str]:
-        """{process: why} for every worker that is gone, as of now."""
+        """{process: why} for every worker that is gone, as of now (two reads, any group size)."""
         now, gone = time.monotonic(), {}
+        failures, beats = self._read("failed"), self._read("alive")
         for i, (count, since) in self._seen.items():
-            failure = _try_get(self.client, _KEY.format("failed", i))
-            if failure is not None:
-                gone[i] = failure
-                continue
-            beat = _try_get(self.client, _KEY.format("alive", i))
-            if beat != count:
-                self._seen[i] = (beat, now)
+            if i in failures:
+                gone[i] = failures[i]
+            elif beats.get(i) != count:
+                self._seen[i] = (beats.get(i), now)
             elif now - since > self.group.peer_timeout_s:
                 gone[i] = f"no heartbeat for {now - since:.1f}s"
         return gone
 
+    def _read(self, what: str) -> dict[int, str]:
+        """Every worker's ``vit22b/<what>/<process>`` value."""
+        prefix = _KEY.format(what, "")
+        return {int(key[len(prefix) :]): v for key, v in self.client.key_value_dir_get(prefix)}
+
     def await_workers(self, stage: str) -> dict[int, str]:
         """Every worker's value for ``stage``; GroupError as soon as one is gone."""
-        values: dict[int, str] = {}
-        while len(values) < len(self._seen):
+        while True:
             gone = self.gone()
             if gone:
                 raise GroupError("; ".join(f"process {i}: {why}" for i, why in gone.items()))
-            for i in self._seen:
-                if i not in values and (value := _try_get(self.client, _KEY.format(stage, i))):
-                    values[i] = value
+            values = self._read(stage)
+            if len(values) == len(self._seen):
+                return values
             time.sleep(BEAT_S / 5)
-        return values
 
     def watch_forever(self, engine: GroupEngine) -> None:
         """Name each worker that goes, once; the first one breaks the group."""

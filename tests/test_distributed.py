@@ -197,6 +197,17 @@ def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir
         stop_all(members)
 
 
+def test_workers_end_with_process_0(checkpoint_dir, tmp_path):
+    members = start_group(tmp_path, "--checkpoint", str(checkpoint_dir))
+    try:
+        serving_address(members[0], members)
+        members[0].kill()
+        assert members[1].wait(30) == 128 + signal.SIGABRT  # the runtime aborts the worker
+        assert "process 0 (the coordinator) is gone" in members[1].text()
+    finally:
+        stop_all(members)
+
+
 def test_peer_that_never_arrives_ends_the_start_with_a_clear_message(tmp_path):
     leader = Member(tmp_path, f"127.0.0.1:{free_port()}", 0, "--init-timeout", "2")
     try:
