@@ -8,6 +8,7 @@ Every group is real `vit22b serve` processes in their own sessions, killed in ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -49,7 +50,7 @@ def free_port() -> int:
 class Member:
     """One `vit22b serve` process of a group (its supervisor and JAX child share a session)."""
 
-    def __init__(self, log_dir: Path, coordinator: str, process_id: int, *extra: str, n: int = 2):
+    def __init__(self, log_dir: Path, coordinator: str, process_id: int, *extra: str, n: int):
         self.log = log_dir / f"process{process_id}.log"
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -81,21 +82,22 @@ class Member:
                 pass
 
 
-def start_group(tmp_path: Path, *extra: str, worker_extra: tuple = ()) -> list[Member]:
+@contextlib.contextmanager
+def running(tmp_path: Path, *extra: str, worker_extra: tuple = (), started: int = 2):
+    """The first ``started`` processes of a group of two on loopback (the worker gets
+    ``worker_extra`` too); all killed on the way out."""
     coordinator = f"127.0.0.1:{free_port()}"
-    return [
-        Member(tmp_path, coordinator, 0, *extra),
-        Member(tmp_path, coordinator, 1, *extra, *worker_extra),
-    ]
-
-
-def stop_all(members: list[Member]) -> None:
-    for member in members:
-        member.kill()
-        try:
-            member.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+    members = []
+    try:
+        for i in range(started):
+            flags = (*extra, *(worker_extra if i else ()))
+            members.append(Member(tmp_path, coordinator, i, *flags, n=2))
+        yield members
+    finally:
+        for member in members:
+            member.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                member.wait(10)
 
 
 def serving_address(leader: Member, members: list[Member], timeout: float = 150.0) -> str:
@@ -139,8 +141,7 @@ def request(images, layers=()) -> pb.EmbedRequest:
 
 
 def test_group_serves_the_features_of_one_process_then_stops_cleanly(checkpoint_dir, tmp_path):
-    members = start_group(tmp_path, "--checkpoint", str(checkpoint_dir))
-    try:
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir)) as members:
         reference = Engine.load(checkpoint_dir=str(checkpoint_dir), mesh=MESH,
                                 max_batch_images=MAX_BATCH)  # compiles while the group does
         address = serving_address(members[0], members)
@@ -164,15 +165,13 @@ def test_group_serves_the_features_of_one_process_then_stops_cleanly(checkpoint_
         members[0].kill(signal.SIGTERM)  # process 0 drains, then stops the workers
         assert members[0].wait(60) == 0, members[0].text()
         assert members[1].wait(30) == 0, members[1].text()
-        assert "stopped (clean)\nvit22b serve: workers stopped" in members[0].text()
+        assert "stopped (clean)" in members[0].text()
+        assert "vit22b serve: workers stopped" in members[0].text()
         assert "process 1 stopped" in members[1].text()
-    finally:
-        stop_all(members)
 
 
 def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir, tmp_path):
-    members = start_group(tmp_path, "--checkpoint", str(checkpoint_dir))
-    try:
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir)) as members:
         address = serving_address(members[0], members)
         s = stub(address)
         s.Embed(request(random_images(2)), timeout=60)
@@ -192,43 +191,32 @@ def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir
         assert "process 1 of the group is gone: no heartbeat" in members[0].text()
         members[0].kill(signal.SIGTERM)
         assert members[0].wait(60) == 1  # drained, but the group was broken
-        assert "stopped (clean)\nvit22b serve: group broken: process 1 is gone" in members[0].text()
-    finally:
-        stop_all(members)
+        assert "vit22b serve: group broken: process 1 is gone" in members[0].text()
 
 
 def test_workers_end_with_process_0(checkpoint_dir, tmp_path):
-    members = start_group(tmp_path, "--checkpoint", str(checkpoint_dir))
-    try:
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir)) as members:
         serving_address(members[0], members)
         members[0].kill()
         assert members[1].wait(30) == 128 + signal.SIGABRT  # the runtime aborts the worker
         assert "process 0 (the coordinator) is gone" in members[1].text()
-    finally:
-        stop_all(members)
 
 
 def test_peer_that_never_arrives_ends_the_start_with_a_clear_message(tmp_path):
-    leader = Member(tmp_path, f"127.0.0.1:{free_port()}", 0, "--init-timeout", "2")
-    try:
+    with running(tmp_path, "--init-timeout", "2", started=1) as (leader,):
         code = leader.wait(60)
         assert code == 128 + signal.SIGABRT  # the runtime aborts it; its supervisor explains
         assert "not every process joined the group" in leader.text()
         assert "within --init-timeout 2s" in leader.text()
-    finally:
-        stop_all([leader])
 
 
 def test_worker_with_other_settings_is_refused_before_loading(tmp_path):
-    members = start_group(tmp_path, worker_extra=("--max-batch-images", "8"))
-    try:
+    with running(tmp_path, worker_extra=("--max-batch-images", "8")) as members:
         assert members[0].wait(90) == 2, members[0].text()
         assert members[1].wait(30) != 0
         text = members[0].text()
         assert "settings differ from process 0's" in text
         assert "max_batch_images: 8 here, 4 on process 0" in text
-    finally:
-        stop_all(members)
 
 
 def parse(*argv: str, environ: dict | None = None):
