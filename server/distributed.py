@@ -34,10 +34,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -439,20 +441,23 @@ def _reporter() -> Callable[[str], None]:
     return lambda phase: stream.write(phase + "\n")
 
 
-def child_main(spec: str) -> int:
+def child_main(spec: str) -> NoReturn:
     config, group, log_level = decode_spec(spec)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s %(levelname)s process {group.process_id} %(name)s: %(message)s",
     )
-    if not group.leader:  # blocked in a collective, a worker ends on the first signal
+    if not group.leader:  # waiting inside the runtime, a worker ends on the first signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         code = run_process(config, group, _reporter())
     except (ValueError, OSError, GroupError) as err:  # flags, checkpoint, refusal, a peer gone
         print(f"vit22b serve: process {group.process_id}: {err}", file=sys.stderr, flush=True)
         code = 2
+    except BaseException:  # a collective that failed under a worker, or a bug: say where
+        traceback.print_exc()
+        code = 1
     # A broken group may leave a collective hung on a thread, and a worker's orderly exit would
     # wait on the runtime's shutdown: leave at once, streams flushed.
     sys.stdout.flush()

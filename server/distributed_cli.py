@@ -77,7 +77,8 @@ def group_from_args(args: argparse.Namespace):
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the supervisor dies (Linux prctl PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def supervise(config: ServeConfig, group, log_level: str) -> int:
