@@ -17,8 +17,8 @@ Execution plan (chosen from the backend, the compute dtype and the bucket; never
 arithmetic; measured in benchmarks/NOTES.md):
 - matmul kernels are cast to the compute dtype once, at construction (``precast``), instead of
   on every forward;
-- on CPU with bf16 compute, a bucket is run in sequential chunks of at most
-  ``CPU_CHUNK_ROWS[dtype]`` token rows per data shard (``chunk_images`` overrides: 0 = never);
+- on CPU, a bucket runs in sequential chunks whose activations stay within ``CPU_CHUNK_BYTES``
+  per data shard (``chunk_images`` overrides: 0 = never);
 - ``mesh="auto"`` on a CPU host puts ``CPU_DATA_PARALLEL[dtype]`` devices on the data axis (the
   server's CLI asks XLA for that many emulated CPU devices, see ``cpu_devices``).
 """
@@ -82,12 +82,19 @@ def seeded_source(seed: int) -> str:
     return f"init:seed={seed}"
 
 
-# CPU plan, measured on 2-core hosts (benchmarks/NOTES.md). XLA:CPU's bf16 GEMM slows down
-# when one matmul has many rows (ViT-B/16 batch 32: 6304); f32 does not gain from chunks.
-CPU_CHUNK_ROWS: dict[str, int | None] = {"bfloat16": 1600, "float32": None}
-# Emulated CPU devices on the data axis that ``mesh="auto"`` uses: two keep both cores busy in
-# f32; bf16 already does on one.
-CPU_DATA_PARALLEL = {"bfloat16": 1, "float32": 2}
+# CPU plan, measured on a 2-core host with a 32 MB L3 (benchmarks/NOTES.md). A step's widest
+# activation (f32, tokens x the MLP hidden, plus q/k/v in a parallel block) is kept to about a
+# third of the L3: ViT-B/16 runs 4 images per device and step (f32: 10.7 img/s against 8.3 for
+# the whole batch of 32; bf16: YNNPACK's GEMM also loses a third of its speed at 6304 rows).
+CPU_CHUNK_BYTES = 10 << 20
+# Emulated CPU devices on the data axis that ``mesh="auto"`` uses (cpu_devices asks for them).
+CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
+
+
+def step_bytes_per_image(cfg: ViTConfig) -> int:
+    """Bytes of the widest f32 activation of one image in a block (what a chunk bounds)."""
+    width = cfg.mlp_dim + (3 * cfg.width if cfg.block == "parallel" else 0)
+    return 4 * cfg.num_tokens * width
 
 
 def largest_divisor(n: int, limit: int) -> int:
@@ -104,16 +111,16 @@ def chunk_images(
     """
     if override is not None:
         return local_batch if override == 0 else largest_divisor(local_batch, override)
-    rows = CPU_CHUNK_ROWS.get(cfg.compute_dtype) if platform == "cpu" else None
-    if rows is None:
+    if platform != "cpu":
         return local_batch
-    return largest_divisor(local_batch, max(rows // cfg.num_tokens, 1))
+    return largest_divisor(local_batch, CPU_CHUNK_BYTES // step_bytes_per_image(cfg))
 
 
 def auto_mesh(cfg: ViTConfig, devices: Sequence | None = None) -> Mesh:
-    """``mesh="auto"``: every device on data, except on CPU hosts (``CPU_DATA_PARALLEL``)."""
+    """``mesh="auto"``: every device on data, except on a single CPU host, where the data axis
+    takes ``CPU_DATA_PARALLEL[dtype]`` of its (emulated) devices."""
     devices = list(jax.devices() if devices is None else devices)
-    if devices[0].platform == "cpu":
+    if devices[0].platform == "cpu" and jax.process_count() == 1:
         devices = devices[: CPU_DATA_PARALLEL.get(cfg.compute_dtype, len(devices))]
     return make_mesh("auto", devices)
 

@@ -16,12 +16,13 @@ from vit22b.model.checkpoint import expected_shapes, flatten
 from vit22b.model.forward import MATMUL_KERNELS, cast_matmul_kernels, chunked_apply
 from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
 from vit22b.server.engine import (
-    CPU_CHUNK_ROWS,
+    CPU_CHUNK_BYTES,
     CPU_DATA_PARALLEL,
     Engine,
     auto_mesh,
     chunk_images,
     largest_divisor,
+    step_bytes_per_image,
 )
 
 REQUEST = OutputRequest(pooled=True, patch_layers=(0, -1), attention_stats=True)
@@ -52,7 +53,7 @@ def _forward(cfg: ViTConfig, request=REQUEST, chunk: int | None = None, shards: 
     return jax.jit(lambda p, x: chunked_apply(cfg, p, x, request, chunk, shards))
 
 
-# ---- pre-cast kernels ---------------------------------------------------------------------------
+# ---- pre-cast kernels ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -86,7 +87,7 @@ def test_f32_compute_leaves_the_parameters_alone():
     assert all(a is b for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(params)))
 
 
-# ---- chunked batches ------------------------------------------------------------------------------
+# ---- chunked batches -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -143,18 +144,22 @@ def test_chunks_of_a_sharded_batch_stay_on_their_devices(cfg):
 
 
 def test_chunk_size_rule():
-    vit_b = get_config("vit-b/16")  # 197 tokens
-    bf16, f32 = vit_b.replace(compute_dtype="bfloat16"), vit_b.replace(compute_dtype="float32")
-    for local in (1, 2, 4, 8, 16, 32):
-        chunk = chunk_images(bf16, "cpu", local)
-        assert local % chunk == 0 and (chunk == 1 or chunk * 197 <= CPU_CHUNK_ROWS["bfloat16"])
-        assert 2 * chunk * 197 > CPU_CHUNK_ROWS["bfloat16"] or chunk == local  # the largest
-        assert chunk_images(bf16, "gpu", local) == local  # chunks are a CPU plan
-        assert chunk_images(bf16, "cpu", local, override=0) == local
-    assert chunk_images(bf16, "cpu", 32) < 32
-    if CPU_CHUNK_ROWS["float32"] is None:
-        assert chunk_images(f32, "cpu", 32) == 32
-    assert chunk_images(bf16, "gpu", 8, override=3) == 2  # a divisor of the local batch
+    vit_b = get_config("vit-b/16")  # 197 tokens, MLP 3072: 2.4 MB of f32 activation per image
+    per_image = step_bytes_per_image(vit_b)
+    assert per_image == 4 * 197 * 3072
+    for dtype in ("float32", "bfloat16"):
+        cfg = vit_b.replace(compute_dtype=dtype)
+        for local in (1, 2, 4, 8, 16, 32):
+            chunk = chunk_images(cfg, "cpu", local)
+            assert local % chunk == 0
+            assert chunk == 1 or chunk * per_image <= CPU_CHUNK_BYTES
+            assert chunk == local or 2 * chunk * per_image > CPU_CHUNK_BYTES  # the largest
+            assert chunk_images(cfg, "gpu", local) == local  # chunks are a CPU plan
+            assert chunk_images(cfg, "cpu", local, override=0) == local
+        assert chunk_images(cfg, "cpu", 16) == 4  # measured best (benchmarks/NOTES.md)
+    tiny = get_config("vit-22b-tiny/16")  # 16 tokens: nothing to chunk in buckets up to 32
+    assert chunk_images(tiny, "cpu", 32) == 32
+    assert chunk_images(vit_b, "gpu", 8, override=3) == 2  # a divisor of the local batch
     assert [largest_divisor(12, limit) for limit in (0, 1, 5, 6, 100)] == [1, 1, 4, 6, 12]
 
 
@@ -202,7 +207,7 @@ def test_negative_chunk_override_is_refused():
         Engine(cfg, random_params(cfg), mesh, fingerprint="f", source="s", chunk_images=-1)
 
 
-# ---- emulated CPU devices (the server's command line, before jax starts) --------------------------
+# ---- emulated CPU devices (the server's command line, before jax starts) -------------------------
 
 
 def _cpu_devices_after_cli_import(xla_flags: str | None) -> int:
