@@ -1,14 +1,15 @@
 """The engine: parameters on a mesh and one compiled forward per (batch bucket, output set).
 
 Batch buckets are the mesh's data-axis size times powers of two, up to ``max_batch_images``
-(rounded up to a multiple of the data axis); a batch is padded with zeros to the smallest bucket
-that holds it. The warm output sets (by default: pooled features) are compiled for every bucket
-before the server reports SERVING. Any other output set (patch tokens at chosen layers,
-attention statistics, ...) is compiled on its first use for the bucket it needs, in the batcher's
-thread, and kept (an LRU of ``max_compiled`` entries besides the warm ones, which stay):
-compiling every combination of layers up front is impossible, and one superset forward
-returning every layer would hold batch x depth x tokens x width activations per device (about
-10 GB for ViT-22B at batch 32). ``vit22b serve --warm-outputs`` compiles more sets up front.
+(rounded up to a multiple of the data axis), and on a single-process CPU host also the powers of
+two below the data axis (run on that many of its rows); a batch is padded with zeros to the
+smallest bucket that holds it. The warm output sets (by default: pooled features) are compiled for
+every bucket before the server reports SERVING. Any other output set (patch tokens at chosen
+layers, attention statistics, ...) is compiled on its first use for the bucket it needs, in the
+batcher's thread, and kept (an LRU of ``max_compiled`` entries besides the warm ones, which stay):
+compiling every combination of layers up front is impossible, and one superset forward returning
+every layer would hold batch x depth x tokens x width activations per device (about 10 GB for
+ViT-22B at batch 32). ``vit22b serve --warm-outputs`` compiles more sets up front.
 
 ``forward`` is the model's own ``apply``; ``embed`` is the in-process path (decode, preprocess,
 forward, finish) that the server's results are checked against.
@@ -20,7 +21,9 @@ arithmetic; measured in benchmarks/NOTES.md):
 - on CPU, a bucket runs in sequential chunks whose activations stay within ``CPU_CHUNK_BYTES``
   per data shard (``chunk_images`` overrides: 0 = never);
 - ``mesh="auto"`` on a CPU host puts ``CPU_DATA_PARALLEL[dtype]`` devices on the data axis (the
-  server's CLI asks XLA for that many emulated CPU devices, see ``cpu_devices``).
+  server's CLI asks XLA for that many emulated CPU devices, see ``cpu_devices``);
+- on such a host a batch smaller than the data axis runs on fewer devices (``small_buckets``):
+  emulated devices share the cores, so one image on one device gets them all.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
 from vit22b.model.forward import cast_matmul_kernels, chunked_apply
 from vit22b.model.info import count
@@ -138,29 +141,41 @@ class Engine:
         max_compiled: int = 64,
         chunk_images: int | None = None,
         precast: bool = True,
+        small_buckets: bool | None = None,
     ):
         """``chunk_images``: at most this many images per data shard in one sequential step
         (0: whole buckets; None: the platform's plan). ``precast=False`` keeps the parameters
-        as given (the kernels are then cast on every forward: for measurements only)."""
+        as given (the kernels are then cast on every forward: for measurements only).
+        ``small_buckets``: batches smaller than the data axis run on as many of its rows (one
+        image each) instead of being padded to all of them; None: on a single-process CPU host,
+        where emulated devices share the cores (a lone image then gets them all)."""
         check_mesh_fits(cfg, mesh)
         if chunk_images is not None and chunk_images < 0:
             raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
         self.cfg, self.mesh = cfg, mesh
         # The parameters count and fingerprint as given; the forward reads the pre-cast tree.
-        self.params = cast_matmul_kernels(cfg, params) if precast else params
+        self._param_shardings = param_shardings(cfg, mesh, params)
+        params = cast_matmul_kernels(cfg, params) if precast else params
+        self.params = jax.device_put(params, self._param_shardings)  # no copy when in place
+        self._batch_sharding = batch_sharding(mesh)
         self.platform = mesh.devices.flat[0].platform
         self._chunk_override = chunk_images
         self.preprocess = Preprocessor(cfg)
         self.identity = Identity(cfg.name, fingerprint, cfg.preprocess_hash(), source)
-        self.buckets = batch_buckets(max_batch_images, mesh.shape["data"])
+        data = mesh.shape["data"]
+        if small_buckets is None:
+            small_buckets = self.platform == "cpu" and jax.process_count() == 1
+        small = tuple(1 << k for k in range(data.bit_length()) if 1 << k < data)
+        self.buckets = (small if small_buckets else ()) + batch_buckets(max_batch_images, data)
         self.max_batch_images = self.buckets[-1]
+        self._placements: dict[int, Placement] = {
+            data: Placement(mesh, self.params, self._param_shardings, self._batch_sharding)
+        }
         self.parameter_count = count(params)
         self._max_compiled = max_compiled
         self._compiled: OrderedDict[tuple[int, OutputRequest], jax.stages.Compiled] = OrderedDict()
         self._warm: dict[tuple[int, OutputRequest], jax.stages.Compiled] = {}
         self._compile_lock = threading.Lock()
-        self._batch_sharding = batch_sharding(mesh)
-        self._param_shardings = param_shardings(cfg, mesh, self.params)
         self.compilations = 0  # on-demand compilations after warm-up (for metrics and tests)
 
     # ---- construction ----------------------------------------------------------------------
@@ -255,20 +270,35 @@ class Engine:
             )
             return fn
 
+    def placement(self, bucket: int) -> Placement:
+        """Where a bucket runs: the mesh, or its first ``bucket`` data rows (small buckets).
+
+        A row's devices already hold the parameters (they are replicated over data): the
+        smaller mesh's arrays are views of those buffers, not copies.
+        """
+        rows = min(bucket, self.mesh.shape["data"])
+        if rows not in self._placements:
+            mesh = Mesh(self.mesh.devices[:rows], self.mesh.axis_names)
+            shardings = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), self._param_shardings)
+            params = jax.tree.map(_restrict, self.params, shardings)
+            self._placements[rows] = Placement(mesh, params, shardings, batch_sharding(mesh))
+        return self._placements[rows]
+
     def chunk_images(self, bucket: int) -> int:
         """Images per data shard in each sequential step of this bucket's forward."""
-        local = bucket // self.mesh.shape["data"]
+        local = bucket // self.placement(bucket).mesh.shape["data"]
         return chunk_images(self.cfg, self.platform, local, self._chunk_override)
 
     def _compile(self, bucket: int, outputs: OutputRequest):
-        cfg, shards, chunk = self.cfg, self.mesh.shape["data"], self.chunk_images(bucket)
+        cfg, place, chunk = self.cfg, self.placement(bucket), self.chunk_images(bucket)
+        shards = place.mesh.shape["data"]
         fn = jax.jit(
             lambda params, images: chunked_apply(cfg, params, images, outputs, chunk, shards),
-            in_shardings=(self._param_shardings, self._batch_sharding),
+            in_shardings=(place.param_shardings, place.batch_sharding),
         )
         shape = (bucket, cfg.image_size, cfg.image_size, cfg.channels)
-        images = jax.ShapeDtypeStruct(shape, np.float32, sharding=self._batch_sharding)
-        return fn.lower(self.params, images).compile()
+        images = jax.ShapeDtypeStruct(shape, np.float32, sharding=place.batch_sharding)
+        return fn.lower(place.params, images).compile()
 
     def warm_up(self, output_sets: Sequence[OutputRequest] = (POOLED,)) -> float:
         """Compile every bucket for each output set; returns the seconds it took."""
@@ -289,8 +319,9 @@ class Engine:
         if size != n:
             pad = np.zeros((size - n, *images.shape[1:]), np.float32)
             images = np.concatenate([images, pad])
-        batch = jax.device_put(np.asarray(images, np.float32), self._batch_sharding)
-        result = self.compiled(size, outputs)(self.params, batch)
+        place = self.placement(size)
+        batch = jax.device_put(np.asarray(images, np.float32), place.batch_sharding)
+        result = self.compiled(size, outputs)(place.params, batch)
         return _to_host(result, n)
 
     # ---- in-process embedding ---------------------------------------------------------------
@@ -311,6 +342,25 @@ class Engine:
         step = self.max_batch_images
         parts = [self.forward(pixels[i : i + step], outputs) for i in range(0, len(pixels), step)]
         return finish(concat(parts), l2_normalize)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A mesh with the engine's parameters on it, and the shardings a forward there takes."""
+
+    mesh: Mesh
+    params: dict
+    param_shardings: dict
+    batch_sharding: NamedSharding
+
+
+def _restrict(leaf: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``leaf`` on a sub-mesh of its own: the buffers its devices already hold."""
+    devices = sharding.mesh.devices.flat
+    shards = {s.device: s.data for s in leaf.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        leaf.shape, sharding, [shards[d] for d in devices]
+    )
 
 
 def _to_host(tree, n: int):

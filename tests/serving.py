@@ -1,7 +1,7 @@
 """Shared by the server tests: one engine per test session, real servers on loopback, metrics.
 
 The engine (tiny default model, seeded weights, mesh data=2,model=4 on the 8 emulated devices,
-buckets 2/4/8) is built once and shared by every in-process server: each test server still has
+buckets 1/2/4/8) is built once and shared by every in-process server: each test server still has
 its own batcher, service, gRPC port and metrics endpoint.
 """
 

@@ -171,8 +171,8 @@ def test_auto_mesh_on_a_cpu_host_follows_the_compute_dtype():
 
 
 @pytest.fixture(scope="module")
-def tiny_engines():
-    """The default tiny model (bf16 compute, f32 parameters) on data=2,model=4, three ways."""
+def tiny_engines() -> dict[str, Engine]:
+    """The default tiny model (bf16 compute, f32 parameters) on data=2,model=4, four ways."""
     cfg = get_config("vit-22b-tiny/16").replace(heads=8)
     params = random_params(cfg, seed=4)
     mesh = make_mesh("data=2,model=4")
@@ -183,11 +183,16 @@ def tiny_engines():
             max_batch_images=8, **kw,
         )
 
-    return engine(chunk_images=0, precast=False), engine(chunk_images=0), engine(chunk_images=1)
+    return {
+        "plain": engine(chunk_images=0, precast=False, small_buckets=False),
+        "precast": engine(chunk_images=0, small_buckets=False),
+        "chunked": engine(chunk_images=1, small_buckets=False),
+        "auto": engine(),  # the plan: pre-cast, chunks, small buckets (CPU, one process)
+    }
 
 
 def test_engine_forward_is_the_same_with_and_without_its_levers(tiny_engines):
-    plain, precast, chunked = tiny_engines
+    plain, precast, chunked = (tiny_engines[k] for k in ("plain", "precast", "chunked"))
     assert chunked.chunk_images(8) == 1 and plain.chunk_images(8) == 4
     assert plain.parameter_count == precast.parameter_count == chunked.parameter_count
     w_in = flatten(precast.params)["block_0/w_in"]
@@ -198,6 +203,25 @@ def test_engine_forward_is_the_same_with_and_without_its_levers(tiny_engines):
     want = plain.forward(pixels, request)
     _assert_same(precast.forward(pixels, request), want, 1e-6)
     _assert_same(chunked.forward(pixels, request), want, TOLERANCE["bfloat16"])
+
+
+def test_a_batch_smaller_than_the_data_axis_runs_on_one_row(tiny_engines):
+    auto, padded = tiny_engines["auto"], tiny_engines["precast"]
+    assert padded.buckets == (2, 4, 8) and auto.buckets == (1, 2, 4, 8)
+    row = auto.placement(1)
+    assert dict(row.mesh.shape) == {"data": 1, "model": 4}
+    assert list(row.mesh.devices.flat) == list(auto.mesh.devices[0])
+    # the row's parameters are the buffers its devices already held, not copies
+    full, mine = flatten(auto.params)["block_0/w_in"], flatten(row.params)["block_0/w_in"]
+    held = {s.device: s.data.unsafe_buffer_pointer() for s in full.addressable_shards}
+    assert {s.device: s.data.unsafe_buffer_pointer() for s in mine.addressable_shards} == {
+        d: held[d] for d in row.mesh.devices.flat
+    }
+    request = auto.resolve(OutputRequest(pooled=True, patch_layers=(0,)))
+    pixels = images(auto.cfg, n=1)
+    want = padded.forward(pixels, request)
+    _assert_same(auto.forward(pixels, request), want, TOLERANCE["bfloat16"])
+    assert auto.placement(2) is auto.placement(8)  # two images or more: the whole mesh
 
 
 def test_negative_chunk_override_is_refused():
