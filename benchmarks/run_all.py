@@ -143,6 +143,8 @@ def serve_section(r: dict) -> str:
              TARGETS["ratio_p50_to_engine_b1_plus_delay"])],
         ["32 clients / serial single-image calls",
          met(r["ratio_batching_to_serial"], TARGETS["ratio_batching_to_serial"])],
+        ["(ceiling for the line above: engine batched / engine batch-1)",
+         f"{r['engine_batched_to_batch1']}"],
         ["SDK bulk / engine", f"{r['ratio_bulk_to_engine']}"],
     ]
     return "\n\n".join([
