@@ -12,7 +12,8 @@ chooses on its own (``mesh="auto"``, pre-cast kernels, chunks), unless overridde
   or f32 weights under ``torch.autocast(bfloat16)``.
 Each repeat runs every side once, in turn (engine, then the peers), after warm-up; medians are
 compared. MFU is achieved FLOP/s (``model.info.flops_per_image``) over the best GEMM GFLOP/s
-measured in this run (JAX or torch, n=4096, same dtype).
+measured in this run (JAX or torch, same dtype; ``benchlib.CPU_GEMMS``: cubes and ViT-B/16's
+MLP GEMMs).
 
     python benchmarks/forward.py                                   # batches 1 8 32, f32 and bf16
     python benchmarks/forward.py --dtypes bfloat16 --batches 32 --chunk-images 0   # a lever off

@@ -10,7 +10,8 @@ peer, a CUDA torch and timm (run through tests/peers.py's torchvision stand-in).
 - peer: timm's ``VisionTransformer`` with ``ParallelScalingBlock`` (the ViT-22B block: one fused
   in-projection, QK-norm, RmsNorm, MAP head, no class token), created on the GPU in bf16 with
   timm's own seeded init, eager, ``inference_mode``; skipped (and said so) if it does not fit;
-- peak: the best bf16 GEMM (f32 accumulation) of JAX and torch on this GPU, same run;
+- peak: the best bf16 GEMM (f32 accumulation, n = 8192 and 16384) of JAX and torch on this GPU,
+  same run;
 - MFU: ``model.info.flops_per_image`` x images/s over that peak (and over the datasheet figure
   given by ``--datasheet-tflops``, for reference only).
 Each repeat runs the engine then the peer, after warm-up; medians are compared.
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="vit-22b/14")
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--gemm-n", type=int, default=16384, help="side of the peak GEMM")
+    parser.add_argument("--gemm-sizes", type=int, nargs="+", default=[8192, 16384],
+                        help="sides of the GEMMs the peak is the best of")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--datasheet-tflops", type=float, default=989.0,
                         help="dense bf16 TFLOP/s of the GPU's datasheet (H200 SXM: 989)")
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
-        args.model, args.batches, args.repeats, args.gemm_n = "vit-22b-tiny/16", [2, 4], 2, 1024
+        args.model, args.batches, args.repeats = "vit-22b-tiny/16", [2, 4], 2
+        args.gemm_sizes = [1024]
     # Leave the GPU's memory to both libraries: JAX must not pre-allocate 75% of it.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -120,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         f"mesh {dict(mesh.shape)}")
 
     torch_device = "cpu" if args.dry_run else "cuda"
-    peaks = matmul_peaks(args.gemm_n, 5, None if args.no_peer else torch_device, ("bfloat16",))
+    peer_device = None if args.no_peer else torch_device
+    cubes = tuple((n, n, n) for n in args.gemm_sizes)
+    peaks = matmul_peaks(cubes, 5, peer_device, ("bfloat16",))
     peak = peaks["peak_bfloat16"]
-    log(f"bf16 GEMM GFLOP/s (n={args.gemm_n}): {peaks}")
+    log(f"bf16 GEMM GFLOP/s: {peaks}")
 
     peer, peer_error = None, None
     if not args.no_peer:
