@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 
 from .config import ViTConfig
-from .sharding import bytes_per_device, parse_mesh_spec
+from .sharding import MeshError, bytes_per_device, parse_mesh_spec
 from .vit import abstract_params
 
 # Parameters outside the encoder: the pooling head and the classifier. The paper's 21.7B (and
@@ -61,7 +62,7 @@ def model_info(cfg: ViTConfig, mesh: str | None = None, dtype: str | None = None
 
 def _devices_in(mesh: str) -> int:
     """Device count implied by an explicit spec (info never needs the devices to exist)."""
-    sizes = [int(part.split("=")[1]) for part in mesh.split(",") if "=" in part]
-    if len(sizes) != 2:
-        raise ValueError(f"--mesh for info needs both axes, e.g. data=1,model=8; got {mesh!r}")
-    return math.prod(sizes)
+    sizes = re.fullmatch(r"\s*data\s*=\s*(\d+)\s*,\s*model\s*=\s*(\d+)\s*", mesh)
+    if not sizes:
+        raise MeshError(f"--mesh for info needs both axes, e.g. data=1,model=8; got {mesh!r}")
+    return int(sizes[1]) * int(sizes[2])

@@ -54,16 +54,6 @@ class OutputRequest:
             resolved.append(index)
         return tuple(sorted(set(resolved)))
 
-    @classmethod
-    def everything(cls, cfg: ViTConfig) -> OutputRequest:
-        return cls(
-            pooled=cfg.head != "none",
-            class_token=cfg.class_token,
-            patch_layers=tuple(range(cfg.depth)),
-            attention_stats=True,
-            logits=cfg.num_classes > 0,
-        )
-
 
 # ------------------------------------------------------------------------------------------
 # numerics shared by every block

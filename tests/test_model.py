@@ -9,28 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import SEQUENTIAL
 from vit22b.model import ConfigError, OutputRequest, ViTConfig, apply, get_config, init_params
 from vit22b.model.info import model_info
 from vit22b.model.vit import ParallelBlock, SequentialBlock, attention_entropy
 
 TINY_PARALLEL = get_config("vit-22b-tiny/16").replace(compute_dtype="float32")
-TINY_SEQUENTIAL = ViTConfig(
-    name="tiny-seq",
-    width=48,
-    depth=3,
-    heads=3,
-    mlp_dim=96,
-    patch=8,
-    image_size=32,
-    block="sequential",
-    norm="layernorm",
-    qkv_bias=True,
-    qk_norm=False,
-    head="cls",
-    class_token=True,
-    posemb_covers_cls=True,
-    compute_dtype="float32",
-)
+TINY_SEQUENTIAL = SEQUENTIAL.replace(depth=3)  # the sharding tests' standard ViT, 3 deep
 
 
 def _images(cfg: ViTConfig, n: int = 2, seed: int = 1) -> jax.Array:
