@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from vit22b.model import OutputRequest
+from vit22b.model.errors import InvalidImage
 from vit22b.server.engine import Engine, concat, finish
-from vit22b.server.errors import InvalidImage
 
 from .embed import BatchResult, ModelRef, OutputSpec, os_reason, read_file, to_stored
 from .embed_inputs import InputItem

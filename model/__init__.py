@@ -1,22 +1,39 @@
-"""The backbone: configs and presets, the ViT, sharding rules, checkpoints and weight import.
+"""The backbone and its vocabulary.
 
-Pure JAX/Flax; imports nothing of the server or the client.
+jax-free modules (importable with the client install): ``config`` (configs and presets),
+``outputs`` (the output request), ``pixels`` (the pixel contract), ``features`` (the feature
+container), ``identity`` (the model identity), ``errors`` (the plain failures). JAX/Flax modules:
+``vit`` (the model), ``forward``, ``sharding``, ``checkpoint``, ``convert*``, ``info``.
+
+Imports nothing of the server, the clients or the probes. Exports load on first use, so
+``from vit22b.model import ViTConfig`` does not import jax.
 """
 
-from .config import DEFAULT_MODEL, PRESETS, ConfigError, Preprocess, ViTConfig, get_config
-from .vit import OutputRequest, ViT, abstract_params, apply, attention_entropy, init_params
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "PRESETS",
-    "ConfigError",
-    "OutputRequest",
-    "Preprocess",
-    "ViT",
-    "ViTConfig",
-    "abstract_params",
-    "apply",
-    "attention_entropy",
-    "get_config",
-    "init_params",
-]
+import importlib
+
+_EXPORTS = {
+    "DEFAULT_MODEL": "config",
+    "PRESETS": "config",
+    "ConfigError": "config",
+    "Preprocess": "config",
+    "ViTConfig": "config",
+    "get_config": "config",
+    "OutputRequest": "outputs",
+    "Features": "features",
+    "ModelIdentity": "identity",
+    "ViT": "vit",
+    "abstract_params": "vit",
+    "apply": "vit",
+    "attention_entropy": "vit",
+    "init_params": "vit",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

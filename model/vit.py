@@ -13,7 +13,6 @@ stream, softmax and norms in f32.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
@@ -21,38 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ViTConfig
+from .outputs import POOLED, OutputRequest
 
 Array = jax.Array
 F32 = jnp.float32
-
-
-@dataclass(frozen=True)
-class OutputRequest:
-    """What one forward returns; anything not asked for is not computed.
-
-    ``patch_layers`` are block indices (0 is the first block); negative ones count from the end,
-    like timm's ``forward_intermediates`` and DINOv2's ``get_intermediate_layers``.
-    """
-
-    pooled: bool = True
-    class_token: bool = False
-    patch_layers: tuple[int, ...] = ()
-    attention_stats: bool = False
-    norm_patches: bool = False  # apply the final norm to returned patch tokens (DINOv2 norm=True)
-    logits: bool = False
-
-    def layers(self, depth: int) -> tuple[int, ...]:
-        """Requested layers as non-negative indices, sorted and unique; range-checked."""
-        resolved = []
-        for layer in self.patch_layers:
-            index = layer + depth if layer < 0 else layer
-            if not 0 <= index < depth:
-                raise ValueError(
-                    f"layer index {layer} is out of range for a model of depth {depth} "
-                    f"(valid: {-depth}..{depth - 1})"
-                )
-            resolved.append(index)
-        return tuple(sorted(set(resolved)))
 
 
 # ------------------------------------------------------------------------------------------
@@ -262,7 +233,7 @@ class ViT(nn.Module):
     cfg: ViTConfig
 
     @nn.compact
-    def __call__(self, images: Array, request: OutputRequest = OutputRequest()) -> dict:
+    def __call__(self, images: Array, request: OutputRequest = POOLED) -> dict:
         cfg = self.cfg
         pdt, cdt = cfg.param_dtype, cfg.compute_dtype
         b, p, g = images.shape[0], cfg.patch, cfg.grid

@@ -196,7 +196,7 @@ def features_from_model(
     spaced). For tests, demos and users without a server."""
     import jax
     from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
-    from vit22b.server.preprocess import Preprocessor
+    from vit22b.model.pixels import Preprocessor
 
     cfg = model if isinstance(model, ViTConfig) else get_config(model or DEFAULT_MODEL)
     random_weights = params is None
@@ -232,7 +232,7 @@ def features_from_model(
 
 
 def _load(pre, image, index: int) -> np.ndarray:
-    from vit22b.server.errors import InvalidImage
+    from vit22b.model.errors import InvalidImage
 
     try:
         return pre.load(np.asarray(image))

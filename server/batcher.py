@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from vit22b.model import OutputRequest
+from vit22b.model.errors import CallerGone, DeadlineExpired, Draining, QueueFull
 
 from .engine import Engine, Features, concat, take
-from .errors import CallerGone, DeadlineExpired, Draining, QueueFull
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -46,10 +46,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 from jax.experimental import multihost_utils
 from vit22b.model import OutputRequest
+from vit22b.model.errors import NotReady
 
 from .app import SERVICE_NAME, FeatureServer, ServeConfig, build_engine, serve_started
 from .engine import Engine, Features, take
-from .errors import NotReady
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
+from vit22b.model.errors import InvalidRequest
 from vit22b.model.forward import cast_matmul_kernels, chunked_apply
 from vit22b.model.info import count
+from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS, Preprocessor
 from vit22b.model.sharding import (
     batch_sharding,
     check_mesh_fits,
@@ -49,9 +51,6 @@ from vit22b.model.sharding import (
     mesh_spec,
     param_shardings,
 )
-
-from .errors import InvalidRequest
-from .preprocess import DEFAULT_MAX_IMAGE_PIXELS, Preprocessor
 
 log = logging.getLogger(__name__)
 

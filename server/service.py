@@ -20,15 +20,16 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from vit22b.model import OutputRequest
+from vit22b.model.errors import Draining, InvalidImage, InvalidRequest
+from vit22b.model.pixels import check_pixels, decode
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
 
 from .batcher import Batcher
 from .engine import Engine, Features, finish
-from .errors import Draining, InvalidImage, InvalidRequest, status_code
 from .metrics import Metrics
-from .preprocess import check_pixels, decode
+from .status import status_code
 
 log = logging.getLogger(__name__)
 

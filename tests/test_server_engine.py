@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 from serving import png, random_images, shared_engine
 from vit22b.model import OutputRequest, get_config
+from vit22b.model.errors import InvalidImage, InvalidRequest
+from vit22b.model.pixels import Preprocessor, decode
 from vit22b.server.engine import batch_buckets
-from vit22b.server.errors import InvalidImage, InvalidRequest
-from vit22b.server.preprocess import Preprocessor, decode
 
 
 def test_buckets_are_multiples_of_the_data_axis():

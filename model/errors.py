@@ -1,14 +1,11 @@
-"""Every failure the service knows, and the one table mapping each to a gRPC status code.
+"""Every failure the service knows, as plain exceptions (no jax, no grpc).
 
-The engine, batcher and preprocessing raise these plain exceptions (usable in-process, no gRPC
-needed); only the transport layer turns them into status codes, through ``STATUS_CODES``.
-Anything not in the table is a bug and becomes INTERNAL.
+The pixel contract, the engine, the batcher and the facade raise these; the SDK, the job and the
+probes catch them in-process; only the transports turn them into status codes, through the one
+table in ``server/status.py``. Anything not in that table is a bug.
 """
 
 from __future__ import annotations
-
-import grpc
-from vit22b.v1.wire import WireError
 
 
 class InvalidRequest(ValueError):
@@ -51,23 +48,3 @@ class NotReady(Exception):
 
 class Unauthenticated(Exception):
     """Missing or wrong bearer token."""
-
-
-# The table (TEI / Triton style): the first entry matching an exception's class hierarchy wins.
-STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    WireError: grpc.StatusCode.INVALID_ARGUMENT,
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
-    CallerGone: grpc.StatusCode.CANCELLED,
-    Draining: grpc.StatusCode.UNAVAILABLE,
-    NotReady: grpc.StatusCode.UNAVAILABLE,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-}
-
-
-def status_code(err: BaseException) -> grpc.StatusCode:
-    for cls in type(err).__mro__:
-        if cls in STATUS_CODES:
-            return STATUS_CODES[cls]
-    return grpc.StatusCode.INTERNAL

@@ -1,8 +1,8 @@
-"""Decoding and preprocessing: image bytes or raw pixels -> the model's normalised input.
+"""The pixel contract: image bytes or raw pixels -> the model's normalised input.
 
-One module for the server and for in-process use (tests, the batch job's local mode), so both
-see the same pixels. The contract (resize the shorter side, centre crop, normalise) comes from
-``cfg.preprocess``; ``Preprocessor.describe()`` is what GetModelInfo publishes.
+jax-free: one module for the server, the batch job and the probes, so all see the same pixels.
+The contract (resize the shorter side, centre crop, normalise) comes from ``cfg.preprocess``;
+``Preprocessor.describe()`` is what GetModelInfo publishes.
 
 Untrusted bytes: only JPEG, PNG and WebP are opened; the declared size is checked against
 ``max_pixels`` before any pixel is decoded (decompression bombs), and every decoder failure
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
-from vit22b.model import ViTConfig
 
+from .config import ViTConfig
 from .errors import InvalidImage
 
 FORMATS = ("JPEG", "PNG", "WEBP")

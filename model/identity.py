@@ -1,0 +1,49 @@
+"""The model identity: what made a feature, carried by every response and every stored manifest.
+
+jax-free. Features are comparable only when ``key`` agrees: the same model, the same weights
+(fingerprint), the same preprocessing contract (hash) and the same compute dtype (bf16 and f32
+features differ beyond rounding). The sizes beside it tell a client what shapes to expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ViTConfig
+from .outputs import supported_kinds
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str
+    fingerprint: str  # of the parameters (checkpoint metadata, or computed for seeded weights)
+    preprocess_hash: str
+    compute_dtype: str
+    source: str = ""  # where the weights came from: "init:seed=0", "timm:...", ...
+    width: int = 0
+    depth: int = 0
+    num_patches: int = 0
+    outputs: tuple[str, ...] = ()  # the output kinds the model supports
+
+    @classmethod
+    def of(cls, cfg: ViTConfig, fingerprint: str, source: str) -> ModelIdentity:
+        return cls(
+            name=cfg.name,
+            fingerprint=fingerprint,
+            preprocess_hash=cfg.preprocess_hash(),
+            compute_dtype=cfg.compute_dtype,
+            source=source,
+            width=cfg.width,
+            depth=cfg.depth,
+            num_patches=cfg.num_patches,
+            outputs=supported_kinds(cfg),
+        )
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """What must agree for two features to be comparable."""
+        return (self.name, self.fingerprint, self.preprocess_hash, self.compute_dtype)
+
+
+def seeded_source(seed: int) -> str:
+    return f"init:seed={seed}"

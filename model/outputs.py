@@ -1,0 +1,114 @@
+"""The output request: what a forward returns, checked against what a model has.
+
+jax-free (the SDK, the job and the probes use it). One definition of the output kinds, their
+defaults and the layer resolution: the server, the engine and every client spell requests with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from .config import ViTConfig
+from .errors import InvalidRequest
+
+# The output kinds, in wire order (features.proto's OutputKind).
+KINDS = ("pooled", "class_token", "patch_tokens", "attention_stats", "logits")
+DEFAULT_KINDS = ("pooled",)
+DEFAULT_PATCH_LAYERS = (-1,)  # patch tokens without layers: the last block's
+
+
+def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:
+    """The output kinds ``cfg`` can produce, in wire order."""
+    has = {
+        "pooled": cfg.head != "none",
+        "class_token": cfg.class_token,
+        "patch_tokens": True,
+        "attention_stats": True,
+        "logits": bool(cfg.num_classes),
+    }
+    return tuple(kind for kind in KINDS if has[kind])
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """What one forward returns; anything not asked for is not computed.
+
+    ``patch_layers`` are block indices (0 is the first block); negative ones count from the end,
+    like timm's ``forward_intermediates`` and DINOv2's ``get_intermediate_layers``.
+    """
+
+    pooled: bool = True
+    class_token: bool = False
+    patch_layers: tuple[int, ...] = ()
+    attention_stats: bool = False
+    norm_patches: bool = False  # apply the final norm to returned patch tokens (DINOv2 norm=True)
+    logits: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        kinds: Iterable[str] = (),
+        layers: Sequence[int] = (),
+        norm_patches: bool = False,
+    ) -> OutputRequest:
+        """From kind names and layers as a caller spells them: no kinds means pooled; layers
+        imply patch tokens; patch tokens without layers mean the last block's."""
+        kinds = set(kinds) or (set() if layers else set(DEFAULT_KINDS))
+        unknown = sorted(kinds - set(KINDS))
+        if unknown:
+            raise InvalidRequest(f"unknown output {unknown[0]!r}; known: {', '.join(KINDS)}")
+        layers = tuple(dict.fromkeys(int(layer) for layer in layers))
+        if "patch_tokens" in kinds and not layers:
+            layers = DEFAULT_PATCH_LAYERS
+        return cls(
+            pooled="pooled" in kinds,
+            class_token="class_token" in kinds,
+            patch_layers=layers,
+            attention_stats="attention_stats" in kinds,
+            norm_patches=norm_patches,
+            logits="logits" in kinds,
+        )
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The requested output kinds, in wire order."""
+        on = {
+            "pooled": self.pooled,
+            "class_token": self.class_token,
+            "patch_tokens": bool(self.patch_layers),
+            "attention_stats": self.attention_stats,
+            "logits": self.logits,
+        }
+        return tuple(kind for kind in KINDS if on[kind])
+
+    def layers(self, depth: int) -> tuple[int, ...]:
+        """Requested layers as non-negative indices, sorted and unique; range-checked."""
+        resolved = []
+        for layer in self.patch_layers:
+            index = layer + depth if layer < 0 else layer
+            if not 0 <= index < depth:
+                raise InvalidRequest(
+                    f"layer index {layer} is out of range for a model of depth {depth} "
+                    f"(valid: {-depth}..{depth - 1})"
+                )
+            resolved.append(index)
+        return tuple(sorted(set(resolved)))
+
+    def resolve(self, cfg: ViTConfig) -> OutputRequest:
+        """The canonical request for ``cfg`` (layers non-negative, sorted): the compile-cache
+        key. Raises ``InvalidRequest`` for layers out of range or outputs the model lacks."""
+        resolved = replace(self, patch_layers=self.layers(cfg.depth))
+        if not resolved.kinds:
+            raise InvalidRequest("no outputs requested")
+        supported = supported_kinds(cfg)
+        for kind in resolved.kinds:
+            if kind not in supported:
+                raise InvalidRequest(
+                    f"model {cfg.name} has no {kind.replace('_', ' ')} output "
+                    f"(it has: {', '.join(supported)})"
+                )
+        return resolved
+
+
+POOLED = OutputRequest()  # the default output set
