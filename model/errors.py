@@ -48,3 +48,8 @@ class NotReady(Exception):
 
 class Unauthenticated(Exception):
     """Missing or wrong bearer token."""
+
+
+class NonFiniteOutput(Exception):
+    """The forward produced NaN or Inf for some images (bad weights, float16 overflow); they
+    are refused, never returned."""

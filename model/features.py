@@ -45,6 +45,12 @@ class Features:
             if value is not None:
                 yield name, value
 
+    def __getitem__(self, name: str):
+        """An output by name (``patch_tokens``: the dict by layer)."""
+        if name not in FEATURE_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
     def __len__(self) -> int:
         for _, value in self.arrays():
             return len(value)
@@ -57,6 +63,9 @@ class Features:
         out = {name: fn(value) for name, value in self.arrays()}
         out["patch_tokens"] = {layer: fn(value) for layer, value in self.patch_tokens.items()}
         return out
+
+    def astype(self, dtype) -> Features:
+        return replace(self, **self._map(lambda a: a.astype(dtype)))
 
     def take(self, rows) -> Features:
         """The given rows (a slice or an index array), in that order."""

@@ -16,6 +16,7 @@ from .errors import InvalidRequest
 KINDS = ("pooled", "class_token", "patch_tokens", "attention_stats", "logits")
 DEFAULT_KINDS = ("pooled",)
 DEFAULT_PATCH_LAYERS = (-1,)  # patch tokens without layers: the last block's
+_MISSING = {"pooled": "pooling head", "class_token": "class token", "logits": "classifier (no logits)"}
 
 
 def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:
@@ -105,8 +106,8 @@ class OutputRequest:
         for kind in resolved.kinds:
             if kind not in supported:
                 raise InvalidRequest(
-                    f"model {cfg.name} has no {kind.replace('_', ' ')} output "
-                    f"(it has: {', '.join(supported)})"
+                    f"model {cfg.name} has no {_MISSING[kind]} (its outputs: "
+                    f"{', '.join(supported)})"
                 )
         return resolved
 

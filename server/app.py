@@ -1,4 +1,5 @@
-"""Assembling and running the server: engine, batcher, service, health, reflection, metrics, auth.
+"""Assembling and running the server: engine, batcher, facade, gRPC door, health, reflection,
+metrics, auth.
 
 Start-up compiles every batch bucket before health reports SERVING. SIGTERM (or SIGINT): health
 goes NOT_SERVING, new calls get UNAVAILABLE, accepted calls finish, then the process exits 0.
@@ -8,88 +9,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import threading
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from vit22b.model import OutputRequest
-from vit22b.v1 import features_pb2 as pb
-from vit22b.v1 import features_pb2_grpc as pb_grpc
 
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
-from .engine import Engine
+from .engine import Engine, Executor
+from .infer import Infer, Limits
 from .metrics import Metrics
-from .service import FeatureService, Limits
+from .service import SERVICE_NAME, FeatureService
+from .settings import ServeConfig
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["FeatureService"].full_name
 
-
-@dataclass
-class ServeConfig:
-    model: str | None = None  # preset name; None: DEFAULT_MODEL, or the checkpoint's
-    checkpoint: str | None = None
-    mesh: str = "auto"
-    seed: int = 0  # seeded random weights when there is no checkpoint
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port
-    metrics_port: int | None = 9464  # 0: any free port; None: no metrics endpoint
-    token_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    max_batch_images: int = 32
-    max_delay_ms: float = 5.0
-    max_queue_images: int = 1024
-    max_request_images: int = 256
-    max_message_mb: float = 64.0
-    max_image_pixels: int = 40_000_000
-    preprocess_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
-    chunk_images: int | None = None  # engine's sequential chunks per device; None: its plan
-    warm_outputs: tuple[OutputRequest, ...] = (OutputRequest(),)
-    drain_timeout_s: float = 60.0
-    # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
-    # that were already on their way get a status they retry elsewhere, not a cut connection.
-    drain_linger_s: float = 0.5
-
-    def check(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        if self.max_request_images > self.max_queue_images:
-            raise ValueError(
-                f"--max-request-images ({self.max_request_images}) cannot exceed "
-                f"--max-queue-images ({self.max_queue_images})"
-            )
-        for name in (
-            "max_batch_images",
-            "max_queue_images",
-            "max_request_images",
-            "max_message_mb",
-            "max_image_pixels",
-            "preprocess_threads",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.chunk_images is not None and self.chunk_images < 0:
-            raise ValueError(f"chunk_images must be >= 0, got {self.chunk_images}")
-        if self.max_delay_ms < 0:
-            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
-
-
-def build_engine(config: ServeConfig, engine_class: type[Engine] = Engine) -> Engine:
-    engine = engine_class.load(
+def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engine:
+    """The engine of these settings, compiled for every warm output set (``executor``: how
+    batches run; default one process)."""
+    engine = Engine.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,
         mesh=config.mesh,
         seed=config.seed,
+        compute_dtype=config.compute_dtype,
         max_batch_images=config.max_batch_images,
+        max_compiled=config.max_compiled,
         chunk_images=config.chunk_images,
+        executor=executor,
     )
+    log.info("%s", engine.plan.table())
     seconds = engine.warm_up(config.warm_outputs)
     log.info("compiled buckets %s in %.1fs", engine.buckets, seconds)
     return engine
@@ -124,9 +76,10 @@ class FeatureServer:
             max_message_bytes=int(config.max_message_mb * (1 << 20)),
             max_image_pixels=config.max_image_pixels,
         )
-        self.service = FeatureService(
+        self.infer = Infer(
             self.engine, self.batcher, self.metrics, limits, config.preprocess_threads
         )
+        self.service = FeatureService(self.infer, self.metrics)
         interceptors = []
         if config.token_file:
             tokens = read_tokens(config.token_file)
@@ -143,7 +96,7 @@ class FeatureServer:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        pb_grpc.add_FeatureServiceServicer_to_server(self.service, server)
+        server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -169,13 +122,13 @@ class FeatureServer:
         """NOT_SERVING, refuse new calls, finish accepted ones, stop. True if nothing was cut."""
         timeout = self.config.drain_timeout_s if timeout is None else timeout
         await self.health.enter_graceful_shutdown()
-        clean = await self.service.drain(timeout)
+        clean = await self.infer.drain(timeout)
         if not clean:
             log.warning("drain timed out after %.0fs; stopping with calls in flight", timeout)
         await asyncio.sleep(self.config.drain_linger_s)
         await self._server.stop(grace=1.0)
         await asyncio.to_thread(self.batcher.stop)
-        self.service.close()
+        self.infer.close()
         self.metrics.stop()
         self._stopped.set()
         return clean

@@ -1,7 +1,10 @@
 """Bearer-token authentication (tokens from a file) and TLS credentials.
 
 Every method needs ``authorization: Bearer <token>`` except the health service, which load
-balancers and orchestrators probe without credentials.
+balancers and orchestrators probe without credentials, and server reflection: the schema is
+public (features.proto), so generic tools (grpcurl, Postman, reflection-driven clients) can list
+and describe the service; every feature call needs the token. A refused call gets
+UNAUTHENTICATED before its body is read.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ from pathlib import Path
 
 import grpc
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+OPEN_SERVICES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
 
 
 def read_tokens(path: str | Path) -> tuple[str, ...]:

@@ -1,9 +1,13 @@
 """Dynamic batching and admission: the narrow core between the transport and the engine.
 
 Admission is bounded in images: ``admit(n)`` reserves room for a call's images before they are
-decoded, or raises ``QueueFull`` at once. Preprocessed jobs are queued; one compute thread packs
-rows of jobs with the same output set, in arrival order, up to ``max_batch_images`` or until the
-oldest job has waited ``max_delay_s``, splitting jobs larger than a batch. A job whose caller has
+decoded, or raises ``QueueFull`` at once (the facade retries it for a stream: backpressure).
+Preprocessed jobs are queued; one compute thread packs rows of jobs with
+the same output set, in arrival order, up to ``max_batch_images`` or until the oldest job has
+waited ``max_delay_s``, splitting jobs larger than a batch. A ``solo`` job is never packed with
+others (its batches are the same whatever else is queued: the batch job's bit-exact resumes).
+The compute thread never compiles: a batch whose forward is not compiled yet is handed to the
+engine's compile thread and waits while batches of other output sets run. A job whose caller has
 gone or whose deadline has passed is dropped before its rows are computed.
 """
 
@@ -17,10 +21,11 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
-from vit22b.model import OutputRequest
 from vit22b.model.errors import CallerGone, DeadlineExpired, Draining, QueueFull
+from vit22b.model.features import Features
+from vit22b.model.outputs import OutputRequest
 
-from .engine import Engine, Features, concat, take
+from .engine import Engine
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,7 @@ class Job:
     images: np.ndarray  # preprocessed float32 [n, S, S, 3]
     outputs: OutputRequest  # resolved
     deadline: float | None  # time.monotonic() deadline, or None
+    solo: bool = False  # never packed with other jobs
     submitted: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
     next_row: int = 0  # rows handed to batches so far
@@ -100,17 +106,19 @@ class Batcher:
             self._pending -= n
             self.metrics.queue_images.set(self._pending)
 
-    def submit(self, images: np.ndarray, outputs: OutputRequest, deadline: float | None) -> Job:
+    def submit(
+        self,
+        images: np.ndarray,
+        outputs: OutputRequest,
+        deadline: float | None,
+        solo: bool = False,
+    ) -> Job:
         """Queue admitted, preprocessed images; the job's future gets a ``Result``."""
-        job = Job(images, outputs, deadline)
+        job = Job(images, outputs, deadline, solo)
         with self._cond:
             self._queue.append(job)
             self._cond.notify()
         return job
-
-    @property
-    def pending_images(self) -> int:
-        return self._pending
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,7 +147,7 @@ class Batcher:
             self._compute(batch)
 
     def _next_batch(self) -> list[tuple[Job, int, int]] | None:
-        """Wait for a full batch or the oldest job's delay; returns (job, first row, rows)."""
+        """Wait for a batch that is full or due, and compiled; returns (job, first row, rows)."""
         with self._cond:
             while True:
                 self._drop_dead()
@@ -148,19 +156,61 @@ class Batcher:
                         return None
                     self._cond.wait()
                     continue
-                head = self._queue[0]
-                ready = sum(j.size - j.next_row for j in self._queue if j.outputs == head.outputs)
-                wait = head.submitted + self.max_delay_s - time.monotonic()
-                if ready >= self.max_batch_images or wait <= 0 or self._flush or self._stopping:
-                    return self._take(head.outputs)
+                now, wait = time.monotonic(), None
+                for head in self._heads():
+                    ready = self._ready_rows(head)
+                    due = head.submitted + self.max_delay_s - now
+                    if not (ready >= self.max_batch_images or due <= 0 or self._flush
+                            or self._stopping):
+                        wait = due if wait is None else min(wait, due)
+                        continue
+                    bucket = self.engine.bucket(min(ready, self.max_batch_images))
+                    if self._compiled(bucket, head.outputs):
+                        return self._take(head)
                 self._cond.wait(wait)
 
-    def _take(self, outputs: OutputRequest) -> list[tuple[Job, int, int]]:
+    def _heads(self) -> list[Job]:
+        """The first job of each output set (and every solo job), in arrival order."""
+        heads, seen = [], set()
+        for job in self._queue:
+            if job.solo or job.outputs not in seen:
+                heads.append(job)
+                if not job.solo:
+                    seen.add(job.outputs)
+        return heads
+
+    def _ready_rows(self, head: Job) -> int:
+        if head.solo:
+            return head.size - head.next_row
+        return sum(
+            j.size - j.next_row for j in self._queue if j.outputs == head.outputs and not j.solo
+        )
+
+    def _compiled(self, bucket: int, outputs: OutputRequest) -> bool:
+        """True when the forward is ready; else it compiles off this thread (lock held)."""
+        if self.engine.is_compiled(bucket, outputs):
+            return True
+        future = self.engine.compile_async(bucket, outputs, self._wake)
+        if future.done() and future.exception() is not None:  # fail its jobs, keep serving
+            err = future.exception()
+            log.error("compiling %s for bucket %d failed: %s", outputs, bucket, err)
+            for job in [j for j in self._queue if j.outputs == outputs]:
+                self._queue.remove(job)
+                self._pending -= job.size - job.next_row
+                _fail(job.future, err)
+            self.metrics.queue_images.set(self._pending)
+        return False
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _take(self, head: Job) -> list[tuple[Job, int, int]]:
         batch, room = [], self.max_batch_images
-        for job in list(self._queue):
+        for job in [head] if head.solo else list(self._queue):
             if room == 0:
                 break
-            if job.outputs != outputs:
+            if job.outputs != head.outputs or (job.solo and job is not head):
                 continue
             rows = min(room, job.size - job.next_row)
             batch.append((job, job.next_row, rows))
@@ -220,13 +270,13 @@ class Batcher:
         self.metrics.images.labels("computed").inc(n)
         offset = 0
         for job, first, rows in batch:
-            job.parts.append((first, take(features, offset, offset + rows)))
+            job.parts.append((first, features.take(slice(offset, offset + rows))))
             job.compute_s += elapsed
             job.done_rows += rows
             offset += rows
             if job.done_rows == job.size:
                 parts = [part for _, part in sorted(job.parts, key=lambda p: p[0])]
-                result = Result(concat(parts), job.started - job.submitted, job.compute_s)
+                result = Result(Features.concat(parts), job.started - job.submitted, job.compute_s)
                 _settle(job.future, lambda f, r=result: f.set_result(r))
 
 

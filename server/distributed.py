@@ -1,4 +1,4 @@
-"""One model served by several processes with JAX's multi-controller runtime (design.md section 3).
+"""One model served by several processes with JAX's multi-controller runtime.
 
 Every process joins the group (``jax.distributed``), restores its own shards of the checkpoint
 onto the global mesh and compiles the same forwards. Process 0 runs the gRPC front end and the
@@ -45,11 +45,13 @@ import jax
 import numpy as np
 from grpc_health.v1 import health_pb2
 from jax.experimental import multihost_utils
-from vit22b.model import OutputRequest
 from vit22b.model.errors import NotReady
+from vit22b.model.outputs import POOLED, OutputRequest
 
-from .app import SERVICE_NAME, FeatureServer, ServeConfig, build_engine, serve_started
-from .engine import Engine, Features, take
+from .app import FeatureServer, build_engine, serve_started
+from .engine import Engine
+from .service import SERVICE_NAME
+from .settings import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +96,18 @@ def outputs_from_dict(fields: dict) -> OutputRequest:
     return OutputRequest(**{**fields, "patch_layers": tuple(fields["patch_layers"])})
 
 
-class GroupEngine(Engine):
-    """An engine whose mesh spans every process: process 0 leads each batch, workers follow.
+class GroupExecutor:
+    """Runs each batch across every process of the group: process 0 leads, workers follow.
 
     Batch ``k``'s header (run or stop, bucket, output set) is the coordination service's key
     ``vit22b/batch/k``: a worker waits for it there, not in a collective, because XLA's CPU
     collectives give up after 30 minutes and a server may idle for longer. Then every process
     makes the same collectives in the same order: the pixels' broadcast, the forward, the gather.
+    Its health is the facade's admission check (``check``) and the server's health service
+    (``on_lost``).
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self) -> None:
         self.client = _client()
         self.lost: str | None = None  # why the group cannot compute any more
         self.on_lost: Callable[[str], None] = lambda reason: None
@@ -122,42 +125,33 @@ class GroupEngine(Engine):
         log.error("the serving group is broken: %s; NOT_SERVING, calls get UNAVAILABLE", reason)
         self.on_lost(reason)
 
-    def check_group(self) -> None:
+    def check(self) -> None:
         if self.lost is not None:
             raise GroupLost(f"the serving group lost a process ({self.lost}); retry elsewhere")
 
-    def resolve(self, outputs: OutputRequest) -> OutputRequest:
-        # The service resolves every request first: a broken group refuses it before decoding.
-        self.check_group()
-        return super().resolve(outputs)
-
-    def forward(self, images: np.ndarray, outputs: OutputRequest) -> Features:
-        """Process 0: the batch through every process; returns host outputs for its rows."""
-        self.check_group()
-        n = images.shape[0]
-        size = self.bucket(n)
-        self.compiled(size, outputs)  # a compile error here leaves the group in step
-        pixels = np.zeros((size, *images.shape[1:]), np.float32)
-        pixels[:n] = images
-        step = self._collectives.submit(self._lead_step, "run", size, outputs, pixels)
+    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
+        """Process 0: the batch through every process; returns the host outputs."""
+        self.check()
+        engine.compiled(bucket, outputs)  # a compile error here leaves the group in step
+        step = self._collectives.submit(self._lead_step, engine, "run", bucket, outputs, pixels)
         while True:
             try:
-                return take(step.result(timeout=BEAT_S / 5), 0, n)
+                return step.result(timeout=BEAT_S / 5)
             except FutureTimeout:
-                self.check_group()  # a worker went silent while this batch ran
+                self.check()  # a worker went silent while this batch ran
             except Exception as err:  # the processes may have left lockstep: nothing is safe
                 self.lose(f"a batch failed across the group: {type(err).__name__}: {err}")
                 raise GroupLost(f"the serving group broke during this batch: {err}") from err
 
-    def stop_workers(self, timeout_s: float = 30.0) -> bool:
+    def stop_workers(self, engine: Engine, timeout_s: float = 30.0) -> bool:
         """Process 0: tell the workers to stop (False when the group is broken)."""
         if self.lost is not None:
             return False
-        step = self._collectives.submit(self._lead_step, "stop", 0, OutputRequest(), None)
+        step = self._collectives.submit(self._lead_step, engine, "stop", 0, POOLED, None)
         step.result(timeout_s)
         return True
 
-    def follow(self) -> None:
+    def follow(self, engine: Engine) -> None:
         """A worker's life: run every batch process 0 posts, until it says stop."""
         while True:
             self._batches += 1
@@ -171,30 +165,30 @@ class GroupEngine(Engine):
                         raise
             if header["command"] == "stop":
                 return
-            self._step(header["bucket"], outputs_from_dict(header["outputs"]), None)
+            self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None)
 
-    def _lead_step(self, command: str, bucket: int, outputs, pixels) -> Features | None:
+    def _lead_step(self, engine: Engine, command: str, bucket: int, outputs, pixels):
         self._batches += 1
         key = _KEY.format("batch", self._batches)
         header = {"command": command, "bucket": bucket, "outputs": dataclasses.asdict(outputs)}
         self.client.key_value_set(key, json.dumps(header))
         if command == "stop":
             return None
-        result = self._step(bucket, outputs, pixels)
+        result = self._step(engine, bucket, outputs, pixels)
         self.client.key_value_delete(key)  # every worker has taken it: they ran the batch
         return result
 
-    def _step(self, bucket: int, outputs: OutputRequest, pixels: np.ndarray | None) -> Features:
+    def _step(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels):
         """One batch in step with the group: the pixels' broadcast, the forward, the gather."""
         if pixels is None:  # workers contribute zeros to the broadcast
-            cfg = self.cfg
+            cfg = engine.cfg
             pixels = np.zeros((bucket, cfg.image_size, cfg.image_size, cfg.channels), np.float32)
         pixels = multihost_utils.broadcast_one_to_all(pixels)
         batch = jax.make_array_from_callback(
-            pixels.shape, self._batch_sharding, lambda index: pixels[index]
+            pixels.shape, engine.batch_sharding, lambda index: pixels[index]
         )
-        result = self.compiled(bucket, outputs)(self.params, batch)
-        return multihost_utils.process_allgather(result, tiled=True)
+        result = engine.compiled(bucket, outputs)(engine.params, batch)
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(result, tiled=True))
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,7 +267,7 @@ class Watch:
                 return values
             time.sleep(BEAT_S / 5)
 
-    def watch_forever(self, engine: GroupEngine) -> None:
+    def watch_forever(self, group: GroupExecutor) -> None:
         """Name each worker that goes, once; the first one breaks the group."""
         named: set[int] = set()
         while len(named) < len(self._seen):
@@ -281,7 +275,7 @@ class Watch:
                 if i not in named:
                     named.add(i)
                     log.error("process %d of the group is gone: %s", i, why)
-                    engine.lose(f"process {i} is gone: {why}")
+                    group.lose(f"process {i} is gone: {why}")
             time.sleep(BEAT_S)
 
 
@@ -294,6 +288,7 @@ def settings(config: ServeConfig, group: Group) -> dict:
         "checkpoint": bool(config.checkpoint),  # paths may differ by host; the fingerprint may not
         "seed": None if config.checkpoint else config.seed,
         "mesh": config.mesh,
+        "compute_dtype": config.compute_dtype,
         "max_batch_images": config.max_batch_images,
         "warm_outputs": [repr(o) for o in config.warm_outputs],
         "num_processes": group.num_processes,
@@ -353,7 +348,7 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
             f"{engine.mesh_spec}); following process 0",
             flush=True,
         )
-        engine.follow()
+        engine.executor.follow(engine)
     except BaseException as err:
         with contextlib.suppress(Exception):  # the coordinator may be gone already
             client.key_value_set(
@@ -368,15 +363,15 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
     return 0
 
 
-def _load(config: ServeConfig) -> GroupEngine:
+def _load(config: ServeConfig) -> Engine:
     # "auto" is every device of every process on data (a single process's "auto" plans for
     # its own host's CPU devices only).
     spec = f"data={jax.device_count()},model=1" if config.mesh == "auto" else config.mesh
-    return build_engine(dataclasses.replace(config, mesh=spec), GroupEngine)
+    return build_engine(dataclasses.replace(config, mesh=spec), GroupExecutor())
 
 
 async def _lead(
-    config: ServeConfig, group: Group, engine: GroupEngine, watch: Watch, report
+    config: ServeConfig, group: Group, engine: Engine, watch: Watch, report
 ) -> int:
     """Process 0: the front end over the group until SIGTERM; then the workers stop too."""
     server = FeatureServer(config, engine)
@@ -387,15 +382,16 @@ async def _lead(
         for name in ("", SERVICE_NAME):
             await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    engine.on_lost = lambda reason: asyncio.run_coroutine_threadsafe(not_serving(), loop)
-    if engine.lost is not None:  # lost while the server started
-        engine.on_lost(engine.lost)
-    threading.Thread(target=watch.watch_forever, args=(engine,), daemon=True).start()
+    executor = engine.executor
+    executor.on_lost = lambda reason: asyncio.run_coroutine_threadsafe(not_serving(), loop)
+    if executor.lost is not None:  # lost while the server started
+        executor.on_lost(executor.lost)
+    threading.Thread(target=watch.watch_forever, args=(executor,), daemon=True).start()
     report("serving")
     note = f" over {group.num_processes} processes ({engine.mesh.size} devices)"
     code = await serve_started(server, note)  # until SIGTERM, then drained
     try:
-        stopped = await asyncio.to_thread(engine.stop_workers)
+        stopped = await asyncio.to_thread(executor.stop_workers, engine)
     except Exception as err:  # noqa: BLE001 - leaving anyway
         log.warning("the workers did not take the stop: %s", err)
         stopped = False
@@ -405,7 +401,7 @@ async def _lead(
         except GroupError as err:
             log.warning("a worker did not confirm its stop: %s", err)
     print(
-        "vit22b serve: " + ("workers stopped" if stopped else f"group broken: {engine.lost}"),
+        "vit22b serve: " + ("workers stopped" if stopped else f"group broken: {executor.lost}"),
         flush=True,
     )
     return code if stopped else 1

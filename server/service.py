@@ -1,9 +1,11 @@
-"""The FeatureService handlers: validation, preprocessing off the event loop, error mapping.
+"""The gRPC door: proto <-> ``EmbedCall`` translation and status mapping over the facade.
 
-A thin transport layer over the engine and the batcher. Each call: parse and validate the
-request (INVALID_ARGUMENT naming what is wrong), admit its images (RESOURCE_EXHAUSTED at once
-when the queue is full), decode and preprocess them in a thread pool (overlapping the compute
-thread), queue them, and turn the features into wire tensors in the requested dtype.
+Bodies arrive as raw bytes and are parsed here, after the token check (an unauthenticated call
+is refused before its body is read) and with a clear INVALID_ARGUMENT for bytes that are not a
+message. A stream admits each request before it reads the next one: while the queue is full it
+stops reading (HTTP/2 flow control then holds the sender) and goes on as the queue drains; only a
+deadline that passes while it waits ends it with RESOURCE_EXHAUSTED. Refused calls are logged
+in one line each at INFO; only INTERNAL (a bug) logs a traceback.
 """
 
 from __future__ import annotations
@@ -14,101 +16,83 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import grpc
-import numpy as np
-from vit22b.model import OutputRequest
-from vit22b.model.errors import Draining, InvalidImage, InvalidRequest
-from vit22b.model.pixels import check_pixels, decode
+from google.protobuf.message import DecodeError
+from vit22b.model.errors import Draining, InvalidRequest
+from vit22b.model.outputs import OutputRequest
 from vit22b.v1 import features_pb2 as pb
-from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
 
-from .batcher import Batcher
-from .engine import Engine, Features, finish
+from .infer import EmbedCall, EmbedResult, ImageInput, Infer
 from .metrics import Metrics
 from .status import status_code
 
 log = logging.getLogger(__name__)
 
-SERVER_VERSION = "vit22b 0.1.0"
+SERVICE_NAME = "vit22b.v1.FeatureService"
+STREAM_WINDOW = 8  # requests of one stream admitted and not yet answered
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_request_images: int = 256
-    max_message_bytes: int = 64 << 20
-    max_image_pixels: int = 40_000_000
+def server_version() -> str:
+    try:
+        return f"vit22b {version('vit22b')}"
+    except PackageNotFoundError:  # running from a source tree
+        return "vit22b (not installed)"
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A validated request: what to compute and how to return it."""
-
-    kinds: tuple[str, ...]
-    layers: tuple[int, ...]  # patch-token layers as requested (deduplicated, in order)
-    outputs: OutputRequest  # resolved, for the engine
-    dtype: str
-    l2_normalize: bool
-    skip_invalid: bool
+def parse(raw: bytes, message: type):
+    """Request bytes -> message, or INVALID_ARGUMENT naming the message type."""
+    try:
+        return message.FromString(raw)
+    except (DecodeError, RuntimeWarning, ValueError) as err:
+        name = message.DESCRIPTOR.full_name
+        raise InvalidRequest(f"request body is not a {name}: {err}") from None
 
 
-def plan_request(
-    request: pb.EmbedRequest, engine: Engine, info: pb.ModelInfo, limits: Limits
-) -> Plan:
-    n = len(request.images)
-    if n == 0:
-        raise InvalidRequest("no images in the request")
-    if n > limits.max_request_images:
-        raise InvalidRequest(
-            f"{n} images in one request exceed the limit of {limits.max_request_images}; "
-            "split it into several requests (the client SDK does) or use EmbedStream"
-        )
-    kinds = [wire.kind_name(code) for code in request.outputs] or ["pooled"]
-    layers = tuple(dict.fromkeys(request.patch_layers))
-    if layers and "patch_tokens" not in kinds:
-        kinds.append("patch_tokens")
-    if "patch_tokens" in kinds and not layers:
-        layers = (-1,)
-    kinds = tuple(k for k in wire.OUTPUT_KINDS if k in kinds)
-    outputs = engine.resolve(
-        OutputRequest(
-            pooled="pooled" in kinds,
-            class_token="class_token" in kinds,
-            patch_layers=layers,
-            attention_stats="attention_stats" in kinds,
-            norm_patches=request.normalize_patches,
-            logits="logits" in kinds,
-        )
+def to_call(request: pb.EmbedRequest, context, wait_for_room: bool = False) -> EmbedCall:
+    remaining = context.time_remaining()
+    kinds = [wire.kind_name(code) for code in request.outputs]
+    return EmbedCall(
+        images=[_image(image) for image in request.images],
+        outputs=OutputRequest.of(kinds, request.patch_layers, request.normalize_patches),
+        dtype=wire.output_dtype(request.dtype),
+        l2_normalize=request.l2_normalize,
+        skip_invalid=request.skip_invalid_images,
+        deadline=None if remaining is None else time.monotonic() + remaining,
+        wait_for_room=wait_for_room,
     )
-    dtype = wire.output_dtype(request.dtype)
-    if request.l2_normalize and "pooled" not in kinds:
-        raise InvalidRequest("l2_normalize applies to pooled features, which were not requested")
-    row = wire.row_bytes(info, list(kinds), list(layers), dtype)
-    size = wire.response_bytes(row, [image.id for image in request.images])
-    if size > limits.max_message_bytes:
-        raise InvalidRequest(
-            f"the response for {n} images would be about {size >> 20} MiB, over the message "
-            f"limit of {limits.max_message_bytes >> 20} MiB; send fewer images per request"
-        )
-    return Plan(kinds, layers, outputs, dtype, request.l2_normalize, request.skip_invalid_images)
 
 
-def model_info(engine: Engine, batcher: Batcher, limits: Limits) -> pb.ModelInfo:
+def _image(image: pb.Image) -> ImageInput:
+    source = image.WhichOneof("source")
+    if source == "encoded":
+        return ImageInput(image.encoded, image.id)
+    if source == "pixels":
+        if image.pixels.dtype != pb.DTYPE_UINT8:
+            return ImageInput(None, image.id, f"raw pixels must be uint8, got dtype "
+                                              f"{_dtype_label(image.pixels.dtype)}")
+        try:
+            return ImageInput(wire.from_tensor(image.pixels, copy=False), image.id)
+        except wire.WireError as err:
+            return ImageInput(None, image.id, f"raw pixels: {err}")
+    return ImageInput(None, image.id, "no image data: set `encoded` (file bytes) or `pixels`")
+
+
+def _dtype_label(code: int) -> str:
+    try:
+        return wire.dtype_name(code)
+    except wire.WireError:
+        return f"code {code} (unknown)"
+
+
+def model_info(infer: Infer) -> pb.ModelInfo:
+    engine, batcher, limits = infer.engine, infer.batcher, infer.limits
     cfg, ident = engine.cfg, engine.identity
-    kinds = ["attention_stats"]
-    kinds += ["patch_tokens"]
-    if cfg.head != "none":
-        kinds.insert(0, "pooled")
-    if cfg.class_token:
-        kinds.append("class_token")
-    if cfg.num_classes:
-        kinds.append("logits")
     p = cfg.preprocess
     return pb.ModelInfo(
-        model=model_ref(engine),
+        model=wire.model_ref(ident),
         source=ident.source,
         config_json=json.dumps(cfg.to_dict(), sort_keys=True),
         parameter_count=engine.parameter_count,
@@ -117,7 +101,7 @@ def model_info(engine: Engine, batcher: Batcher, limits: Limits) -> pb.ModelInfo
         heads=cfg.heads,
         num_patches=cfg.num_patches,
         num_classes=cfg.num_classes,
-        outputs=[wire.kind_code(k) for k in wire.OUTPUT_KINDS if k in kinds],
+        outputs=[wire.kind_code(k) for k in ident.outputs],
         dtypes=[wire.dtype_code(d) for d in wire.OUTPUT_DTYPES],
         preprocessing=pb.Preprocessing(
             image_size=cfg.image_size,
@@ -131,7 +115,7 @@ def model_info(engine: Engine, batcher: Batcher, limits: Limits) -> pb.ModelInfo
         mesh=pb.Mesh(
             spec=engine.mesh_spec,
             axes=dict(engine.mesh.shape),
-            platform=engine.mesh.devices.flat[0].platform,
+            platform=engine.platform,
             num_devices=engine.mesh.size,
         ),
         limits=pb.Limits(
@@ -143,78 +127,53 @@ def model_info(engine: Engine, batcher: Batcher, limits: Limits) -> pb.ModelInfo
             max_message_bytes=limits.max_message_bytes,
             max_image_pixels=limits.max_image_pixels,
         ),
-        server_version=SERVER_VERSION,
+        server_version=server_version(),
     )
 
 
-def model_ref(engine: Engine) -> pb.ModelRef:
-    ident = engine.identity
-    return pb.ModelRef(
-        name=ident.name, fingerprint=ident.fingerprint, preprocess_hash=ident.preprocess_hash
-    )
+class FeatureService:
+    def __init__(self, infer: Infer, metrics: Metrics):
+        self.infer, self.metrics = infer, metrics
+        self.info = model_info(infer)
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods, taking raw request bytes (parsed in the handlers)."""
+        serialize = {
+            "Embed": pb.EmbedResponse.SerializeToString,
+            "EmbedStream": pb.EmbedResponse.SerializeToString,
+            "GetModelInfo": pb.ModelInfo.SerializeToString,
+        }
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Embed": grpc.unary_unary_rpc_method_handler(
+                    self.Embed, response_serializer=serialize["Embed"]
+                ),
+                "EmbedStream": grpc.stream_stream_rpc_method_handler(
+                    self.EmbedStream, response_serializer=serialize["EmbedStream"]
+                ),
+                "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                    self.GetModelInfo, response_serializer=serialize["GetModelInfo"]
+                ),
+            },
+        )
 
-class FeatureService(pb_grpc.FeatureServiceServicer):
-    def __init__(
-        self,
-        engine: Engine,
-        batcher: Batcher,
-        metrics: Metrics,
-        limits: Limits,
-        preprocess_threads: int,
-        stream_window: int = 8,
-    ):
-        self.engine, self.batcher, self.metrics, self.limits = engine, batcher, metrics, limits
-        self.info = model_info(engine, batcher, limits)
-        self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="vit22b-preprocess")
-        self._stream_window = stream_window
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._draining = asyncio.Event()
-
-    # ---- lifecycle ---------------------------------------------------------------------------
-    async def drain(self, timeout: float | None) -> bool:
-        """Refuse new calls, let accepted ones finish; False if ``timeout`` passed first."""
-        self._draining.set()
-        self.batcher.flush()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _enter(self) -> None:
-        if self._draining.is_set():
-            raise Draining("server is shutting down; retry on another replica")
-        self._inflight += 1
-        self._idle.clear()
-
-    def _leave(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0:
-            self._idle.set()
-
+    # ---- bookkeeping ---------------------------------------------------------------------
     async def _abort(self, method: str, context, err: Exception) -> None:
         code = status_code(err)
+        message = str(err) or type(err).__name__
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=err)
+        else:
+            log.info("%s refused: %s: %s", method, code.name, message[:300])
         self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, str(err) or type(err).__name__)
-
-    # ---- handlers ----------------------------------------------------------------------------
-    async def GetModelInfo(self, request, context):
-        self.metrics.requests.labels("GetModelInfo", "OK").inc()
-        return self.info
+        await context.abort(code, message)
 
     @contextlib.asynccontextmanager
     async def _call(self, method: str, context):
-        """One call's bookkeeping: refuse while draining, count it, map failures to codes."""
+        """One call: refuse while draining, count it, map failures through the status table."""
         try:
-            self._enter()
+            self.infer.enter()
         except Draining as err:
             await self._abort(method, context, err)
         try:
@@ -225,17 +184,27 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
         except Exception as err:  # noqa: BLE001 - mapped through the status table
             await self._abort(method, context, err)
         finally:
-            self._leave()
+            self.infer.leave()
         self.metrics.requests.labels(method, "OK").inc()
 
-    async def Embed(self, request, context):
-        async with self._call("Embed", context):
-            return await self._embed(request, context)
+    # ---- handlers ------------------------------------------------------------------------
+    async def GetModelInfo(self, raw: bytes, context):
+        async with self._call("GetModelInfo", context):
+            parse(raw, pb.GetModelInfoRequest)
+            return self.info
 
-    async def EmbedStream(self, request_iterator, context) -> AsyncIterator[pb.EmbedResponse]:
+    async def Embed(self, raw: bytes, context):
+        async with self._call("Embed", context):
+            call = to_call(parse(raw, pb.EmbedRequest), context)
+            outputs = self.infer.validate(call)
+            self._check_size(call, outputs)
+            result = await self.infer.run(await self.infer.admit(call, outputs))
+            return self._response(call, result)
+
+    async def EmbedStream(self, requests, context) -> AsyncIterator[pb.EmbedResponse]:
         async with self._call("EmbedStream", context):
-            order: asyncio.Queue = asyncio.Queue(self._stream_window)
-            reader = asyncio.create_task(self._read_stream(request_iterator, context, order))
+            order: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
+            reader = asyncio.create_task(self._read_stream(requests, context, order))
             try:
                 while True:
                     item = await order.get()
@@ -246,147 +215,87 @@ class FeatureService(pb_grpc.FeatureServiceServicer):
                     yield await item
             finally:
                 reader.cancel()
+                _settle(reader)
                 while not order.empty():
                     item = order.get_nowait()
                     if isinstance(item, asyncio.Task):
                         item.cancel()
+                        _settle(item)
 
-    async def _read_stream(self, request_iterator, context, order: asyncio.Queue) -> None:
-        """Start each incoming request at once; queue its task so responses keep request order."""
-        requests = request_iterator.__aiter__()
-        drained = asyncio.create_task(self._draining.wait())
+    async def _read_stream(self, requests, context, order: asyncio.Queue) -> None:
+        """Admit each request before reading the next; queue its task (responses in order)."""
+        incoming_messages = requests.__aiter__()
+        drained = asyncio.create_task(self.infer.draining.wait())
         try:
             while True:
-                incoming = asyncio.ensure_future(requests.__anext__())
+                incoming = asyncio.ensure_future(incoming_messages.__anext__())
                 await asyncio.wait({incoming, drained}, return_when=asyncio.FIRST_COMPLETED)
                 if not incoming.done():
                     incoming.cancel()
+                    _settle(incoming)
                     await order.put(
                         Draining("server is shutting down; resend the requests not answered")
                     )
                     return
                 try:
-                    request = incoming.result()
+                    raw = incoming.result()
                 except StopAsyncIteration:
                     await order.put(None)
                     return
-                await order.put(asyncio.create_task(self._embed(request, context)))
+                call = to_call(parse(raw, pb.EmbedRequest), context, wait_for_room=True)
+                outputs = self.infer.validate(call)
+                self._check_size(call, outputs)
+                admitted = await self.infer.admit(call, outputs)
+                task = asyncio.create_task(self._answer(call, admitted))
+                await order.put(task)
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001 - a transport error ends the stream
+        except Exception as err:  # noqa: BLE001 - a refused request or transport error ends it
             await order.put(err)
         finally:
             drained.cancel()
 
-    # ---- one request -------------------------------------------------------------------------
-    async def _embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
-        start = time.monotonic()
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else start + remaining
-        plan = plan_request(request, self.engine, self.info, self.limits)
-        n = len(request.images)
-        self.batcher.admit(n)
-        admitted = n  # admitted images this call still has to give back
-        try:
-            pixels, indices, errors = await self._preprocess(request.images, plan.skip_invalid)
-            preprocessed = time.monotonic()
-            self.metrics.preprocess_seconds.observe(preprocessed - start)
-            self.batcher.release(admitted - len(indices))
-            admitted = len(indices)
-            features, queue_s, compute_s = {}, 0.0, 0.0
-            if indices:
-                job = self.batcher.submit(pixels, plan.outputs, deadline)
-                admitted = 0  # the batcher accounts for queued rows from here on
-                try:
-                    result = await asyncio.wrap_future(job.future)
-                except asyncio.CancelledError:
-                    job.cancel()
-                    raise
-                features, queue_s, compute_s = result.features, result.queue_s, result.compute_s
-        except asyncio.CancelledError:  # gone (or out of time) while its images were decoded
-            if admitted:
-                expired = deadline is not None and time.monotonic() >= deadline
-                self.metrics.images.labels("expired" if expired else "cancelled").inc(admitted)
-            raise
-        finally:
-            if admitted:
-                self.batcher.release(admitted)
-        ids = [request.images[i].id for i in indices]
-        timings = pb.Timings(
-            queue_ms=queue_s * 1e3,
-            preprocess_ms=(preprocessed - start) * 1e3,
-            compute_ms=compute_s * 1e3,
-            total_ms=(time.monotonic() - start) * 1e3,
-        )
-        return self._response(
-            plan, finish(features, plan.l2_normalize), ids, indices, errors, timings
-        )
+    async def _answer(self, call: EmbedCall, admitted) -> pb.EmbedResponse:
+        return self._response(call, await self.infer.run(admitted))
 
-    async def _preprocess(self, images, skip_invalid: bool):
-        loop = asyncio.get_running_loop()
-        tasks = [loop.run_in_executor(self._pool, self._load, i, im) for i, im in enumerate(images)]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        good, indices, errors = [], [], []
-        for i, result in enumerate(results):
-            if isinstance(result, InvalidImage):
-                errors.append(result)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                good.append(result)
-                indices.append(i)
-        if errors:
-            self.metrics.images.labels("invalid").inc(len(errors))
-            if not skip_invalid:
-                more = f" (and {len(errors) - 1} more invalid images)" if len(errors) > 1 else ""
-                raise InvalidImage(errors[0].reason + more, errors[0].index, errors[0].image_id)
-        pixels = np.stack(good) if good else None
-        return (
-            pixels,
-            indices,
-            [pb.ImageError(index=e.index, id=e.image_id, reason=e.reason) for e in errors],
-        )
+    # ---- translation ---------------------------------------------------------------------
+    def _check_size(self, call: EmbedCall, outputs: OutputRequest) -> None:
+        layers = list(call.outputs.patch_layers)
+        row = wire.row_bytes(self.info, list(outputs.kinds), layers, call.dtype)
+        size = wire.response_bytes(row, [image.id for image in call.images])
+        limit = self.infer.limits.max_message_bytes
+        if size > limit:
+            raise InvalidRequest(
+                f"the response for {len(call.images)} images would be about {size >> 20} MiB, "
+                f"over the message limit of {limit >> 20} MiB; send fewer images per request"
+            )
 
-    def _load(self, index: int, image: pb.Image) -> np.ndarray:
-        """One image -> model input; runs in the preprocessing pool."""
-        try:
-            source = image.WhichOneof("source")
-            if source == "encoded":
-                pixels = decode(image.encoded, self.limits.max_image_pixels)
-            elif source == "pixels":
-                if image.pixels.dtype != pb.DTYPE_UINT8:
-                    raise InvalidImage(
-                        f"raw pixels must be uint8, got dtype {_dtype_label(image.pixels.dtype)}"
-                    )
-                try:
-                    array = wire.from_tensor(image.pixels, copy=False)
-                except wire.WireError as err:
-                    raise InvalidImage(f"raw pixels: {err}") from None
-                pixels = check_pixels(array, self.limits.max_image_pixels)
-            else:
-                raise InvalidImage("no image data: set `encoded` (file bytes) or `pixels`")
-            return self.engine.preprocess(pixels)
-        except InvalidImage as err:
-            raise err.at(index, image.id) from None
-
-    def _response(self, plan: Plan, features: Features, ids, indices, errors, timings):
+    def _response(self, call: EmbedCall, result: EmbedResult) -> pb.EmbedResponse:
+        t = result.timings
         response = pb.EmbedResponse(
-            model=self.info.model, ids=ids, indices=indices, errors=errors, timings=timings
+            model=self.info.model,
+            ids=result.ids,
+            indices=result.indices,
+            errors=[pb.ImageError(index=e.index, id=e.image_id, reason=e.reason)
+                    for e in result.errors],
+            timings=pb.Timings(queue_ms=t.queue_s * 1e3, preprocess_ms=t.preprocess_s * 1e3,
+                               compute_ms=t.compute_s * 1e3, total_ms=t.total_s * 1e3),
         )
-        if not indices:
+        if not result.indices:
             return response
-        for name in wire.TENSOR_FIELDS:
-            if name in features:
-                getattr(response, name).CopyFrom(wire.to_tensor(features[name], plan.dtype))
-        depth = self.engine.cfg.depth
-        for layer in plan.layers:
-            tokens = features["patch_tokens"][layer % depth]
-            response.patch_tokens[layer].CopyFrom(wire.to_tensor(tokens, plan.dtype))
+        features = result.features
+        for name, array in features.arrays():
+            getattr(response, name).CopyFrom(wire.to_tensor(array))
+        depth = self.infer.engine.cfg.depth
+        for layer in call.outputs.patch_layers:
+            tokens = features.patch_tokens[layer % depth]
+            response.patch_tokens[layer].CopyFrom(wire.to_tensor(tokens))
         return response
 
 
-def _dtype_label(code: int) -> str:
-    try:
-        return wire.dtype_name(code)
-    except wire.WireError:
-        return f"code {code} (unknown)"
+def _settle(task: asyncio.Future) -> None:
+    """Retrieve a finished task's outcome so asyncio does not log it as never retrieved."""
+    if task.done() and not task.cancelled():
+        task.exception()
+    elif not task.done():
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -12,6 +12,7 @@ from vit22b.model.errors import (
     DeadlineExpired,
     Draining,
     InvalidRequest,
+    NonFiniteOutput,
     NotReady,
     QueueFull,
     Unauthenticated,
@@ -27,6 +28,7 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     Draining: grpc.StatusCode.UNAVAILABLE,
     NotReady: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    NonFiniteOutput: grpc.StatusCode.OUT_OF_RANGE,  # e.g. float16 overflow: ask another dtype
 }
 
 

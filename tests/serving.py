@@ -15,8 +15,12 @@ import grpc
 import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
-from vit22b.server.app import BackgroundServer, ServeConfig
+from vit22b.model.features import Features
+from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.server.app import BackgroundServer
 from vit22b.server.engine import Engine
+from vit22b.server.infer import LocalInfer
+from vit22b.server.settings import ServeConfig
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
@@ -30,6 +34,12 @@ def shared_engine() -> Engine:
     engine = Engine.load(mesh=MESH, max_batch_images=MAX_BATCH)
     engine.warm_up()
     return engine
+
+
+def in_process(engine: Engine, images, outputs: OutputRequest = POOLED, **options) -> Features:
+    """The in-process path (the facade on a private loop): what served features must equal."""
+    with LocalInfer(engine) as local:
+        return local.embed(images, outputs, **options).features
 
 
 def start_server(**overrides) -> BackgroundServer:

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 from PIL import Image
-from serving import assert_same_rows, metric, metrics, png, random_images, start_server
+from serving import assert_same_rows, in_process, metric, metrics, png, random_images, start_server
 from vit22b.clients import (
     AsyncFeatureClient,
     Embeddings,
@@ -174,7 +174,7 @@ def test_requests_are_spread_over_several_addresses(servers):
     with FeatureClient([s.address for s in servers]) as client:
         got = client.embed(images, batch_size=4)
     assert got.ids == [str(i) for i in range(24)]
-    assert_same_rows(got.pooled, servers[0].engine.embed(images)["pooled"])
+    assert_same_rows(got.pooled, in_process(servers[0].engine, images)["pooled"])
     calls = [
         metric(metrics(s), "vit22b_requests_total", method="Embed", code="OK") - b
         for s, b in zip(servers, before)
@@ -193,7 +193,7 @@ def test_an_unreachable_address_is_retried_on_the_next(servers):
     retry = Retry(attempts=4, initial_s=0.01, max_s=0.05)
     with FeatureClient([_dead_address(), servers[0].address], retry=retry) as client:
         got = client.embed(images, batch_size=4)
-    assert_same_rows(got.pooled, servers[0].engine.embed(images)["pooled"])
+    assert_same_rows(got.pooled, in_process(servers[0].engine, images)["pooled"])
 
 
 def test_iter_embed_reads_a_generator_lazily_and_keeps_order(servers, tmp_path):
@@ -212,7 +212,7 @@ def test_iter_embed_reads_a_generator_lazily_and_keeps_order(servers, tmp_path):
     assert list(merged.indices) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert [(e.index, "cannot read" in e.reason) for e in merged.errors] == [(4, True)]
     kept = [images[i] for i in merged.indices]
-    assert_same_rows(merged.pooled, servers[0].engine.embed(kept)["pooled"])
+    assert_same_rows(merged.pooled, in_process(servers[0].engine, kept)["pooled"])
 
 
 def test_async_client_matches_the_blocking_one(servers):
@@ -229,7 +229,7 @@ def test_async_client_matches_the_blocking_one(servers):
     info, got = asyncio.run(main())
     assert info.model.name == "vit-22b-tiny/16"
     assert got.ids == [str(i) for i in range(9)] and len(got.timings) == 5
-    want = servers[0].engine.embed(images, OutputRequest(patch_layers=(-1,)))
+    want = in_process(servers[0].engine, images, OutputRequest(patch_layers=(-1,)))
     assert_same_rows(got.pooled.astype(np.float32), want["pooled"])
     assert_same_rows(
         got.patch_tokens[-1].astype(np.float32).reshape(9, -1),

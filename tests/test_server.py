@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import (
     assert_same_rows,
+    in_process,
     metric,
     metrics,
     png,
@@ -67,7 +68,7 @@ def test_model_info_names_model_weights_mesh_and_preprocessing(client, server):
 def test_raw_pixels_float32_equal_the_in_process_engine_exactly(client, server):
     images = random_images(5, seed=1)
     got = client.embed(images)
-    want = server.engine.embed(images)
+    want = in_process(server.engine, images)
     assert got.pooled.dtype == np.float32 and got.pooled.shape == (5, 64)
     np.testing.assert_array_equal(got.pooled, want["pooled"])
     assert got.ids == [str(i) for i in range(5)]
@@ -81,11 +82,11 @@ def test_png_bytes_and_paths_equal_the_in_process_engine(client, server, tmp_pat
         paths.append(tmp_path / f"{i}.png")
         paths[-1].write_bytes(png(pixels))
     got = client.embed(paths)
-    want = server.engine.embed([png(p) for p in images])
+    want = in_process(server.engine, [png(p) for p in images])
     np.testing.assert_array_equal(got.pooled, want["pooled"])
     assert got.ids == [str(p) for p in paths]
     # The PNG is lossless: same features as the raw pixels.
-    np.testing.assert_array_equal(got.pooled, server.engine.embed(images)["pooled"])
+    np.testing.assert_array_equal(got.pooled, in_process(server.engine, images)["pooled"])
 
 
 def test_layers_and_attention_stats_have_the_documented_shapes(client, server):
@@ -95,7 +96,9 @@ def test_layers_and_attention_stats_have_the_documented_shapes(client, server):
     for tokens in got.patch_tokens.values():
         assert tokens.shape == (3, 16, 64) and tokens.dtype == np.float32
     assert got.attention_entropy.shape == (3, 4, 4) and got.attention_max_logit.shape == (3, 4, 4)
-    want = server.engine.embed(images, OutputRequest(patch_layers=(0, 2, 3), attention_stats=True))
+    want = in_process(
+        server.engine, images, OutputRequest(patch_layers=(0, 2, 3), attention_stats=True)
+    )
     np.testing.assert_array_equal(got.patch_tokens[-1], want["patch_tokens"][3])
     np.testing.assert_array_equal(got.patch_tokens[0], want["patch_tokens"][0])
     np.testing.assert_array_equal(got.attention_entropy, want["attention_entropy"])
@@ -119,7 +122,7 @@ def test_normalised_patches_differ_from_raw(client):
 def test_reduced_precision_outputs_round_trip_through_numpy(client, server, dtype, numpy_dtype):
     images = random_images(4, seed=5)
     got = client.embed(images, outputs=["pooled"], layers=[-1], dtype=dtype)
-    want = server.engine.embed(images, OutputRequest(patch_layers=(3,)))
+    want = in_process(server.engine, images, OutputRequest(patch_layers=(3,)))
     assert got.pooled.dtype == np.dtype(numpy_dtype)
     np.testing.assert_array_equal(got.pooled, want["pooled"].astype(numpy_dtype))
     np.testing.assert_array_equal(got.patch_tokens[-1], want["patch_tokens"][3].astype(numpy_dtype))
@@ -129,7 +132,7 @@ def test_l2_normalised_pooled_features(client, server):
     images = random_images(3, seed=6)
     got = client.embed(images, l2_normalize=True)
     np.testing.assert_allclose(np.linalg.norm(got.pooled, axis=-1), 1.0, rtol=1e-6)
-    want = server.engine.embed(images, l2_normalize=True)["pooled"]
+    want = in_process(server.engine, images, l2_normalize=True)["pooled"]
     np.testing.assert_array_equal(got.pooled, want)
 
 
@@ -138,7 +141,7 @@ def test_large_inputs_are_split_into_requests_and_batches(client, server):
     got = client.embed(images, batch_size=16)
     assert len(got.timings) == 3  # 16 + 16 + 5
     assert got.ids == [str(i) for i in range(37)]
-    assert_same_rows(got.pooled, server.engine.embed(images)["pooled"])
+    assert_same_rows(got.pooled, in_process(server.engine, images)["pooled"])
 
 
 def test_32_concurrent_clients_get_their_own_results_in_order(server):
@@ -165,7 +168,7 @@ def test_32_concurrent_clients_get_their_own_results_in_order(server):
     engine = server.engine
     for i in range(32):
         assert results[i].ids == [f"c{i}-{j}" for j in range(3)]
-        assert_same_rows(results[i].pooled, engine.embed(per_client[i])["pooled"])
+        assert_same_rows(results[i].pooled, in_process(engine, per_client[i])["pooled"])
     after = metrics(server)
     batches = metric(after, "vit22b_batch_images_count") - metric(
         before, "vit22b_batch_images_count"
@@ -191,7 +194,7 @@ def test_embed_stream_answers_in_request_order(server):
     for g, (group, response) in enumerate(zip(groups, responses)):
         assert list(response.ids) == [f"g{g}-{i}" for i in range(len(group))]
         pooled = wire.from_tensor(response.pooled)
-        assert_same_rows(pooled, server.engine.embed(group)["pooled"])
+        assert_same_rows(pooled, in_process(server.engine, group)["pooled"])
         assert response.model.preprocess_hash == server.engine.identity.preprocess_hash
         assert response.timings.total_ms > 0 and response.timings.compute_ms > 0
 
@@ -204,7 +207,7 @@ def test_skip_invalid_images_reports_them_and_returns_the_rest(client, server):
     assert [e.index for e in got.errors] == [1, 3]
     assert "not a JPEG, PNG or WebP" in got.errors[0].reason
     assert "empty" in got.errors[1].reason
-    np.testing.assert_array_equal(got.pooled, server.engine.embed(images)["pooled"])
+    np.testing.assert_array_equal(got.pooled, in_process(server.engine, images)["pooled"])
 
 
 # ---- bad input: each kind its own case; the server keeps serving --------------------------

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from serving import MAX_BATCH, MESH, random_images, shared_engine
+from serving import MAX_BATCH, MESH, in_process, random_images, shared_engine
 from vit22b.clients import FeatureClient
 from vit22b.model import checkpoint, get_config
 from vit22b.model.sharding import init_sharded, make_mesh
@@ -40,11 +40,11 @@ def test_checkpoint_round_trips_through_the_server(saved):
             got = client.embed(images)
     assert info.source == "init:seed=3" and info.model.fingerprint == meta.fingerprint
     assert got.model.fingerprint == meta.fingerprint
-    np.testing.assert_array_equal(got.pooled, engine.embed(images)["pooled"])
+    np.testing.assert_array_equal(got.pooled, in_process(engine, images)["pooled"])
     # Other weights than the seed-0 default: other features, another fingerprint.
     default = shared_engine()
     assert default.identity.fingerprint != meta.fingerprint
-    assert not np.allclose(got.pooled, default.embed(images)["pooled"])
+    assert not np.allclose(got.pooled, in_process(default, images)["pooled"])
 
 
 def test_serve_refuses_a_checkpoint_of_another_model(saved):

@@ -11,7 +11,7 @@ from serving import png, random_images, shared_engine
 from vit22b.model import OutputRequest, get_config
 from vit22b.model.errors import InvalidImage, InvalidRequest
 from vit22b.model.pixels import Preprocessor, decode
-from vit22b.server.engine import batch_buckets
+from vit22b.server.plan import batch_buckets
 
 
 def test_buckets_are_multiples_of_the_data_axis():
@@ -45,7 +45,8 @@ def test_other_output_sets_compile_once_on_demand_and_warm_ones_stay():
     second = engine.forward(images, outputs)
     assert engine.compilations == before + 1  # bucket 4, this output set: once
     np.testing.assert_array_equal(first["attention_entropy"], second["attention_entropy"])
-    assert set(first) == {"attention_entropy", "attention_max_logit"}
+    assert {name for name, _ in first.arrays()} == {"attention_entropy", "attention_max_logit"}
+    assert not first.patch_tokens
     engine.forward(images, engine.resolve(OutputRequest()))
     assert engine.compilations == before + 1  # pooled was compiled at warm-up
 

@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import (
     assert_same_rows,
+    in_process,
     metric,
     metrics,
     random_images,
@@ -78,7 +79,7 @@ def test_overload_is_refused_at_once_while_admitted_requests_complete(slow):
     assert not any(f.done() for f in admitted)
     for i, future in enumerate(admitted):
         pooled = wire.from_tensor(future.result().pooled)
-        assert_same_rows(pooled, slow.engine.embed(random_images(3, i, (64, 64)))["pooled"])
+        assert_same_rows(pooled, in_process(slow.engine, random_images(3, i, (64, 64)))["pooled"])
     after = metrics(slow)
     assert (
         metric(after, "vit22b_images_total", outcome="rejected")
@@ -97,7 +98,7 @@ def test_client_retries_resource_exhausted_with_backoff(slow):
     retry = Retry(attempts=50, initial_s=0.1, max_s=0.3)
     with FeatureClient(slow.address, retry=retry) as client:
         got = client.embed(images)
-    assert_same_rows(got.pooled, slow.engine.embed(images)["pooled"])
+    assert_same_rows(got.pooled, in_process(slow.engine, images)["pooled"])
     for future in admitted:
         future.result()
     rejected = metric(metrics(slow), "vit22b_images_total", outcome="rejected")
@@ -175,7 +176,7 @@ def test_tls_client_with_token_round_trips(secure):
     with FeatureClient(srv.address, tls=cert, token=TOKEN) as client:
         got = client.embed(images)
         assert client.model_info().model.name == "vit-22b-tiny/16"
-    np.testing.assert_array_equal(got.pooled, srv.engine.embed(images)["pooled"])
+    np.testing.assert_array_equal(got.pooled, in_process(srv.engine, images)["pooled"])
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token", ""])

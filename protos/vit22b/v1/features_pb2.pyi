@@ -84,14 +84,16 @@ class ImageError(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ModelRef(_message.Message):
-    __slots__ = ("name", "fingerprint", "preprocess_hash")
+    __slots__ = ("name", "fingerprint", "preprocess_hash", "compute_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_HASH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     preprocess_hash: str
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., preprocess_hash: _Optional[str] = ...) -> None: ...
+    compute_dtype: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., preprocess_hash: _Optional[str] = ..., compute_dtype: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "compute_ms", "total_ms")

@@ -155,3 +155,30 @@ def image_overhead(image_id: str) -> int:
 def response_bytes(row: int, ids: list[str]) -> int:
     """Upper bound of a response's size for images with these ids, ``row`` bytes each."""
     return sum(row + image_overhead(i) for i in ids) + MESSAGE_SLACK
+
+
+def model_ref(identity) -> pb.ModelRef:
+    """A ``ModelIdentity`` (model/identity.py) as the wire's ModelRef."""
+    return pb.ModelRef(
+        name=identity.name,
+        fingerprint=identity.fingerprint,
+        preprocess_hash=identity.preprocess_hash,
+        compute_dtype=identity.compute_dtype,
+    )
+
+
+def identity_of(info: pb.ModelInfo):
+    """The ``ModelIdentity`` a server reports in its ModelInfo."""
+    from vit22b.model.identity import ModelIdentity  # jax-free
+
+    return ModelIdentity(
+        name=info.model.name,
+        fingerprint=info.model.fingerprint,
+        preprocess_hash=info.model.preprocess_hash,
+        compute_dtype=info.model.compute_dtype,
+        source=info.source,
+        width=info.width,
+        depth=info.depth,
+        num_patches=info.num_patches,
+        outputs=tuple(kind_name(code) for code in info.outputs),
+    )

@@ -1,0 +1,143 @@
+"""Settings declared once: each a dataclass field with its help, parser and check, from which
+the command-line flag (``--max-batch-images``) and the environment variable
+(``VIT22B_MAX_BATCH_IMAGES``) are generated, as TEI's clap arguments do. A flag wins over its
+variable, the variable over the default. jax-free and grpc-free: every ``vit22b`` command uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PREFIX = "VIT22B_"
+
+
+def setting(
+    default: Any = None,
+    help: str = "",  # noqa: A002 - argparse's word
+    *,
+    parse: Callable[[str], Any] | None = None,
+    check: Callable[[Any], str | None] | None = None,
+    flag: str | None = None,
+    repeat: bool = False,
+    factory: Callable[[], Any] | None = None,
+    cli: bool = True,
+) -> Any:
+    """A dataclass field declaring one setting.
+
+    ``parse``: text -> value (default: the field's type); ``check``: value -> an error message
+    or None; ``flag``: when it differs from the field name; ``repeat``: a flag given several
+    times (its variable separates values with ``;``); ``cli=False``: a field with no flag."""
+    meta = {"help": help, "parse": parse, "check": check, "flag": flag, "repeat": repeat,
+            "cli": cli}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def env_of(field: dataclasses.Field) -> str:
+    return PREFIX + flag_of(field).lstrip("-").replace("-", "_").upper()
+
+
+def positive(value) -> str | None:
+    return None if value is None or value > 0 else f"must be positive, got {value}"
+
+
+def non_negative(value) -> str | None:
+    return None if value is None or value >= 0 else f"must be >= 0, got {value}"
+
+
+def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
+    parse = field.metadata.get("parse")
+    if parse is not None:
+        return parse
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    for name, fn in (("bool", _bool), ("int", int), ("float", float)):
+        if kind.startswith(name):
+            return fn
+    return str
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    return field.default_factory()  # type: ignore[misc]
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type, environ: Mapping[str, str] = os.environ
+) -> None:
+    """One flag per declared setting of ``cls``, its default from the environment."""
+    for field in dataclasses.fields(cls):
+        if not field.metadata.get("cli", False):
+            continue
+        flag, env, parse = flag_of(field), env_of(field), _parser_of(field)
+        default = _default(field)
+        shown = "" if default in (None, (), "") else f"; default {_show(default)}"
+        help_ = f"{field.metadata['help']} (${env}{shown})"
+        if field.metadata["repeat"]:
+            text = environ.get(env)
+            parser.add_argument(flag, dest=field.name, type=parse, action="append", help=help_,
+                                default=None if text is None else
+                                [parse(v) for v in text.split(";") if v.strip()])
+        elif parse is _bool:
+            text = environ.get(env)
+            parser.add_argument(flag, dest=field.name, type=_bool, nargs="?", const=True,
+                                default=default if text is None else text, help=help_)
+        else:
+            # argparse converts a string default with ``type`` and reports a bad one as a flag
+            # error, which is what a bad variable should get too
+            parser.add_argument(flag, dest=field.name, type=parse,
+                                default=environ.get(env, default), help=help_)
+
+
+def _show(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ";".join(str(v) for v in value)
+    return str(value)
+
+
+def from_args(cls: type, args: argparse.Namespace, **extra):
+    """The settings object from parsed flags (fields without a flag keep their defaults)."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.metadata.get("cli", False) and hasattr(args, field.name):
+            value = getattr(args, field.name)
+            if field.metadata["repeat"]:
+                value = tuple(value) if value else _default(field)
+            values[field.name] = value
+    return cls(**values, **extra)
+
+
+def check(settings) -> None:
+    """Each declared check; ValueError naming the flag and the problem."""
+    for field in dataclasses.fields(settings):
+        rule = field.metadata.get("check")
+        problem = rule(getattr(settings, field.name)) if rule else None
+        if problem:
+            raise ValueError(f"{flag_of(field)} {problem}")
+
+
+def describe(cls: type) -> list[tuple[str, str, str, str]]:
+    """(flag, variable, default, help) of every setting: the table the docs show."""
+    return [
+        (flag_of(f), env_of(f), _show(_default(f)), f.metadata["help"])
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("cli", False)
+    ]

@@ -1,0 +1,400 @@
+"""The inference facade (TEI's ``Infer``): every door's one way into the model.
+
+A call's life: ``validate`` (image count, outputs against the model, dtype; the executor's
+health) -> ``admit`` (room in the queue: refused at once, or waited for by a stream) -> decode and
+preprocess in the thread pool (the pixel contract, ``model/pixels.py``) -> ``submit`` to the
+batcher -> await the features -> ``finish`` (L2, the output dtype, non-finite rows refused).
+The doors (``service.py`` for gRPC, and any other) translate their wire format to an
+``EmbedCall`` and the ``EmbedResult`` back, and map failures through ``status.py``.
+``LocalInfer`` runs the same facade on a private event loop for in-process callers (the batch
+job's local backend, the probes, the tests): one in-process path, the server's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+from vit22b.model.errors import (
+    Draining,
+    InvalidImage,
+    InvalidRequest,
+    NonFiniteOutput,
+    QueueFull,
+)
+from vit22b.model.features import Features
+from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS, check_pixels, decode
+
+from .batcher import Batcher
+from .engine import Engine
+from .metrics import Metrics
+
+OUTPUT_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+_ADMIT_POLL_S = (0.001, 0.05)  # a waiting stream retries admission with this backoff range
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_request_images: int = 256
+    max_message_bytes: int = 64 << 20
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image as a door received it: encoded file bytes or raw uint8 [H, W, 3] pixels.
+
+    ``error``: the door could not read the image's data (its reason); it counts as invalid."""
+
+    data: bytes | np.ndarray | None
+    id: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    images: Sequence[ImageInput]
+    outputs: OutputRequest = POOLED  # as asked; resolved against the model here
+    dtype: str = "float32"
+    l2_normalize: bool = False
+    skip_invalid: bool = False  # invalid images become errors beside the others' features
+    deadline: float | None = None  # time.monotonic()
+    wait_for_room: bool = False  # wait for queue room (a stream) instead of QueueFull
+    solo: bool = False  # batches of this call alone (bit-exact batch jobs)
+
+
+@dataclass
+class Timings:
+    preprocess_s: float = 0.0
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class EmbedResult:
+    """Rows of ``indices`` (positions in the call), in the call's output dtype."""
+
+    outputs: OutputRequest  # resolved
+    features: Features
+    ids: list[str] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    errors: list[InvalidImage] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class Admitted:
+    """A validated call holding its room in the queue."""
+
+    call: EmbedCall
+    outputs: OutputRequest
+    start: float
+    held: int  # admitted images this call still has to give back
+
+
+class Infer:
+    def __init__(
+        self,
+        engine: Engine,
+        batcher: Batcher,
+        metrics: Metrics,
+        limits: Limits,
+        preprocess_threads: int,
+    ):
+        self.engine, self.batcher, self.metrics, self.limits = engine, batcher, metrics, limits
+        self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="vit22b-preprocess")
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = asyncio.Event()
+
+    # ---- lifecycle (shared by every door) ------------------------------------------------
+    def enter(self) -> None:
+        """A call starts; refused while draining."""
+        if self.draining.is_set():
+            raise Draining("server is shutting down; retry on another replica")
+        self._inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float | None) -> bool:
+        """Refuse new calls, let accepted ones finish; False if ``timeout`` passed first."""
+        self.draining.set()
+        self.batcher.flush()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- one call ------------------------------------------------------------------------
+    def validate(self, call: EmbedCall) -> OutputRequest:
+        """Request-level checks, before any image is decoded; the resolved outputs."""
+        self.engine.executor.check()
+        n = len(call.images)
+        if n == 0:
+            raise InvalidRequest("no images in the request")
+        if n > self.limits.max_request_images:
+            raise InvalidRequest(
+                f"{n} images in one request exceed the limit of "
+                f"{self.limits.max_request_images}; split it into several requests (the client "
+                "SDK does) or stream them"
+            )
+        if call.dtype not in OUTPUT_DTYPES:
+            raise InvalidRequest(
+                f"unknown output dtype {call.dtype!r}; known: {', '.join(OUTPUT_DTYPES)}"
+            )
+        outputs = self.engine.resolve(call.outputs)
+        if call.l2_normalize and not outputs.pooled:
+            raise InvalidRequest(
+                "l2_normalize applies to pooled features, which were not requested"
+            )
+        self.engine.admit_outputs(outputs)
+        return outputs
+
+    async def admit(self, call: EmbedCall, outputs: OutputRequest) -> Admitted:
+        """Room in the queue for the call's images: at once, or (``wait_for_room``) as it
+        drains, until the deadline."""
+        start, n = time.monotonic(), len(call.images)
+        pause = _ADMIT_POLL_S[0]
+        while True:
+            try:
+                self.batcher.admit(n)
+                return Admitted(call, outputs, start, n)
+            except QueueFull:
+                if not call.wait_for_room or n > self.batcher.max_queue_images:
+                    raise
+                if self.draining.is_set():
+                    raise Draining(
+                        "server is shutting down; resend the requests not answered"
+                    ) from None
+                left = None if call.deadline is None else call.deadline - time.monotonic()
+                if left is not None and left <= pause:
+                    raise QueueFull(
+                        "queue full until the call's deadline: the server is over capacity; "
+                        "retry with backoff or give the stream a longer deadline"
+                    ) from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _ADMIT_POLL_S[1])
+
+    async def run(self, admitted: Admitted) -> EmbedResult:
+        """Decode, batch, compute and finish an admitted call."""
+        call, start = admitted.call, admitted.start
+        try:
+            pixels, indices, errors = await self._preprocess(call)
+            preprocessed = time.monotonic()
+            self.metrics.preprocess_seconds.observe(preprocessed - start)
+            self.batcher.release(admitted.held - len(indices))
+            admitted.held = len(indices)
+            result = EmbedResult(admitted.outputs, Features(), errors=errors)
+            if indices:
+                job = self.batcher.submit(pixels, admitted.outputs, call.deadline, call.solo)
+                admitted.held = 0  # the batcher accounts for queued rows from here on
+                try:
+                    done = await asyncio.wrap_future(job.future)
+                except asyncio.CancelledError:
+                    job.cancel()
+                    raise
+                result.features = done.features
+                result.timings.queue_s, result.timings.compute_s = done.queue_s, done.compute_s
+        except asyncio.CancelledError:  # gone (or out of time) while its images were decoded
+            if admitted.held:
+                now = time.monotonic()
+                expired = call.deadline is not None and now >= call.deadline
+                self.metrics.images.labels("expired" if expired else "cancelled").inc(
+                    admitted.held
+                )
+            raise
+        finally:
+            if admitted.held:
+                self.batcher.release(admitted.held)
+                admitted.held = 0
+        result.ids = [call.images[i].id for i in indices]
+        result.indices = indices
+        result.timings.preprocess_s = preprocessed - start
+        self._finish(call, result)
+        result.timings.total_s = time.monotonic() - start
+        return result
+
+    async def embed(self, call: EmbedCall) -> EmbedResult:
+        """The whole call: validate, admit, run."""
+        return await self.run(await self.admit(call, self.validate(call)))
+
+    # ---- steps -----------------------------------------------------------------------------
+    async def _preprocess(self, call: EmbedCall):
+        loop = asyncio.get_running_loop()
+        tasks = [
+            loop.run_in_executor(self._pool, self._load, i, image)
+            for i, image in enumerate(call.images)
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        good, indices, errors = [], [], []
+        for i, result in enumerate(results):
+            if isinstance(result, InvalidImage):
+                errors.append(result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                good.append(result)
+                indices.append(i)
+        if errors:
+            self.metrics.images.labels("invalid").inc(len(errors))
+            if not call.skip_invalid:
+                first = errors[0]
+                more = f" (and {len(errors) - 1} more invalid images)" if len(errors) > 1 else ""
+                raise InvalidImage(first.reason + more, first.index, first.image_id)
+        return (np.stack(good) if good else None), indices, errors
+
+    def _load(self, index: int, image: ImageInput) -> np.ndarray:
+        """One image -> model input; runs in the preprocessing pool."""
+        try:
+            if image.error:
+                raise InvalidImage(image.error)
+            if isinstance(image.data, (bytes, bytearray, memoryview)):
+                pixels = decode(bytes(image.data), self.limits.max_image_pixels)
+            elif isinstance(image.data, np.ndarray):
+                pixels = check_pixels(image.data, self.limits.max_image_pixels)
+            else:
+                raise InvalidImage("no image data: send encoded file bytes or raw pixels")
+            return self.engine.preprocess(pixels)
+        except InvalidImage as err:
+            raise err.at(index, image.id) from None
+
+    def _finish(self, call: EmbedCall, result: EmbedResult) -> None:
+        """L2, the output dtype, and refusal of rows that are not finite in it."""
+        if not result.indices:
+            return
+        dtype = OUTPUT_DTYPES[call.dtype]
+        features = result.features.finish(call.l2_normalize)
+        features = features if dtype == np.float32 else features.astype(dtype)
+        bad = features.non_finite_rows()
+        if len(bad):
+            self.metrics.images.labels("non_finite").inc(len(bad))
+            hint = " (float16 overflows beyond 65504: ask for float32 or bfloat16)" if (
+                call.dtype == "float16"
+            ) else ""
+            reason = f"the forward produced NaN or Inf in its {call.dtype} outputs{hint}"
+            refused = [InvalidImage(reason, result.indices[r], result.ids[r]) for r in bad]
+            if not call.skip_invalid:
+                more = f" (and {len(bad) - 1} more images)" if len(bad) > 1 else ""
+                raise NonFiniteOutput(f"{refused[0]}{more}")
+            keep = np.setdiff1d(np.arange(len(features)), bad)
+            features = features.take(keep)
+            result.ids = [result.ids[r] for r in keep]
+            result.indices = [result.indices[r] for r in keep]
+            result.errors = sorted(result.errors + refused, key=lambda e: e.index)
+        result.features = features
+
+
+class LocalInfer:
+    """The facade on a private event loop: the in-process path for jobs, probes and tests.
+
+    Calls larger than a batch are cut into batches, two in flight (one decodes while the other
+    computes); ``solo`` keeps each batch by itself so results do not depend on what else runs.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        preprocess_threads: int = 2,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
+        self.engine = engine
+        self.metrics = Metrics()
+        self.batcher = Batcher(engine, self.metrics, max_delay_s=0.0,
+                               max_queue_images=4 * engine.max_batch_images)
+        limits = Limits(max_request_images=engine.max_batch_images,
+                        max_image_pixels=max_image_pixels)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="vit22b-local-infer")
+        self._thread.start()
+        self.infer = self._call(self._make(limits, preprocess_threads))
+        self.batcher.start()
+
+    async def _make(self, limits: Limits, threads: int) -> Infer:
+        return Infer(self.engine, self.batcher, self.metrics, limits, threads)
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def embed(
+        self,
+        images: Sequence[bytes | np.ndarray | ImageInput],
+        outputs: OutputRequest = POOLED,
+        *,
+        dtype: str = "float32",
+        l2_normalize: bool = False,
+        skip_invalid: bool = False,
+        solo: bool = False,
+    ) -> EmbedResult:
+        """Encoded bytes or raw uint8 [H, W, 3] images -> features, in order (float32 default).
+
+        Invalid images raise ``InvalidImage`` naming the image, unless ``skip_invalid``."""
+        inputs = [im if isinstance(im, ImageInput) else ImageInput(im) for im in images]
+        step = self.engine.max_batch_images
+        calls = [
+            EmbedCall(inputs[i : i + step], outputs, dtype, l2_normalize, skip_invalid,
+                      wait_for_room=True, solo=solo)
+            for i in range(0, len(inputs), step)
+        ]
+        return _merge(self._call(self._embed_all(calls)), step)
+
+    async def _embed_all(self, calls: list[EmbedCall]) -> list[EmbedResult]:
+        window = asyncio.Semaphore(2)
+
+        async def one(call: EmbedCall) -> EmbedResult:
+            async with window:
+                return await self.infer.embed(call)
+
+        return await asyncio.gather(*(one(call) for call in calls))
+
+    def close(self) -> None:
+        self.batcher.stop()
+        self.infer.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> LocalInfer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _merge(parts: list[EmbedResult], step: int) -> EmbedResult:
+    """Per-batch results -> one, with indices and errors in the caller's positions."""
+    merged = EmbedResult(parts[0].outputs, Features())
+    with_rows = [p.features for p in parts if p.indices]
+    if with_rows:
+        merged.features = Features.concat(with_rows)
+    for k, part in enumerate(parts):
+        offset = k * step
+        merged.ids += part.ids
+        merged.indices += [offset + i for i in part.indices]
+        merged.errors += [e.at(offset + e.index, e.image_id) for e in part.errors]
+        for name in ("preprocess_s", "queue_s", "compute_s", "total_s"):
+            setattr(merged.timings, name,
+                    getattr(merged.timings, name) + getattr(part.timings, name))
+    return merged

@@ -1,0 +1,128 @@
+"""The execution plan: every decision about how batches run, in one table a reader can check.
+
+jax-free (``cpu_devices`` reads it before jax starts). Given the model, the host and the limits
+it decides, once, at the engine's construction (measurements: benchmarks/NOTES.md):
+
+- CPU devices: ``CPU_DATA_PARALLEL`` emulated devices on a single-process CPU host (two programs
+  keep two cores busy where one XLA:CPU program does not);
+- auto mesh: every device on ``data``; on a single-process CPU host only that many;
+- batch buckets: data x 2^k up to ``max_batch_images`` (rounded up to a multiple of data): one
+  compiled forward per bucket, padding at most doubles a batch;
+- small buckets: on a single-process CPU host also 1, 2, 4 .. below the data axis, run on that
+  many of its rows (emulated devices share the cores: one image on one device gets them all);
+- chunks: on CPU, images per data shard and step such that a step's widest activation stays
+  within ``CPU_CHUNK_BYTES`` (XLA:CPU's GEMMs lose a third of their speed at ViT-B batch-32
+  shapes); elsewhere whole buckets; ``chunk_images`` overrides (0: never chunk).
+
+``Plan.table()`` renders the chosen values (the server logs it at start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vit22b.model.config import ViTConfig
+
+# A step's widest activation (f32, tokens x the MLP hidden, plus q/k/v in a parallel block) is
+# kept to about a third of a 32 MB L3: ViT-B/16 runs 4 images per device and step.
+CPU_CHUNK_BYTES = 10 << 20
+# Emulated CPU devices on the data axis of a single-process CPU host, by compute dtype.
+CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
+CPU_DEVICES = max(CPU_DATA_PARALLEL.values())  # what the server asks XLA for
+
+
+def batch_buckets(max_batch_images: int, data_size: int) -> tuple[int, ...]:
+    """data_size * 2^k below the maximum, then the maximum rounded up to a multiple of data."""
+    if max_batch_images < 1:
+        raise ValueError(f"max_batch_images must be positive, got {max_batch_images}")
+    top = -(-max_batch_images // data_size) * data_size
+    buckets, size = [], data_size
+    while size < top:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, top)
+
+
+def step_bytes_per_image(cfg: ViTConfig) -> int:
+    """Bytes of the widest f32 activation of one image in a block (what a chunk bounds)."""
+    width = cfg.mlp_dim + (3 * cfg.width if cfg.block == "parallel" else 0)
+    return 4 * cfg.num_tokens * width
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` not above ``limit`` (at least 1)."""
+    return max(d for d in range(1, max(min(n, limit), 1) + 1) if n % d == 0)
+
+
+def auto_data_devices(compute_dtype: str, platform: str, process_count: int, available: int) -> int:
+    """How many devices ``mesh="auto"`` puts on the data axis."""
+    if platform == "cpu" and process_count == 1:
+        return min(available, CPU_DATA_PARALLEL.get(compute_dtype, available))
+    return available
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Buckets, placements and chunks for one model on one mesh."""
+
+    cfg: ViTConfig
+    platform: str
+    data: int  # the mesh's data axis
+    single_host_cpu: bool  # one process on CPU devices: small buckets, chunked steps
+    buckets: tuple[int, ...]
+    chunk_override: int | None = None
+
+    @classmethod
+    def make(
+        cls,
+        cfg: ViTConfig,
+        *,
+        platform: str,
+        data: int,
+        process_count: int,
+        max_batch_images: int,
+        chunk_images: int | None = None,
+        small_buckets: bool | None = None,
+    ) -> Plan:
+        if chunk_images is not None and chunk_images < 0:
+            raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
+        single = platform == "cpu" and process_count == 1
+        small = single if small_buckets is None else small_buckets
+        below = tuple(1 << k for k in range(data.bit_length()) if 1 << k < data) if small else ()
+        buckets = below + batch_buckets(max_batch_images, data)
+        return cls(cfg, platform, data, single, buckets, chunk_images)
+
+    @property
+    def max_batch_images(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket holding ``n`` images (a batch is padded to it)."""
+        for size in self.buckets:
+            if n <= size:
+                return size
+        raise ValueError(f"batch of {n} images exceeds the largest bucket {self.buckets[-1]}")
+
+    def rows(self, bucket: int) -> int:
+        """Data rows of the mesh a bucket runs on (fewer than all for small buckets)."""
+        return min(bucket, self.data)
+
+    def chunk_images(self, bucket: int) -> int:
+        """Images per data shard in each sequential step of this bucket's forward."""
+        local = bucket // self.rows(bucket)
+        if self.chunk_override is not None:
+            override = self.chunk_override
+            return local if override == 0 else largest_divisor(local, override)
+        if self.platform != "cpu":
+            return local
+        return largest_divisor(local, CPU_CHUNK_BYTES // step_bytes_per_image(self.cfg))
+
+    def table(self) -> str:
+        """The plan as text: one line per bucket."""
+        lines = [f"plan for {self.cfg.name} on {self.platform}, data axis {self.data}:"]
+        for bucket in self.buckets:
+            lines.append(
+                f"  bucket {bucket:>4}: {self.rows(bucket)} data rows, "
+                f"{self.chunk_images(bucket)} images per shard and step"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Every ``vit22b serve`` setting, declared once (name, type, default, help, check); the flag
+and its ``VIT22B_<NAME>`` environment variable are generated from it (clients/settings.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from vit22b.clients.settings import check, non_negative, positive, setting
+from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
+
+
+def parse_outputs(spec: str) -> OutputRequest:
+    """``pooled``, ``pooled+class_token``, ``patch:-1,-4+pooled`` ... -> an OutputRequest."""
+    fields: dict = {"pooled": False}
+    for part in filter(None, spec.split("+")):
+        if part.startswith("patch:"):
+            try:
+                fields["patch_layers"] = tuple(int(v) for v in part[len("patch:") :].split(","))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad layer list in {part!r}") from None
+        elif part in ("pooled", "class_token", "attention_stats", "logits", "norm_patches"):
+            fields[part] = True
+        else:
+            raise argparse.ArgumentTypeError(f"unknown output {part!r} in {spec!r}")
+    return OutputRequest(**fields)
+
+
+def _port_or_off(text: str) -> int | None:
+    port = int(text)
+    return None if port < 0 else port
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text in ("", "none", "None") else int(text)
+
+
+def _dtype(text: str) -> str | None:
+    if text in ("", "none", "None"):
+        return None
+    if text not in ("bfloat16", "float32"):
+        raise argparse.ArgumentTypeError(f"--compute-dtype is bfloat16 or float32, got {text!r}")
+    return text
+
+
+@dataclass
+class ServeConfig:
+    model: str | None = setting(None, "preset name (default: the embedded default, or the "
+                                "checkpoint's own)")
+    checkpoint: str | None = setting(None, "checkpoint directory (vit22b init / convert)")
+    seed: int = setting(0, "seed of the random weights when no checkpoint is given")
+    mesh: str = setting("auto", "device mesh, e.g. data=2,model=4 (auto: all devices on data; "
+                        "on a CPU host two emulated devices)")
+    compute_dtype: str | None = setting(
+        None, "matmul input dtype: bfloat16, or float32 for exact features (default: the "
+        "checkpoint's, else the preset's)", parse=_dtype)
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "gRPC port; 0 picks a free one")
+    metrics_port: int | None = setting(
+        9464, "Prometheus /metrics port; 0 picks a free one, -1 turns it off",
+        parse=_port_or_off)
+    token_file: str | None = setting(
+        None, "bearer tokens, one per line (health and reflection stay open)")
+    tls_cert: str | None = setting(None, "PEM certificate chain (with --tls-key)")
+    tls_key: str | None = setting(None, "PEM private key")
+    max_batch_images: int = setting(32, "largest batch (rounded up to the data axis)",
+                                    check=positive)
+    max_delay_ms: float = setting(5.0, "longest wait for a fuller batch", check=non_negative)
+    max_queue_images: int = setting(
+        1024, "admitted images not yet computed; beyond: RESOURCE_EXHAUSTED (streams wait)",
+        check=positive)
+    max_request_images: int = setting(256, "images in one request", check=positive)
+    max_message_mb: float = setting(64.0, "largest request or response message, MiB",
+                                    check=positive)
+    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS,
+                                    "largest decoded image, in pixels (decompression bombs)",
+                                    check=positive)
+    preprocess_threads: int = setting(help="decoding threads (default: the CPU count)",
+                                      factory=lambda: os.cpu_count() or 2, check=positive)
+    chunk_images: int | None = setting(
+        None, "at most this many images per device in one sequential step of a batch (0: whole "
+        "batches); default: the execution plan's", parse=_optional_int, check=non_negative)
+    max_compiled: int = setting(
+        64, "compiled forwards kept besides the warm ones; a new output set beyond them is "
+        "refused while all are in recent use", check=positive)
+    warm_outputs: tuple[OutputRequest, ...] = setting(
+        (POOLED,), "output set compiled before SERVING (repeatable), e.g. 'pooled' or "
+        "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True)
+    drain_timeout_s: float = setting(60.0, "seconds accepted calls get to finish after SIGTERM",
+                                     flag="--drain-timeout", check=positive)
+    # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
+    # that were already on their way get a status they retry elsewhere, not a cut connection.
+    drain_linger_s: float = setting(0.5, cli=False)
+
+    def check(self) -> None:
+        check(self)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.max_request_images > self.max_queue_images:
+            raise ValueError(
+                f"--max-request-images ({self.max_request_images}) cannot exceed "
+                f"--max-queue-images ({self.max_queue_images})"
+            )
