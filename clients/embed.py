@@ -12,7 +12,7 @@ request in flight per server; a server's batcher may pack concurrent requests in
 sizes, and XLA's results for one image then move by an ulp or so.)
 
 Backends (embed_local: the in-process engine, needs jax; embed_remote: gRPC servers, no jax)
-provide ``model`` (a ModelRef), ``array_specs()`` and ``workers()``; a worker's
+provide ``model`` (a ``ModelIdentity``) and ``workers()``; a worker's
 ``embed(items) -> BatchResult`` records unreadable images as failures instead of raising.
 """
 
@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from vit22b.model.identity import ModelIdentity
+from vit22b.model.outputs import OutputRequest
 
 from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
 from .embed_store import OutputStore
@@ -48,46 +50,35 @@ class OutputSpec:
     l2_normalize: bool = False  # pooled features only
     normalize_patches: bool = False  # the encoder's final norm on patch tokens
 
+    @property
+    def request(self) -> OutputRequest:
+        return OutputRequest(
+            pooled=self.pooled,
+            class_token=self.class_token,
+            patch_layers=self.patch_layers,
+            norm_patches=self.normalize_patches,
+        )
+
     def layers(self, depth: int) -> tuple[int, ...]:
         """Requested layers as sorted unique non-negative block indices."""
-        resolved = {layer + depth if layer < 0 else layer for layer in self.patch_layers}
-        bad = [layer for layer in self.patch_layers if not -depth <= layer < depth]
-        if bad:
-            raise ValueError(f"layer {bad[0]} is out of range for a model of depth {depth} "
-                             f"(valid: {-depth}..{depth - 1})")
-        return tuple(sorted(resolved))
+        return self.request.layers(depth)
 
     def names(self, depth: int) -> list[str]:
         names = [n for n, on in (("pooled", self.pooled), ("class_token", self.class_token)) if on]
         return names + [array_name("patch_tokens", layer) for layer in self.layers(depth)]
 
 
-@dataclass(frozen=True)
-class ModelRef:
-    """What makes the features, and the sizes the stored arrays follow from."""
-
-    name: str
-    fingerprint: str
-    preprocess_hash: str
-    source: str
-    width: int
-    depth: int
-    num_patches: int
-    has_class_token: bool
-    has_pooled: bool
-
-    def array_specs(self, spec: OutputSpec) -> dict[str, dict]:
-        """Stored array name -> {"dtype", "shape"} (shape of one image's row)."""
-        if spec.class_token and not self.has_class_token:
-            raise ValueError(f"model {self.name} has no class token")
-        if spec.pooled and not self.has_pooled:
-            raise ValueError(f"model {self.name} has no pooling head")
-        shapes = {"pooled": [self.width], "class_token": [self.width]}
-        out = {}
-        for name in spec.names(self.depth):
-            shape = shapes.get(name, [self.num_patches, self.width])
-            out[name] = {"dtype": spec.dtype, "shape": shape}
-        return out
+def array_specs(model: ModelIdentity, spec: OutputSpec) -> dict[str, dict]:
+    """Stored array name -> {"dtype", "shape"} (shape of one image's row)."""
+    for kind in spec.request.kinds:
+        if kind not in model.outputs:
+            raise ValueError(f"model {model.name} has no {kind} output (its outputs: "
+                             f"{', '.join(model.outputs)})")
+    shapes = {"pooled": [model.width], "class_token": [model.width]}
+    return {
+        name: {"dtype": spec.dtype, "shape": shapes.get(name, [model.num_patches, model.width])}
+        for name in spec.names(model.depth)
+    }
 
 
 @dataclass
@@ -108,7 +99,7 @@ class Worker(Protocol):
 
 
 class Backend(Protocol):
-    model: ModelRef
+    model: ModelIdentity
 
     def workers(self) -> list[Worker]: ...
 
@@ -237,13 +228,14 @@ def _batches(positions: range, batch_size: int) -> list[range]:
     return [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
 
 
-def identity_of(model: ModelRef, config: JobConfig, items: list[InputItem], names) -> dict:
+def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem], names) -> dict:
     """What must match for a resumed job to continue a directory."""
     spec = config.spec
     return {
         "model": model.name,
         "checkpoint_fingerprint": model.fingerprint,
         "preprocess_hash": model.preprocess_hash,
+        "compute_dtype": model.compute_dtype,
         "outputs": names,
         "dtype": spec.dtype,
         "l2_normalize": spec.l2_normalize,
@@ -260,7 +252,7 @@ def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None =
         raise ValueError("--batch-size and --shard-size must be positive")
     items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
     model = backend.model
-    arrays = model.array_specs(config.spec)
+    arrays = array_specs(model, config.spec)
     slices = shard_slices(len(items), config.shard_size)
     identity = identity_of(model, config, items, list(arrays))
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,

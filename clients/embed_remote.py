@@ -15,10 +15,11 @@ import threading
 from collections.abc import Sequence
 
 import grpc
-from vit22b.v1 import features_pb2 as pb
+from vit22b.model.identity import ModelIdentity
+from vit22b.v1 import wire
 
 from .client import FeatureClient, FeatureError, Retry
-from .embed import BatchResult, ModelRef, OutputSpec, WorkerLost, os_reason, read_file, to_stored
+from .embed import BatchResult, OutputSpec, WorkerLost, os_reason, read_file, to_stored
 from .embed_inputs import InputItem
 from .inputs import InputError
 from .outputs import array_name
@@ -33,23 +34,8 @@ LOST = (
 )
 
 
-def model_ref(info: pb.ModelInfo) -> ModelRef:
-    kinds = set(info.outputs)
-    return ModelRef(
-        name=info.model.name,
-        fingerprint=info.model.fingerprint,
-        preprocess_hash=info.model.preprocess_hash,
-        source=info.source,
-        width=info.width,
-        depth=info.depth,
-        num_patches=info.num_patches,
-        has_class_token=pb.OUTPUT_KIND_CLASS_TOKEN in kinds,
-        has_pooled=pb.OUTPUT_KIND_POOLED in kinds,
-    )
-
-
 class _Server:
-    def __init__(self, address: str, client: FeatureClient, model: ModelRef):
+    def __init__(self, address: str, client: FeatureClient, model: ModelIdentity):
         self.address, self.client, self.model = address, client, model
         self.lost: str | None = None  # why it was dropped
         self._lock = threading.Lock()
@@ -99,10 +85,7 @@ class RemoteWorker:
         else:
             return BatchResult([], {}, sorted(failed))
         ref = result.model
-        if result.ids and (ref.fingerprint, ref.preprocess_hash) != (
-            server.model.fingerprint,
-            server.model.preprocess_hash,
-        ):
+        if result.ids and wire.identity_of_ref(ref) != server.model.key:
             changed = f"now serves another model ({ref.name}, weights {ref.fingerprint})"
             raise WorkerLost(server.drop(changed))
         failed += [(positions[e.index], e.reason) for e in result.errors]
@@ -152,18 +135,15 @@ class RemoteBackend:
                     raise ValueError(f"server {address}: {err}") from None
                 unreachable.append(f"{address} ({err.code.name}: {err.details})")
                 continue
-            self.servers.append(_Server(address, client, model_ref(info)))
+            self.servers.append(_Server(address, client, wire.identity_of(info)))
         if not self.servers:
             raise ValueError("no server reachable: " + "; ".join(unreachable))
         if unreachable and not quiet:
             print(f"vit22b embed: skipping unreachable {', '.join(unreachable)}", file=sys.stderr)
-        models = {
-            (s.model.name, s.model.fingerprint, s.model.preprocess_hash): s.address
-            for s in self.servers
-        }
+        models = {s.model.key: s.address for s in self.servers}
         if len(models) > 1:
             listing = "; ".join(
-                f"{a} serves {m[0]} (weights {m[1]}, preprocessing {m[2]})"
+                f"{a} serves {m[0]} (weights {m[1]}, preprocessing {m[2]}, compute {m[3]})"
                 for m, a in models.items()
             )
             raise ValueError(f"the servers serve different models, refusing to mix: {listing}")

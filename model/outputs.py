@@ -16,7 +16,11 @@ from .errors import InvalidRequest
 KINDS = ("pooled", "class_token", "patch_tokens", "attention_stats", "logits")
 DEFAULT_KINDS = ("pooled",)
 DEFAULT_PATCH_LAYERS = (-1,)  # patch tokens without layers: the last block's
-_MISSING = {"pooled": "pooling head", "class_token": "class token", "logits": "classifier (no logits)"}
+_MISSING = {
+    "pooled": "pooling head",
+    "class_token": "class token",
+    "logits": "classifier (no logits)",
+}
 
 
 def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:

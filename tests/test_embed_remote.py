@@ -187,4 +187,4 @@ def test_cli_refusals_and_progress(server, dataset, tmp_path):
     bad_layer = embed_cli(str(data), "--server", server.address, "--output",
                           str(tmp_path / "y"), "--layers", "9")
     stdout, stderr = bad_layer.communicate(timeout=60)
-    assert bad_layer.returncode == 2 and "layer 9 is out of range" in stderr
+    assert bad_layer.returncode == 2 and "layer index 9 is out of range" in stderr

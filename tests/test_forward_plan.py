@@ -13,14 +13,14 @@ from peers import rel_err
 from tiny_models import PARALLEL, SEQUENTIAL, images, random_params
 from vit22b.model import OutputRequest, ViTConfig, apply, get_config
 from vit22b.model.checkpoint import expected_shapes, flatten
+from vit22b.model.features import Features
 from vit22b.model.forward import MATMUL_KERNELS, cast_matmul_kernels, chunked_apply
 from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
-from vit22b.server.engine import (
+from vit22b.server.engine import Engine, auto_mesh
+from vit22b.server.plan import (
     CPU_CHUNK_BYTES,
     CPU_DATA_PARALLEL,
-    Engine,
-    auto_mesh,
-    chunk_images,
+    Plan,
     largest_divisor,
     step_bytes_per_image,
 )
@@ -33,7 +33,16 @@ IDS = ["parallel", "sequential"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-3}
 
 
-def _outputs(result: dict) -> dict[str, np.ndarray]:
+def chunk_images(cfg: ViTConfig, platform: str, local: int, override: int | None = None) -> int:
+    """The plan's images per step for one device holding ``local`` images."""
+    plan = Plan.make(cfg, platform=platform, data=1, process_count=1, max_batch_images=local,
+                     chunk_images=override, small_buckets=False)
+    return plan.chunk_images(local)
+
+
+def _outputs(result: dict | Features) -> dict[str, np.ndarray]:
+    if isinstance(result, Features):
+        result = {**dict(result.arrays()), "patch_tokens": result.patch_tokens}
     flat = {k: v for k, v in result.items() if k != "patch_tokens"}
     flat.update({f"patch_{k}": v for k, v in result.get("patch_tokens", {}).items()})
     return {k: np.asarray(v) for k, v in flat.items()}
@@ -193,7 +202,7 @@ def tiny_engines() -> dict[str, Engine]:
 
 def test_engine_forward_is_the_same_with_and_without_its_levers(tiny_engines):
     plain, precast, chunked = (tiny_engines[k] for k in ("plain", "precast", "chunked"))
-    assert chunked.chunk_images(8) == 1 and plain.chunk_images(8) == 4
+    assert chunked.plan.chunk_images(8) == 1 and plain.plan.chunk_images(8) == 4
     assert plain.parameter_count == precast.parameter_count == chunked.parameter_count
     w_in = flatten(precast.params)["block_0/w_in"]
     assert w_in.dtype == np.dtype("bfloat16") and w_in.sharding.spec[1] == "model"

@@ -182,3 +182,8 @@ def identity_of(info: pb.ModelInfo):
         num_patches=info.num_patches,
         outputs=tuple(kind_name(code) for code in info.outputs),
     )
+
+
+def identity_of_ref(ref: pb.ModelRef) -> tuple[str, str, str, str]:
+    """The comparable part of a response's ModelRef (``ModelIdentity.key``)."""
+    return (ref.name, ref.fingerprint, ref.preprocess_hash, ref.compute_dtype)
