@@ -89,7 +89,7 @@ def compare(engine, peers: dict, batch: int, repeats: int, rng) -> dict:
     """One batch size: warm-up, agreement of the pooled features, alternating timed runs."""
     import numpy as np
     import torch
-    from vit22b.server.engine import POOLED
+    from vit22b.model.outputs import POOLED
 
     cfg, outputs = engine.cfg, engine.resolve(POOLED)
     x = rng.standard_normal((batch, cfg.image_size, cfg.image_size, 3), np.float32)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": batch,
                 "engine_mesh": engine.mesh_spec,
                 "engine_bucket": bucket,
-                "engine_chunk_images": engine.chunk_images(bucket),
+                "engine_chunk_images": engine.plan.chunk_images(bucket),
                 "engine_images_per_s": round(ips["engine"], 2),
                 "peer": best,
                 "peer_images_per_s": round(ips[best], 2),

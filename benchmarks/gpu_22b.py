@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from vit22b.model import get_config
     from vit22b.model.info import flops_per_image
+    from vit22b.model.outputs import POOLED
     from vit22b.model.sharding import init_sharded, shard_params
-    from vit22b.server.engine import POOLED, Engine, auto_mesh
+    from vit22b.server.engine import Engine, auto_mesh
 
     platform = jax.devices()[0].platform
     if platform != "gpu" and not args.dry_run:

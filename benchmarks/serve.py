@@ -164,14 +164,16 @@ def serve_main(args) -> int:
     from vit22b.server.cpu_devices import emulate_cpu_devices
 
     emulate_cpu_devices()  # what `vit22b serve` does before jax starts
-    from vit22b.server.app import BackgroundServer, ServeConfig
+    from vit22b.server.app import BackgroundServer
     from vit22b.server.engine import Engine
+    from vit22b.server.infer import LocalInfer
+    from vit22b.server.settings import ServeConfig
 
     engine = Engine.load(args.model, mesh=args.mesh, max_batch_images=args.batch)
     warm_s = engine.warm_up()
     images = jpegs(args.images, args.size)
     log(f"{engine.cfg.name} on {engine.mesh_spec}, buckets {engine.buckets}, "
-        f"chunks {[engine.chunk_images(b) for b in engine.buckets]}, compiled in {warm_s:.0f}s")
+        f"chunks {[engine.plan.chunk_images(b) for b in engine.buckets]}, compiled in {warm_s:.0f}s")
     config = ServeConfig(
         mesh=args.mesh, port=0, metrics_port=0, max_batch_images=args.batch,
         max_request_images=args.batch, max_delay_ms=args.max_delay_ms,
@@ -179,12 +181,14 @@ def serve_main(args) -> int:
     engine_s, engine_b1_s = [], []
     phases: dict[str, list[dict]] = {f"clients_{c}": [] for c in CLIENTS}
     phases["bulk"] = []
-    with BackgroundServer(config, engine=engine) as server:
+    # The engine side is the in-process facade (decode, batch, forward, finish), the same
+    # path the server runs behind its transport.
+    with BackgroundServer(config, engine=engine) as server, LocalInfer(engine) as local:
         metrics_url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
-        engine.embed(images[: args.batch])
+        local.embed(images[: args.batch])
         for _ in range(args.repeats):
-            engine_s.append(timed(lambda: engine.embed(images)))
-            engine_b1_s.append(median([timed(lambda i=i: engine.embed([i])) for i in images[:8]]))
+            engine_s.append(timed(lambda: local.embed(images)))
+            engine_b1_s.append(median([timed(lambda i=i: local.embed([i])) for i in images[:8]]))
             for clients in CLIENTS:
                 phases[f"clients_{clients}"].append(
                     run_phase(args, server.address, metrics_url, clients)

@@ -9,11 +9,15 @@ do not depend on which worker ran a batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
+from vit22b.model.config import ViTConfig
 from vit22b.model.features import Features
-from vit22b.server.engine import Engine
+from vit22b.model.identity import seeded_source
+from vit22b.model.outputs import OutputRequest
+from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.infer import ImageInput, LocalInfer
 
 from .embed import BatchResult, OutputSpec, os_reason, read_file, to_stored
@@ -87,3 +91,40 @@ class LocalBackend:
 
     def close(self) -> None:
         self.local.close()
+
+
+@functools.lru_cache(maxsize=4)
+def seeded_engine(cfg: ViTConfig, seed: int, batch_size: int) -> Engine:
+    """A preset or config with seeded weights on the auto mesh (kept: probes ask again)."""
+    from vit22b.model import checkpoint
+    from vit22b.model.sharding import init_sharded
+
+    mesh = auto_mesh(cfg)
+    params = init_sharded(cfg, mesh, seed)
+    return Engine(cfg, params, mesh, fingerprint=checkpoint.fingerprint(params),
+                  source=seeded_source(seed), max_batch_images=batch_size)
+
+
+def features_in_process(
+    cfg: ViTConfig,
+    images: Sequence,
+    outputs: OutputRequest,
+    *,
+    params: dict | None = None,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> Features:
+    """Features of uint8 images or encoded bytes through the facade, in process: the probes'
+    path without a server. Random weights from ``seed`` unless ``params`` are given."""
+    if params is None:
+        engine = seeded_engine(cfg, seed, batch_size)
+    else:
+        from vit22b.model import checkpoint
+        from vit22b.model.sharding import shard_params
+
+        mesh = auto_mesh(cfg)
+        engine = Engine(cfg, shard_params(cfg, params, mesh), mesh,
+                        fingerprint=checkpoint.fingerprint(params), source="in-process",
+                        max_batch_images=batch_size)
+    with LocalInfer(engine) as local:
+        return local.embed(list(images), engine.resolve(outputs)).features

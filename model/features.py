@@ -58,6 +58,10 @@ class Features:
             return len(value)
         return 0
 
+    def as_tree(self) -> dict:
+        """The computed outputs as the model's output dict (``patch_tokens`` by layer)."""
+        return {**dict(self.arrays()), "patch_tokens": dict(self.patch_tokens)}
+
     def _map(self, fn) -> dict:
         """Keyword arguments of a copy with ``fn`` applied to every array."""
         out = {name: fn(value) for name, value in self.arrays()}

@@ -8,34 +8,21 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from vit22b.model.features import ARRAYS as _ARRAY_KEYS
+from vit22b.model.features import Features as FeatureArrays
 
 from .data import DataError
 
 
 @dataclass
-class Features:
-    """Features of N images, any subset of the model's outputs (numpy, float32)."""
+class Features(FeatureArrays):
+    """The feature container (``model/features.py``) with where the features came from."""
 
-    pooled: np.ndarray | None = None
-    class_token: np.ndarray | None = None
-    patch_tokens: dict[int, np.ndarray] = field(default_factory=dict)
-    attention_entropy: np.ndarray | None = None
-    attention_max_logit: np.ndarray | None = None
-    logits: np.ndarray | None = None
     meta: dict = field(default_factory=dict)  # model name, preprocess hash, source
-
-    def __len__(self) -> int:
-        for value in (self.pooled, self.class_token, self.attention_entropy, self.logits):
-            if value is not None:
-                return len(value)
-        for value in self.patch_tokens.values():
-            return len(value)
-        return 0
 
     def require(self, name: str) -> np.ndarray:
         """The named output, or a clear error saying how to ask for it."""
@@ -44,19 +31,6 @@ class Features:
             source = self.meta.get("source", "the feature source")
             raise DataError(f"{source} has no {name!r} features; request them when embedding")
         return value
-
-    def take(self, rows: np.ndarray) -> Features:
-        """The features of the given rows, in that order."""
-        pick = lambda a: None if a is None else a[rows]  # noqa: E731
-        return Features(
-            pooled=pick(self.pooled),
-            class_token=pick(self.class_token),
-            patch_tokens={k: v[rows] for k, v in self.patch_tokens.items()},
-            attention_entropy=pick(self.attention_entropy),
-            attention_max_logit=pick(self.attention_max_logit),
-            logits=pick(self.logits),
-            meta=dict(self.meta),
-        )
 
     def patch_grid(self, layer: int) -> np.ndarray:
         """Patch tokens of one layer as [N, g, g, d] (square grid, row-major like the model)."""
@@ -70,7 +44,6 @@ class Features:
         return tokens[layer].reshape(n, g, g, d)
 
 
-_ARRAY_KEYS = ("pooled", "class_token", "attention_entropy", "attention_max_logit", "logits")
 
 
 def features_from_outputs(outputs: dict, meta: dict | None = None) -> Features:
@@ -162,24 +135,6 @@ def _layers(patch_layers, depth: int) -> tuple[int, ...]:
     return evenly_spaced_layers(depth) if patch_layers == "auto" else tuple(patch_layers)
 
 
-@functools.lru_cache(maxsize=2)
-def _random_params(cfg, seed: int) -> dict:
-    """Seeded weights, jitted like the server's sharded init (and 3x faster than eager)."""
-    import jax
-    from vit22b.model import init_params
-
-    return jax.jit(lambda key: init_params(cfg, key))(jax.random.key(seed))
-
-
-@functools.lru_cache(maxsize=8)
-def _forward(cfg, request):
-    """One jitted forward per (model, outputs): compiled once per batch shape."""
-    import jax
-    from vit22b.model import apply
-
-    return jax.jit(lambda params, images: apply(cfg, params, images, request))
-
-
 def features_from_model(
     images: np.ndarray,
     model=None,
@@ -194,50 +149,30 @@ def features_from_model(
     ``model`` a preset name or a ViTConfig (default: the served default), random weights from
     ``seed`` unless ``params`` are given; ``patch_layers`` block indices or "auto" (4 evenly
     spaced). For tests, demos and users without a server."""
-    import jax
+    from vit22b.clients.embed_local import features_in_process
     from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
-    from vit22b.model.pixels import Preprocessor
+    from vit22b.model.errors import InvalidImage
 
     cfg = model if isinstance(model, ViTConfig) else get_config(model or DEFAULT_MODEL)
-    random_weights = params is None
-    if random_weights:
-        params = _random_params(cfg, seed)
     request = OutputRequest(
         pooled=cfg.head != "none",
         patch_layers=_layers(patch_layers, cfg.depth),
         attention_stats=attention_stats,
         logits=logits,
     )
-    forward = _forward(cfg, request)
-    pre = Preprocessor(cfg)  # the server's own preprocessing: the same pixels as served
-    chunks, batch_size = [], min(batch_size, len(images))
-    for start in range(0, len(images), batch_size):
-        batch = np.stack(
-            [
-                _load(pre, image, start + i)
-                for i, image in enumerate(images[start : start + batch_size])
-            ]
-        )
-        n = len(batch)  # pad the last batch: one compiled shape for all
-        batch = np.pad(batch, ((0, batch_size - n), (0, 0), (0, 0), (0, 0)))
-        chunks.append(jax.tree.map(lambda a, n=n: np.asarray(a)[:n], forward(params, batch)))
-    outputs = jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
+    pixels = [np.asarray(image) for image in images]
+    try:  # the server's own path: the same pixels, batching and finishing as served
+        features = features_in_process(cfg, pixels, request, params=params, seed=seed,
+                                       batch_size=batch_size)
+    except InvalidImage as err:
+        raise DataError(str(err)) from None
     meta = {
         "model": cfg.name,
         "preprocess_hash": cfg.preprocess_hash(),
         "num_tokens": cfg.num_tokens,
-        "source": f"in-process {cfg.name} (seed {seed})" if random_weights else "in-process",
+        "source": f"in-process {cfg.name} (seed {seed})" if params is None else "in-process",
     }
-    return features_from_outputs(outputs, meta)
-
-
-def _load(pre, image, index: int) -> np.ndarray:
-    from vit22b.model.errors import InvalidImage
-
-    try:
-        return pre.load(np.asarray(image))
-    except InvalidImage as err:
-        raise DataError(f"image {index}: {err.reason}") from None
+    return features_from_outputs(features.as_tree(), meta)
 
 
 def features_from_server(
