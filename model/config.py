@@ -1,7 +1,7 @@
 """Model configuration and named presets: the one source of truth for every architecture served.
 
 Every difference between the ViT-22B recipe and a standard ViT is a field here, never a fork of the
-model code (see design.md section 2).
+model code.
 """
 
 from __future__ import annotations

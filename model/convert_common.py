@@ -1,6 +1,6 @@
 """What every weight importer shares: reading files, taking tensors by name, layout helpers.
 
-Layouts (design.md section 8): PyTorch Linear is (out, in); conv kernels OIHW become HWIO,
+Layouts: PyTorch Linear is (out, in); conv kernels OIHW become HWIO,
 flattened in (ph, pw, c) order like the patchify in vit.py; timm fuses qkv as [3D, D] (q|k|v,
 heads inside each); big_vision keeps heads explicit ([d, H, hd]).
 """

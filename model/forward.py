@@ -2,7 +2,7 @@
 
 - ``cast_matmul_kernels``: matmul kernels stored once in the compute dtype. ``dot`` casts its
   weight to the compute dtype on every call; with f32 parameters and bf16 compute that re-cast
-  is a full pass over the weights per forward (design.md section 9). Pre-cast kernels give the
+  is a full pass over the weights per forward. Pre-cast kernels give the
   same bf16 values, so the outputs are those of ``apply`` on the original parameters. Norm
   scales, biases, embeddings and the MAP probe stay as they are (they are read in f32).
 - ``chunked_apply``: the batch processed in sequential chunks (``lax.map``), so every GEMM has at

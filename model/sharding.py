@@ -1,4 +1,4 @@
-"""Mesh construction and the sharding rules of the backbone (design.md section 3).
+"""Mesh construction and the sharding rules of the backbone.
 
 Batch over ``data``; heads and MLP hidden over ``model`` (whole heads per shard, thanks to the
 head-grouped layout); embeddings, norms and the classifier replicated; the

@@ -1,6 +1,6 @@
 """The vision transformer: the ViT-22B recipe and standard ViTs in one config-driven module.
 
-Layout of a parallel block (design.md section 2): the Q, K, V projections and the MLP's first layer
+Layout of a parallel block: the Q, K, V projections and the MLP's first layer
 are ONE matmul with a head-grouped kernel ``w_in: [d, H, 3*hd + M/H]``, and the attention
 out-projection and the MLP's second layer another, ``w_out: [H, hd + M/H, d]``. Sharding ``H``
 over the mesh's ``model`` axis gives each device whole heads plus their MLP slice, so a block

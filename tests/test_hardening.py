@@ -1,0 +1,241 @@
+"""What a hostile outside user tries against a real server on loopback: bodies that are not
+messages, tokens and reflection, a stream larger than the queue, a storm of output sets,
+non-finite outputs, log floods, and random or mutated bytes on every method."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serving import MESH, metric, metrics, png, random_images, start_server, stub
+from tiny_models import random_params
+from vit22b.model import get_config
+from vit22b.model.sharding import make_mesh, shard_params
+from vit22b.server.app import BackgroundServer
+from vit22b.server.engine import Engine
+from vit22b.server.settings import ServeConfig
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+SERVICE = "/vit22b.v1.FeatureService/"
+METHODS = ("Embed", "EmbedStream", "GetModelInfo")
+DELIBERATE = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+def raw_call(address: str, method: str, body: bytes, token: str | None = None, timeout=20.0):
+    """Send ``body`` as the request bytes of ``method``; (status code, details)."""
+    with grpc.insecure_channel(address) as channel:
+        metadata = [("authorization", f"Bearer {token}")] if token else None
+        try:
+            if method == "EmbedStream":
+                call = channel.stream_stream(SERVICE + method)
+                list(call(iter([body]), timeout=timeout, metadata=metadata))
+            else:
+                channel.unary_unary(SERVICE + method)(body, timeout=timeout, metadata=metadata)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+
+
+def embed_request(n: int = 1, **fields) -> pb.EmbedRequest:
+    images = [pb.Image(id=str(i), encoded=png(p)) for i, p in enumerate(random_images(n, 3))]
+    return pb.EmbedRequest(images=images, **fields)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv
+    srv.stop()
+
+
+def test_bytes_that_are_not_a_message_get_invalid_argument(server, caplog):
+    caplog.set_level(logging.INFO)
+    for method in ("Embed", "EmbedStream"):
+        code, details = raw_call(server.address, method, b"\xff\xff\xff\xff garbage")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
+        assert "request body is not a vit22b.v1.EmbedRequest" in details
+    code, details = raw_call(server.address, "GetModelInfo", b"\x0a\xff")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "GetModelInfoRequest" in details
+    assert "Traceback" not in caplog.text
+
+
+def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    srv = start_server(token_file=str(tokens))
+    try:
+        for method in METHODS:
+            code, _ = raw_call(srv.address, method, b"\xff\xfe not a message")
+            assert code == grpc.StatusCode.UNAUTHENTICATED, method
+        code, details = raw_call(srv.address, "Embed", b"\xff\xfe", token="s3cret")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a vit22b.v1" in details
+        code, _ = raw_call(srv.address, "Embed", embed_request().SerializeToString(), "s3cret")
+        assert code == grpc.StatusCode.OK
+        with grpc.insecure_channel(srv.address) as channel:  # no token: the schema is public
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            asked = reflection_pb2.ServerReflectionRequest(list_services="")
+            answer = next(iter(reflect.ServerReflectionInfo(iter([asked]), timeout=10)))
+            names = {s.name for s in answer.list_services_response.service}
+            assert "vit22b.v1.FeatureService" in names
+    finally:
+        srv.stop()
+
+
+def test_a_stream_larger_than_the_queue_waits_instead_of_failing():
+    # 12 messages of 16 images against a queue of 32: the stream must be throttled, not refused
+    srv = start_server(max_queue_images=32, max_request_images=16)
+    try:
+        requests = [embed_request(16) for _ in range(12)]
+        responses = list(stub(srv.address).EmbedStream(iter(requests), timeout=120))
+        assert len(responses) == 12 and all(len(r.indices) == 16 for r in responses)
+        samples = metrics(srv)
+        assert metric(samples, "vit22b_images_total", outcome="rejected") == 0
+        assert metric(samples, "vit22b_images_total", outcome="computed") == 12 * 16
+    finally:
+        srv.stop()
+
+
+def test_a_stream_whose_deadline_cannot_be_met_gets_resource_exhausted():
+    srv = start_server(max_queue_images=16, max_request_images=16, max_delay_ms=0)
+    try:
+        hold = threading.Event()
+        original = srv.engine.forward
+
+        def slow(images, outputs):  # the compute thread blocked: the queue cannot drain
+            hold.wait(10)
+            return original(images, outputs)
+
+        srv.engine.forward = slow
+        try:
+            requests = [embed_request(16) for _ in range(3)]
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub(srv.address).EmbedStream(iter(requests), timeout=1.5))
+            assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        grpc.StatusCode.DEADLINE_EXCEEDED)
+        finally:
+            hold.set()
+            del srv.engine.forward
+    finally:
+        srv.stop()
+
+
+def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded():
+    cfg = get_config("vit-22b-tiny/16")
+    mesh = make_mesh(MESH)
+    engine = Engine(cfg, shard_params(cfg, random_params(cfg, 5), mesh), mesh, fingerprint="f",
+                    source="s", max_batch_images=8, max_compiled=4)  # 4 buckets: 1 output set
+    engine.warm_up()
+    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    with BackgroundServer(config, engine=engine) as srv:
+        client = stub(srv.address)
+        order: list[str] = []
+
+        def new_set():
+            client.Embed(embed_request(1, patch_layers=[1]), timeout=60)
+            order.append("new")
+
+        thread = threading.Thread(target=new_set)
+        thread.start()
+        time.sleep(0.05)  # the new set is compiling on the engine's compile thread
+        client.Embed(embed_request(1), timeout=60)
+        order.append("pooled")
+        thread.join()
+        assert order[0] == "pooled"  # the warm set was not held behind the compile
+        with pytest.raises(grpc.RpcError) as err:  # the cache holds one on-demand set: full
+            client.Embed(embed_request(1, patch_layers=[2]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "output sets" in err.value.details()
+        client.Embed(embed_request(1, patch_layers=[1]), timeout=60)  # the cached one still works
+
+
+def test_non_finite_outputs_are_refused_and_counted():
+    cfg = get_config("vit-22b-tiny/16")
+    mesh = make_mesh(MESH)
+    params = random_params(cfg, 6)
+    params["encoder_norm"]["scale"] = np.full_like(params["encoder_norm"]["scale"], np.nan)
+    engine = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="nan",
+                    source="s", max_batch_images=8)
+    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    with BackgroundServer(config, engine=engine) as srv:
+        request = embed_request(2, patch_layers=[-1], normalize_patches=True)
+        with pytest.raises(grpc.RpcError) as err:
+            stub(srv.address).Embed(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "image 0" in err.value.details() and "NaN or Inf" in err.value.details()
+        request.skip_invalid_images = True
+        response = stub(srv.address).Embed(request, timeout=60)
+        assert list(response.indices) == [] and len(response.errors) == 2
+        assert metric(metrics(srv), "vit22b_images_total", outcome="non_finite") == 4
+
+
+def test_float16_overflow_is_refused_not_returned_as_inf(server):
+    big = pb.EmbedRequest(images=embed_request(1).images, dtype=pb.DTYPE_FLOAT16)
+    response = stub(server.address).Embed(big, timeout=30)  # ordinary features fit in float16
+    assert np.isfinite(wire.from_tensor(response.pooled).astype(np.float32)).all()
+
+
+def test_refused_stream_calls_log_one_line_each(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    bad = pb.EmbedRequest(images=[pb.Image(encoded=b"not an image")])
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError):
+            list(stub(server.address).EmbedStream(iter([bad]), timeout=20))
+    time.sleep(0.2)
+    lines = [r for r in caplog.records if r.name.startswith(("vit22b", "asyncio", "grpc"))]
+    assert not [r for r in lines if "never retrieved" in r.getMessage()]
+    refused = [r for r in lines if "refused" in r.getMessage()]
+    assert len(refused) == 5 and all(r.levelno <= logging.INFO for r in refused)
+    assert not [r for r in lines if r.exc_info]
+
+
+def _mutations(rng: np.random.Generator, seed_bytes: list[bytes], count: int):
+    for _ in range(count):
+        kind = rng.integers(4)
+        if kind == 0:
+            yield rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
+        else:
+            body = bytearray(seed_bytes[int(rng.integers(len(seed_bytes)))])
+            for _ in range(int(rng.integers(1, 8))):
+                if not body:
+                    break
+                at = int(rng.integers(len(body)))
+                if kind == 1:
+                    body[at] = int(rng.integers(256))
+                elif kind == 2:
+                    del body[at : at + int(rng.integers(1, 16))]
+                else:
+                    body[at:at] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+            yield bytes(body)
+
+
+def test_fuzzed_bytes_on_every_method_get_only_deliberate_codes(server):
+    rng = np.random.default_rng(11)
+    seeds = [
+        embed_request(2).SerializeToString(),
+        pb.EmbedRequest(
+            images=[pb.Image(pixels=wire.to_tensor(random_images(1, 4, (20, 30))[0]))],
+            patch_layers=[-1, 0], outputs=[pb.OUTPUT_KIND_ATTENTION_STATS],
+        ).SerializeToString(),
+        pb.GetModelInfoRequest().SerializeToString(),
+    ]
+    seen: dict[grpc.StatusCode, int] = {}
+    deadline = time.monotonic() + 60
+    for i, body in enumerate(_mutations(rng, seeds, 150)):
+        if time.monotonic() > deadline:
+            break
+        code, details = raw_call(server.address, METHODS[i % 3], body)
+        seen[code] = seen.get(code, 0) + 1
+        assert code in DELIBERATE, (METHODS[i % 3], body[:40], code, details)
+    assert seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 0
+    assert stub(server.address).Embed(embed_request(1), timeout=30).indices == [0]  # still up
