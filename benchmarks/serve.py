@@ -173,7 +173,8 @@ def serve_main(args) -> int:
     warm_s = engine.warm_up()
     images = jpegs(args.images, args.size)
     log(f"{engine.cfg.name} on {engine.mesh_spec}, buckets {engine.buckets}, "
-        f"chunks {[engine.plan.chunk_images(b) for b in engine.buckets]}, compiled in {warm_s:.0f}s")
+        f"chunks {[engine.plan.chunk_images(b) for b in engine.buckets]}, "
+        f"compiled in {warm_s:.0f}s")
     config = ServeConfig(
         mesh=args.mesh, port=0, metrics_port=0, max_batch_images=args.batch,
         max_request_images=args.batch, max_delay_ms=args.max_delay_ms,

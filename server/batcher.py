@@ -87,18 +87,25 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="vit22b-batcher", daemon=True)
 
     # ---- admission -------------------------------------------------------------------------
-    def admit(self, n: int) -> None:
+    def try_admit(self, n: int) -> bool:
+        """Reserve room for ``n`` images if there is some (a waiting stream polls this)."""
         with self._cond:
             if self._closed:
                 raise Draining("server is shutting down; retry on another replica")
             if self._pending + n > self.max_queue_images:
-                self.metrics.images.labels("rejected").inc(n)
-                raise QueueFull(
-                    f"queue full: {self._pending} images queued, {n} more would exceed the "
-                    f"limit of {self.max_queue_images}; retry with backoff"
-                )
+                return False
             self._pending += n
             self.metrics.queue_images.set(self._pending)
+            return True
+
+    def admit(self, n: int) -> None:
+        """Reserve room for ``n`` images, or ``QueueFull`` at once."""
+        if not self.try_admit(n):
+            self.metrics.images.labels("rejected").inc(n)
+            raise QueueFull(
+                f"queue full: {self._pending} images queued, {n} more would exceed the "
+                f"limit of {self.max_queue_images}; retry with backoff"
+            )
 
     def release(self, n: int) -> None:
         """Give back admitted room whose images will not be submitted (invalid, caller gone)."""

@@ -2,8 +2,8 @@
 
 This process only supervises: it starts the JAX process (``distributed.child_main``) as its child
 and says in plain words why it ended. The runtime ends a process that cannot join the group (a
-peer that never arrives) or whose coordinator has gone by aborting it (SIGABRT): nothing in that process can catch it, so its parent reports it. The child dies with its
-parent. Every flag may also come from the environment (``VIT22B_COORDINATOR`` ...).
+peer that never arrives) or whose coordinator has gone by aborting it (SIGABRT): nothing in
+that process can catch it, so its parent reports it. The child dies with its parent. Every flag may also come from the environment (``VIT22B_COORDINATOR`` ...).
 """
 
 from __future__ import annotations

@@ -175,26 +175,23 @@ class Infer:
         """Room in the queue for the call's images: at once, or (``wait_for_room``) as it
         drains, until the deadline."""
         start, n = time.monotonic(), len(call.images)
+        if not call.wait_for_room or n > self.batcher.max_queue_images:
+            self.batcher.admit(n)
+            return Admitted(call, outputs, start, n)
         pause = _ADMIT_POLL_S[0]
-        while True:
-            try:
-                self.batcher.admit(n)
-                return Admitted(call, outputs, start, n)
-            except QueueFull:
-                if not call.wait_for_room or n > self.batcher.max_queue_images:
-                    raise
-                if self.draining.is_set():
-                    raise Draining(
-                        "server is shutting down; resend the requests not answered"
-                    ) from None
-                left = None if call.deadline is None else call.deadline - time.monotonic()
-                if left is not None and left <= pause:
-                    raise QueueFull(
-                        "queue full until the call's deadline: the server is over capacity; "
-                        "retry with backoff or give the stream a longer deadline"
-                    ) from None
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, _ADMIT_POLL_S[1])
+        while not self.batcher.try_admit(n):
+            if self.draining.is_set():
+                raise Draining("server is shutting down; resend the requests not answered")
+            left = None if call.deadline is None else call.deadline - time.monotonic()
+            if left is not None and left <= pause:
+                self.metrics.images.labels("rejected").inc(n)
+                raise QueueFull(
+                    "queue full until the call's deadline: the server is over capacity; "
+                    "retry with backoff or give the stream a longer deadline"
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _ADMIT_POLL_S[1])
+        return Admitted(call, outputs, start, n)
 
     async def run(self, admitted: Admitted) -> EmbedResult:
         """Decode, batch, compute and finish an admitted call."""

@@ -226,6 +226,7 @@ class FeatureService:
         """Admit each request before reading the next; queue its task (responses in order)."""
         incoming_messages = requests.__aiter__()
         drained = asyncio.create_task(self.infer.draining.wait())
+        incoming = None
         try:
             while True:
                 incoming = asyncio.ensure_future(incoming_messages.__anext__())
@@ -254,6 +255,8 @@ class FeatureService:
             await order.put(err)
         finally:
             drained.cancel()
+            if incoming is not None:
+                _settle(incoming)
 
     async def _answer(self, call: EmbedCall, admitted) -> pb.EmbedResponse:
         return self._response(call, await self.infer.run(admitted))
