@@ -93,7 +93,7 @@ def add_arguments(
         help_ = f"{field.metadata['help']} (${env}{shown})"
         if field.metadata["repeat"]:
             text = environ.get(env)
-            parser.add_argument(flag, dest=field.name, type=parse, action="append", help=help_,
+            parser.add_argument(flag, dest=field.name, type=parse, action=_Repeat, help=help_,
                                 default=None if text is None else
                                 [parse(v) for v in text.split(";") if v.strip()])
         elif parse is _bool:
@@ -105,6 +105,17 @@ def add_arguments(
             # error, which is what a bad variable should get too
             parser.add_argument(flag, dest=field.name, type=parse,
                                 default=environ.get(env, default), help=help_)
+
+
+class _Repeat(argparse.Action):
+    """Like ``append``, but the first use on the command line replaces the default (the
+    variable's values) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        marker = f"_given_{self.dest}"
+        current = getattr(namespace, self.dest) if getattr(namespace, marker, False) else None
+        setattr(namespace, marker, True)
+        setattr(namespace, self.dest, [*(current or []), values])
 
 
 def _show(value) -> str:

@@ -3,7 +3,8 @@
 This process only supervises: it starts the JAX process (``distributed.child_main``) as its child
 and says in plain words why it ended. The runtime ends a process that cannot join the group (a
 peer that never arrives) or whose coordinator has gone by aborting it (SIGABRT): nothing in
-that process can catch it, so its parent reports it. The child dies with its parent. Every flag may also come from the environment (``VIT22B_COORDINATOR`` ...).
+that process can catch it, so its parent reports it. The child dies with its parent. The group
+flags are declared once (``GroupSettings``), each with its ``VIT22B_<FLAG>`` variable.
 """
 
 from __future__ import annotations
@@ -15,36 +16,33 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
-from .app import ServeConfig
+from vit22b.clients import settings
+from vit22b.clients.settings import positive, setting
 
-# flag, type, default, help; each also from VIT22B_<FLAG> in the environment (the flag wins)
-FLAGS = (
-    ("--coordinator", str, None, "HOST:PORT of process 0's coordination service, the same for all"),
-    ("--num-processes", int, None, "processes in the group"),
-    ("--process-id", int, None, "this process, 0..N-1; 0 serves gRPC, the others follow it"),
-    ("--init-timeout", int, 300, "seconds every process has to join, else the start-up ends"),
-    ("--peer-timeout", float, 5.0, "a worker silent this long is gone: process 0 NOT_SERVING"),
-)
+from .settings import ServeConfig
+
+
+@dataclass
+class GroupSettings:
+    coordinator: str | None = setting(
+        None, "HOST:PORT of process 0's coordination service, the same for all")
+    num_processes: int | None = setting(None, "processes in the group")
+    process_id: int | None = setting(
+        None, "this process, 0..N-1; 0 serves gRPC, the others follow it")
+    init_timeout: int = setting(
+        300, "seconds every process has to join, else the start-up ends", check=positive)
+    peer_timeout: float = setting(
+        5.0, "a worker silent this long is gone: process 0 NOT_SERVING", check=positive)
+
+
 _CHILD = "import sys; from vit22b.server.distributed import child_main; child_main(sys.argv[1])"
-
-
-def env_name(flag: str) -> str:
-    return "VIT22B_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 def add_group_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("several processes, one model (jax.distributed)")
-    for flag, kind, default, help_ in FLAGS:
-        name = env_name(flag)
-        fallback = f", default {default}" if default is not None else ""
-        # argparse converts a string default with ``type``, and reports a bad one as a flag error
-        group.add_argument(
-            flag,
-            type=kind,
-            default=os.environ.get(name, default),
-            help=f"{help_} (${name}{fallback})",
-        )
+    settings.add_arguments(group, GroupSettings)
 
 
 def group_from_args(args: argparse.Namespace):
@@ -63,8 +61,7 @@ def group_from_args(args: argparse.Namespace):
             f"--process-id must be in 0..{args.num_processes - 1} and --num-processes positive, "
             f"got {args.process_id} of {args.num_processes}"
         )
-    if args.init_timeout <= 0 or args.peer_timeout <= 0:
-        raise ValueError("--init-timeout and --peer-timeout must be positive")
+    settings.check(settings.from_args(GroupSettings, args))
     return Group(
         args.coordinator,
         args.num_processes,

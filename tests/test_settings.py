@@ -1,0 +1,51 @@
+"""Every setting declared once: its flag and VIT22B_ variable are generated, the flag wins,
+bad values are refused naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from vit22b.clients import settings
+from vit22b.server.distributed_cli import GroupSettings
+from vit22b.server.settings import ServeConfig
+
+
+def parse(argv: list[str], environ: dict[str, str]) -> ServeConfig:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    settings.add_arguments(parser, ServeConfig, environ)
+    return settings.from_args(ServeConfig, parser.parse_args(argv))
+
+
+def test_every_serve_setting_has_a_flag_and_a_variable():
+    rows = settings.describe(ServeConfig)
+    declared = [f.name for f in dataclasses.fields(ServeConfig) if f.metadata.get("cli")]
+    assert len(rows) == len(declared) >= 20
+    for flag, env, _, help_ in rows:
+        assert flag.startswith("--") and env == "VIT22B_" + flag[2:].replace("-", "_").upper()
+        assert help_
+    assert ("--drain-timeout", "VIT22B_DRAIN_TIMEOUT") in {(f, e) for f, e, _, _ in rows}
+    assert {f for f, _, _, _ in settings.describe(GroupSettings)} == {
+        "--coordinator", "--num-processes", "--process-id", "--init-timeout", "--peer-timeout"}
+
+
+def test_variables_set_defaults_and_flags_win():
+    env = {"VIT22B_MAX_BATCH_IMAGES": "16", "VIT22B_METRICS_PORT": "-1",
+           "VIT22B_WARM_OUTPUTS": "pooled;pooled+patch:-1,-2", "VIT22B_COMPUTE_DTYPE": "float32"}
+    config = parse([], env)
+    assert config.max_batch_images == 16 and config.metrics_port is None
+    assert config.compute_dtype == "float32"
+    assert [o.patch_layers for o in config.warm_outputs] == [(), (-1, -2)]
+    config = parse(["--max-batch-images", "8", "--warm-outputs", "class_token"], env)
+    assert config.max_batch_images == 8 and len(config.warm_outputs) == 1
+    assert parse([], {}).max_batch_images == 32  # the declared default
+
+
+def test_bad_values_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--max-queue-images must be positive"):
+        parse(["--max-queue-images", "0"], {}).check()
+    with pytest.raises(ValueError, match="--chunk-images must be >= 0"):
+        parse([], {"VIT22B_CHUNK_IMAGES": "-3"}).check()
+    with pytest.raises(argparse.ArgumentError):
+        parse([], {"VIT22B_COMPUTE_DTYPE": "float8"})
