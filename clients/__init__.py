@@ -15,7 +15,7 @@ _EXPORTS = {
     "Embeddings": "embeddings",
     "ImageError": "embeddings",
     "MixedModelsError": "embeddings",
-    "InputError": "inputs",
+    "InvalidImage": "client",
 }
 
 __all__ = sorted(_EXPORTS)

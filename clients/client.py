@@ -22,12 +22,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from vit22b.model.errors import InvalidImage
+from vit22b.model.outputs import OutputRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
 
 from .embeddings import Embeddings, ImageError, from_response, merge
-from .inputs import InputError, Item, as_images, items, to_proto
+from .inputs import Item, as_images, items, to_proto
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -73,21 +75,22 @@ class EmbedOptions:
     skip_invalid: bool = False
 
     def __post_init__(self) -> None:
-        for kind in self.outputs:
-            wire.kind_code(kind)  # raises on an unknown kind
+        OutputRequest.of(self.outputs, self.layers)  # raises on an unknown kind
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
 
     @property
+    def asked(self) -> OutputRequest:
+        """The output request these options spell (defaults: model/outputs.py)."""
+        return OutputRequest.of(self.outputs, self.layers, self.normalize_patches)
+
+    @property
     def kinds(self) -> list[str]:
-        kinds = list(self.outputs)
-        if self.layers and "patch_tokens" not in kinds:
-            kinds.append("patch_tokens")
-        return kinds
+        return list(self.asked.kinds)
 
     @property
     def patch_layers(self) -> list[int]:
-        return list(dict.fromkeys(self.layers)) or ([-1] if "patch_tokens" in self.outputs else [])
+        return list(self.asked.patch_layers)
 
     def request(self, images: Sequence[pb.Image]) -> pb.EmbedRequest:
         return pb.EmbedRequest(
@@ -118,9 +121,9 @@ def chunk_items(
         overhead = wire.image_overhead(item.id)
         if item.size + overhead > budget or row + overhead > budget:
             what = "its bytes" if item.size + overhead > budget else f"its outputs ({row} bytes)"
-            raise InputError(
-                item.index,
+            raise InvalidImage(
                 f"{what} exceed the server's message limit of {limits.max_message_bytes} bytes",
+                item.index,
                 item.id,
             )
         full = len(chunk) == per_request
@@ -146,7 +149,7 @@ def build_request(chunk: list[Item], options: EmbedOptions):
         try:
             images.append(to_proto(item))
             sent.append(item.index)
-        except InputError as err:
+        except InvalidImage as err:
             if not options.skip_invalid:
                 raise
             errors.append(ImageError(err.index, err.image_id, err.reason))

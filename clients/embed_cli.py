@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .embed import DTYPE_CHOICES, OUTPUT_CHOICES, JobConfig, JobFailed, OutputSpec, run_job
-from .embed_inputs import InputError, enumerate_inputs
+from .embed_inputs import InputListError, enumerate_inputs
 from .embed_store import JobMismatch
 from .outputs import OutputsError
 
@@ -120,12 +120,12 @@ def run(args: argparse.Namespace) -> int:
         )
         items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
         backend = make_backend(args, spec)
-    except (InputError, ValueError) as err:
+    except (InputListError, ValueError) as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 2
     try:
         summary = run_job(config, backend, items)
-    except (InputError, JobMismatch, OutputsError, ValueError) as err:
+    except (InputListError, JobMismatch, OutputsError, ValueError) as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 2
     except JobFailed as err:

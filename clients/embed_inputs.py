@@ -24,7 +24,7 @@ from dataclasses import dataclass
 LIST_SUFFIXES = (".txt", ".lst", ".list")
 
 
-class InputError(ValueError):
+class InputListError(ValueError):
     """An INPUT that names nothing usable; the message says which and why."""
 
 
@@ -78,10 +78,12 @@ def _expand(spec: str, several: bool) -> list[InputItem]:
             return _read_list(spec)
         return [InputItem(_posix(spec), os.path.abspath(spec))]
     if not glob.has_magic(spec):
-        raise InputError(f"input {spec!r} does not exist (want a folder, a glob or a list file)")
+        raise InputListError(
+            f"input {spec!r} does not exist (want a folder, a glob or a list file)"
+        )
     matches = sorted(glob.glob(spec, recursive=True))
     if not matches:
-        raise InputError(f"input glob {spec!r} matches nothing")
+        raise InputListError(f"input glob {spec!r} matches nothing")
     items = []
     for match in matches:
         if os.path.isdir(match):
@@ -94,7 +96,7 @@ def _expand(spec: str, several: bool) -> list[InputItem]:
 def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = ()) -> list[InputItem]:
     """All images named by ``specs``, sorted by id, each once. ``extensions``: keep only these."""
     if not specs:
-        raise InputError("no INPUT given")
+        raise InputListError("no INPUT given")
     several = len(specs) > 1
     by_id: dict[str, InputItem] = {}
     wanted = tuple("." + e.lower().lstrip(".") for e in extensions)
@@ -104,11 +106,11 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = ()) -> list
                 continue
             seen = by_id.setdefault(item.id, item)
             if seen.path != item.path:
-                raise InputError(
+                raise InputListError(
                     f"two different files share the id {item.id!r}: {seen.path} and {item.path}"
                 )
     if not by_id:
-        raise InputError(f"no files found in {' '.join(specs)}")
+        raise InputListError(f"no files found in {' '.join(specs)}")
     return [by_id[key] for key in sorted(by_id)]
 
 

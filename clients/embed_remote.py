@@ -15,13 +15,13 @@ import threading
 from collections.abc import Sequence
 
 import grpc
+from vit22b.model.errors import InvalidImage
 from vit22b.model.identity import ModelIdentity
 from vit22b.v1 import wire
 
 from .client import FeatureClient, FeatureError, Retry
 from .embed import BatchResult, OutputSpec, WorkerLost, os_reason, read_file, to_stored
 from .embed_inputs import InputItem
-from .inputs import InputError
 from .outputs import array_name
 
 # A server answering with these after the SDK's retries is gone (or hopeless): move off it.
@@ -75,7 +75,7 @@ class RemoteWorker:
                 # no ids on the wire: file names need not be UTF-8; rows map back by index
                 result = server.client.embed(blobs, batch_size=len(blobs), **self.options)
                 break
-            except InputError as err:  # an image the SDK cannot send (e.g. over the size limit)
+            except InvalidImage as err:  # an image the SDK cannot send (e.g. over the size limit)
                 failed.append((positions.pop(err.index), err.reason))
                 del blobs[err.index]
             except FeatureError as err:

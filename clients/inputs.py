@@ -13,20 +13,11 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from vit22b.model.errors import InvalidImage
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
 ImageInput = str | os.PathLike | bytes | bytearray | Image.Image | np.ndarray
-
-
-class InputError(ValueError):
-    """A local input that cannot be sent; names its index."""
-
-    def __init__(self, index: int, reason: str, image_id: str = ""):
-        self.index, self.reason, self.image_id = index, reason, image_id
-        named = image_id and image_id != str(index)
-        where = f"image {index}" + (f" (id {image_id!r})" if named else "")
-        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +64,7 @@ def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
 
 
 def to_proto(item: Item) -> pb.Image:
-    """The wire form of one input; raises ``InputError`` naming the index."""
+    """The wire form of one input; raises ``InvalidImage`` naming the index."""
     image = item.image
     try:
         if isinstance(image, (str, os.PathLike)):
@@ -85,9 +76,9 @@ def to_proto(item: Item) -> pb.Image:
         else:
             pixels = _rgb(np.asarray(image))
     except OSError as err:
-        raise InputError(item.index, f"cannot read {image}: {err}", item.id) from None
+        raise InvalidImage(f"cannot read {image}: {err}", item.index, item.id) from None
     except (TypeError, ValueError) as err:
-        raise InputError(item.index, str(err), item.id) from None
+        raise InvalidImage(str(err), item.index, item.id) from None
     return pb.Image(id=item.id, pixels=wire.to_tensor(pixels))
 
 

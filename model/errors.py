@@ -17,9 +17,8 @@ class InvalidImage(InvalidRequest):
 
     def __init__(self, reason: str, index: int | None = None, image_id: str = ""):
         self.reason, self.index, self.image_id = reason, index, image_id
-        where = (
-            "" if index is None else f"image {index}" + (f" (id {image_id!r})" if image_id else "")
-        )
+        named = image_id and image_id != str(index)  # ids default to the position
+        where = "" if index is None else f"image {index}" + (f" (id {image_id!r})" if named else "")
         super().__init__(f"{where}: {reason}" if where else reason)
 
     def at(self, index: int, image_id: str = "") -> InvalidImage:

@@ -128,10 +128,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P("data"))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
 def init_sharded(cfg: ViTConfig, mesh: Mesh, seed: int = 0) -> dict:
     """Seeded random parameters materialised directly in their sharding."""
     shardings = param_shardings(cfg, mesh)

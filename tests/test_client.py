@@ -16,7 +16,7 @@ from vit22b.clients import (
     AsyncFeatureClient,
     Embeddings,
     FeatureClient,
-    InputError,
+    InvalidImage,
     MixedModelsError,
     Retry,
 )
@@ -24,6 +24,7 @@ from vit22b.clients.client import EmbedOptions, chunk_items
 from vit22b.clients.embeddings import merge
 from vit22b.clients.inputs import as_images, items, to_proto
 from vit22b.model import OutputRequest
+from vit22b.model.errors import InvalidRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -68,7 +69,7 @@ def test_pixels_are_sent_raw_and_converted_to_rgb():
 def test_bad_local_inputs_name_their_index(tmp_path):
     bad = [np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 2), np.uint8), tmp_path / "missing.png"]
     for image, reason in zip(bad, ["must be uint8", r"must be \[H, W\]", "cannot read"]):
-        with pytest.raises(InputError, match=f"image 1.*{reason}"):
+        with pytest.raises(InvalidImage, match=f"image 1.*{reason}"):
             [to_proto(i) for i in items([np.zeros((4, 4, 3), np.uint8), image])]
 
 
@@ -99,12 +100,12 @@ def test_chunks_respect_images_per_request_and_message_size():
     assert [len(c) for c in chunks] == [3] * 6 + [2]
     half = EmbedOptions(layers=(0, 1, 2, 3), dtype="float16")
     assert len(next(chunk_items(items(small), _info(), half, 100))) == 7
-    with pytest.raises(InputError, match="image 0: its outputs"):
+    with pytest.raises(InvalidImage, match="image 0: its outputs"):
         list(chunk_items(items(small), _info(max_bytes=16 << 10), options, None))
 
 
 def test_options_are_checked_before_sending():
-    with pytest.raises(wire.WireError, match="unknown output kind"):
+    with pytest.raises(InvalidRequest, match="unknown output"):
         EmbedOptions(outputs=("pooled", "cls"))
     with pytest.raises(ValueError, match="float64"):
         EmbedOptions(dtype="float64")

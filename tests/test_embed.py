@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from serving import in_process
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
-from vit22b.clients.embed_inputs import InputError, enumerate_inputs
+from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
 from vit22b.clients.outputs import (
     OutputsError,
@@ -89,12 +89,12 @@ def test_folder_glob_and_list_inputs(tmp_path):
 
 
 def test_bad_inputs_are_named(tmp_path):
-    with pytest.raises(InputError, match="does not exist"):
+    with pytest.raises(InputListError, match="does not exist"):
         enumerate_inputs([str(tmp_path / "nope")])
-    with pytest.raises(InputError, match="matches nothing"):
+    with pytest.raises(InputListError, match="matches nothing"):
         enumerate_inputs([str(tmp_path / "*.jpg")])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(InputError, match="no files found"):
+    with pytest.raises(InputListError, match="no files found"):
         enumerate_inputs([str(tmp_path / "empty")])
 
 

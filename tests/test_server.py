@@ -332,7 +332,7 @@ def test_client_reports_bad_input_with_index_and_reason(client):
         client.embed([GOOD, GOOD, GOOD, b"junk"], ids=["a", "b", "c", "d"])
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "image 3 (id 'd')" in str(info.value)
-    with pytest.raises(ValueError, match="unknown output kind"):
+    with pytest.raises(ValueError, match="unknown output"):
         client.embed([GOOD], outputs=["everything"])
     with pytest.raises(ValueError, match="image 1: numpy images must be uint8"):
         client.embed([GOOD, GOOD.astype(np.float32)])
