@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
-from .engine import Engine, Executor
+from .engine import Engine, Executor, enable_compile_cache
 from .infer import Infer, Limits
 from .metrics import Metrics
 from .service import SERVICE_NAME, FeatureService
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engine:
     """The engine of these settings, compiled for every warm output set (``executor``: how
     batches run; default one process)."""
+    if config.compile_cache and config.compile_cache != "off":
+        log.info("compilation cache: %s", enable_compile_cache(config.compile_cache))
     engine = Engine.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,

@@ -18,6 +18,7 @@ per device (about 10 GB for ViT-22B at batch 32).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -56,6 +57,22 @@ MAX_PENDING_COMPILES = 4  # output sets waiting for the compile thread; beyond: 
 
 class CompileLimit(QueueFull):
     """A new output set cannot be compiled now (cache full of recent sets, or compiles queued)."""
+
+
+def enable_compile_cache(directory: str) -> str:
+    """JAX's persistent compilation cache under ``directory``, in a folder per jax/jaxlib
+    version; returns that folder. JAX keys each entry by the program, the compile options and
+    the devices, and writes entries atomically, so processes may share it; the version folder
+    keeps a cache written by another install from being read at all."""
+    import jaxlib
+
+    folder = os.path.join(os.path.expanduser(directory), f"jax-{jax.__version__}-jaxlib-"
+                          f"{jaxlib.__version__}")
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return folder
 
 
 def auto_mesh(cfg: ViTConfig, devices: Sequence | None = None) -> Mesh:

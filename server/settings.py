@@ -29,6 +29,11 @@ def parse_outputs(spec: str) -> OutputRequest:
     return OutputRequest(**fields)
 
 
+def default_compile_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.join(base, "vit22b", "xla")
+
+
 def _port_or_off(text: str) -> int | None:
     port = int(text)
     return None if port < 0 else port
@@ -86,6 +91,9 @@ class ServeConfig:
     max_compiled: int = setting(
         64, "compiled forwards kept besides the warm ones; a new output set beyond them is "
         "refused while all are in recent use", check=positive)
+    compile_cache: str = setting(
+        default_compile_cache(), "JAX's persistent compilation cache (a folder per jax version; "
+        "shared safely between processes); 'off' compiles afresh at every start")
     warm_outputs: tuple[OutputRequest, ...] = setting(
         (POOLED,), "output set compiled before SERVING (repeatable), e.g. 'pooled' or "
         "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import functools
 import io
+import os
+import re
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -25,6 +30,7 @@ from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
 
+ROOT = Path(__file__).resolve().parents[1]
 MESH = "data=2,model=4"
 MAX_BATCH = 8
 
@@ -40,6 +46,23 @@ def in_process(engine: Engine, images, outputs: OutputRequest = POOLED, **option
     """The in-process path (the facade on a private loop): what served features must equal."""
     with LocalInfer(engine) as local:
         return local.embed(images, outputs, **options).features
+
+
+def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]:
+    """A real `vit22b serve` process on a free port; (process, address) once it is SERVING.
+    The caller stops it (SIGTERM) and reads the rest of its output."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    command = [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
+               "--metrics-port", "-1", *flags]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        match = re.search(r"SERVING .* on (\S+),", line)
+        if match:
+            return proc, match[1]
+    proc.kill()
+    raise AssertionError(f"the server did not report SERVING (exit {proc.wait()})")
 
 
 def start_server(**overrides) -> BackgroundServer:

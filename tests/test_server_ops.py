@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -23,6 +20,7 @@ from serving import (
     metrics,
     random_images,
     raw_image,
+    serve_process,
     start_server,
     stub,
 )
@@ -237,42 +235,11 @@ def test_drain_goes_not_serving_and_finishes_accepted_calls():
 
 
 def test_sigterm_during_load_loses_no_accepted_request():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vit22b.clients.cli",
-            "serve",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--mesh",
-            "data=2,model=4",
-            "--max-batch-images",
-            "8",
-            "--max-delay-ms",
-            "100",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc, address = serve_process(
+        "--mesh", "data=2,model=4", "--max-batch-images", "8", "--max-delay-ms", "100",
+        "--log-level", "WARNING", "--compile-cache", "off",
     )
     try:
-        address = None
-        for line in proc.stdout:
-            match = re.search(r"SERVING .* on (\S+),", line)
-            if match:
-                address = match[1]
-                break
-        assert address, "the server did not report SERVING"
         outcomes: list[tuple[str, str]] = []
         stop = threading.Event()
 
@@ -309,3 +276,21 @@ def test_sigterm_during_load_loses_no_accepted_request():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_warm_compile_cache_gives_identical_outputs(tmp_path):
+    cache = str(tmp_path / "xla")
+    flags = ("--mesh", "data=2,model=4", "--max-batch-images", "4", "--compile-cache", cache,
+             "--log-level", "WARNING")
+    got = []
+    for _ in range(2):  # cold, then warm
+        proc, address = serve_process(*flags)
+        try:
+            got.append(stub(address).Embed(request(3, 9), timeout=60))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        entries = [p for p in (tmp_path / "xla").rglob("*") if p.is_file()]
+        assert entries, "nothing was written to the compilation cache"
+    assert got[0].pooled.data == got[1].pooled.data  # bit for bit
