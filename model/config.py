@@ -28,6 +28,13 @@ _CHOICES = {
 }
 
 
+# The version of the decoding and resampling rules in model/pixels.py (formats, orientation,
+# colour modes, transparency, the resampled window). Part of the preprocessing hash: bump it with
+# any change that can change the pixels the model sees. 2: EXIF orientation, BMP/GIF/TIFF,
+# 16-bit grey scaled, transparency over white, I/F/LAB refused, bounded resampling window.
+PIXEL_RULES = 2
+
+
 class ConfigError(ValueError):
     """A configuration that cannot describe a working model; the message names the field."""
 
@@ -163,7 +170,11 @@ class ViTConfig:
 
     def preprocess_hash(self) -> str:
         """Fingerprint of everything that decides the pixels the model sees."""
-        contract = {"image_size": self.image_size, **self.preprocess.to_dict()}
+        contract = {
+            "image_size": self.image_size,
+            **self.preprocess.to_dict(),
+            "pixel_rules": PIXEL_RULES,
+        }
         blob = json.dumps(contract, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

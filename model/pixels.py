@@ -1,55 +1,103 @@
 """The pixel contract: image bytes or raw pixels -> the model's normalised input.
 
-jax-free: one module for the server, the batch job and the probes, so all see the same pixels.
-The contract (resize the shorter side, centre crop, normalise) comes from ``cfg.preprocess``;
-``Preprocessor.describe()`` is what GetModelInfo publishes.
+jax-free (numpy and Pillow): one module for the server, the batch job and the probes, so all see
+the same pixels. ``Preprocessor.describe()`` is what GetModelInfo publishes; its hash,
+``ViTConfig.preprocess_hash()``, covers ``cfg.preprocess`` and ``PIXEL_RULES`` (the version of
+the decoding and resampling rules below).
 
-Untrusted bytes: only JPEG, PNG and WebP are opened; the declared size is checked against
-``max_pixels`` before any pixel is decoded (decompression bombs), and every decoder failure
-(truncated files, corrupt data) becomes an ``InvalidImage`` with the decoder's reason.
+Untrusted bytes (``decode``):
+
+- Formats: JPEG (an MPO's first picture), PNG, WebP, BMP, GIF and TIFF, recognised by their
+  signature, never by a file name; animations and multi-page files give their first frame. A
+  file of another format Pillow knows is refused naming that format.
+- Size: the declared size is checked against ``max_pixels`` (the server's
+  ``--max-image-pixels``) before any pixel is decoded. Pillow's own bomb guard (one
+  process-wide setting, read inside its GIF and TIFF plugins) is raised to at least that limit,
+  never lowered, so it never refuses what the limit allows; what it still refuses is over the
+  limit and reported as such.
+- Orientation: the EXIF (or XMP) orientation is applied, as phone photos expect.
+- Colour: every mode becomes 8-bit RGB. Bilevel, grey and palette images are expanded; 16-bit
+  grey (``I;16``, ``I;16B``, ...) is scaled by 255/65535 and rounded (16-bit colour PNG and
+  TIFF arrive from Pillow as their high bytes); CMYK (naive, no ICC profile) and YCbCr (JFIF)
+  go through Pillow's conversions; transparency (alpha channels, PNG tRNS, GIF transparency) is
+  composited over ``BACKGROUND``. 32-bit integer (``I``) and float (``F``) pixels carry no range
+  (which values are black and white), and Pillow has no faithful CIELab conversion: refused.
+- Every decoder failure (truncated files, corrupt data) becomes an ``InvalidImage`` with the
+  decoder's reason; a known format that cannot be used (zero width or height, an unsupported
+  variant) says so.
+
+Raw pixels (``check_pixels``) are taken as given: uint8 [H, W, 3].
+
+Resizing keeps memory bounded by the crop whatever the aspect ratio: the shorter-side resize is
+done in full (exactly as before, torchvision's PIL Resize + CenterCrop) while it holds at most
+``FULL_RESIZE_CROPS`` crops' worth of pixels, beyond that (aspect ratios past about 64:1) only
+the source box that the centre crop keeps is resampled.
 """
 
 from __future__ import annotations
 
 import io
+import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image
 
-from .config import ViTConfig
+from .config import PIXEL_RULES, ViTConfig
 from .errors import InvalidImage
 
-FORMATS = ("JPEG", "PNG", "WEBP")
+FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
+FORMAT_NAMES = "JPEG, PNG, WebP, BMP, GIF or TIFF"
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # about 7.3k x 5.5k; far beyond any model input
+BACKGROUND = (255, 255, 255)  # what transparent pixels show: white, as image viewers do
+FULL_RESIZE_CROPS = 64  # the full shorter-side resize up to this many crops' worth of pixels
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+_EXPANDED = ("1", "L", "P", "RGBX", "CMYK", "YCbCr", "HSV")  # Pillow's convert("RGB") is right
+_REFUSED = {
+    "I": "32-bit integer pixels have no unambiguous 8-bit mapping (the file does not say which "
+    "values are black and white)",
+    "F": "32-bit floating-point pixels have no unambiguous 8-bit mapping (their range may be "
+    "0..1, 0..255 or unbounded)",
+    "LAB": "CIELab colour needs a colour-managed conversion to RGB, which is not applied",
+}
+_ORIENTATION = {  # EXIF orientation -> the transpose that shows the picture upright
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+Image.init()  # register every plugin once: refused formats are named by their signature
+_PILLOW_GUARD = threading.Lock()
 
 
 def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Encoded JPEG / PNG / WebP bytes -> uint8 [H, W, 3] RGB (first frame of animations)."""
+    """Encoded image bytes -> uint8 [H, W, 3] RGB, upright (the rules in the module docstring)."""
     if not data:
         raise InvalidImage("empty image bytes")
-    try:
-        image = Image.open(io.BytesIO(data), formats=FORMATS)
-    except UnidentifiedImageError:
+    _allow_in_pillow(max_pixels)
+    image = _open(data, max_pixels)
+    name = _name(image.format)
+    check_size(image.height, image.width, max_pixels, f"declared size of the {name}")
+    if image.mode in _REFUSED:
         raise InvalidImage(
-            f"not a JPEG, PNG or WebP image ({len(data)} bytes starting {data[:8]!r})"
-        ) from None
-    except Image.DecompressionBombError as err:
-        raise InvalidImage(f"declared size is too large (decompression bomb?): {err}") from None
-    except Exception as err:  # noqa: BLE001 - any header parser failure is the sender's data
-        raise InvalidImage(f"unreadable image header: {type(err).__name__}: {err}") from None
-    width, height = image.size
-    check_size(height, width, max_pixels, f"declared size of the {image.format}")
+            f"{name} image in mode {image.mode}: {_REFUSED[image.mode]}; save it as 8- or "
+            "16-bit RGB or grey"
+        )
     try:
-        rgb = image.convert("RGB")  # decodes every pixel: truncated or corrupt data fails here
+        image.load()  # decodes every pixel: truncated or corrupt data fails here
+    except Image.DecompressionBombError as err:
+        raise _over_limit(name, err, max_pixels) from None
     except MemoryError:
         raise
-    except Exception as err:  # noqa: BLE001 - same: a decoder error means bad input, not a bug
-        raise InvalidImage(
-            f"cannot decode {image.format} image: {type(err).__name__}: {err}"
-        ) from None
-    return np.asarray(rgb)
+    except Exception as err:  # noqa: BLE001 - a decoder error means bad input, not a bug
+        raise InvalidImage(f"cannot decode {name} image: {type(err).__name__}: {err}") from None
+    return _to_rgb(_upright(image, name), name)
 
 
 def check_size(height: int, width: int, max_pixels: int, what: str = "image") -> None:
@@ -57,13 +105,12 @@ def check_size(height: int, width: int, max_pixels: int, what: str = "image") ->
         raise InvalidImage(f"{what} is {width}x{height}: zero-sized")
     if height * width > max_pixels:
         raise InvalidImage(
-            f"{what} is {width}x{height} = {height * width} pixels, over the limit of "
-            f"{max_pixels} (decompression bomb guard)"
+            f"{what} is {width}x{height} = {height * width} pixels, {_limit(max_pixels)}"
         )
 
 
 def check_pixels(pixels: np.ndarray, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Raw pixels must be uint8 [H, W, 3] with H, W > 0."""
+    """Raw pixels must be uint8 [H, W, 3] with H, W > 0; they are used as given."""
     if pixels.dtype != np.uint8:
         raise InvalidImage(f"raw pixels must be uint8, got {pixels.dtype}")
     if pixels.ndim != 3 or pixels.shape[-1] != 3:
@@ -74,6 +121,128 @@ def check_pixels(pixels: np.ndarray, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS)
     return pixels
 
 
+# ---- decoding ---------------------------------------------------------------------------------
+def _limit(max_pixels: int) -> str:
+    return (
+        f"over the limit of {max_pixels} (the server's --max-image-pixels; a decompression bomb "
+        "guard)"
+    )
+
+
+def _name(fmt: str | None) -> str:
+    return {"WEBP": "WebP", "MPO": "JPEG (MPO)"}.get(fmt or "", fmt or "image")
+
+
+def _allow_in_pillow(max_pixels: int) -> None:
+    """Raise Pillow's guard (it warns above the value, refuses above twice it) to max_pixels."""
+    if Image.MAX_IMAGE_PIXELS is None or Image.MAX_IMAGE_PIXELS >= max_pixels:
+        return
+    with _PILLOW_GUARD:
+        if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+            Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+def _over_limit(name: str, err: Exception, max_pixels: int) -> InvalidImage:
+    """Pillow's guard refused (it is never below max_pixels): say it in terms of our limit."""
+    found = re.search(r"\((\d+) pixels\)", str(err))
+    size = f"{found[1]} pixels" if found else "more pixels than allowed"
+    return InvalidImage(f"{name} declares a frame or tile of {size}, {_limit(max_pixels)}")
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Parse the header of an accepted format (no pixels decoded), or say what the bytes are.
+
+    Pillow's plugins are called directly rather than through ``Image.open``, which answers
+    every failure with "cannot identify image file": a recognised format's reason is kept.
+    """
+    prefix = data[:16]
+    for fmt in FORMATS:
+        factory, accept = Image.OPEN[fmt]
+        recognised = accept(prefix)
+        if isinstance(recognised, str):  # the plugin is there but its codec is not
+            raise InvalidImage(f"{_name(fmt)} image, but {recognised}")
+        if not recognised:
+            continue
+        try:
+            return factory(io.BytesIO(data), "")
+        except Image.DecompressionBombError as err:
+            raise _over_limit(_name(fmt), err, max_pixels) from None
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a header parser failure is the sender's data
+            raise InvalidImage(f"{_name(fmt)} file, but {_header_reason(err)}") from None
+    raise InvalidImage(_unaccepted(data))
+
+
+def _header_reason(err: Exception) -> str:
+    if str(err) == "not identified by this driver":  # Pillow's words for an empty size or mode
+        return (
+            "its header declares no pixels Pillow can read (a zero width or height, or no known "
+            "pixel format)"
+        )
+    return f"its header is unusable: {type(err).__name__}: {err}"
+
+
+def _unaccepted(data: bytes) -> str:
+    """The reason for bytes of no accepted format: another format Pillow knows, or none."""
+    prefix = data[:16]
+    for fmt in Image.ID:
+        factory, accept = Image.OPEN[fmt]
+        if fmt not in FORMATS and accept is not None and accept(prefix) is True:
+            description = getattr(factory, "format_description", None)
+            named = f"{fmt} ({description})" if description else fmt
+            return f"{named} file (by its signature), not an accepted format: send {FORMAT_NAMES}"
+    return (
+        f"not an image file of a known format: no {FORMAT_NAMES} signature "
+        f"({len(data)} bytes starting {data[:8]!r})"
+    )
+
+
+def _upright(image: Image.Image, name: str) -> Image.Image:
+    """Apply the EXIF orientation (Pillow's getexif reads XMP's too when EXIF has none)."""
+    try:
+        orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+    except Exception as err:  # noqa: BLE001 - malformed metadata: the orientation is unknown
+        raise InvalidImage(
+            f"{name} image with unreadable EXIF metadata (its orientation is unknown): "
+            f"{type(err).__name__}: {err}"
+        ) from None
+    method = _ORIENTATION.get(orientation)
+    return image if method is None else image.transpose(method)
+
+
+def _to_rgb(image: Image.Image, name: str) -> np.ndarray:
+    mode = image.mode
+    if mode in _SIXTEEN_BIT:
+        values = np.asarray(image).astype(np.uint32)
+        grey = ((values * 255 + 32767) // 65535).astype(np.uint8)  # round(v / 257), no ties
+        rgb = np.repeat(grey[..., None], 3, axis=2)
+        if isinstance(image.info.get("transparency"), int):  # PNG tRNS: one transparent grey
+            rgb[values == image.info["transparency"]] = BACKGROUND
+        return rgb
+    if mode in ("La", "RGBa"):  # premultiplied alpha: colour already scaled by alpha
+        pixels = np.asarray(image)
+        colour = pixels[..., :1].repeat(3, axis=2) if mode == "La" else pixels[..., :3]
+        return _over_background(colour, pixels[..., -1:], premultiplied=True)
+    if image.has_transparency_data:  # LA, PA, RGBA, or a tRNS / GIF transparent colour
+        rgba = np.asarray(image.convert("RGBA"))
+        return _over_background(rgba[..., :3], rgba[..., 3:], premultiplied=False)
+    if mode == "RGB":
+        return np.asarray(image)
+    if mode in _EXPANDED:
+        return np.asarray(image.convert("RGB"))
+    raise InvalidImage(f"{name} image in mode {mode}: not a supported pixel mode")
+
+
+def _over_background(colour: np.ndarray, alpha: np.ndarray, premultiplied: bool) -> np.ndarray:
+    """Composite over BACKGROUND, rounded to the nearest level (no ties: 255 is odd)."""
+    alpha = alpha.astype(np.uint32)
+    background = np.asarray(BACKGROUND, np.uint32) * (255 - alpha)
+    weighted = colour.astype(np.uint32) * (255 if premultiplied else alpha)
+    return np.minimum((weighted + background + 127) // 255, 255).astype(np.uint8)
+
+
+# ---- resize, crop, normalise ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Preprocessor:
     """uint8 RGB pixels -> float32 [S, S, 3]: resize shorter side, centre crop, normalise."""
@@ -94,10 +263,14 @@ class Preprocessor:
     def describe(self) -> str:
         p, size = self.cfg.preprocess, self.cfg.image_size
         return (
-            f"decode (JPEG, PNG, WebP; first frame) -> RGB; resize the shorter side to "
-            f"{p.resize} ({p.interpolation}, PIL, antialiased; longer side floor-scaled); "
-            f"centre crop {size}x{size}; x/255; (x - mean) / std per channel with "
-            f"mean={list(p.mean)} std={list(p.std)}; float32 [{size}, {size}, 3]"
+            f"pixel rules v{PIXEL_RULES}: decode ({FORMAT_NAMES.replace(' or', ',')}; first "
+            f"frame; EXIF orientation applied; 16-bit grey scaled by 255/65535; transparency "
+            f"over RGB {BACKGROUND}; modes I, F and LAB refused) -> RGB; raw uint8 pixels "
+            f"as given; resize the shorter side to {p.resize} ({p.interpolation}, PIL, "
+            f"antialiased; longer side floor-scaled; past {FULL_RESIZE_CROPS} crops' worth of "
+            f"pixels only the crop's source box is resampled); centre crop {size}x{size}; "
+            f"x/255; (x - mean) / std per channel with mean={list(p.mean)} "
+            f"std={list(p.std)}; float32 [{size}, {size}, 3]"
         )
 
     def crop(self, pixels: np.ndarray) -> np.ndarray:
@@ -107,12 +280,18 @@ class Preprocessor:
         short = min(height, width)
         new_h = p.resize if height == short else int(p.resize * height / short)
         new_w = p.resize if width == short else int(p.resize * width / short)
-        if (new_h, new_w) != (height, width):
-            image = Image.fromarray(pixels).resize((new_w, new_h), _RESAMPLE[p.interpolation])
-            pixels = np.asarray(image)
         top = int(round((new_h - size) / 2.0))
         left = int(round((new_w - size) / 2.0))
-        return pixels[top : top + size, left : left + size]
+        if (new_h, new_w) == (height, width):
+            return pixels[top : top + size, left : left + size]
+        image, resample = Image.fromarray(pixels), _RESAMPLE[p.interpolation]
+        if new_h * new_w <= FULL_RESIZE_CROPS * size * size:
+            resized = np.asarray(image.resize((new_w, new_h), resample))
+            return resized[top : top + size, left : left + size]
+        # A 1x100000 strip would resize to 64 x 6.4M: resample the crop's source box alone.
+        y_scale, x_scale = height / new_h, width / new_w
+        box = (left * x_scale, top * y_scale, (left + size) * x_scale, (top + size) * y_scale)
+        return np.asarray(image.resize((size, size), resample, box=box))
 
     def normalise(self, pixels: np.ndarray) -> np.ndarray:
         p = self.cfg.preprocess

@@ -1,0 +1,439 @@
+"""The pixel contract on real files: formats, colour modes, orientation, limits, the crop window.
+
+Every expected image is computed here in numpy from the file's own definition (palette lookups,
+16-bit scaling, alpha compositing, the EXIF orientation table), not by the code under test.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+from vit22b.model import get_config
+from vit22b.model.config import ViTConfig
+from vit22b.model.errors import InvalidImage
+from vit22b.model.pixels import BACKGROUND, FULL_RESIZE_CROPS, Preprocessor, decode
+
+RNG = np.random.default_rng(0)
+WHITE = np.asarray(BACKGROUND, np.float64)
+
+
+def encode(image: Image.Image, fmt: str, **params) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **params)
+    return buffer.getvalue()
+
+
+def rgb(height: int = 20, width: int = 30, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def over_white(colour: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    a = alpha.astype(np.float64)[..., None] / 255
+    return np.round(colour * a + WHITE * (1 - a)).astype(np.uint8)
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_by_hand(width: int, height: int, depth: int, colour: int, rows: bytes = b"") -> bytes:
+    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header)
+            + png_chunk(b"IDAT", zlib.compress(rows)) + png_chunk(b"IEND", b""))
+
+
+def tiff_tag(data: bytes, tag: int, value: int) -> bytes:
+    """Set a SHORT/LONG tag's value in the first IFD of a little-endian TIFF."""
+    out = bytearray(data)
+    ifd = struct.unpack("<I", out[4:8])[0]
+    for k in range(struct.unpack("<H", out[ifd : ifd + 2])[0]):
+        entry = ifd + 2 + 12 * k
+        found, kind = struct.unpack("<HH", out[entry : entry + 4])
+        if found == tag:
+            out[entry + 8 : entry + 12] = struct.pack("<HH", value, 0) if kind == 3 else struct.pack(
+                "<I", value)
+            return bytes(out)
+    raise AssertionError(f"tag {tag} not in the TIFF")
+
+
+# ---- formats ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt, params", [("PNG", {}), ("BMP", {}), ("TIFF", {}),
+                                         ("TIFF", {"compression": "tiff_lzw"}),
+                                         ("WEBP", {"lossless": True})])
+def test_lossless_formats_decode_to_their_pixels(fmt, params):
+    pixels = rgb()
+    np.testing.assert_array_equal(decode(encode(Image.fromarray(pixels), fmt, **params)), pixels)
+
+
+def test_jpeg_decodes_close_to_its_pixels():
+    pixels = np.repeat(np.linspace(0, 255, 30, dtype=np.uint8)[None, :, None], 20, 0).repeat(3, 2)
+    got = decode(encode(Image.fromarray(pixels), "JPEG", quality=95))
+    assert got.shape == (20, 30, 3) and np.abs(got.astype(int) - pixels).mean() < 2
+
+
+def test_gif_is_its_palette_lookup_and_the_first_frame():
+    indices = RNG.integers(0, 16, (12, 10), dtype=np.uint8)
+    palette = RNG.integers(0, 256, (256, 3), dtype=np.uint8)
+    frame = Image.fromarray(indices, mode="P")
+    frame.putpalette(palette.tobytes())
+    second = Image.fromarray(np.full((12, 10), 3, np.uint8), mode="P")
+    second.putpalette(palette.tobytes())
+    data = encode(frame, "GIF", save_all=True, append_images=[second], optimize=False)
+    assert Image.open(io.BytesIO(data)).n_frames == 2
+    np.testing.assert_array_equal(decode(data), palette[indices])
+
+
+def test_multipage_tiff_is_its_first_page():
+    first, second = rgb(seed=1), rgb(seed=2)
+    data = encode(Image.fromarray(first), "TIFF", save_all=True,
+                  append_images=[Image.fromarray(second)])
+    np.testing.assert_array_equal(decode(data), first)
+
+
+@pytest.mark.parametrize("fmt, named", [("ICO", "ICO (Windows Icon)"), ("PPM", "PPM (Pbmplus"),
+                                        ("PCX", "PCX (Paintbrush)"), ("JPEG2000", "JPEG2000")])
+def test_other_formats_are_refused_by_name(fmt, named):
+    try:
+        data = encode(Image.fromarray(rgb()), fmt)
+    except (OSError, KeyError):
+        pytest.skip(f"this Pillow cannot write {fmt}")
+    with pytest.raises(InvalidImage, match="not an accepted format") as info:
+        decode(data)
+    assert named in str(info.value) and "JPEG, PNG, WebP, BMP, GIF or TIFF" in str(info.value)
+
+
+def test_bytes_of_no_format_say_so():
+    with pytest.raises(InvalidImage, match="not an image file of a known format"):
+        decode(b"this is text, not an image")
+    with pytest.raises(InvalidImage, match="empty image bytes"):
+        decode(b"")
+
+
+def _zero_sized() -> dict[str, bytes]:
+    jpeg = bytearray(encode(Image.fromarray(rgb()), "JPEG"))
+    sof = jpeg.find(b"\xff\xc0")
+    jpeg[sof + 5 : sof + 9] = bytes(4)  # height and width
+    bmp = bytearray(encode(Image.fromarray(rgb()), "BMP"))
+    bmp[18:26] = bytes(8)
+    tiff = tiff_tag(encode(Image.fromarray(rgb()), "TIFF"), 256, 0)  # ImageWidth
+    return {"PNG": png_by_hand(0, 0, 8, 2), "JPEG": bytes(jpeg), "BMP": bytes(bmp), "TIFF": tiff}
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "BMP", "TIFF"])
+def test_zero_sized_files_of_a_known_format_say_so(fmt):
+    with pytest.raises(InvalidImage) as info:
+        decode(_zero_sized()[fmt])
+    assert str(info.value).startswith(f"{fmt} file, but its header declares no pixels")
+    assert "zero width or height" in str(info.value)
+
+
+def test_known_format_with_a_broken_header_names_the_format_and_the_reason():
+    with pytest.raises(InvalidImage, match=r"^PNG file, but its header declares no pixels"):
+        decode(png_by_hand(4, 4, 3, 2))  # bit depth 3 does not exist
+    with pytest.raises(InvalidImage, match=r"^BMP file, but its header is unusable: .*depth"):
+        bmp = bytearray(encode(Image.fromarray(rgb()), "BMP"))
+        bmp[28:30] = struct.pack("<H", 7)  # 7 bits per pixel
+        decode(bytes(bmp))
+    truncated = encode(Image.fromarray(rgb(64, 64)), "PNG")
+    with pytest.raises(InvalidImage, match="cannot decode PNG image"):
+        decode(truncated[: len(truncated) // 2])
+
+
+# ---- colour modes ----------------------------------------------------------------------------
+def test_bilevel_and_grey():
+    bits = RNG.integers(0, 2, (9, 13)).astype(bool)
+    np.testing.assert_array_equal(decode(encode(Image.fromarray(bits), "PNG")),
+                                  np.repeat((bits * 255).astype(np.uint8)[..., None], 3, 2))
+    grey = RNG.integers(0, 256, (9, 13), dtype=np.uint8)
+    for fmt in ("PNG", "TIFF", "BMP"):
+        got = decode(encode(Image.fromarray(grey), fmt))
+        np.testing.assert_array_equal(got, np.repeat(grey[..., None], 3, 2))
+
+
+@pytest.mark.parametrize("fmt, mode", [("PNG", "I;16"), ("TIFF", "I;16"), ("TIFF", "I;16B")])
+def test_16_bit_grey_is_scaled_not_clipped(fmt, mode):
+    values = RNG.integers(0, 65536, (17, 11)).astype(np.uint16)
+    values[0, :4] = [0, 128, 65407, 65535]  # the ends and the rounding points of /257
+    raw = values.astype(">u2" if mode == "I;16B" else "<u2").tobytes()
+    data = encode(Image.frombytes(mode, values.shape[::-1], raw), fmt)
+    assert Image.open(io.BytesIO(data)).mode == mode
+    want = np.round(values / 257.0).astype(np.uint8)
+    np.testing.assert_array_equal(decode(data), np.repeat(want[..., None], 3, 2))
+
+
+def test_16_bit_grey_with_a_transparent_value():
+    values = RNG.integers(0, 65536, (6, 7)).astype(np.uint16)
+    values[2, 3] = 1000
+    data = encode(Image.fromarray(values), "PNG", transparency=1000)
+    want = np.repeat(np.round(values / 257.0).astype(np.uint8)[..., None], 3, 2)
+    want[values == 1000] = BACKGROUND
+    np.testing.assert_array_equal(decode(data), want)
+
+
+def test_16_bit_colour_png_keeps_the_high_byte():
+    values = RNG.integers(0, 65536, (5, 6, 3)).astype(">u2")
+    rows = b"".join(b"\0" + row.tobytes() for row in values)
+    got = decode(png_by_hand(6, 5, 16, 2, rows))
+    np.testing.assert_array_equal(got, (values >> 8).astype(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF", "WEBP"])
+def test_alpha_is_composited_over_the_background(fmt):
+    rgba = rgb(8, 9, seed=3)
+    alpha = RNG.integers(0, 256, (8, 9), dtype=np.uint8)
+    alpha[0, :3] = [0, 255, 128]
+    data = encode(Image.fromarray(np.dstack([rgba, alpha])), fmt, **(
+        {"lossless": True, "exact": True} if fmt == "WEBP" else {}))
+    np.testing.assert_array_equal(decode(data), over_white(rgba, alpha))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_grey_with_alpha(fmt):
+    grey, alpha = (RNG.integers(0, 256, (8, 9), dtype=np.uint8) for _ in range(2))
+    data = encode(Image.fromarray(np.dstack([grey, alpha]), mode="LA"), fmt)
+    np.testing.assert_array_equal(decode(data), over_white(np.dstack([grey] * 3), alpha))
+
+
+def test_premultiplied_grey_alpha_tiff():
+    grey, alpha = (RNG.integers(0, 256, (8, 9), dtype=np.uint8) for _ in range(2))
+    premultiplied = np.round(grey * (alpha / 255.0)).astype(np.uint8)
+    data = encode(Image.fromarray(np.dstack([premultiplied, alpha]), mode="LA"), "TIFF")
+    data = tiff_tag(data, 338, 1)  # ExtraSamples: associated (premultiplied) alpha
+    assert Image.open(io.BytesIO(data)).mode == "La"
+    want = np.round(premultiplied + WHITE[0] * (1 - alpha / 255.0)).clip(0, 255).astype(np.uint8)
+    np.testing.assert_array_equal(decode(data), np.repeat(want[..., None], 3, 2))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "GIF"])
+def test_palette_with_a_transparent_index(fmt):
+    indices = RNG.integers(0, 8, (10, 12), dtype=np.uint8)
+    palette = RNG.integers(0, 256, (256, 3), dtype=np.uint8)
+    image = Image.fromarray(indices, mode="P")
+    image.putpalette(palette.tobytes())
+    data = encode(image, fmt, transparency=5)
+    want = palette[indices]
+    want[indices == 5] = BACKGROUND
+    np.testing.assert_array_equal(decode(data), want)
+
+
+def test_palette_with_per_entry_alpha_png():
+    indices = RNG.integers(0, 8, (10, 12), dtype=np.uint8)
+    palette = RNG.integers(0, 256, (256, 3), dtype=np.uint8)
+    alphas = RNG.integers(0, 256, 8, dtype=np.uint8)
+    image = Image.fromarray(indices, mode="P")
+    image.putpalette(palette.tobytes())
+    data = encode(image, "PNG", transparency=alphas.tobytes())  # a tRNS chunk: alpha per entry
+    np.testing.assert_array_equal(decode(data), over_white(palette[indices], alphas[indices]))
+
+
+def test_palette_with_alpha_tiff():
+    indices, alpha = RNG.integers(0, 8, (6, 7), dtype=np.uint8), RNG.integers(0, 256, (6, 7),
+                                                                               dtype=np.uint8)
+    palette = RNG.integers(0, 256, (256, 3), dtype=np.uint8)
+    image = Image.fromarray(np.dstack([indices, alpha]), mode="LA")
+    image = Image.frombytes("PA", image.size, image.tobytes())
+    image.putpalette(palette.tobytes())
+    data = encode(image, "TIFF")
+    assert Image.open(io.BytesIO(data)).mode == "PA"
+    np.testing.assert_array_equal(decode(data), over_white(palette[indices], alpha))
+
+
+def test_grey_and_rgb_with_a_transparent_colour():
+    grey = RNG.integers(0, 4, (6, 7), dtype=np.uint8)
+    want = np.repeat(grey[..., None], 3, 2)
+    want[grey == 2] = BACKGROUND
+    np.testing.assert_array_equal(decode(encode(Image.fromarray(grey), "PNG", transparency=2)),
+                                  want)
+    colour = RNG.integers(0, 2, (6, 7, 3), dtype=np.uint8)
+    want = colour.copy()
+    want[(colour == (1, 0, 1)).all(-1)] = BACKGROUND
+    data = encode(Image.fromarray(colour), "PNG", transparency=(1, 0, 1))
+    np.testing.assert_array_equal(decode(data), want)
+
+
+def test_cmyk_tiff_is_the_naive_conversion():
+    cmyk = RNG.integers(0, 256, (7, 8, 4), dtype=np.uint8)
+    cmyk[0, :3] = [[0, 0, 0, 0], [255, 255, 255, 255], [0, 128, 255, 64]]
+    data = encode(Image.fromarray(cmyk, mode="CMYK"), "TIFF")
+    c, k = cmyk[..., :3].astype(np.float64), cmyk[..., 3:].astype(np.float64)
+    want = (255 - c) * (255 - k) / 255
+    assert np.abs(decode(data).astype(np.float64) - want).max() <= 1
+
+
+def test_ycbcr_tiff_is_the_jfif_conversion():
+    ycc = RNG.integers(0, 256, (7, 8, 3), dtype=np.uint8)
+    data = encode(Image.fromarray(ycc, mode="YCbCr"), "TIFF")
+    assert Image.open(io.BytesIO(data)).mode == "YCbCr"
+    y, cb, cr = (ycc[..., i].astype(np.float64) for i in range(3))
+    want = np.stack([y + 1.402 * (cr - 128), y - 0.344136 * (cb - 128) - 0.714136 * (cr - 128),
+                     y + 1.772 * (cb - 128)], -1).clip(0, 255)
+    assert np.abs(decode(data).astype(np.float64) - want).max() <= 1.5
+
+
+@pytest.mark.parametrize("mode, array, reason", [
+    ("I", np.arange(12, dtype=np.int32).reshape(3, 4) * 1000, "32-bit integer pixels"),
+    ("F", np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4), "32-bit floating-point"),
+])
+def test_integer_and_float_pixels_are_refused_by_mode(mode, array, reason):
+    data = encode(Image.fromarray(array), "TIFF")
+    assert Image.open(io.BytesIO(data)).mode == mode
+    with pytest.raises(InvalidImage) as info:
+        decode(data)
+    assert f"TIFF image in mode {mode}: {reason}" in str(info.value)
+    assert "no unambiguous 8-bit mapping" in str(info.value)
+
+
+def test_cielab_is_refused_by_mode():
+    data = encode(Image.new("LAB", (4, 3)), "TIFF")
+    with pytest.raises(InvalidImage, match="TIFF image in mode LAB: CIELab colour"):
+        decode(data)
+
+
+# ---- orientation -----------------------------------------------------------------------------
+def upright_from_stored(stored: np.ndarray, orientation: int) -> np.ndarray:
+    """EXIF 2.3, tag 0x0112: where the stored 0th row and 0th column are in the picture."""
+    s = stored
+    return {
+        1: s,
+        2: s[:, ::-1],  # row 0 top, column 0 right
+        3: s[::-1, ::-1],  # row 0 bottom, column 0 right
+        4: s[::-1],  # row 0 bottom, column 0 left
+        5: s.transpose(1, 0, 2),  # row 0 left, column 0 top
+        6: s.transpose(1, 0, 2)[:, ::-1],  # row 0 right, column 0 top
+        7: s.transpose(1, 0, 2)[::-1, ::-1],  # row 0 right, column 0 bottom
+        8: s.transpose(1, 0, 2)[::-1],  # row 0 left, column 0 bottom
+    }[orientation]
+
+
+def exif(orientation: int) -> bytes:
+    tags = Image.Exif()
+    tags[0x0112] = orientation
+    return tags.tobytes()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied(orientation):
+    stored = rgb(6, 9, seed=orientation)
+    data = encode(Image.fromarray(stored), "PNG", exif=exif(orientation))
+    np.testing.assert_array_equal(decode(data), upright_from_stored(stored, orientation))
+
+
+def test_phone_jpeg_with_orientation_6_is_upright():
+    upright = np.zeros((48, 64, 3), np.uint8)
+    upright[:16] = 255  # a white band at the top of the picture
+    stored = np.ascontiguousarray(np.rot90(upright))  # what the camera wrote: rotated left
+    data = encode(Image.fromarray(stored), "JPEG", quality=95, exif=exif(6))
+    got = decode(data)
+    assert got.shape == upright.shape
+    assert np.abs(got.astype(int) - upright).mean() < 3
+
+
+def test_tiff_orientation_tag_is_applied():
+    stored = rgb(5, 8, seed=9)
+    data = encode(Image.fromarray(stored), "TIFF", tiffinfo={274: 8})
+    np.testing.assert_array_equal(decode(data), upright_from_stored(stored, 8))
+
+
+def test_the_contract_names_the_rules_and_its_hash_covers_them():
+    cfg = get_config("vit-22b-tiny/16")
+    text = Preprocessor(cfg).describe()
+    for rule in ("EXIF orientation applied", "BMP", "GIF", "TIFF", "16-bit grey",
+                 "transparency over RGB (255, 255, 255)", "modes I, F and LAB refused"):
+        assert rule in text
+    # the decode rules are part of the hash: it is not the hash of the resize/crop fields alone
+    import hashlib
+    import json
+
+    fields_only = {"image_size": cfg.image_size, **cfg.preprocess.to_dict()}
+    old = hashlib.sha256(json.dumps(fields_only, sort_keys=True).encode()).hexdigest()[:16]
+    assert cfg.preprocess_hash() != old
+    assert ViTConfig.from_dict(cfg.to_dict()).preprocess_hash() == cfg.preprocess_hash()
+
+
+# ---- limits ----------------------------------------------------------------------------------
+def test_the_pixel_limit_names_the_server_setting():
+    data = encode(Image.fromarray(rgb(50, 50)), "PNG")
+    with pytest.raises(InvalidImage) as info:
+        decode(data, max_pixels=2000)
+    assert "declared size of the PNG is 50x50 = 2500 pixels, over the limit of 2000 " in str(
+        info.value)
+    assert "--max-image-pixels" in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "GIF", "TIFF"])
+def test_pillows_own_bomb_guard_never_decides(fmt, monkeypatch):
+    """Pillow's process-wide guard set far below the server's limit: the limit still decides."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # refuses above 2000
+    pixels = rgb(50, 50)  # 2500 pixels
+    data = encode(Image.fromarray(pixels if fmt != "GIF" else pixels // 64 * 64), fmt)
+    assert decode(data, max_pixels=10_000).shape == (50, 50, 3)
+    with pytest.raises(InvalidImage, match="over the limit of 2400 .*--max-image-pixels"):
+        decode(data, max_pixels=2400)
+
+
+def test_decoding_in_threads_gives_the_sequential_results():
+    blobs = [encode(Image.fromarray(rgb(20 + i, 30, seed=i)), fmt, exif=exif(1 + i % 8))
+             for i, fmt in enumerate(["PNG", "WEBP", "TIFF", "JPEG"] * 6)]
+    want = [decode(b) for b in blobs]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            for got, expected in zip(pool.map(decode, blobs), want):
+                np.testing.assert_array_equal(got, expected)
+
+
+# ---- the resampled window --------------------------------------------------------------------
+def full_resize_then_crop(pixels: np.ndarray, cfg: ViTConfig) -> np.ndarray:
+    """The contract as torchvision's PIL Resize(shorter side) + CenterCrop computes it."""
+    p, size = cfg.preprocess, cfg.image_size
+    height, width = pixels.shape[:2]
+    short = min(height, width)
+    new_h = p.resize if height == short else int(p.resize * height / short)
+    new_w = p.resize if width == short else int(p.resize * width / short)
+    resized = np.asarray(Image.fromarray(pixels).resize((new_w, new_h), Image.Resampling.BICUBIC))
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    return resized[top : top + size, left : left + size]
+
+
+@pytest.mark.parametrize("name", ["vit-22b-tiny/16", "vit-b/16"])
+def test_normal_aspect_ratios_are_exactly_the_full_resize(name):
+    cfg, rng = get_config(name), np.random.default_rng(11)
+    pre = Preprocessor(cfg)
+    limit = FULL_RESIZE_CROPS * cfg.image_size**2 / cfg.preprocess.resize**2
+    for ratio in (1.0, 1.33, 3.0, 16.0, limit * 0.95):
+        short = int(rng.integers(3, 300))
+        for shape in ((short, int(short * ratio)), (int(short * ratio), short)):
+            pixels = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+            np.testing.assert_array_equal(pre.crop(pixels), full_resize_then_crop(pixels, cfg))
+
+
+def test_extreme_aspect_ratios_resample_the_crop_window_only():
+    """Past 64 crops' worth, the window alone: measured against the full resize (affordable
+    here, 1 x 100..300 strips and 2..40 pixel-wide bands of a smooth image)."""
+    cfg = get_config("vit-22b-tiny/16")
+    pre, rng, worst, means = Preprocessor(cfg), np.random.default_rng(5), 0, []
+    for _ in range(20):
+        short, ratio = int(rng.integers(1, 40)), rng.uniform(70, 300)
+        shape = (int(short * ratio), short) if rng.random() < 0.5 else (short, int(short * ratio))
+        coarse = rng.integers(0, 256, (max(shape[0] // 16, 2), max(shape[1] // 16, 2), 3),
+                              dtype=np.uint8)
+        pixels = np.asarray(Image.fromarray(coarse).resize(shape[::-1], Image.Resampling.BILINEAR))
+        diff = np.abs(pre.crop(pixels).astype(int) - full_resize_then_crop(pixels, cfg))
+        worst, means = max(worst, diff.max()), [*means, diff.mean()]
+    assert worst <= 2 and np.mean(means) < 0.1, (worst, np.mean(means))
+
+
+def test_a_1x100000_strip_costs_a_crop_not_a_64x6400000_image():
+    pre = Preprocessor(get_config("vit-22b-tiny/16"))
+    strip = np.zeros((100_000, 1, 3), np.uint8)
+    strip[49_000:51_000] = 200  # the centre crop's window lies inside this band
+    start = time.perf_counter()
+    out = pre.crop(strip)
+    assert time.perf_counter() - start < 1.0
+    np.testing.assert_array_equal(out, np.full((64, 64, 3), 200, np.uint8))
