@@ -107,6 +107,9 @@ def make_backend(args: argparse.Namespace, spec: OutputSpec):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 complete, 1 incomplete (every server lost, at the start or during the job: rerun
+    to resume), 2 bad options, inputs or a refused mix, 130 interrupted."""
+    backend = None
     try:
         spec = output_spec(args)
         config = JobConfig(
@@ -120,10 +123,6 @@ def run(args: argparse.Namespace) -> int:
         )
         items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
         backend = make_backend(args, spec)
-    except (InputListError, ValueError) as err:
-        print(f"vit22b embed: {err}", file=sys.stderr)
-        return 2
-    try:
         summary = run_job(config, backend, items)
     except (InputListError, JobMismatch, OutputsError, ValueError) as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
@@ -135,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         print("vit22b embed: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
     print(summary.line())
     return 0 if summary.complete else 1

@@ -20,7 +20,15 @@ from vit22b.model.identity import ModelIdentity
 from vit22b.v1 import wire
 
 from .client import FeatureClient, FeatureError, Retry
-from .embed import BatchResult, OutputSpec, WorkerLost, os_reason, read_file, to_stored
+from .embed import (
+    BatchResult,
+    JobFailed,
+    OutputSpec,
+    WorkerLost,
+    os_reason,
+    read_file,
+    to_stored,
+)
 from .embed_inputs import InputItem
 from .outputs import array_name
 
@@ -136,8 +144,11 @@ class RemoteBackend:
                 unreachable.append(f"{address} ({err.code.name}: {err.details})")
                 continue
             self.servers.append(_Server(address, client, wire.identity_of(info)))
-        if not self.servers:
-            raise ValueError("no server reachable: " + "; ".join(unreachable))
+        if not self.servers:  # as if every server were lost at once: exit 1, rerun later
+            raise JobFailed(
+                f"no server could be reached: {'; '.join(unreachable)}; rerun the same command "
+                "when one is up"
+            )
         if unreachable and not quiet:
             print(f"vit22b embed: skipping unreachable {', '.join(unreachable)}", file=sys.stderr)
         models = {s.model.key: s.address for s in self.servers}

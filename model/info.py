@@ -8,7 +8,7 @@ import re
 import jax
 
 from .config import ViTConfig
-from .sharding import MeshError, bytes_per_device, parse_mesh_spec
+from .sharding import MeshError, bytes_per_device, check_mesh_fits, parse_mesh_spec
 from .vit import abstract_params
 
 # Parameters outside the encoder: the pooling head and the classifier. The paper's 21.7B (and
@@ -54,8 +54,10 @@ def model_info(cfg: ViTConfig, mesh: str | None = None, dtype: str | None = None
     }
     if mesh is not None:
         data, model = parse_mesh_spec(mesh, _devices_in(mesh))
-        info["mesh"] = {"data": data, "model": model}
-        info["bytes_per_device"] = bytes_per_device(cfg, {"data": data, "model": model}, dtype)
+        axes = {"data": data, "model": model}
+        check_mesh_fits(cfg, axes)  # what serve refuses, info refuses too
+        info["mesh"] = axes
+        info["bytes_per_device"] = bytes_per_device(cfg, axes, dtype)
         info["bytes_per_device_dtype"] = dtype or cfg.param_dtype
     return info
 

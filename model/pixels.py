@@ -29,9 +29,10 @@ Untrusted bytes (``decode``):
 Raw pixels (``check_pixels``) are taken as given: uint8 [H, W, 3].
 
 Resizing keeps memory bounded by the crop whatever the aspect ratio: the shorter-side resize is
-done in full (exactly as before, torchvision's PIL Resize + CenterCrop) while it holds at most
-``FULL_RESIZE_CROPS`` crops' worth of pixels, beyond that (aspect ratios past about 64:1) only
-the source box that the centre crop keeps is resampled.
+done in full (exactly torchvision's PIL Resize + CenterCrop) while it holds at most
+``FULL_RESIZE_CROPS`` crops' worth of pixels (an aspect ratio of 64:1 when the resize equals the
+crop); past that only the source box that the centre crop keeps is resampled (within 2 levels of
+the full resize on smooth images; Pillow may order its two passes differently there).
 """
 
 from __future__ import annotations

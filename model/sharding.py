@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -63,9 +64,10 @@ def mesh_spec(mesh: Mesh) -> str:
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
-def check_mesh_fits(cfg: ViTConfig, mesh: Mesh) -> None:
-    """Refuse a model axis that would cut through heads or the MLP hidden."""
-    model = mesh.shape["model"]
+def check_mesh_fits(cfg: ViTConfig, mesh: Mesh | Mapping[str, int]) -> None:
+    """Refuse a model axis that would cut through heads or the MLP hidden (a mesh, or the axis
+    sizes of one that need not exist: ``vit22b info``)."""
+    model = (mesh.shape if isinstance(mesh, Mesh) else mesh)["model"]
     if cfg.heads % model:
         raise MeshError(
             f"{cfg.name}: the mesh's model axis ({model}) does not divide heads ({cfg.heads})"

@@ -50,7 +50,7 @@ def write_bad_files(root) -> dict[str, str]:
         os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
         with open(os.path.join(root, rel), "wb") as f:
             f.write(data)
-    return {"class1/truncated.jpg": "Truncated", "notes.txt": "not a JPEG, PNG or WebP",
+    return {"class1/truncated.jpg": "Truncated", "notes.txt": "not an image file of a known format",
             "class2/deep/empty.png": "empty"}
 
 

@@ -182,7 +182,7 @@ def test_cli_refusals_and_progress(server, dataset, tmp_path):
 
     nobody = embed_cli(str(data), "--server", "127.0.0.1:1", "--output", str(tmp_path / "x"))
     stdout, stderr = nobody.communicate(timeout=120)
-    assert nobody.returncode == 2 and "no server reachable: 127.0.0.1:1" in stderr
+    assert nobody.returncode == 1 and "no server could be reached: 127.0.0.1:1" in stderr
 
     bad_layer = embed_cli(str(data), "--server", server.address, "--output",
                           str(tmp_path / "y"), "--layers", "9")

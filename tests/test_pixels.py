@@ -57,8 +57,8 @@ def tiff_tag(data: bytes, tag: int, value: int) -> bytes:
         entry = ifd + 2 + 12 * k
         found, kind = struct.unpack("<HH", out[entry : entry + 4])
         if found == tag:
-            out[entry + 8 : entry + 12] = struct.pack("<HH", value, 0) if kind == 3 else struct.pack(
-                "<I", value)
+            packed = struct.pack("<HH", value, 0) if kind == 3 else struct.pack("<I", value)
+            out[entry + 8 : entry + 12] = packed
             return bytes(out)
     raise AssertionError(f"tag {tag} not in the TIFF")
 

@@ -1,0 +1,68 @@
+"""The command line's refusals and exit codes, through the real `vit22b` entry point.
+
+`vit22b embed`: 0 complete, 1 incomplete (every server lost, also when none is reachable at the
+start), 2 bad options. `vit22b info --mesh`: refuses a mesh that `serve` would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vit22b(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vit22b.clients.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_image(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(data / "a.png")
+    return data
+
+
+def test_embed_with_no_reachable_server_exits_1_naming_each(tmp_path):
+    data = one_image(tmp_path)
+    first, second = f"127.0.0.1:{closed_port()}", f"127.0.0.1:{closed_port()}"
+    job = vit22b("embed", str(data), "--server", first, "--server", second,
+                 "--output", str(tmp_path / "out"), "--quiet")
+    assert job.returncode == 1, job.stderr
+    assert "no server could be reached: " in job.stderr
+    assert f"{first} (UNAVAILABLE: " in job.stderr and f"{second} (UNAVAILABLE: " in job.stderr
+    assert "rerun the same command" in job.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_embed_bad_options_exit_2(tmp_path):
+    job = vit22b("embed", str(one_image(tmp_path)), "--server", "127.0.0.1:1", "--local",
+                 "--output", str(tmp_path / "out"))
+    assert job.returncode == 2 and "exclude each other" in job.stderr
+    job = vit22b("embed", str(tmp_path / "missing"), "--output", str(tmp_path / "out"))
+    assert job.returncode == 2 and "missing" in job.stderr
+
+
+def test_info_refuses_a_mesh_that_cuts_through_heads():
+    refused = vit22b("info", "--model", "vit-22b/14", "--mesh", "data=1,model=7")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "vit-22b/14: the mesh's model axis (7) does not divide heads (48)" in refused.stderr
+    served = vit22b("info", "--model", "vit-22b/14", "--mesh", "data=1,model=8",
+                    "--dtype", "bfloat16")
+    assert served.returncode == 0, served.stderr
+    info = json.loads(served.stdout)
+    assert info["mesh"] == {"data": 1, "model": 8} and info["bytes_per_device"] > 0
