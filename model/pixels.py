@@ -85,11 +85,7 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarra
     image = _open(data, max_pixels)
     name = _name(image.format)
     check_size(image.height, image.width, max_pixels, f"declared size of the {name}")
-    if image.mode in _REFUSED:
-        raise InvalidImage(
-            f"{name} image in mode {image.mode}: {_REFUSED[image.mode]}; save it as 8- or "
-            "16-bit RGB or grey"
-        )
+    _check_mode(image.mode, name)  # before any pixel is decoded
     try:
         image.load()  # decodes every pixel: truncated or corrupt data fails here
     except Image.DecompressionBombError as err:
@@ -98,7 +94,15 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarra
         raise
     except Exception as err:  # noqa: BLE001 - a decoder error means bad input, not a bug
         raise InvalidImage(f"cannot decode {name} image: {type(err).__name__}: {err}") from None
-    return _to_rgb(_upright(image, name), name)
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> np.ndarray:
+    """A PIL image -> upright uint8 [H, W, 3] RGB by the rules above (orientation, colour
+    modes, transparency); refuses the modes without an unambiguous mapping by name."""
+    name = _name(image.format)
+    _check_mode(image.mode, name)
+    return _rgb_of(_upright(image, name), name)
 
 
 def check_size(height: int, width: int, max_pixels: int, what: str = "image") -> None:
@@ -199,6 +203,13 @@ def _unaccepted(data: bytes) -> str:
     )
 
 
+def _check_mode(mode: str, name: str) -> None:
+    if mode in _REFUSED:
+        raise InvalidImage(
+            f"{name} image in mode {mode}: {_REFUSED[mode]}; save it as 8- or 16-bit RGB or grey"
+        )
+
+
 def _upright(image: Image.Image, name: str) -> Image.Image:
     """Apply the EXIF orientation (Pillow's getexif reads XMP's too when EXIF has none)."""
     try:
@@ -212,7 +223,7 @@ def _upright(image: Image.Image, name: str) -> Image.Image:
     return image if method is None else image.transpose(method)
 
 
-def _to_rgb(image: Image.Image, name: str) -> np.ndarray:
+def _rgb_of(image: Image.Image, name: str) -> np.ndarray:
     mode = image.mode
     if mode in _SIXTEEN_BIT:
         values = np.asarray(image).astype(np.uint32)

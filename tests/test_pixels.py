@@ -437,3 +437,13 @@ def test_a_1x100000_strip_costs_a_crop_not_a_64x6400000_image():
     out = pre.crop(strip)
     assert time.perf_counter() - start < 1.0
     np.testing.assert_array_equal(out, np.full((64, 64, 3), 200, np.uint8))
+
+
+def test_to_rgb_applies_the_same_rules_to_a_pil_image():
+    from vit22b.model.pixels import to_rgb
+
+    colour, alpha = rgb(5, 6, seed=4), RNG.integers(0, 256, (5, 6), dtype=np.uint8)
+    np.testing.assert_array_equal(to_rgb(Image.fromarray(np.dstack([colour, alpha]))),
+                                  over_white(colour, alpha))
+    with pytest.raises(InvalidImage, match="image in mode F: 32-bit floating-point"):
+        to_rgb(Image.fromarray(np.zeros((2, 2), np.float32)))
