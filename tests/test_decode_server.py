@@ -15,21 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import start_server
+from test_pixels import encode, exif
 from vit22b.clients import FeatureClient, FeatureError
 
 LIMIT = 1_500_000  # the server's --max-image-pixels here: room for the 1e6-pixel strips
-
-
-def encode(image: Image.Image, fmt: str, **params) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **params)
-    return buffer.getvalue()
-
-
-def exif(orientation: int) -> bytes:
-    tags = Image.Exif()
-    tags[0x0112] = orientation
-    return tags.tobytes()
 
 
 @pytest.fixture(scope="module")
