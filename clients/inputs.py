@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 from vit22b.model.errors import InvalidImage
+from vit22b.model.pixels import to_rgb
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -71,10 +72,12 @@ def to_proto(item: Item) -> pb.Image:
             return pb.Image(id=item.id, encoded=Path(image).read_bytes())
         if isinstance(image, (bytes, bytearray)):
             return pb.Image(id=item.id, encoded=bytes(image))
-        if isinstance(image, Image.Image):
-            pixels = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+        if isinstance(image, Image.Image):  # the server's own colour, alpha and EXIF rules
+            pixels = to_rgb(image)
         else:
             pixels = _rgb(np.asarray(image))
+    except InvalidImage as err:
+        raise err.at(item.index, item.id) from None
     except OSError as err:
         raise InvalidImage(f"cannot read {image}: {err}", item.index, item.id) from None
     except (TypeError, ValueError) as err:
@@ -94,4 +97,6 @@ def _rgb(pixels: np.ndarray) -> np.ndarray:
         raise ValueError(f"numpy images must be [H, W], [H, W, 1|3|4]; got {list(pixels.shape)}")
     if pixels.shape[-1] == 1:
         return np.repeat(pixels, 3, axis=-1)
-    return pixels[..., :3]  # RGBA: alpha dropped, as PIL's convert("RGB") does
+    if pixels.shape[-1] == 4:  # composited over the contract's background, as files are
+        return to_rgb(Image.fromarray(np.ascontiguousarray(pixels), "RGBA"))
+    return pixels

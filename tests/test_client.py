@@ -236,3 +236,23 @@ def test_async_client_matches_the_blocking_one(servers):
         got.patch_tokens[-1].astype(np.float32).reshape(9, -1),
         want["patch_tokens"][3].reshape(9, -1),
     )
+
+
+def test_sdk_inputs_follow_the_pixel_contract():
+    """PIL images and RGBA arrays get the server's rules (16-bit scaled, alpha over the
+    background, EXIF orientation), never a silent clip or a dropped alpha channel."""
+    from PIL import Image
+    from vit22b.clients.inputs import Item, to_proto
+    from vit22b.model.pixels import BACKGROUND
+
+    values = np.array([[0, 65535], [32768, 257]], "<u2")
+    grey16 = Image.frombytes("I;16", (2, 2), values.tobytes())
+    got = wire.from_tensor(to_proto(Item(0, grey16, "a", 0)).pixels)
+    np.testing.assert_array_equal(got[..., 0], [[0, 255], [128, 1]])
+    rgba = np.zeros((2, 2, 4), np.uint8)
+    rgba[0, 0] = (10, 20, 30, 255)  # opaque; the others fully transparent
+    got = wire.from_tensor(to_proto(Item(0, rgba, "b", 0)).pixels)
+    np.testing.assert_array_equal(got[0, 0], (10, 20, 30))
+    np.testing.assert_array_equal(got[1, 1], np.broadcast_to(BACKGROUND, (3,)))
+    with pytest.raises(InvalidImage, match="image 2.*mode F"):
+        to_proto(Item(2, Image.fromarray(np.zeros((2, 2), np.float32)), "c", 0))
