@@ -15,14 +15,16 @@ from typing import Literal
 BlockType = Literal["parallel", "sequential"]
 NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
 HeadType = Literal["map", "cls", "gap", "none"]
-PosembType = Literal["learn", "sincos2d"]
+PosembType = Literal["learn", "sincos2d", "rope"]
+MlpType = Literal["gelu", "quick_gelu", "swiglu"]
 DType = Literal["float32", "bfloat16"]
 
 _CHOICES = {
     "block": ("parallel", "sequential"),
     "norm": ("layernorm", "layernorm_nobias", "rmsnorm"),
     "head": ("map", "cls", "gap", "none"),
-    "posemb": ("learn", "sincos2d"),
+    "posemb": ("learn", "sincos2d", "rope"),
+    "mlp": ("gelu", "quick_gelu", "swiglu"),
     "param_dtype": ("float32", "bfloat16"),
     "compute_dtype": ("float32", "bfloat16"),
 }
@@ -79,13 +81,24 @@ class ViTConfig:
     head: HeadType = "map"
     head_mlp_dim: int | None = None  # MAP head MLP hidden; None -> mlp_dim
     class_token: bool = False
+    # register tokens (DINOv2-reg, DINOv3): after the class token, before the patches; they take
+    # no position embedding and are never part of the patch outputs
+    num_registers: int = 0
+    # learn / sincos2d: a table added to the embedded patches; rope: DINOv3's 2-D rotary
+    # embedding on the patches' queries and keys (patch centres in [-1, 1], base rope_theta)
     posemb: PosembType = "learn"
+    rope_theta: float = 100.0
     # big_vision adds position embeddings to patches only, then prepends the class token;
     # timm and Hugging Face prepend first and embed the class token's position too.
     posemb_covers_cls: bool = False
     # a norm on the embedded tokens before the first block (timm pre_norm: CLIP, the *_xp_* ViTs)
     pre_norm: bool = False
     gelu_exact: bool = True
+    # the blocks' MLP: GELU (exact or tanh, gelu_exact), CLIP's quick-GELU x*sigmoid(1.702x), or
+    # SwiGLU silu(x W_gate) * (x W_fc1) (DINOv2-g, DINOv3-7B); the MAP head's MLP is always GELU
+    mlp: MlpType = "gelu"
+    # a linear map (no bias) after pooling: CLIP's visual projection; pooled is its output
+    projection_dim: int = 0
     num_classes: int = 0  # classifier head on the pooled feature (imported checkpoints); 0: none
     param_dtype: DType = "float32"
     compute_dtype: DType = "bfloat16"
@@ -99,6 +112,22 @@ class ViTConfig:
         for name in ("width", "depth", "heads", "mlp_dim", "patch", "image_size", "channels"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be positive")
+        for name in ("num_registers", "projection_dim", "num_classes"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be >= 0")
+        if self.block == "parallel" and self.mlp == "swiglu":
+            raise ConfigError(
+                f"{self.name}: mlp='swiglu' needs block='sequential' (the fused projection of a "
+                "parallel block has no gate)"
+            )
+        if self.posemb == "rope" and self.head_dim % 4:
+            raise ConfigError(
+                f"{self.name}: posemb='rope' needs head_dim divisible by 4, got {self.head_dim}"
+            )
+        if self.posemb == "rope" and self.posemb_covers_cls:
+            raise ConfigError(f"{self.name}: posemb='rope' has no table to cover the class token")
+        if self.projection_dim and self.head == "none":
+            raise ConfigError(f"{self.name}: projection_dim needs a pooling head")
         if self.width % self.heads:
             raise ConfigError(
                 f"{self.name}: width={self.width} is not divisible by heads={self.heads}"
@@ -134,8 +163,18 @@ class ViTConfig:
         return self.grid * self.grid
 
     @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens before the patches: the class token and the registers."""
+        return int(self.class_token) + self.num_registers
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_patches + int(self.class_token)
+        return self.num_patches + self.num_prefix_tokens
+
+    @property
+    def pooled_dim(self) -> int:
+        """Width of the pooled output (the projection's when there is one)."""
+        return self.projection_dim or self.width
 
     @property
     def map_mlp_dim(self) -> int:

@@ -177,6 +177,7 @@ class SourceTensors:
         self.used: set[str] = set()
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.family = ""  # set by an importer's infer_config when it reads several layouts
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors

@@ -13,7 +13,15 @@ from .config import ViTConfig
 from .errors import InvalidRequest
 
 # The output kinds, in wire order (features.proto's OutputKind).
-KINDS = ("pooled", "class_token", "patch_tokens", "attention_stats", "logits")
+KINDS = (
+    "pooled",
+    "class_token",
+    "patch_tokens",
+    "attention_stats",
+    "logits",
+    "register_tokens",
+    "pre_projection",
+)
 DEFAULT_KINDS = ("pooled",)
 DEFAULT_PATCH_LAYERS = (-1,)  # patch tokens without layers: the last block's
 _MISSING = {
@@ -31,6 +39,8 @@ def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:
         "patch_tokens": True,
         "attention_stats": True,
         "logits": bool(cfg.num_classes),
+        "register_tokens": cfg.num_registers > 0,
+        "pre_projection": cfg.projection_dim > 0,
     }
     return tuple(kind for kind in KINDS if has[kind])
 
@@ -49,6 +59,8 @@ class OutputRequest:
     attention_stats: bool = False
     norm_patches: bool = False  # apply the final norm to returned patch tokens (DINOv2 norm=True)
     logits: bool = False
+    register_tokens: bool = False  # [B, R, d] after the final norm (DINOv2-reg, DINOv3)
+    pre_projection: bool = False  # [B, d]: the pooled feature before the projection (CLIP)
 
     @classmethod
     def of(
@@ -73,6 +85,8 @@ class OutputRequest:
             attention_stats="attention_stats" in kinds,
             norm_patches=norm_patches,
             logits="logits" in kinds,
+            register_tokens="register_tokens" in kinds,
+            pre_projection="pre_projection" in kinds,
         )
 
     @property
@@ -84,6 +98,8 @@ class OutputRequest:
             "patch_tokens": bool(self.patch_layers),
             "attention_stats": self.attention_stats,
             "logits": self.logits,
+            "register_tokens": self.register_tokens,
+            "pre_projection": self.pre_projection,
         }
         return tuple(kind for kind in KINDS if on[kind])
 

@@ -124,13 +124,15 @@ def uses_stand_in() -> bool:
 
 
 def perturb(module, seed: int = 0, scale: float = 0.05) -> None:
-    """Add noise to every parameter and buffer, so zero biases, unit norms and a LayerScale of
-    1e-5 do not hide a mapping error (a mis-assigned bias is invisible while all are zero)."""
+    """Add noise to every parameter and saved buffer, so zero biases, unit norms and a LayerScale
+    of 1e-5 do not hide a mapping error (a mis-assigned bias is invisible while all are zero).
+    Buffers that are not saved (DINOv3's RoPE frequencies) are the code's, not weights: kept."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    saved = {id(t): t for t in module.state_dict(keep_vars=True).values()}
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
+        for tensor in saved.values():
             if tensor.is_floating_point():
                 tensor.add_(scale * torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype))
 

@@ -1,0 +1,215 @@
+"""The frozen-feature backbones people use, each built with its source's own code (transformers,
+timm, open_clip) at a tiny shape no other test uses, perturbed so every parameter matters,
+written in the source's file format, converted without --model and run in float32 compute:
+pooled, last-layer patch and register tokens equal the source's forward to 1e-5 relative
+(tests/parity.py; bf16 measured)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from parity import check_parity
+from peers import perturb
+from vit22b.model.convert import ConvertError, convert
+
+# width 48, 4 heads of 12 (RoPE needs head_dim % 4 == 0), 2 blocks, 4x4 patches of 4 pixels
+SHAPE = dict(
+    hidden_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4
+)
+
+
+def _pixels(n: int = 2, size: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face transformers
+# ------------------------------------------------------------------------------------------
+
+
+def _hf(cls_name: str, config_name: str, seed: int, **kw):
+    import transformers
+
+    config = getattr(transformers, config_name)(**SHAPE, **kw)
+    model = getattr(transformers, cls_name)(config).eval()
+    perturb(model, seed=seed)
+    return model
+
+
+def _dino_outputs(model, pixels) -> dict:
+    """DINOv2 / DINOv3: pooler_output is the normed class token; then registers, then patches."""
+    out = model(pixel_values=pixels)
+    registers = getattr(model.config, "num_register_tokens", 0)
+    peer = {
+        "pooled": out.pooler_output,
+        "patch_tokens": out.last_hidden_state[:, 1 + registers :],
+    }
+    if registers:
+        peer["register_tokens"] = out.last_hidden_state[:, 1 : 1 + registers]
+    return peer
+
+
+def _clip_outputs(model, pixels) -> dict:
+    """CLIP: last_hidden_state is before post_layernorm; image_embeds is the projected pooled."""
+    out = model(pixel_values=pixels)
+    if hasattr(out, "image_embeds"):
+        inner = model.vision_model(pixel_values=pixels)
+        return {
+            "pooled": out.image_embeds,
+            "pre_projection": inner.pooler_output,
+            "patch_tokens": out.last_hidden_state[:, 1:],
+        }
+    return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state[:, 1:]}
+
+
+def _siglip_outputs(model, pixels) -> dict:
+    out = model(pixel_values=pixels)
+    return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state}
+
+
+# case: (model class, config class, config kwargs, outputs, patches normed, what must be inferred)
+HF_CASES = {
+    "dinov2": ("Dinov2Model", "Dinov2Config", {}, _dino_outputs, True, {"num_registers": 0}),
+    "dinov2-swiglu": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(use_swiglu_ffn=True),
+        _dino_outputs,
+        True,
+        {"mlp": "swiglu", "mlp_dim": 128},  # 2/3 of 4 x 48, rounded up to a multiple of 8
+    ),
+    "dinov2-registers": (
+        "Dinov2WithRegistersModel",
+        "Dinov2WithRegistersConfig",
+        dict(num_register_tokens=3),
+        _dino_outputs,
+        True,
+        {"num_registers": 3, "posemb_covers_cls": True},
+    ),
+    "dinov3": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(intermediate_size=96, num_register_tokens=2, rope_theta=50.0),
+        _dino_outputs,
+        True,
+        {"num_registers": 2, "posemb": "rope", "rope_theta": 50.0, "norm_eps": 1e-5},
+    ),
+    "dinov3-gated": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(intermediate_size=80, num_register_tokens=1, use_gated_mlp=True, hidden_act="silu"),
+        _dino_outputs,
+        True,
+        {"mlp": "swiglu", "mlp_dim": 80},
+    ),
+    "clip": (
+        "CLIPVisionModel",
+        "CLIPVisionConfig",
+        dict(intermediate_size=96),
+        _clip_outputs,
+        False,
+        {"mlp": "quick_gelu", "pre_norm": True, "projection_dim": 0},
+    ),
+    "clip-projection": (
+        "CLIPVisionModelWithProjection",
+        "CLIPVisionConfig",
+        dict(intermediate_size=96, projection_dim=24),
+        _clip_outputs,
+        False,
+        {"mlp": "quick_gelu", "projection_dim": 24},
+    ),
+    "siglip": (
+        "SiglipVisionModel",
+        "SiglipVisionConfig",
+        dict(intermediate_size=96),
+        _siglip_outputs,
+        True,
+        {"head": "map", "gelu_exact": False, "class_token": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_parity(case, tmp_path):
+    cls_name, config_name, kw, outputs, normed, expected = HF_CASES[case]
+    model = _hf(cls_name, config_name, seed=11 + len(case), **kw)
+    model.save_pretrained(tmp_path / case)
+    converted = convert("hf", tmp_path / case)
+    cfg = converted.config
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    assert {name: getattr(cfg, name) for name in expected} == expected
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {k: v.numpy() for k, v in outputs(model, pixels).items()}
+    check_parity(f"hf-{case}", f"hf {cls_name}", converted, pixels.numpy(), peer, normed)
+
+
+def test_hf_two_tower_checkpoint_gives_its_vision_tower(tmp_path):
+    """A whole CLIPModel: the text tower is dropped by name; the vision side is image_embeds."""
+    import transformers
+
+    config = transformers.CLIPConfig(
+        vision_config=dict(**SHAPE, intermediate_size=96),
+        text_config=dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=50,
+        ),
+        projection_dim=20,
+    )
+    model = transformers.CLIPModel(config).eval()
+    perturb(model, seed=21)
+    model.save_pretrained(tmp_path / "clip")
+    converted = convert("hf", tmp_path / "clip")
+    assert converted.config.projection_dim == 20
+    assert any("dropped the text tower" in note for note in converted.notes)
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {"pooled": model.get_image_features(pixel_values=pixels)}
+        peer = {k: getattr(v, "pooler_output", v).numpy() for k, v in peer.items()}
+    check_parity("hf-clip-two-tower", "hf CLIPModel", converted, pixels.numpy(), peer, False)
+
+
+def test_hf_config_that_contradicts_the_weights_names_both(tmp_path):
+    model = _hf("Dinov2Model", "Dinov2Config", seed=3)
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+    with pytest.raises(
+        ConvertError, match="num_hidden_layers: config.json has 5, the weights have 2"
+    ):
+        convert("hf", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "siglip"}))
+    with pytest.raises(
+        ConvertError,
+        match="model_type='siglip_vision_model', but the weights are laid out as 'dinov2'",
+    ):
+        convert("hf", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "swin"}))
+    with pytest.raises(ConvertError, match="model_type='swin', which is not supported"):
+        convert("hf", tmp_path / "m")
+
+
+def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):
+    import transformers
+
+    model = _hf("CLIPVisionModel", "CLIPVisionConfig", seed=5, intermediate_size=96)
+    model.save_pretrained(tmp_path / "m")
+    processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
+    )
+    processor.save_pretrained(tmp_path / "m")
+    p = convert("hf", tmp_path / "m").config.preprocess
+    assert p.resize == 16 and p.interpolation == "bicubic"
+    assert p.mean == tuple(processor.image_mean) and p.std == tuple(processor.image_std)
+    wrong = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 20}, crop_size={"height": 20, "width": 20}
+    )
+    wrong.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConvertError, match="crops to .* but the position embedding is for 16x16"):
+        convert("hf", tmp_path / "m")
