@@ -303,7 +303,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         gelu_exact, mlp = _ACTIVATIONS[act]
         mlp_dim = t.shape(b + lay.fc1 + ".weight")[0]
     if "layer_norm_eps" not in side:
-        t.notes.append(f"no layer_norm_eps in a config.json: {lay.eps} ({name}'s default)")
+        t.notes.append(f"no config.json: LayerNorm epsilon {lay.eps} ({name}'s default)")
     heads = infer_heads(t, hints, None, width, side.get("num_attention_heads"))
     head = "cls" if class_token else "map" if "head.probe" in t else "gap"
     head_mlp = t.shape("head.mlp.fc1.weight")[0] if head == "map" else None
