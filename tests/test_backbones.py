@@ -11,8 +11,12 @@ import json
 import pytest
 import torch
 from parity import check_parity
-from peers import perturb
+from peers import import_timm, perturb
+from safetensors.torch import save_file
 from vit22b.model.convert import ConvertError, convert
+
+timm = import_timm()
+from timm.models._hub import save_config_for_hf  # noqa: E402
 
 # width 48, 4 heads of 12 (RoPE needs head_dim % 4 == 0), 2 blocks, 4x4 patches of 4 pixels
 SHAPE = dict(
@@ -212,3 +216,56 @@ def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):
     wrong.save_pretrained(tmp_path / "m")
     with pytest.raises(ConvertError, match="crops to .* but the position embedding is for 16x16"):
         convert("hf", tmp_path / "m")
+
+
+# ------------------------------------------------------------------------------------------
+# timm
+# ------------------------------------------------------------------------------------------
+
+TIMM_SHAPE = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=4)
+TIMM_CASES = {
+    # LayerScale (folded into the out-projections), class token, pos_embed covering it
+    "dinov2": ("vit_base_patch14_dinov2", {"num_registers": 0, "posemb_covers_cls": True}),
+    # 4 register tokens; pos_embed for the patches only (no_embed_class)
+    "dinov2-reg4": (
+        "vit_base_patch14_reg4_dinov2",
+        {"num_registers": 4, "posemb_covers_cls": False},
+    ),
+    # the giant's SwiGLUPacked MLP: fc1 = [gate | value], silu
+    "dinov2-giant-swiglu": ("vit_giant_patch14_dinov2", {"mlp": "swiglu"}),
+    # attention-pool head (AttentionPoolLatent), no class token
+    "siglip": ("vit_base_patch16_siglip_224", {"head": "map", "class_token": False}),
+    # OpenAI CLIP in timm: norm_pre, quick-GELU (named by the architecture), projection as head
+    "clip-quickgelu": (
+        "vit_base_patch16_clip_quickgelu_224",
+        {"mlp": "quick_gelu", "pre_norm": True, "num_classes": 12},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TIMM_CASES))
+def test_timm_parity(case, tmp_path):
+    name, expected = TIMM_CASES[case]
+    extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
+    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **extra).eval()
+    perturb(model, seed=31 + len(case))
+    folder = tmp_path / case
+    folder.mkdir()
+    save_file(model.state_dict(), str(folder / "model.safetensors"))
+    save_config_for_hf(model, str(folder / "config.json"))
+    converted = convert("timm", folder)
+    cfg = converted.config
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    pixels = _pixels()
+    with torch.no_grad():
+        tokens = model.forward_features(pixels)
+        prefix = model.num_prefix_tokens
+        peer = {
+            "pooled": model.forward_head(tokens, pre_logits=True),
+            "patch_tokens": tokens[:, prefix:],
+        }
+        if cfg.num_registers:
+            peer["register_tokens"] = tokens[:, 1:prefix]
+    peer = {k: v.numpy() for k, v in peer.items()}
+    check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
