@@ -70,7 +70,10 @@ def _convert(args: argparse.Namespace) -> int:
 
     check_writable(args.out, args.overwrite)
     hints = Hints(
-        preset=get_config(args.model) if args.model else None, heads=args.heads, dtype=args.dtype
+        preset=get_config(args.model) if args.model else None,
+        heads=args.heads,
+        dtype=args.dtype,
+        mlp=args.mlp,
     )
     converted = convert(args.source, args.input, hints)
     for note in converted.notes:
@@ -136,5 +139,10 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     )
     parser.add_argument(
         "--heads", type=int, help="attention heads, when neither weights nor config.json tell"
+    )
+    parser.add_argument(
+        "--mlp",
+        choices=("gelu", "quick_gelu"),
+        help="the MLP's activation, when the source's config does not say (OpenCLIP)",
     )
     return _guarded(_convert)

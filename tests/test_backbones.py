@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 from parity import check_parity
-from peers import import_timm, perturb
+from peers import import_open_clip, import_timm, perturb
 from safetensors.torch import save_file
-from vit22b.model.convert import ConvertError, convert
+from vit22b.model.convert import ConvertError, Hints, convert
 
 timm = import_timm()
 from timm.models._hub import save_config_for_hf  # noqa: E402
@@ -269,3 +269,76 @@ def test_timm_parity(case, tmp_path):
             peer["register_tokens"] = tokens[:, 1:prefix]
     peer = {k: v.numpy() for k, v in peer.items()}
     check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
+
+
+# ------------------------------------------------------------------------------------------
+# OpenCLIP
+# ------------------------------------------------------------------------------------------
+
+OPEN_CLIP_CFG = {
+    "embed_dim": 24,
+    "quick_gelu": True,
+    "vision_cfg": dict(
+        image_size=16,
+        layers=2,
+        width=48,
+        head_width=12,
+        patch_size=4,
+        mlp_ratio=2.5,
+        ls_init_value=0.1,
+    ),
+    "text_cfg": dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1),
+}
+
+
+@pytest.mark.parametrize("quick_gelu", [True, False])
+def test_open_clip_parity_through_its_own_loader(quick_gelu, tmp_path):
+    """A whole CLIP state dict (visual.* and the text tower) with its open_clip_config.json,
+    loaded back by open_clip's own create_model('local-dir:...') as the peer."""
+    open_clip = import_open_clip()
+    model_cfg = {**OPEN_CLIP_CFG, "quick_gelu": quick_gelu}
+    model = open_clip.model.CLIP(**{k: v for k, v in model_cfg.items()}).eval()
+    perturb(model, seed=41 + quick_gelu)
+    folder = tmp_path / "oc"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "open_clip_pytorch_model.bin")
+    preprocess = {"mean": [0.4, 0.45, 0.5], "std": [0.2, 0.25, 0.3], "interpolation": "bilinear"}
+    (folder / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess})
+    )
+    peer_model = open_clip.create_model(f"local-dir:{folder}").eval()
+    converted = convert("open_clip", folder)
+    cfg = converted.config
+    assert cfg.mlp == ("quick_gelu" if quick_gelu else "gelu") and cfg.projection_dim == 24
+    assert (cfg.width, cfg.heads, cfg.mlp_dim, cfg.image_size) == (48, 4, 120, 16)
+    assert cfg.preprocess.mean == (0.4, 0.45, 0.5) and cfg.preprocess.interpolation == "bilinear"
+    assert any("dropped the text tower" in note for note in converted.notes)
+    pixels = _pixels()
+    peer_model.visual.output_tokens = True
+    with torch.no_grad():
+        pooled, tokens = peer_model.visual(pixels)
+        assert torch.allclose(pooled, model.encode_image(pixels))  # the loader read every weight
+    peer = {"pooled": pooled.numpy(), "patch_tokens": tokens.numpy()}  # tokens: after ln_post
+    check_parity(
+        f"open_clip-quick_gelu={quick_gelu}",
+        "open_clip CLIP",
+        converted,
+        pixels.numpy(),
+        peer,
+        True,
+    )
+
+
+def test_open_clip_without_its_config_needs_the_activation(tmp_path):
+    open_clip = import_open_clip()
+    model = open_clip.model.CLIP(**OPEN_CLIP_CFG).eval()
+    save_file(
+        {k: v.contiguous() for k, v in model.visual.state_dict().items()},
+        str(tmp_path / "visual.safetensors"),
+    )
+    with pytest.raises(ConvertError, match="GELU or QuickGELU.*--mlp gelu\\|quick_gelu"):
+        convert("open_clip", tmp_path / "visual.safetensors", Hints(heads=4))
+    converted = convert(
+        "open_clip", tmp_path / "visual.safetensors", Hints(heads=4, mlp="quick_gelu")
+    )
+    assert converted.config.mlp == "quick_gelu"
