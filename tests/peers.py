@@ -13,8 +13,9 @@ few and all belong to its data pipeline and BatchNorm freezing, never to a ViT's
     torchvision.datasets.{CIFAR10, CIFAR100, MNIST, KMNIST, FashionMNIST, ImageFolder}
 
 (the others, e.g. torchvision.models.feature_extraction, are imported inside try/except
-ImportError and simply stay absent). ``import_timm()`` (and ``import_open_clip()``) registers a stand-in
-``torchvision`` package providing exactly those names for the duration of ``import timm``, then removes it from
+ImportError and simply stay absent). ``import_timm()`` (and ``import_open_clip()``) registers a
+stand-in ``torchvision`` package providing exactly those names for the duration of the import,
+then removes it from
 ``sys.modules`` again, so that ``importlib.util.find_spec("torchvision")`` keeps answering None
 (transformers asks) and a later ``import torchvision`` fails as it should. ``InterpolationMode``
 is a real enum with torchvision's values; every stand-in class raises ``RuntimeError`` when
