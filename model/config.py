@@ -71,6 +71,7 @@ class ViTConfig:
     patch: int = 14
     image_size: int = 224
     channels: int = 3
+    patch_bias: bool = True  # CLIP's patch conv has none
     block: BlockType = "parallel"
     norm: NormType = "rmsnorm"
     norm_eps: float = 1e-6
@@ -236,6 +237,71 @@ def _standard_vit(name: str, width: int, depth: int, heads: int, **kw) -> ViTCon
     return ViTConfig(name=name, width=width, depth=depth, heads=heads, **base)
 
 
+# The public frozen-feature backbones. Preprocessing from the sources' own files: timm's
+# pretrained_cfg for DINOv2 (518 px, crop_pct 1.0, bicubic), Hugging Face preprocessor_config.json
+# for DINOv3 (224, bilinear), SigLIP (224, bicubic, 0.5) and CLIP (shorter side 224, centre crop,
+# bicubic, OpenAI's mean/std).
+OPENAI_CLIP_PREPROCESS = Preprocess(
+    resize=224, mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711)
+)
+_IMAGENET = dict(mean=IMAGENET_PREPROCESS.mean, std=IMAGENET_PREPROCESS.std)
+
+
+def _dinov2(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """DINOv2: LayerScale (folded at import), class token, 37x37 learned positions at 518 px."""
+    kw.setdefault("preprocess", Preprocess(resize=518, **_IMAGENET))
+    return _standard_vit(name, width, depth, heads, patch=14, image_size=518, **kw)
+
+
+def _dinov3(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """DINOv3 ViT: 2-D RoPE, 4 registers, no key bias (zeros), LayerNorm eps 1e-5."""
+    return _standard_vit(
+        name,
+        width,
+        depth,
+        heads,
+        patch=16,
+        norm_eps=1e-5,
+        posemb="rope",
+        posemb_covers_cls=False,
+        num_registers=4,
+        preprocess=Preprocess(resize=224, interpolation="bilinear", **_IMAGENET),
+        **kw,
+    )
+
+
+def _siglip(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """SigLIP image tower: no class token, MAP head, tanh GELU, mean/std 0.5."""
+    return _standard_vit(
+        name,
+        width,
+        depth,
+        heads,
+        head="map",
+        class_token=False,
+        posemb_covers_cls=False,
+        gelu_exact=False,
+        preprocess=Preprocess(resize=224),
+        **kw,
+    )
+
+
+def _clip(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """OpenAI CLIP image tower: pre-norm, quick-GELU, LayerNorm 1e-5, no patch bias, projection."""
+    return _standard_vit(
+        name,
+        width,
+        depth,
+        heads,
+        pre_norm=True,
+        mlp="quick_gelu",
+        norm_eps=1e-5,
+        patch_bias=False,
+        preprocess=OPENAI_CLIP_PREPROCESS,
+        **kw,
+    )
+
+
 PRESETS: dict[str, ViTConfig] = {
     c.name: c
     for c in (
@@ -250,6 +316,19 @@ PRESETS: dict[str, ViTConfig] = {
         _standard_vit("vit-b/16", 768, 12, 12),
         _standard_vit("vit-l/16", 1024, 24, 16),
         _standard_vit("vit-h/14", 1280, 32, 16, patch=14),
+        _dinov2("dinov2-s/14", 384, 12, 6),
+        _dinov2("dinov2-b/14", 768, 12, 12),
+        _dinov2("dinov2-l/14", 1024, 24, 16),
+        _dinov2("dinov2-g/14", 1536, 40, 24, mlp="swiglu", mlp_dim=4096),
+        _dinov2("dinov2-reg-b/14", 768, 12, 12, num_registers=4),
+        _dinov2("dinov2-reg-g/14", 1536, 40, 24, num_registers=4, mlp="swiglu", mlp_dim=4096),
+        _dinov3("dinov3-s/16", 384, 12, 6),
+        _dinov3("dinov3-b/16", 768, 12, 12),
+        _dinov3("dinov3-l/16", 1024, 24, 16),
+        _siglip("siglip-b/16", 768, 12, 12),
+        _siglip("siglip-so400m/14", 1152, 27, 16, mlp_dim=4304, patch=14),
+        _clip("clip-b/16", 768, 12, 12, projection_dim=512),
+        _clip("clip-l/14", 1024, 24, 16, patch=14, projection_dim=768),
     )
 }
 

@@ -309,6 +309,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     head_mlp = t.shape("head.mlp.fc1.weight")[0] if head == "map" else None
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     cfg = sizes.config(
+        patch_bias=lay.patch + ".bias" in t,
         block="sequential",
         norm="layernorm",
         norm_eps=float(side.get("layer_norm_eps", lay.eps)),
@@ -424,9 +425,10 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     d, c, p = cfg.width, cfg.channels, cfg.patch
     params = {
         "patch_embed": patch_kernel(t.take(lay.patch + ".weight", (d, c, p, p))),
-        "patch_bias": t.zeros(lay.patch + ".bias", (d,), "a patch embedding without bias"),
         "encoder_norm": torch_norm(t, lay.final_norm, cfg),
     }
+    if cfg.patch_bias:
+        params["patch_bias"] = t.take(lay.patch + ".bias", (d,))
     if cfg.posemb == "learn":
         n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
         shape = (n_pos, d) if lay.pos.endswith(".weight") else (1, n_pos, d)

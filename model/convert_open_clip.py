@@ -92,6 +92,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     b = _BLOCK.format(i=0)
     sizes = Sizes(width, depth, heads, t.shape(b + "mlp.c_fc.weight")[0], patch, grid, channels)
     return sizes.config(
+        patch_bias=False,  # open_clip's conv1 has none
         block="sequential",
         norm="layernorm",
         norm_eps=1e-5,  # torch's LayerNorm default, which open_clip uses
@@ -158,7 +159,6 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     d, c, p = cfg.width, cfg.channels, cfg.patch
     params = {
         "patch_embed": patch_kernel(t.take("conv1.weight", (d, c, p, p))),
-        "patch_bias": t.zeros("conv1.bias", (d,), "open_clip's patch conv has no bias"),
         "cls": t.take("class_embedding", (d,)).reshape(1, 1, d),
         "pos_embedding": t.take("positional_embedding", (cfg.num_patches + 1, d))[None],
         "encoder_norm": torch_norm(t, "ln_post", cfg),

@@ -102,6 +102,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     mlp = "swiglu" if gated else _activation(str(side.get("architecture", "")), t)
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     return sizes.config(
+        patch_bias="patch_embed.proj.bias" in t,  # timm's pre-norm models have none
         block="parallel" if parallel else "sequential",
         norm=norm,
         # timm's CLIP towers build their LayerNorms with OpenAI's eps; every other ViT with 1e-6
@@ -228,10 +229,11 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     d, c, p = cfg.width, cfg.channels, cfg.patch
     params = {
         "patch_embed": patch_kernel(t.take("patch_embed.proj.weight", (d, c, p, p))),
-        "patch_bias": t.zeros("patch_embed.proj.bias", (d,), "timm's pre-norm models have none"),
         "pos_embedding": t.take("pos_embed", (1, cfg.num_patches + cfg.posemb_covers_cls, d)),
         "encoder_norm": torch_norm(t, "norm", cfg),
     }
+    if cfg.patch_bias:
+        params["patch_bias"] = t.take("patch_embed.proj.bias", (d,))
     if cfg.class_token:
         params["cls"] = t.take("cls_token", (1, 1, d))
     if cfg.num_registers:

@@ -300,7 +300,8 @@ class ViT(nn.Module):
         x = x.reshape(b, g * g, p * p * cfg.channels)
         kernel = self.param("patch_embed", _lecun((0,)), (p * p * cfg.channels, cfg.width), pdt)
         x = dot("bnk,kd->bnd", x, kernel, cdt)
-        x = x + self.param("patch_bias", _zeros, (cfg.width,), pdt).astype(F32)
+        if cfg.patch_bias:
+            x = x + self.param("patch_bias", _zeros, (cfg.width,), pdt).astype(F32)
 
         x = self._embed_positions(x)
         if cfg.pre_norm:

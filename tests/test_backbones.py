@@ -342,3 +342,79 @@ def test_open_clip_without_its_config_needs_the_activation(tmp_path):
         "open_clip", tmp_path / "visual.safetensors", Hints(heads=4, mlp="quick_gelu")
     )
     assert converted.config.mlp == "quick_gelu"
+
+
+# ------------------------------------------------------------------------------------------
+# presets: the public shapes, counted as the sources' own code counts them
+# ------------------------------------------------------------------------------------------
+
+_L = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16)
+# preset: (transformers model, its config, parameters the source has and the preset does not:
+# the mask token, used only in training; LayerScale, folded into the out-projections at import,
+# 2 x width per block; DINOv3's missing key bias, which the preset holds as zeros, counts minus)
+PRESET_SOURCES = {
+    "dinov2-b/14": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(image_size=518, patch_size=14),
+        768 + 24 * 768,
+    ),
+    "dinov2-g/14": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(
+            hidden_size=1536,
+            num_hidden_layers=40,
+            num_attention_heads=24,
+            image_size=518,
+            patch_size=14,
+            use_swiglu_ffn=True,
+        ),
+        1536 + 80 * 1536,
+    ),
+    "dinov2-reg-b/14": (
+        "Dinov2WithRegistersModel",
+        "Dinov2WithRegistersConfig",
+        dict(image_size=518, patch_size=14, num_register_tokens=4),
+        768 + 24 * 768,
+    ),
+    "dinov3-l/16": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(**_L, intermediate_size=4096, patch_size=16, num_register_tokens=4),
+        1024 + 48 * 1024 - 24 * 1024,
+    ),
+    "siglip-so400m/14": (
+        "SiglipVisionModel",
+        "SiglipVisionConfig",
+        dict(
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            patch_size=14,
+            image_size=224,
+        ),
+        0,
+    ),
+    "clip-l/14": (
+        "CLIPVisionModelWithProjection",
+        "CLIPVisionConfig",
+        dict(**_L, intermediate_size=4096, patch_size=14, image_size=224, projection_dim=768),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", list(PRESET_SOURCES))
+def test_preset_parameter_counts_are_the_sources(preset):
+    import transformers
+    from vit22b.model import get_config
+    from vit22b.model.info import model_info
+
+    cls_name, config_name, kw, not_ours = PRESET_SOURCES[preset]
+    with torch.device("meta"):  # the source's own modules, no memory
+        model = getattr(transformers, cls_name)(getattr(transformers, config_name)(**kw))
+    source = sum(p.numel() for p in model.parameters())
+    info = model_info(get_config(preset))
+    assert info["total_param_count"] == source - not_ours
