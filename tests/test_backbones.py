@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from parity import check_parity
@@ -418,3 +419,53 @@ def test_preset_parameter_counts_are_the_sources(preset):
     source = sum(p.numel() for p in model.parameters())
     info = model_info(get_config(preset))
     assert info["total_param_count"] == source - not_ours
+
+
+# ------------------------------------------------------------------------------------------
+# served: converted by the command line in float32 compute, over gRPC
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["dinov2-registers", "clip-projection", "siglip"])
+def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
+    """`vit22b convert --compute-dtype float32` (no --model), `BackgroundServer` on the
+    checkpoint, raw uint8 images at the model's size through the SDK: pooled and last-layer
+    patch tokens equal the source's forward on the same normalised pixels to 1e-5."""
+    from parity import TOL_F32
+    from peers import rel_err
+    from vit22b.clients import FeatureClient
+    from vit22b.clients.cli import main
+    from vit22b.server.app import BackgroundServer, build_engine
+    from vit22b.server.settings import ServeConfig
+
+    cls_name, config_name, kw, outputs, normed, _ = HF_CASES[case]
+    model = _hf(cls_name, config_name, seed=51 + len(case), **kw)
+    model.save_pretrained(tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    args = ["convert", "--from", "hf", "--input", str(tmp_path / "hf"), "--out", str(ckpt)]
+    assert main([*args, "--compute-dtype", "float32"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["compute_dtype"] == "float32"
+    images = np.random.default_rng(5).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    config = ServeConfig(
+        checkpoint=str(ckpt), mesh="data=2,model=4", port=0, metrics_port=None, max_batch_images=4
+    )
+    engine = build_engine(config)
+    pre = engine.cfg.preprocess
+    with BackgroundServer(config, engine=engine) as server:
+        with FeatureClient(server.address) as client:
+            info = client.model_info()
+            got = client.embed(
+                list(images),
+                outputs=["pooled", "patch_tokens"],
+                layers=[-1],
+                normalize_patches=normed,
+            )
+    assert info.model.compute_dtype == "float32" and got.model.compute_dtype == "float32"
+    pixels = (images.astype(np.float32) / np.float32(255) - np.float32(pre.mean)) / np.float32(
+        pre.std
+    )  # the contract at the model's own size: no resize, no crop
+    with torch.no_grad():
+        peer = outputs(model, torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy()))
+    assert rel_err(got.pooled, peer["pooled"].numpy()) < TOL_F32
+    assert rel_err(got.patch_tokens[-1], peer["patch_tokens"].numpy()) < TOL_F32
