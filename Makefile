@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	# timm's own model code for the import parity tests. --no-deps: its torchvision does not load
 	# beside this torch; tests/peers.py runs timm without it.
 	$(PY) -m pip install -q --no-deps timm==1.0.31
+	# open_clip's own CLIP for the OpenCLIP parity tests; --no-deps for the same torchvision.
+	$(PY) -m pip install -q --no-deps open_clip_torch==3.3.0
 	touch $(STAMP)
 
 install: $(STAMP)

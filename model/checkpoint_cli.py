@@ -27,6 +27,7 @@ def _summary(out: str, meta) -> str:
             "param_count": meta.param_count,
             "param_bytes": meta.param_bytes,
             "param_dtype": cfg.param_dtype,
+            "compute_dtype": cfg.compute_dtype,
             "num_classes": cfg.num_classes,
             "preprocess_hash": meta.preprocess_hash,
         }
@@ -41,6 +42,8 @@ def _init(args: argparse.Namespace) -> int:
     cfg = get_config(args.model)
     if args.dtype:
         cfg = cfg.replace(param_dtype=args.dtype)
+    if args.compute_dtype:
+        cfg = cfg.replace(compute_dtype=args.compute_dtype)
     mesh = make_mesh(args.mesh) if args.mesh else _tensor_parallel_mesh(cfg)
     params = init_sharded(cfg, mesh, args.seed)
     meta = save(args.out, cfg, params, f"init:seed={args.seed}", overwrite=args.overwrite)
@@ -67,14 +70,20 @@ def _convert(args: argparse.Namespace) -> int:
 
     check_writable(args.out, args.overwrite)
     hints = Hints(
-        preset=get_config(args.model) if args.model else None, heads=args.heads, dtype=args.dtype
+        preset=get_config(args.model) if args.model else None,
+        heads=args.heads,
+        dtype=args.dtype,
+        mlp=args.mlp,
     )
     converted = convert(args.source, args.input, hints)
     for note in converted.notes:
         print(f"note: {note}", file=sys.stderr)
+    cfg = converted.config
+    if args.compute_dtype:  # the default every server of this checkpoint computes in
+        cfg = cfg.replace(compute_dtype=args.compute_dtype)
     meta = save(
         args.out,
-        converted.config,
+        cfg,
         converted.params,
         converted.source,
         notes=tuple(converted.notes),
@@ -104,6 +113,12 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     parser.set_defaults(command=command)
     dtype_help = "parameter dtype (default: the preset's, or the source's)"
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help=dtype_help)
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("bfloat16", "float32"),
+        help="matmul input dtype stored as the checkpoint's default (float32: exact, float32 end "
+        "to end; default: the preset's, bfloat16)",
+    )
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
     if command == "init":
@@ -124,5 +139,10 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     )
     parser.add_argument(
         "--heads", type=int, help="attention heads, when neither weights nor config.json tell"
+    )
+    parser.add_argument(
+        "--mlp",
+        choices=("gelu", "quick_gelu"),
+        help="the MLP's activation, when the source's config does not say (OpenCLIP)",
     )
     return _guarded(_convert)

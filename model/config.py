@@ -15,14 +15,16 @@ from typing import Literal
 BlockType = Literal["parallel", "sequential"]
 NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
 HeadType = Literal["map", "cls", "gap", "none"]
-PosembType = Literal["learn", "sincos2d"]
+PosembType = Literal["learn", "sincos2d", "rope"]
+MlpType = Literal["gelu", "quick_gelu", "swiglu"]
 DType = Literal["float32", "bfloat16"]
 
 _CHOICES = {
     "block": ("parallel", "sequential"),
     "norm": ("layernorm", "layernorm_nobias", "rmsnorm"),
     "head": ("map", "cls", "gap", "none"),
-    "posemb": ("learn", "sincos2d"),
+    "posemb": ("learn", "sincos2d", "rope"),
+    "mlp": ("gelu", "quick_gelu", "swiglu"),
     "param_dtype": ("float32", "bfloat16"),
     "compute_dtype": ("float32", "bfloat16"),
 }
@@ -76,6 +78,7 @@ class ViTConfig:
     patch: int = 14
     image_size: int = 224
     channels: int = 3
+    patch_bias: bool = True  # CLIP's patch conv has none
     block: BlockType = "parallel"
     norm: NormType = "rmsnorm"
     norm_eps: float = 1e-6
@@ -86,13 +89,24 @@ class ViTConfig:
     head: HeadType = "map"
     head_mlp_dim: int | None = None  # MAP head MLP hidden; None -> mlp_dim
     class_token: bool = False
+    # register tokens (DINOv2-reg, DINOv3): after the class token, before the patches; they take
+    # no position embedding and are never part of the patch outputs
+    num_registers: int = 0
+    # learn / sincos2d: a table added to the embedded patches; rope: DINOv3's 2-D rotary
+    # embedding on the patches' queries and keys (patch centres in [-1, 1], base rope_theta)
     posemb: PosembType = "learn"
+    rope_theta: float = 100.0
     # big_vision adds position embeddings to patches only, then prepends the class token;
     # timm and Hugging Face prepend first and embed the class token's position too.
     posemb_covers_cls: bool = False
     # a norm on the embedded tokens before the first block (timm pre_norm: CLIP, the *_xp_* ViTs)
     pre_norm: bool = False
     gelu_exact: bool = True
+    # the blocks' MLP: GELU (exact or tanh, gelu_exact), CLIP's quick-GELU x*sigmoid(1.702x), or
+    # SwiGLU silu(x W_gate) * (x W_fc1) (DINOv2-g, DINOv3-7B); the MAP head's MLP is always GELU
+    mlp: MlpType = "gelu"
+    # a linear map (no bias) after pooling: CLIP's visual projection; pooled is its output
+    projection_dim: int = 0
     num_classes: int = 0  # classifier head on the pooled feature (imported checkpoints); 0: none
     param_dtype: DType = "float32"
     compute_dtype: DType = "bfloat16"
@@ -106,6 +120,22 @@ class ViTConfig:
         for name in ("width", "depth", "heads", "mlp_dim", "patch", "image_size", "channels"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be positive")
+        for name in ("num_registers", "projection_dim", "num_classes"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be >= 0")
+        if self.block == "parallel" and self.mlp == "swiglu":
+            raise ConfigError(
+                f"{self.name}: mlp='swiglu' needs block='sequential' (the fused projection of a "
+                "parallel block has no gate)"
+            )
+        if self.posemb == "rope" and self.head_dim % 4:
+            raise ConfigError(
+                f"{self.name}: posemb='rope' needs head_dim divisible by 4, got {self.head_dim}"
+            )
+        if self.posemb == "rope" and self.posemb_covers_cls:
+            raise ConfigError(f"{self.name}: posemb='rope' has no table to cover the class token")
+        if self.projection_dim and self.head == "none":
+            raise ConfigError(f"{self.name}: projection_dim needs a pooling head")
         if self.width % self.heads:
             raise ConfigError(
                 f"{self.name}: width={self.width} is not divisible by heads={self.heads}"
@@ -141,8 +171,18 @@ class ViTConfig:
         return self.grid * self.grid
 
     @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens before the patches: the class token and the registers."""
+        return int(self.class_token) + self.num_registers
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_patches + int(self.class_token)
+        return self.num_patches + self.num_prefix_tokens
+
+    @property
+    def pooled_dim(self) -> int:
+        """Width of the pooled output (the projection's when there is one)."""
+        return self.projection_dim or self.width
 
     @property
     def map_mlp_dim(self) -> int:
@@ -208,6 +248,71 @@ def _standard_vit(name: str, width: int, depth: int, heads: int, **kw) -> ViTCon
     return ViTConfig(name=name, width=width, depth=depth, heads=heads, **base)
 
 
+# The public frozen-feature backbones. Preprocessing from the sources' own files: timm's
+# pretrained_cfg for DINOv2 (518 px, crop_pct 1.0, bicubic), Hugging Face preprocessor_config.json
+# for DINOv3 (224, bilinear), SigLIP (224, bicubic, 0.5) and CLIP (shorter side 224, centre crop,
+# bicubic, OpenAI's mean/std).
+OPENAI_CLIP_PREPROCESS = Preprocess(
+    resize=224, mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711)
+)
+_IMAGENET = dict(mean=IMAGENET_PREPROCESS.mean, std=IMAGENET_PREPROCESS.std)
+
+
+def _dinov2(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """DINOv2: LayerScale (folded at import), class token, 37x37 learned positions at 518 px."""
+    kw.setdefault("preprocess", Preprocess(resize=518, **_IMAGENET))
+    return _standard_vit(name, width, depth, heads, patch=14, image_size=518, **kw)
+
+
+def _dinov3(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """DINOv3 ViT: 2-D RoPE, 4 registers, no key bias (zeros), LayerNorm eps 1e-5."""
+    return _standard_vit(
+        name,
+        width,
+        depth,
+        heads,
+        patch=16,
+        norm_eps=1e-5,
+        posemb="rope",
+        posemb_covers_cls=False,
+        num_registers=4,
+        preprocess=Preprocess(resize=224, interpolation="bilinear", **_IMAGENET),
+        **kw,
+    )
+
+
+def _siglip(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """SigLIP image tower: no class token, MAP head, tanh GELU, mean/std 0.5."""
+    return _standard_vit(
+        name,
+        width,
+        depth,
+        heads,
+        head="map",
+        class_token=False,
+        posemb_covers_cls=False,
+        gelu_exact=False,
+        preprocess=Preprocess(resize=224),
+        **kw,
+    )
+
+
+def _clip(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
+    """OpenAI CLIP image tower: pre-norm, quick-GELU, LayerNorm 1e-5, no patch bias, projection."""
+    return _standard_vit(
+        name,
+        width,
+        depth,
+        heads,
+        pre_norm=True,
+        mlp="quick_gelu",
+        norm_eps=1e-5,
+        patch_bias=False,
+        preprocess=OPENAI_CLIP_PREPROCESS,
+        **kw,
+    )
+
+
 PRESETS: dict[str, ViTConfig] = {
     c.name: c
     for c in (
@@ -222,6 +327,19 @@ PRESETS: dict[str, ViTConfig] = {
         _standard_vit("vit-b/16", 768, 12, 12),
         _standard_vit("vit-l/16", 1024, 24, 16),
         _standard_vit("vit-h/14", 1280, 32, 16, patch=14),
+        _dinov2("dinov2-s/14", 384, 12, 6),
+        _dinov2("dinov2-b/14", 768, 12, 12),
+        _dinov2("dinov2-l/14", 1024, 24, 16),
+        _dinov2("dinov2-g/14", 1536, 40, 24, mlp="swiglu", mlp_dim=4096),
+        _dinov2("dinov2-reg-b/14", 768, 12, 12, num_registers=4),
+        _dinov2("dinov2-reg-g/14", 1536, 40, 24, num_registers=4, mlp="swiglu", mlp_dim=4096),
+        _dinov3("dinov3-s/16", 384, 12, 6),
+        _dinov3("dinov3-b/16", 768, 12, 12),
+        _dinov3("dinov3-l/16", 1024, 24, 16),
+        _siglip("siglip-b/16", 768, 12, 12),
+        _siglip("siglip-so400m/14", 1152, 27, 16, mlp_dim=4304, patch=14),
+        _clip("clip-b/16", 768, 12, 12, projection_dim=512),
+        _clip("clip-l/14", 1024, 24, 16, patch=14, projection_dim=768),
     )
 }
 

@@ -6,7 +6,8 @@ is used exactly once: a missing, unexpected or mis-shaped key is an error naming
 have no place in a feature extractor (Hugging Face's tanh pooler, its masked-image-modelling mask
 token) are dropped by name, and such notes go into the checkpoint's metadata.
 
-One module per source (convert_timm, convert_hf, convert_big_vision) over convert_common.
+One module per source (convert_timm, convert_hf, convert_big_vision, convert_open_clip) over
+convert_common.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from . import convert_big_vision, convert_hf, convert_timm
+from . import convert_big_vision, convert_hf, convert_open_clip, convert_timm
 from .checkpoint import (
     expected_shapes,
     flatten,
@@ -28,6 +29,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, ViTConfig
 from .convert_common import (
+    WEIGHT_FILES,
     ConvertError,
     Hints,
     SourceTensors,
@@ -54,7 +56,12 @@ class Converted:
 
 # Each source module: side_files(path) -> (its config files, whether they name the preprocessing);
 # canonical(tensors, notes) -> tensors under the names it reads; infer_config; build_params.
-IMPORTERS = {"timm": convert_timm, "hf": convert_hf, "big_vision": convert_big_vision}
+IMPORTERS = {
+    "timm": convert_timm,
+    "hf": convert_hf,
+    "big_vision": convert_big_vision,
+    "open_clip": convert_open_clip,
+}
 SOURCES = tuple(IMPORTERS)
 
 
@@ -103,7 +110,8 @@ def convert(source: str, input_path, hints: Hints | None = None) -> Converted:
     path = Path(input_path)
     side, has_preprocess = importer.side_files(path)
     notes: list[str] = []
-    tensors = importer.canonical(read_tensors(find_weights(path)), notes)
+    files = find_weights(path, getattr(importer, "WEIGHT_FILES", WEIGHT_FILES))
+    tensors = importer.canonical(read_tensors(files), notes)
     name = f"{source}:{_source_name(path, side)}"
     t = SourceTensors(tensors, source)
     try:

@@ -1,7 +1,9 @@
-"""big_vision: the parameter names of its models/vit.py in .npz files (flat '/'-joined keys)."""
+"""big_vision: the parameter names of its models/vit.py in .npz files (flat '/'-joined keys), alone
+or as the image tower (``params/img/``) of a two-tower SigLIP checkpoint, MAPHead included."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,8 @@ from .convert_common import (
 )
 
 _BV_PREFIXES = ("params/img/", "opt/target/", "params/")
+# the other tower of big_vision's two_towers (SigLIP), its temperature t and bias b
+_SIGLIP_TEXT = re.compile(r"^params/(txt/.*|t|b)$")
 
 
 def side_files(path: Path) -> tuple[dict, bool]:
@@ -29,6 +33,10 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
     """Strip the tree prefix and unstack scanned blocks into encoderblock_{i}."""
     for prefix in _BV_PREFIXES:
         if f"{prefix}embedding/kernel" in tensors:
+            text = [k for k in tensors if prefix == "params/img/" and _SIGLIP_TEXT.match(k)]
+            if text:  # a SigLIP / two-tower checkpoint: the image tower is served
+                notes.append(f"dropped the text tower and its scalars ({len(text)} tensors)")
+                tensors = {k: v for k, v in tensors.items() if k not in set(text)}
             other = sorted(k for k in tensors if not k.startswith(prefix))
             if other:
                 groups = sorted({"/".join(k.split("/")[:2]) for k in other})

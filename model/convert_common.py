@@ -21,6 +21,8 @@ from .checkpoint import format_problems
 from .config import ViTConfig
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
+# in a directory holding several weight files, the one read (an importer may name others)
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class ConvertError(ValueError):
@@ -29,11 +31,13 @@ class ConvertError(ValueError):
 
 @dataclass(frozen=True)
 class Hints:
-    """What the user told us: a preset to match, a head count, a parameter dtype."""
+    """What the user told us: a preset to match, a head count, a parameter dtype, the MLP's
+    activation (code, not weights: OpenCLIP's GELU or QuickGELU)."""
 
     preset: ViTConfig | None = None
     heads: int | None = None
     dtype: str | None = None
+    mlp: str | None = None  # "gelu" or "quick_gelu"
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,9 @@ class Sizes:
 # ------------------------------------------------------------------------------------------
 
 
-def find_weights(path: Path) -> list[Path]:
-    """The weight file(s) at ``path``: a file, or a directory holding one (or a sharded index)."""
+def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[Path]:
+    """The weight file(s) at ``path``: a file, or a directory holding one (or a sharded index);
+    in a directory with several, the first of the ``preferred`` names present."""
     if path.is_file():
         return [path]
     if not path.is_dir():
@@ -80,9 +85,9 @@ def find_weights(path: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / name for name in shards]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    preferred = [p for p in candidates if p.name in ("model.safetensors", "pytorch_model.bin")]
-    if len(preferred) == 1 or len(candidates) == 1:
-        return preferred[:1] or candidates
+    present = [path / name for name in preferred if (path / name) in candidates]
+    if present or len(candidates) == 1:
+        return present[:1] or candidates
     names = ", ".join(p.name for p in candidates) or "none"
     raise ConvertError(
         f"{path}: expected one weight file ({'/'.join(WEIGHT_SUFFIXES)}), found: {names}"
@@ -177,6 +182,7 @@ class SourceTensors:
         self.used: set[str] = set()
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.family = ""  # set by an importer's infer_config when it reads several layouts
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors

@@ -1,8 +1,16 @@
-"""Hugging Face transformers: ViTModel and ViTForImageClassification safetensors or .bin files."""
+"""Hugging Face transformers: ViT, DINOv2 (with and without registers), DINOv3 ViT, CLIP and SigLIP
+vision towers, from safetensors or .bin files with their config.json and preprocessor_config.json.
+
+Every family is a pre-norm sequential ViT; a ``Layout`` names where it keeps each tensor, and one
+builder reads them all. The family comes from config.json's ``model_type`` or, without one, from
+the keys. Full two-tower checkpoints (CLIPModel, SiglipModel) give their vision tower; the text
+tower is dropped by name, with a note.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +22,9 @@ from .convert_common import (
     Sizes,
     SourceTensors,
     count_blocks,
+    fold_layer_scale,
+    fused_bias_to_heads,
+    fused_to_heads,
     grid_of,
     infer_heads,
     json_beside,
@@ -24,108 +35,423 @@ from .convert_common import (
     torch_norm,
 )
 
-# transformers 5 names its modules differently in memory; hub files use the classic names.
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one family keeps its tensors; block names are relative to ``block`` ({i})."""
+
+    block: str
+    norm1: str
+    norm2: str
+    q: str
+    k: str
+    v: str
+    o: str
+    fc1: str
+    fc2: str
+    final_norm: str
+    patch: str  # the patch conv's module
+    eps: float  # transformers' default layer_norm_eps for the family
+    act: str  # its default hidden_act
+    cls: str | None = None
+    pos: str | None = None  # [1, T, d] parameter, or an nn.Embedding's weight [T, d]
+    registers: str | None = None
+    pre_norm: str | None = None
+    layer_scale: tuple[str, str] | None = None
+    gate: str | None = None  # separate SwiGLU gate projection (DINOv3's gated MLP)
+    # DINOv2's SwiGLU: weights_in = [gate | value] in one Linear, then weights_out
+    fused_swiglu: tuple[str, str] | None = None
+
+    def mlp_names(self, t: SourceTensors, b: str) -> tuple[str, str, bool]:
+        """(first, second) MLP projections of block prefix ``b``, and whether it is gated."""
+        if self.fused_swiglu and b + self.fused_swiglu[0] + ".weight" in t:
+            return (*self.fused_swiglu, True)
+        return self.fc1, self.fc2, bool(self.gate and b + self.gate + ".weight" in t)
+
+
+_VIT_ATTENTION = dict(
+    q="attention.attention.query",
+    k="attention.attention.key",
+    v="attention.attention.value",
+    o="attention.output.dense",
+)
+_CLIP_BLOCK = dict(
+    block="encoder.layers.{i}.",
+    norm1="layer_norm1",
+    norm2="layer_norm2",
+    q="self_attn.q_proj",
+    k="self_attn.k_proj",
+    v="self_attn.v_proj",
+    o="self_attn.out_proj",
+    fc1="mlp.fc1",
+    fc2="mlp.fc2",
+    final_norm="post_layernorm",
+    patch="embeddings.patch_embedding",
+    pos="embeddings.position_embedding.weight",
+)
+_DINOV2 = Layout(
+    block="encoder.layer.{i}.",
+    norm1="norm1",
+    norm2="norm2",
+    **_VIT_ATTENTION,
+    fc1="mlp.fc1",
+    fc2="mlp.fc2",
+    final_norm="layernorm",
+    patch="embeddings.patch_embeddings.projection",
+    cls="embeddings.cls_token",
+    pos="embeddings.position_embeddings",
+    layer_scale=("layer_scale1.lambda1", "layer_scale2.lambda1"),
+    fused_swiglu=("mlp.weights_in", "mlp.weights_out"),
+    eps=1e-6,
+    act="gelu",
+)
+LAYOUTS = {
+    "vit": Layout(
+        block="encoder.layer.{i}.",
+        norm1="layernorm_before",
+        norm2="layernorm_after",
+        **_VIT_ATTENTION,
+        fc1="intermediate.dense",
+        fc2="output.dense",
+        final_norm="layernorm",
+        patch="embeddings.patch_embeddings.projection",
+        cls="embeddings.cls_token",
+        pos="embeddings.position_embeddings",
+        eps=1e-12,
+        act="gelu",
+    ),
+    "dinov2": _DINOV2,
+    "dinov2_with_registers": Layout(
+        **{**_DINOV2.__dict__, "registers": "embeddings.register_tokens"}
+    ),
+    "dinov3_vit": Layout(
+        block="layer.{i}.",
+        norm1="norm1",
+        norm2="norm2",
+        q="attention.q_proj",
+        k="attention.k_proj",
+        v="attention.v_proj",
+        o="attention.o_proj",
+        fc1="mlp.up_proj",
+        fc2="mlp.down_proj",
+        gate="mlp.gate_proj",
+        final_norm="norm",
+        patch="embeddings.patch_embeddings",
+        cls="embeddings.cls_token",
+        registers="embeddings.register_tokens",
+        layer_scale=("layer_scale1.lambda1", "layer_scale2.lambda1"),
+        eps=1e-5,
+        act="gelu",
+    ),
+    "clip_vision_model": Layout(
+        **_CLIP_BLOCK,
+        cls="embeddings.class_embedding",
+        pre_norm="pre_layrnorm",
+        eps=1e-5,
+        act="quick_gelu",
+    ),
+    "siglip_vision_model": Layout(**_CLIP_BLOCK, eps=1e-6, act="gelu_pytorch_tanh"),
+}
+# config.json model_type -> layout (two-tower configs keep the vision one in vision_config)
+_MODEL_TYPES = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
+# name -> (gelu_exact, mlp)
+_ACTIVATIONS = {
+    "gelu": (True, "gelu"),
+    "gelu_new": (False, "gelu"),
+    "gelu_pytorch_tanh": (False, "gelu"),
+    "quick_gelu": (True, "quick_gelu"),
+}
+_PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+_PROJECTION = "visual_projection.weight"  # CLIPVisionModelWithProjection's [P, d]
+# transformers 5 names the modules of ViT and DINOv2 differently in memory (state_dict()) than
+# in hub files; these map the in-memory names to the hub names (DINOv3's hub names are its own)
+_QKV = {"q": "query", "k": "key", "v": "value"}
 _HF_RENAMES = (
-    (r"^layers\.(\d+)\.attention\.q_proj\.", r"encoder.layer.\1.attention.attention.query."),
-    (r"^layers\.(\d+)\.attention\.k_proj\.", r"encoder.layer.\1.attention.attention.key."),
-    (r"^layers\.(\d+)\.attention\.v_proj\.", r"encoder.layer.\1.attention.attention.value."),
-    (r"^layers\.(\d+)\.attention\.o_proj\.", r"encoder.layer.\1.attention.output.dense."),
+    (
+        r"^(?:encoder\.layer|layers)\.(\d+)\.attention\.([qkv])_proj\.",
+        lambda m: f"encoder.layer.{m[1]}.attention.attention.{_QKV[m[2]]}.",
+    ),
+    (
+        r"^(?:encoder\.layer|layers)\.(\d+)\.attention\.o_proj\.",
+        r"encoder.layer.\1.attention.output.dense.",
+    ),
     (r"^layers\.(\d+)\.mlp\.fc1\.", r"encoder.layer.\1.intermediate.dense."),
     (r"^layers\.(\d+)\.mlp\.fc2\.", r"encoder.layer.\1.output.dense."),
     (r"^layers\.(\d+)\.", r"encoder.layer.\1."),
+    (r"^encoder\.layer\.(\d+)\.mlp\.down_proj\.", r"encoder.layer.\1.mlp.weights_out."),
+    (r"^model\.layer\.(\d+)\.", r"layer.\1."),  # DINOv3ViTModel.model.layer
 )
-_HF_ACTIVATIONS = {"gelu": True, "gelu_new": False, "gelu_pytorch_tanh": False}
-_PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+_DINOV2_GATE = re.compile(r"^(encoder\.layer\.\d+\.mlp\.)gate_proj\.(weight|bias)$")
+# the other tower and the contrastive scalars of a two-tower checkpoint
+_TEXT_TOWER = re.compile(r"^(text_model\.|text_projection\.|logit_scale$|logit_bias$)")
 
 
 def side_files(path: Path) -> tuple[dict, bool]:
-    """config.json (sizes, heads, epsilon, activation) and preprocessor_config.json."""
+    """config.json (family, sizes, heads, epsilon, activation) and preprocessor_config.json."""
     side = json_beside(path, "config.json")
+    if "vision_config" in side:  # a two-tower config: the image tower's part
+        side = {**side["vision_config"], "projection_dim": side.get("projection_dim")}
     side["_preprocessor"] = json_beside(path, "preprocessor_config.json")
     return side, bool(side["_preprocessor"])
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
+    text = sorted(k for k in tensors if _TEXT_TOWER.match(k))
+    if text:
+        notes.append(f"dropped the text tower and contrastive scalars ({len(text)} tensors)")
     out = {}
     for key, value in tensors.items():
-        name = key.removeprefix("vit.")
+        if key in text:
+            continue
+        name = key.removeprefix("vit.").removeprefix("vision_model.")
         for pattern, repl in _HF_RENAMES:
             name, n = re.subn(pattern, repl, name)
             if n:
                 break
         out[name] = value
+    for key in [k for k in out if _DINOV2_GATE.match(k)]:  # in memory: gate and value apart
+        m = _DINOV2_GATE.match(key)
+        up = f"{m[1]}up_proj.{m[2]}"
+        out[f"{m[1]}weights_in.{m[2]}"] = np.concatenate([out.pop(key), out.pop(up)])
     return out
 
 
-def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
-    width, channels, patch, _ = t.shape("embeddings.patch_embeddings.projection.weight")
-    depth = count_blocks(t, r"encoder\.layer\.(\d+)\.")
-    grid, covers_cls = grid_of(t.shape("embeddings.position_embeddings")[1], True)
-    act = side.get("hidden_act", "gelu")
-    if act not in _HF_ACTIVATIONS:
-        raise ConvertError(f"hf checkpoint: hidden_act={act!r} is not supported")
-    if "layer_norm_eps" not in side:
-        t.notes.append("no config.json: LayerNorm epsilon 1e-12 (Hugging Face's default)")
-    b = "encoder.layer.0."
-    heads = infer_heads(t, hints, None, width, side.get("num_attention_heads"))
-    mlp_dim = t.shape(b + "intermediate.dense.weight")[0]
-    sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels)
-    return sizes.config(
-        block="sequential",
-        norm="layernorm",
-        norm_eps=float(side.get("layer_norm_eps", 1e-12)),
-        qkv_bias=b + "attention.attention.query.bias" in t,
-        out_bias=True,
-        mlp_bias=True,
-        qk_norm=False,
-        head="cls",
-        class_token=True,
-        posemb_covers_cls=covers_cls,
-        gelu_exact=_HF_ACTIVATIONS[act],
-        num_classes=t.shape("classifier.weight")[0] if "classifier.weight" in t else 0,
-        preprocess=_hf_preprocess(side.get("_preprocessor", {}), grid * patch),
+def _family_of_keys(t: SourceTensors) -> str:
+    if "layer.0.norm1.weight" in t:
+        return "dinov3_vit"
+    if "encoder.layer.0.norm1.weight" in t:
+        return "dinov2_with_registers" if "embeddings.register_tokens" in t else "dinov2"
+    if "encoder.layers.0.self_attn.q_proj.weight" in t:
+        return "clip_vision_model" if "embeddings.class_embedding" in t else "siglip_vision_model"
+    if "encoder.layer.0.layernorm_before.weight" in t:
+        return "vit"
+    some = ", ".join(sorted(t.tensors)[:8])
+    raise ConvertError(
+        f"hf checkpoint: not a supported vision model (ViT, DINOv2, DINOv3 ViT, CLIP or SigLIP "
+        f"vision tower); its keys begin: {some}"
     )
 
 
+def family(t: SourceTensors, side: dict) -> str:
+    """The layout's name: what the keys show, which config.json's model_type must agree with."""
+    from_keys = _family_of_keys(t)
+    model_type = side.get("model_type")
+    if model_type is None:
+        return from_keys
+    model_type = _MODEL_TYPES.get(model_type, model_type)
+    if model_type not in LAYOUTS:
+        known = ", ".join(sorted(LAYOUTS))
+        raise ConvertError(
+            f"hf checkpoint: config.json has model_type={model_type!r}, which is not supported "
+            f"(supported: {known})"
+        )
+    if model_type != from_keys:
+        raise ConvertError(
+            f"hf checkpoint: config.json says model_type={model_type!r}, but the weights are "
+            f"laid out as {from_keys!r}"
+        )
+    return model_type
+
+
+def _check_side(side: dict, cfg: ViTConfig) -> None:
+    """config.json's sizes, where it gives them, must be the weights'."""
+    weights = {
+        "hidden_size": cfg.width,
+        "num_hidden_layers": cfg.depth,
+        "intermediate_size": cfg.mlp_dim,
+        "patch_size": cfg.patch,
+        "num_register_tokens": cfg.num_registers,
+        "projection_dim": cfg.projection_dim or None,
+    }
+    problems = [
+        f"{name}: config.json has {side[name]}, the weights have {value}"
+        for name, value in weights.items()
+        if side.get(name) is not None and value is not None and side[name] != value
+    ]
+    if cfg.mlp == "swiglu" or side.get("use_swiglu_ffn"):
+        problems = [p for p in problems if not p.startswith("intermediate_size")]
+    if problems:
+        problems = "; ".join(problems)
+        raise ConvertError(f"hf checkpoint: config.json contradicts the weights: {problems}")
+
+
+def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
+    name = t.family = family(t, side)
+    lay = LAYOUTS[name]
+    width, channels, patch, _ = t.shape(lay.patch + ".weight")
+    depth = count_blocks(t, "^" + re.escape(lay.block).replace(r"\{i\}", r"(\d+)"))
+    b = lay.block.format(i=0)
+    class_token = lay.cls is not None
+    if lay.pos is None:  # DINOv3: rotary; the grid is the config's image size
+        grid = int(side.get("image_size", 224)) // patch
+        covers_cls = False
+    else:
+        grid, covers_cls = grid_of(t.shape(lay.pos)[-2], class_token)
+    act = side.get("hidden_act", lay.act)
+    fc1, fc2, gated = lay.mlp_names(t, b)
+    if gated:  # DINOv2's SwiGLU is silu whatever hidden_act says; DINOv3's uses hidden_act
+        if lay.gate and act not in ("silu", "swish"):
+            raise ConvertError(
+                f"hf checkpoint: a gated MLP with hidden_act={act!r} (only silu, SwiGLU, is "
+                "supported)"
+            )
+        gelu_exact, mlp = True, "swiglu"
+        mlp_dim = t.shape(b + fc2 + ".weight")[1]
+    else:
+        if act not in _ACTIVATIONS:
+            raise ConvertError(f"hf checkpoint: hidden_act={act!r} is not supported")
+        gelu_exact, mlp = _ACTIVATIONS[act]
+        mlp_dim = t.shape(b + lay.fc1 + ".weight")[0]
+    if "layer_norm_eps" not in side:
+        t.notes.append(f"no config.json: LayerNorm epsilon {lay.eps} ({name}'s default)")
+    heads = infer_heads(t, hints, None, width, side.get("num_attention_heads"))
+    head = "cls" if class_token else "map" if "head.probe" in t else "gap"
+    head_mlp = t.shape("head.mlp.fc1.weight")[0] if head == "map" else None
+    sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
+    cfg = sizes.config(
+        patch_bias=lay.patch + ".bias" in t,
+        block="sequential",
+        norm="layernorm",
+        norm_eps=float(side.get("layer_norm_eps", lay.eps)),
+        qkv_bias=b + lay.q + ".bias" in t,
+        out_bias=b + lay.o + ".bias" in t,
+        mlp_bias=b + fc2 + ".bias" in t,
+        qk_norm=False,
+        head=head,
+        class_token=class_token,
+        num_registers=t.shape(lay.registers)[1] if lay.registers and lay.registers in t else 0,
+        posemb="rope" if lay.pos is None else "learn",
+        rope_theta=float(side.get("rope_theta", 100.0)),
+        posemb_covers_cls=covers_cls,
+        pre_norm=lay.pre_norm is not None,
+        gelu_exact=gelu_exact,
+        mlp=mlp,
+        projection_dim=t.shape(_PROJECTION)[0] if _PROJECTION in t else 0,
+        num_classes=t.shape("classifier.weight")[0] if "classifier.weight" in t else 0,
+        preprocess=_hf_preprocess(side.get("_preprocessor", {}), grid * patch),
+    )
+    _check_side(side, cfg)
+    return cfg
+
+
 def _hf_preprocess(proc: dict, image_size: int) -> Preprocess:
-    # ViTImageProcessor: resize straight to the model's size (no crop), bilinear, mean/std 0.5.
+    """The image processor's resize (shortest_edge, or a square size), resample and mean/std.
+
+    Defaults when there is no preprocessor_config.json: ViTImageProcessor's (resize to the model's
+    size, bilinear, mean/std 0.5).
+    """
+    size = proc.get("size") or {}
+    resize = size.get("shortest_edge") or size.get("height") or image_size
+    crop = proc.get("crop_size") or {}
+    if proc.get("do_center_crop") and crop and crop.get("height", image_size) != image_size:
+        raise ConvertError(
+            f"hf preprocessor_config.json crops to {crop}, but the position embedding is for "
+            f"{image_size}x{image_size} images"
+        )
     return Preprocess(
-        resize=image_size,
+        resize=int(resize),
         interpolation=_PIL_RESAMPLE.get(int(proc.get("resample", 2)), "bilinear"),
         mean=tuple(proc.get("image_mean", (0.5, 0.5, 0.5))),
         std=tuple(proc.get("image_std", (0.5, 0.5, 0.5))),
     )
 
 
-def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
-    d, h, c, p, mlp = cfg.width, cfg.heads, cfg.channels, cfg.patch, cfg.mlp_dim
-    e = "embeddings."
-    params = {
-        "patch_embed": patch_kernel(t.take(e + "patch_embeddings.projection.weight", (d, c, p, p))),
-        "patch_bias": t.take(e + "patch_embeddings.projection.bias", (d,)),
-        "cls": t.take(e + "cls_token", (1, 1, d)),
-        "pos_embedding": t.take(e + "position_embeddings", (1, cfg.num_patches + 1, d)),
-        "encoder_norm": torch_norm(t, "layernorm", cfg),
+def _mlp(t: SourceTensors, b: str, lay: Layout, cfg: ViTConfig) -> dict:
+    d, m, bias = cfg.width, cfg.mlp_dim, cfg.mlp_bias
+    fc1, fc2, gated = lay.mlp_names(t, b)
+    p = {}
+    if gated and lay.gate is None:  # DINOv2: weights_in = [gate | value]
+        w_in, b_in = torch_linear(t, b + fc1, 2 * m, d, bias)
+        p["w_gate"], p["w_fc1"] = w_in[:, :m], w_in[:, m:]
+        if bias:
+            p["b_gate"], p["b_fc1"] = b_in[:m], b_in[m:]
+    else:
+        p["w_fc1"], p["b_fc1"] = torch_linear(t, b + fc1, m, d, bias)
+        if gated:
+            p["w_gate"], p["b_gate"] = torch_linear(t, b + lay.gate, m, d, bias)
+    p["w_fc2"], p["b_fc2"] = torch_linear(t, b + fc2, d, m, bias)
+    return {k: v for k, v in p.items() if v is not None}
+
+
+def _block(t: SourceTensors, b: str, lay: Layout, cfg: ViTConfig) -> dict:
+    d, h = cfg.width, cfg.heads
+    block = {"norm1": torch_norm(t, b + lay.norm1, cfg), "norm2": torch_norm(t, b + lay.norm2, cfg)}
+    qkv = [torch_linear(t, b + name, d, d, False)[0] for name in (lay.q, lay.k, lay.v)]
+    block["w_qkv"] = np.concatenate([split_heads_in(w, h) for w in qkv], axis=-1)
+    if cfg.qkv_bias:  # DINOv3 has no key bias: zeros, which is what its key projection adds
+        biases = [
+            t.take(b + lay.q + ".bias", (d,)),
+            t.zeros(b + lay.k + ".bias", (d,), "a key projection without bias"),
+            t.take(b + lay.v + ".bias", (d,)),
+        ]
+        block["b_qkv"] = np.concatenate([x.reshape(h, -1) for x in biases], axis=-1)
+    w_o, b_o = torch_linear(t, b + lay.o, d, d, cfg.out_bias)
+    block.update(_mlp(t, b, lay, cfg))
+    if lay.layer_scale:
+        fold_layer_scale(t, b + lay.layer_scale[0], d, w_o, b_o)
+        fold_layer_scale(t, b + lay.layer_scale[1], d, block["w_fc2"], block.get("b_fc2"))
+    block["w_o"] = split_heads_out(w_o, h)
+    if b_o is not None:
+        block["b_o"] = b_o
+    return block
+
+
+def _siglip_head(t: SourceTensors, cfg: ViTConfig) -> dict:
+    """SiglipMultiheadAttentionPoolingHead: nn.MultiheadAttention (in_proj q|k|v), LN, MLP."""
+    d, h, m = cfg.width, cfg.heads, cfg.map_mlp_dim
+    w_in = t.take("head.attention.in_proj_weight", (3 * d, d)).T
+    b_in = t.take("head.attention.in_proj_bias", (3 * d,))
+    w_o, b_o = torch_linear(t, "head.attention.out_proj", d, d, True)
+    w_fc1, b_fc1 = torch_linear(t, "head.mlp.fc1", m, d, True)
+    w_fc2, b_fc2 = torch_linear(t, "head.mlp.fc2", d, m, True)
+    return {
+        "probe": t.take("head.probe", (1, 1, d)),
+        "w_q": split_heads_in(w_in[:, :d], h),
+        "b_q": b_in[:d].reshape(h, -1),
+        "w_kv": fused_to_heads(w_in[:, d:], 2, h),
+        "b_kv": fused_bias_to_heads(b_in[d:], 2, h),
+        "w_o": split_heads_out(w_o, h),
+        "b_o": b_o,
+        "norm": torch_norm(t, "head.layernorm", cfg),
+        "w_fc1": w_fc1,
+        "b_fc1": b_fc1,
+        "w_fc2": w_fc2,
+        "b_fc2": b_fc2,
     }
-    t.drop(e + "mask_token", "used only for masked image modelling")
+
+
+def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
+    lay = LAYOUTS[t.family]
+    d, c, p = cfg.width, cfg.channels, cfg.patch
+    params = {
+        "patch_embed": patch_kernel(t.take(lay.patch + ".weight", (d, c, p, p))),
+        "encoder_norm": torch_norm(t, lay.final_norm, cfg),
+    }
+    if cfg.patch_bias:
+        params["patch_bias"] = t.take(lay.patch + ".bias", (d,))
+    if cfg.posemb == "learn":
+        n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
+        shape = (n_pos, d) if lay.pos.endswith(".weight") else (1, n_pos, d)
+        params["pos_embedding"] = t.take(lay.pos, shape).reshape(1, n_pos, d)
+    if cfg.class_token:
+        shape = (d,) if lay.cls.endswith("class_embedding") else (1, 1, d)
+        params["cls"] = t.take(lay.cls, shape).reshape(1, 1, d)
+    if cfg.num_registers:
+        params["registers"] = t.take(lay.registers, (1, cfg.num_registers, d))
+    elif lay.registers:
+        t.take(lay.registers, (1, 0, d))  # DINOv3 without registers keeps an empty tensor
+    if cfg.pre_norm:
+        params["pre_norm"] = torch_norm(t, lay.pre_norm, cfg)
+    t.drop("embeddings.mask_token", "used only for masked image modelling")
+    t.drop("embeddings.position_ids", "a buffer of the token indices")
     for i in range(cfg.depth):
-        b = f"encoder.layer.{i}."
-        a = b + "attention.attention."
-        qkv = [torch_linear(t, a + n, d, d, cfg.qkv_bias) for n in ("query", "key", "value")]
-        block = {
-            "norm1": torch_norm(t, b + "layernorm_before", cfg),
-            "norm2": torch_norm(t, b + "layernorm_after", cfg),
-            "w_qkv": np.concatenate([split_heads_in(w, h) for w, _ in qkv], axis=-1),
-        }
-        if cfg.qkv_bias:
-            block["b_qkv"] = np.concatenate([bias.reshape(h, -1) for _, bias in qkv], axis=-1)
-        w_o, block["b_o"] = torch_linear(t, b + "attention.output.dense", d, d, True)
-        block["w_o"] = split_heads_out(w_o, h)
-        block["w_fc1"], block["b_fc1"] = torch_linear(t, b + "intermediate.dense", mlp, d, True)
-        block["w_fc2"], block["b_fc2"] = torch_linear(t, b + "output.dense", d, mlp, True)
-        params[f"block_{i}"] = block
+        params[f"block_{i}"] = _block(t, lay.block.format(i=i), lay, cfg)
     for key in ("pooler.dense.weight", "pooler.dense.bias"):
         t.drop(key, "the tanh pooler is not the feature a classifier reads (the CLS token is)")
+    if cfg.head == "map":
+        params["map_head"] = _siglip_head(t, cfg)
+    if cfg.projection_dim:
+        params["projection"] = t.take(_PROJECTION, (cfg.projection_dim, d)).T
     if cfg.num_classes:
         kernel, bias = torch_linear(t, "classifier", cfg.num_classes, d, True)
         params["classifier"], params["classifier_bias"] = kernel, bias

@@ -1,4 +1,5 @@
-"""timm: VisionTransformer with Block (vit_*) or ParallelScalingBlock (*_xp_*), attention pooling.
+"""timm: VisionTransformer with Block (vit_*, DINOv2 with LayerScale, registers and SwiGLUPacked,
+CLIP, SigLIP) or ParallelScalingBlock (*_xp_*), attention pooling.
 
 timm's parallel block fuses its input projection as mlp|q|k|v; it is regrouped per head into
 ``w_in: [d, H, 3*hd + M/H]`` (q|k|v|mlp slice), the layout vit.py shards over heads.
@@ -47,7 +48,6 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     for key, what in (
-        ("reg_token", "register tokens"),
         ("dist_token", "a distillation token"),
         ("fc_norm.weight", "a norm after average pooling (timm fc_norm)"),
         ("patch_embed.norm.weight", "a norm inside the patch embedding"),
@@ -82,7 +82,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         out_bias = "blocks.0.attn_out_proj.bias" in t or "blocks.0.out_proj.bias" in t
         mlp_bias = True  # timm's parallel block always has one (mlp_bias, or inside in_proj.bias)
     else:
-        mlp_dim = t.shape("blocks.0.mlp.fc1.weight")[0]
+        mlp_dim = t.shape("blocks.0.mlp.fc2.weight")[1]
         qkv_bias = "blocks.0.attn.qkv.bias" in t
         out_bias = "blocks.0.attn.proj.bias" in t
         mlp_bias = "blocks.0.mlp.fc1.bias" in t
@@ -98,23 +98,38 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     else:
         raise ConvertError(f"timm checkpoint: global_pool={pool!r} is not supported")
     head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
+    gated = not parallel and t.shape("blocks.0.mlp.fc1.weight")[0] == 2 * mlp_dim  # SwiGLUPacked
+    mlp = "swiglu" if gated else _activation(str(side.get("architecture", "")), t)
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     return sizes.config(
+        patch_bias="patch_embed.proj.bias" in t,  # timm's pre-norm models have none
         block="parallel" if parallel else "sequential",
         norm=norm,
-        norm_eps=1e-6,
+        # timm's CLIP towers build their LayerNorms with OpenAI's eps; every other ViT with 1e-6
+        norm_eps=1e-5 if "_clip_" in str(side.get("architecture", "")) else 1e-6,
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,
         qk_norm=qk_key in t,
         head=head,
         class_token=class_token,
+        num_registers=t.shape("reg_token")[1] if "reg_token" in t else 0,
         posemb_covers_cls=covers_cls,
         pre_norm="norm_pre.weight" in t,
         gelu_exact=True,
+        mlp=mlp,
         num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
         preprocess=_timm_preprocess(side.get("pretrained_cfg", {}), grid * patch),
     )
+
+
+def _activation(architecture: str, t: SourceTensors) -> str:
+    """timm's MLP activation is code, not weights: its architecture names the quick-GELU ones."""
+    if "quickgelu" in architecture:
+        return "quick_gelu"
+    if not architecture:
+        t.notes.append("no timm config.json naming the architecture: the MLP's GELU read as exact")
+    return "gelu"
 
 
 def _timm_preprocess(pretrained_cfg: dict, image_size: int) -> Preprocess:
@@ -140,11 +155,16 @@ def _timm_sequential_block(t: SourceTensors, b: str, cfg: ViTConfig) -> dict:
         p["q_norm"] = torch_norm(t, b + "attn.q_norm", cfg, cfg.head_dim)
         p["k_norm"] = torch_norm(t, b + "attn.k_norm", cfg, cfg.head_dim)
     w_o, b_o = torch_linear(t, b + "attn.proj", d, d, cfg.out_bias)
-    w_fc1, b_fc1 = torch_linear(t, b + "mlp.fc1", mlp, d, cfg.mlp_bias)
+    gated = cfg.mlp == "swiglu"  # GluMlp(gate_last=False): fc1 = [gate | value]
+    w_fc1, b_fc1 = torch_linear(t, b + "mlp.fc1", (1 + gated) * mlp, d, cfg.mlp_bias)
     w_fc2, b_fc2 = torch_linear(t, b + "mlp.fc2", d, mlp, cfg.mlp_bias)
     fold_layer_scale(t, b + "ls1.gamma", d, w_o, b_o)
     fold_layer_scale(t, b + "ls2.gamma", d, w_fc2, b_fc2)
     p["w_o"] = split_heads_out(w_o, h)
+    if gated:
+        p["w_gate"], w_fc1 = w_fc1[:, :mlp], w_fc1[:, mlp:]
+        if b_fc1 is not None:
+            p["b_gate"], b_fc1 = b_fc1[:mlp], b_fc1[mlp:]
     p["w_fc1"], p["w_fc2"] = w_fc1, w_fc2
     for name, value in (("b_o", b_o), ("b_fc1", b_fc1), ("b_fc2", b_fc2)):
         if value is not None:
@@ -209,12 +229,15 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     d, c, p = cfg.width, cfg.channels, cfg.patch
     params = {
         "patch_embed": patch_kernel(t.take("patch_embed.proj.weight", (d, c, p, p))),
-        "patch_bias": t.zeros("patch_embed.proj.bias", (d,), "timm's pre-norm models have none"),
         "pos_embedding": t.take("pos_embed", (1, cfg.num_patches + cfg.posemb_covers_cls, d)),
         "encoder_norm": torch_norm(t, "norm", cfg),
     }
+    if cfg.patch_bias:
+        params["patch_bias"] = t.take("patch_embed.proj.bias", (d,))
     if cfg.class_token:
         params["cls"] = t.take("cls_token", (1, 1, d))
+    if cfg.num_registers:
+        params["registers"] = t.take("reg_token", (1, cfg.num_registers, d))
     if cfg.pre_norm:
         params["pre_norm"] = torch_norm(t, "norm_pre", cfg)
     block = _timm_parallel_block if cfg.block == "parallel" else _timm_sequential_block

@@ -23,7 +23,20 @@ from .vit import OutputRequest, apply
 
 # Every parameter that only ever enters ``dot`` as its weight (model/vit.py).
 MATMUL_KERNELS = frozenset(
-    {"patch_embed", "w_in", "w_out", "w_qkv", "w_o", "w_fc1", "w_fc2", "w_q", "w_kv", "classifier"}
+    {
+        "patch_embed",
+        "w_in",
+        "w_out",
+        "w_qkv",
+        "w_o",
+        "w_fc1",
+        "w_gate",
+        "w_fc2",
+        "w_q",
+        "w_kv",
+        "projection",
+        "classifier",
+    }
 )
 
 

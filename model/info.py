@@ -13,7 +13,7 @@ from .vit import abstract_params
 
 # Parameters outside the encoder: the pooling head and the classifier. The paper's 21.7B (and
 # timm's counts without the head) are encoder parameters.
-_HEAD_SCOPES = ("map_head", "classifier", "classifier_bias")
+_HEAD_SCOPES = ("map_head", "projection", "classifier", "classifier_bias")
 
 
 def count(tree) -> int:
@@ -24,12 +24,13 @@ def flops_per_image(cfg: ViTConfig) -> int:
     """Multiply-adds x 2 of one forward with the pooled output: matmuls and attention products."""
     t, n, d, h, hd = cfg.num_tokens, cfg.num_patches, cfg.width, cfg.heads, cfg.head_dim
     patch_embed = n * cfg.patch * cfg.patch * cfg.channels * d
-    block_dense = t * (4 * d * d + 2 * d * cfg.mlp_dim)  # q, k, v, out + MLP in and out
+    mlp_mats = 3 if cfg.mlp == "swiglu" else 2  # SwiGLU adds its gate
+    block_dense = t * (4 * d * d + mlp_mats * d * cfg.mlp_dim)  # q, k, v, out + MLP
     block_attn = 2 * h * t * t * hd  # logits and the weighted sum of values
     macs = patch_embed + cfg.depth * (block_dense + block_attn)
     if cfg.head == "map":
         macs += n * 2 * d * d + 2 * d * d + 2 * h * n * hd + 2 * d * cfg.map_mlp_dim
-    macs += d * cfg.num_classes
+    macs += d * (cfg.num_classes + cfg.projection_dim)
     return 2 * macs
 
 

@@ -13,7 +13,13 @@ from .config import ViTConfig
 from .errors import InvalidRequest
 
 # The output kinds, in wire order (features.proto's OutputKind).
-KINDS = ("pooled", "class_token", "patch_tokens", "attention_stats", "logits")
+KINDS = (
+    "pooled",
+    "class_token",
+    "patch_tokens",
+    "attention_stats",
+    "logits",
+)
 DEFAULT_KINDS = ("pooled",)
 DEFAULT_PATCH_LAYERS = (-1,)  # patch tokens without layers: the last block's
 _MISSING = {
@@ -49,6 +55,9 @@ class OutputRequest:
     attention_stats: bool = False
     norm_patches: bool = False  # apply the final norm to returned patch tokens (DINOv2 norm=True)
     logits: bool = False
+    # computed by the model (model/vit.py); not yet output kinds on the wire (features.proto)
+    register_tokens: bool = False  # [B, R, d] after the final norm (DINOv2-reg, DINOv3)
+    pre_projection: bool = False  # [B, d]: the pooled feature before the projection (CLIP)
 
     @classmethod
     def of(

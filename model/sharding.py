@@ -88,6 +88,8 @@ _MODEL_AXIS = {
     "w_o": 0,  # [H, hd, d]
     "w_fc1": 1,  # [d, M]
     "b_fc1": 0,  # [M]
+    "w_gate": 1,  # SwiGLU's gate [d, M]
+    "b_gate": 0,  # [M]
     "w_fc2": 0,  # [M, d]
     "w_q": 1,  # MAP head [d, H, hd]
     "b_q": 0,  # [H, hd]

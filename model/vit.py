@@ -7,7 +7,9 @@ over the mesh's ``model`` axis gives each device whole heads plus their MLP slic
 needs exactly one all-reduce (after ``w_out``).
 
 Precision: matmul inputs in ``compute_dtype`` (bf16 by default) with f32 accumulation; residual
-stream, softmax and norms in f32.
+stream, softmax and norms in f32. With ``compute_dtype="float32"`` every matmul runs at full f32
+precision (``Precision.HIGHEST``: no TF32 or bf16 passes on GPUs and TPUs), so the whole forward
+is float32 end to end.
 """
 
 from __future__ import annotations
@@ -34,12 +36,54 @@ F32 = jnp.float32
 def dot(equation: str, x: Array, w: Array, compute_dtype: str) -> Array:
     """einsum with inputs cast to the compute dtype and f32 accumulation (the precision policy)."""
     dtype = jnp.dtype(compute_dtype)
-    return jnp.einsum(equation, x.astype(dtype), w.astype(dtype), preferred_element_type=F32)
+    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
+    return jnp.einsum(
+        equation, x.astype(dtype), w.astype(dtype), precision=precision, preferred_element_type=F32
+    )
 
 
 def gelu(x: Array, exact: bool) -> Array:
     # jax.nn.gelu defaults to the tanh approximation; PyTorch's default is exact (erf).
     return jax.nn.gelu(x, approximate=not exact)
+
+
+def activation(x: Array, cfg: ViTConfig) -> Array:
+    """The blocks' MLP nonlinearity (the ungated ones; SwiGLU's silu is applied to its gate)."""
+    if cfg.mlp == "quick_gelu":
+        return x * jax.nn.sigmoid(1.702 * x)
+    return gelu(x, cfg.gelu_exact)
+
+
+def rope_tables(grid: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """DINOv3's 2-D rotary embedding: cos and sin [grid*grid, head_dim] for the patches.
+
+    Patch centres at ((i + 0.5) / grid) * 2 - 1 per axis; ``head_dim / 4`` frequencies
+    ``theta ** -(4k / head_dim)``; angles 2 pi (y | x) f, repeated twice along the head dim (the
+    rotate-half pairing).
+    """
+    centres = (np.arange(grid, dtype=np.float32) + 0.5) / grid * 2.0 - 1.0
+    yx = np.stack(np.meshgrid(centres, centres, indexing="ij"), -1).reshape(-1, 2)
+    inv_freq = 1.0 / theta ** np.arange(0, 1, 4 / head_dim, dtype=np.float32)
+    angles = (2 * np.pi * yx[:, :, None] * inv_freq[None, None]).reshape(len(yx), -1)
+    angles = np.tile(angles.astype(np.float32), 2)
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate the last ``len(cos)`` tokens of x [B, T, H, hd]; the prefix tokens stay as is."""
+    n = cos.shape[0]
+    prefix, patches = x[:, : x.shape[1] - n], x[:, x.shape[1] - n :]
+    half = patches.shape[-1] // 2
+    rotated = jnp.concatenate([-patches[..., half:], patches[..., :half]], axis=-1)
+    patches = patches * cos[None, :, None] + rotated * sin[None, :, None]
+    return jnp.concatenate([prefix, patches], axis=1)
+
+
+def _rope(cfg: ViTConfig, q: Array, k: Array) -> tuple[Array, Array]:
+    if cfg.posemb != "rope":
+        return q, k
+    cos, sin = (jnp.asarray(t) for t in rope_tables(cfg.grid, cfg.head_dim, cfg.rope_theta))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def attention_entropy(logits: Array) -> Array:
@@ -130,8 +174,9 @@ class ParallelBlock(nn.Module):
         if cfg.qk_norm:
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
+        q, k = _rope(cfg, q, k)
         o, st = attend(q, k, v, cfg.compute_dtype, stats)
-        u = gelu(u, cfg.gelu_exact)
+        u = activation(u, cfg)
         out = dot("bthf,hfd->btd", jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype)
         if cfg.out_bias or cfg.mlp_bias:  # attention and MLP out-biases add up into one
             out = out + self.param("b_out", _zeros, (d,), pdt).astype(F32)
@@ -157,6 +202,7 @@ class SequentialBlock(nn.Module):
         if cfg.qk_norm:
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
+        q, k = _rope(cfg, q, k)
         o, st = attend(q, k, v, cdt, stats)
         o = dot("bthf,hfd->btd", o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
         if cfg.out_bias:
@@ -164,18 +210,23 @@ class SequentialBlock(nn.Module):
         x = x + o
 
         y = _norm(cfg, "norm2")(x)
-        y = dot("btd,df->btf", y, self.param("w_fc1", _xavier(), (d, mlp), pdt), cdt)
-        if cfg.mlp_bias:
-            y = y + self.param("b_fc1", _zeros, (mlp,), pdt).astype(F32)
-        y = dot(
-            "btf,fd->btd",
-            gelu(y, cfg.gelu_exact),
-            self.param("w_fc2", _xavier(), (mlp, d), pdt),
-            cdt,
-        )
+        u = self._dense(y, "fc1", (d, mlp))
+        if cfg.mlp == "swiglu":
+            u = jax.nn.silu(self._dense(y, "gate", (d, mlp))) * u
+        else:
+            u = activation(u, cfg)
+        y = dot("btf,fd->btd", u, self.param("w_fc2", _xavier(), (mlp, d), pdt), cdt)
         if cfg.mlp_bias:
             y = y + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
         return x + y, st
+
+    def _dense(self, y: Array, name: str, shape: tuple[int, int]) -> Array:
+        cfg = self.cfg
+        kernel = self.param(f"w_{name}", _xavier(), shape, cfg.param_dtype)
+        y = dot("btd,df->btf", y, kernel, cfg.compute_dtype)
+        if cfg.mlp_bias:
+            y = y + self.param(f"b_{name}", _zeros, shape[1:], cfg.param_dtype).astype(F32)
+        return y
 
 
 class MAPHead(nn.Module):
@@ -226,7 +277,8 @@ def sincos2d(grid: int, width: int, temperature: float = 10_000.0) -> np.ndarray
 class ViT(nn.Module):
     """Images [B, H, W, C] (already normalised) -> dict of the requested outputs.
 
-    Keys: ``pooled`` [B, d]; ``class_token`` [B, d]; ``patch_tokens`` {layer: [B, N, d]};
+    Keys: ``pooled`` [B, d] ([B, projection_dim] with a projection); ``pre_projection`` [B, d];
+    ``class_token`` [B, d]; ``register_tokens`` [B, R, d]; ``patch_tokens`` {layer: [B, N, d]};
     ``attention_entropy`` and ``attention_max_logit`` [B, depth, heads]; ``logits`` [B, classes].
     """
 
@@ -248,35 +300,26 @@ class ViT(nn.Module):
         x = x.reshape(b, g * g, p * p * cfg.channels)
         kernel = self.param("patch_embed", _lecun((0,)), (p * p * cfg.channels, cfg.width), pdt)
         x = dot("bnk,kd->bnd", x, kernel, cdt)
-        x = x + self.param("patch_bias", _zeros, (cfg.width,), pdt).astype(F32)
+        if cfg.patch_bias:
+            x = x + self.param("patch_bias", _zeros, (cfg.width,), pdt).astype(F32)
 
-        n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
-        if cfg.posemb == "learn":
-            pos = self.param(
-                "pos_embedding", nn.initializers.normal(0.02), (1, n_pos, cfg.width), pdt
-            )
-            pos = pos.astype(F32)
-        else:
-            pos = jnp.asarray(sincos2d(g, cfg.width))[None]
-        if cfg.class_token:
-            cls = self.param("cls", _zeros, (1, 1, cfg.width), pdt).astype(F32)
-            cls = jnp.broadcast_to(cls, (b, 1, cfg.width))
-            if cfg.posemb_covers_cls:
-                x = jnp.concatenate([cls, x], axis=1) + pos
-            else:
-                x = jnp.concatenate([cls, x + pos], axis=1)
-        else:
-            x = x + pos
+        x = self._embed_positions(x)
         if cfg.pre_norm:
             x = _norm(cfg, "pre_norm")(x)
 
         layers = request.layers(cfg.depth)
-        needs_head = request.pooled or request.class_token or request.logits
+        needs_head = (
+            request.pooled
+            or request.class_token
+            or request.register_tokens
+            or request.pre_projection
+            or request.logits
+        )
         # Stop after the deepest requested layer when nothing further down is needed.
         last = cfg.depth - 1 if (needs_head or request.attention_stats) else max(layers, default=-1)
         block_cls = ParallelBlock if cfg.block == "parallel" else SequentialBlock
         encoder_norm = _norm(cfg, "encoder_norm")
-        n_cls = int(cfg.class_token)
+        n_cls, n_prefix = int(cfg.class_token), cfg.num_prefix_tokens
 
         out: dict = {}
         patches, entropies, max_logits = {}, [], []
@@ -287,7 +330,7 @@ class ViT(nn.Module):
                 max_logits.append(st[1])
             if i in layers:
                 tokens = encoder_norm(x) if request.norm_patches else x
-                patches[i] = tokens[:, n_cls:]
+                patches[i] = tokens[:, n_prefix:]
         if patches:
             out["patch_tokens"] = patches
         if request.attention_stats:
@@ -301,24 +344,66 @@ class ViT(nn.Module):
             if not cfg.class_token:
                 raise ValueError(f"model {cfg.name} has no class token")
             out["class_token"] = x[:, 0]
-        if request.pooled or request.logits:
+        if request.register_tokens:
+            if not cfg.num_registers:
+                raise ValueError(f"model {cfg.name} has no register tokens")
+            out["register_tokens"] = x[:, n_cls:n_prefix]
+        if request.pooled or request.pre_projection or request.logits:
             if cfg.head == "none":
                 raise ValueError(f"model {cfg.name} has no pooling head (head='none')")
             if cfg.head == "map":
-                pooled = MAPHead(cfg, name="map_head")(x[:, n_cls:])
+                pooled = MAPHead(cfg, name="map_head")(x[:, n_prefix:])
             elif cfg.head == "cls":
                 pooled = x[:, 0]
             else:
-                pooled = x[:, n_cls:].mean(axis=1)
+                pooled = x[:, n_prefix:].mean(axis=1)
+            if request.pre_projection:
+                if not cfg.projection_dim:
+                    raise ValueError(f"model {cfg.name} has no projection (projection_dim=0)")
+                out["pre_projection"] = pooled
             if request.pooled:
                 out["pooled"] = pooled
-            if request.logits:
+                if cfg.projection_dim:
+                    shape = (cfg.width, cfg.projection_dim)
+                    w = self.param("projection", _xavier(), shape, pdt)
+                    out["pooled"] = dot("bd,dp->bp", pooled, w, cdt)
+            if request.logits:  # the classifier reads the pooled feature before any projection
                 if not cfg.num_classes:
                     raise ValueError(f"model {cfg.name} has no classifier (num_classes=0)")
                 w = self.param("classifier", _zeros, (cfg.width, cfg.num_classes), pdt)
                 bias = self.param("classifier_bias", _zeros, (cfg.num_classes,), pdt)
                 out["logits"] = dot("bd,dc->bc", pooled, w, cdt) + bias.astype(F32)
         return out
+
+    def _embed_positions(self, x: Array) -> Array:
+        """Embedded patches [B, N, d] -> tokens [B, T, d]: class token, registers, patches, with
+        the position table added (rope: none here; it rotates queries and keys in the blocks)."""
+        cfg = self.cfg
+        b, d, pdt = x.shape[0], cfg.width, cfg.param_dtype
+        if cfg.posemb == "learn":
+            n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
+            pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, n_pos, d), pdt)
+            pos = pos.astype(F32)
+        elif cfg.posemb == "sincos2d":
+            pos = jnp.asarray(sincos2d(cfg.grid, d))[None]
+        else:  # rope
+            pos = 0.0
+        if cfg.class_token:
+            cls = self.param("cls", _zeros, (1, 1, d), pdt).astype(F32)
+            cls = jnp.broadcast_to(cls, (b, 1, d))
+            if cfg.posemb_covers_cls:
+                x = jnp.concatenate([cls, x], axis=1) + pos
+            else:
+                x = jnp.concatenate([cls, x + pos], axis=1)
+        else:
+            x = x + pos
+        if cfg.num_registers:
+            n_cls = int(cfg.class_token)
+            shape = (1, cfg.num_registers, d)
+            reg = self.param("registers", nn.initializers.normal(0.02), shape, pdt).astype(F32)
+            reg = jnp.broadcast_to(reg, (b, *shape[1:]))
+            x = jnp.concatenate([x[:, :n_cls], reg, x[:, n_cls:]], axis=1)
+        return x
 
 
 def init_params(cfg: ViTConfig, rng: Array) -> dict:
@@ -331,6 +416,7 @@ def _init_request(cfg: ViTConfig) -> OutputRequest:
     return OutputRequest(
         pooled=cfg.head != "none",
         class_token=cfg.class_token,
+        register_tokens=cfg.num_registers > 0,
         logits=cfg.num_classes > 0,
         patch_layers=(cfg.depth - 1,),
         norm_patches=True,

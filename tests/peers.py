@@ -7,13 +7,15 @@ the CPU torch 2.13.0 wheel used here. The names timm's import path reads from to
 few and all belong to its data pipeline and BatchNorm freezing, never to a ViT's forward:
 
     torchvision.transforms.ToTensor                 (subclassed by timm.data.MaybeToTensor)
+    torchvision.transforms.{Normalize, Compose, Resize, CenterCrop, ...}  (open_clip.transform)
     torchvision.transforms.functional.InterpolationMode   (enum members put in module dicts)
     torchvision.ops.misc.FrozenBatchNorm2d          (named in timm.layers, timm.utils)
     torchvision.datasets.{CIFAR10, CIFAR100, MNIST, KMNIST, FashionMNIST, ImageFolder}
 
 (the others, e.g. torchvision.models.feature_extraction, are imported inside try/except
-ImportError and simply stay absent). ``import_timm()`` registers a stand-in ``torchvision``
-package providing exactly those names for the duration of ``import timm``, then removes it from
+ImportError and simply stay absent). ``import_timm()`` (and ``import_open_clip()``) registers a
+stand-in ``torchvision`` package providing exactly those names for the duration of the import,
+then removes it from
 ``sys.modules`` again, so that ``importlib.util.find_spec("torchvision")`` keeps answering None
 (transformers asks) and a later ``import torchvision`` fails as it should. ``InterpolationMode``
 is a real enum with torchvision's values; every stand-in class raises ``RuntimeError`` when
@@ -56,6 +58,19 @@ class InterpolationMode(enum.Enum):
     LANCZOS = "lanczos"
 
 
+# what timm (ToTensor) and open_clip's transform module import from torchvision.transforms
+_TRANSFORMS = (
+    "ToTensor",
+    "Normalize",
+    "Compose",
+    "RandomResizedCrop",
+    "Resize",
+    "CenterCrop",
+    "ColorJitter",
+    "Grayscale",
+)
+
+
 def _module(name: str, **attrs) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__path__ = []  # a package: unknown submodules raise ModuleNotFoundError
@@ -69,8 +84,9 @@ def _stand_in_modules() -> list[types.ModuleType]:
     functional = _module("torchvision.transforms.functional", InterpolationMode=InterpolationMode)
     transforms = _module(
         "torchvision.transforms",
-        ToTensor=_unavailable("torchvision.transforms.ToTensor"),
         functional=functional,
+        InterpolationMode=InterpolationMode,
+        **{name: _unavailable(f"torchvision.transforms.{name}") for name in _TRANSFORMS},
     )
     misc = _module(
         "torchvision.ops.misc",
@@ -99,9 +115,20 @@ _used_stand_in = False
 
 def import_timm():
     """``timm``, importing a real torchvision if one loads, else with the stand-in above."""
+    return _import_beside_torchvision("timm")
+
+
+def import_open_clip():
+    """``open_clip`` (its transform module imports torchvision's transforms by name)."""
+    import_timm()  # open_clip imports timm and transformers when they are installed;
+    importlib.import_module("transformers")  # transformers asks find_spec("torchvision")
+    return _import_beside_torchvision("open_clip")
+
+
+def _import_beside_torchvision(package: str):
     global _used_stand_in
-    if "timm" in sys.modules:
-        return sys.modules["timm"]
+    if package in sys.modules:
+        return sys.modules[package]
     try:
         importlib.import_module("torchvision")
     except Exception:  # absent, or present but built for another torch
@@ -110,13 +137,13 @@ def import_timm():
         stand_in = _stand_in_modules()
         sys.modules.update({module.__name__: module for module in stand_in})
         try:
-            import timm
+            module = importlib.import_module(package)
         finally:
-            for module in stand_in:
-                del sys.modules[module.__name__]
+            for module_ in stand_in:
+                del sys.modules[module_.__name__]
         _used_stand_in = True
-        return timm
-    return importlib.import_module("timm")
+        return module
+    return importlib.import_module(package)
 
 
 def uses_stand_in() -> bool:
@@ -124,13 +151,15 @@ def uses_stand_in() -> bool:
 
 
 def perturb(module, seed: int = 0, scale: float = 0.05) -> None:
-    """Add noise to every parameter and buffer, so zero biases, unit norms and a LayerScale of
-    1e-5 do not hide a mapping error (a mis-assigned bias is invisible while all are zero)."""
+    """Add noise to every parameter and saved buffer, so zero biases, unit norms and a LayerScale
+    of 1e-5 do not hide a mapping error (a mis-assigned bias is invisible while all are zero).
+    Buffers that are not saved (DINOv3's RoPE frequencies) are the code's, not weights: kept."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    saved = {id(t): t for t in module.state_dict(keep_vars=True).values()}
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
+        for tensor in saved.values():
             if tensor.is_floating_point():
                 tensor.add_(scale * torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype))
 

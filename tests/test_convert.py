@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from parity import check_parity
 from peers import import_timm, perturb, rel_err, uses_stand_in
 from safetensors.torch import save_file
 from vit22b.clients.cli import main
@@ -276,7 +277,9 @@ def test_hf_state_dict_without_config_needs_heads(tmp_path):
 D, H, HD, M, P, C, DEPTH, N, CLASSES = 64, 4, 16, 128, 8, 3, 2, 16, 5
 
 
-def _big_vision_npz(pool: str, seed: int = 0) -> dict[str, np.ndarray]:
+def _big_vision_npz(
+    pool: str, seed: int = 0, d=D, h=H, m=M, p=P, depth=DEPTH, n=N, classes=CLASSES
+) -> dict[str, np.ndarray]:
     """Random weights under big_vision models/vit.py's parameter names."""
     rng = np.random.default_rng(seed)
 
@@ -284,31 +287,33 @@ def _big_vision_npz(pool: str, seed: int = 0) -> dict[str, np.ndarray]:
         return (centre + 0.1 * rng.standard_normal(shape)).astype(np.float32)
 
     def attention(prefix: str) -> dict:
-        w = {f"{prefix}{n}/kernel": r(D, H, HD) for n in ("query", "key", "value")}
-        w |= {f"{prefix}{n}/bias": r(H, HD) for n in ("query", "key", "value")}
-        return w | {f"{prefix}out/kernel": r(H, HD, D), f"{prefix}out/bias": r(D)}
+        w = {f"{prefix}{n}/kernel": r(d, h, (d // h)) for n in ("query", "key", "value")}
+        w |= {f"{prefix}{n}/bias": r(h, (d // h)) for n in ("query", "key", "value")}
+        return w | {f"{prefix}out/kernel": r(h, (d // h), d), f"{prefix}out/bias": r(d)}
 
     def mlp(prefix: str) -> dict:
         return {
-            f"{prefix}Dense_0/kernel": r(D, M),
-            f"{prefix}Dense_0/bias": r(M),
-            f"{prefix}Dense_1/kernel": r(M, D),
-            f"{prefix}Dense_1/bias": r(D),
+            f"{prefix}Dense_0/kernel": r(d, m),
+            f"{prefix}Dense_0/bias": r(m),
+            f"{prefix}Dense_1/kernel": r(m, d),
+            f"{prefix}Dense_1/bias": r(d),
         }
 
     def norm(prefix: str) -> dict:
-        return {f"{prefix}scale": r(D, centre=1.0), f"{prefix}bias": r(D)}
+        return {f"{prefix}scale": r(d, centre=1.0), f"{prefix}bias": r(d)}
 
-    w = {"embedding/kernel": r(P, P, C, D), "embedding/bias": r(D), "pos_embedding": r(1, N, D)}
-    w |= norm("Transformer/encoder_norm/") | {"head/kernel": r(D, CLASSES), "head/bias": r(CLASSES)}
+    w = {"embedding/kernel": r(p, p, C, d), "embedding/bias": r(d), "pos_embedding": r(1, n, d)}
+    w |= norm("Transformer/encoder_norm/")
+    if classes:
+        w |= {"head/kernel": r(d, classes), "head/bias": r(classes)}
     if pool == "tok":
-        w["cls"] = r(1, 1, D)
-    for i in range(DEPTH):
+        w["cls"] = r(1, 1, d)
+    for i in range(depth):
         b = f"Transformer/encoderblock_{i}/"
         w |= norm(b + "LayerNorm_0/") | norm(b + "LayerNorm_1/")
         w |= attention(b + "MultiHeadDotProductAttention_0/") | mlp(b + "MlpBlock_0/")
     if pool == "map":
-        w |= {"MAPHead_0/probe": r(1, 1, D)} | attention(
+        w |= {"MAPHead_0/probe": r(1, 1, d)} | attention(
             "MAPHead_0/MultiHeadDotProductAttention_0/"
         )
         w |= norm("MAPHead_0/LayerNorm_0/") | mlp("MAPHead_0/MlpBlock_0/")
@@ -345,6 +350,40 @@ def test_big_vision_parity_through_timms_loader(pool, tmp_path):
     assert cfg.head == {"tok": "cls", "map": "map", "gap": "gap"}[pool]
     pixels = _pixels()
     _assert_parity(converted, _timm_outputs(model, pixels), pixels)
+
+
+def test_big_vision_siglip_image_tower_parity(tmp_path):
+    """A SigLIP two-tower .npz: params/img/ (MAPHead, no classifier) beside params/txt/, t, b;
+    timm's loader reads the image tower as the peer."""
+    sizes = dict(d=40, h=4, m=72, p=4, depth=2, n=9, classes=0)  # 12x12 images, head_dim 10
+    img = _big_vision_npz("map", seed=6, **sizes)
+    rng = np.random.default_rng(7)
+    text = {"params/txt/Embed_0/embedding": rng.standard_normal((10, 16)).astype(np.float32)}
+    text |= {"params/t": np.ones(1, np.float32), "params/b": np.zeros(1, np.float32)}
+    path = tmp_path / "siglip.npz"
+    np.savez(path, **{f"params/img/{k}": v for k, v in img.items()}, **text)
+    model = VisionTransformer(
+        img_size=12,
+        patch_size=4,
+        embed_dim=40,
+        depth=2,
+        num_heads=4,
+        mlp_ratio=72 / 40,
+        num_classes=0,
+        act_layer="gelu_tanh",
+        class_token=False,
+        global_pool="map",
+    ).eval()
+    model.load_pretrained(str(path))
+    converted = convert("big_vision", path)
+    assert converted.config.head == "map" and converted.config.image_size == 12
+    assert any("dropped the text tower" in note for note in converted.notes)
+    pixels = _pixels(2, 12)
+    peer = _timm_outputs(model, pixels)
+    peer = {"pooled": peer["pooled"], "patch_tokens": peer["patches"]}
+    check_parity(
+        "big_vision-siglip", "big_vision SigLIP .npz", converted, pixels.numpy(), peer, True
+    )
 
 
 def test_big_vision_scanned_and_prefixed_layouts_convert_alike(tmp_path):
@@ -395,7 +434,7 @@ def test_missing_unexpected_and_misshaped_keys_are_named(timm_state, tmp_path):
     "key, shape, what",
     [
         ("fc_norm.weight", (64,), "a norm after average pooling"),
-        ("reg_token", (1, 4, 64), "register tokens"),
+        ("dist_token", (1, 1, 64), "a distillation token"),
     ],
 )
 def test_keys_the_model_cannot_express_are_refused_not_dropped(

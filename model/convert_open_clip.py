@@ -1,0 +1,172 @@
+"""OpenCLIP: the image tower of a CLIP state dict (``visual.*``; the text tower is dropped) or of
+a bare ``VisionTransformer``, with the ``open_clip_config.json`` the hub keeps beside it.
+
+The activation is code, not weights: the config's ``quick_gelu`` (OpenAI's checkpoints) decides,
+or ``--mlp``; neither refuses. Pooling is the class token after ``ln_post``, then ``proj``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .config import Preprocess, ViTConfig
+from .convert_common import (
+    ConvertError,
+    Hints,
+    Sizes,
+    SourceTensors,
+    count_blocks,
+    fold_layer_scale,
+    fused_bias_to_heads,
+    fused_to_heads,
+    grid_of,
+    infer_heads,
+    json_beside,
+    patch_kernel,
+    split_heads_out,
+    torch_linear,
+    torch_norm,
+)
+
+WEIGHT_FILES = (
+    "open_clip_model.safetensors",
+    "open_clip_pytorch_model.safetensors",
+    "open_clip_pytorch_model.bin",
+    "open_clip_pytorch_model.pth",
+)
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # open_clip.constants
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+_BLOCK = "transformer.resblocks.{i}."
+
+
+def side_files(path: Path) -> tuple[dict, bool]:
+    """open_clip_config.json: model_cfg (vision_cfg, quick_gelu) and preprocess_cfg."""
+    side = json_beside(path, "open_clip_config.json")
+    return side, bool(side.get("preprocess_cfg"))
+
+
+def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
+    if not any(key.startswith("visual.") for key in tensors):
+        return tensors  # a bare vision tower
+    other = [key for key in tensors if not key.startswith("visual.")]
+    if other:
+        notes.append(f"dropped the text tower and logit scale ({len(other)} tensors)")
+    return {k.removeprefix("visual."): v for k, v in tensors.items() if k.startswith("visual.")}
+
+
+def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
+    for key, what in (
+        ("attn_pool.query", "an attentional pooler (CoCa)"),
+        ("transformer.resblocks.0.attn.ln_inner.weight", "a norm inside attention (scale_attn)"),
+        ("transformer.resblocks.0.mlp.ln.weight", "a norm inside the MLP (scale_fc)"),
+    ):
+        t.refuse(key, what)
+    model_cfg = side.get("model_cfg", {})
+    vision = model_cfg.get("vision_cfg", {})
+    if vision.get("pool_type", "tok") != "tok" or vision.get("attentional_pool"):
+        raise ConvertError(
+            f"open_clip checkpoint: vision_cfg pool_type={vision.get('pool_type')!r} / "
+            f"attentional_pool={vision.get('attentional_pool')!r}: only class-token pooling "
+            "('tok') is supported"
+        )
+    width, channels, patch, _ = t.shape("conv1.weight")
+    depth = count_blocks(t, r"transformer\.resblocks\.(\d+)\.")
+    grid, covers_cls = grid_of(t.shape("positional_embedding")[0], True)
+    heads = infer_heads(t, hints, None, width, _heads_from(vision, width))
+    if "quick_gelu" in model_cfg:
+        mlp = "quick_gelu" if model_cfg["quick_gelu"] else "gelu"
+        if hints.mlp and hints.mlp != mlp:
+            raise ConvertError(
+                f"open_clip checkpoint: --mlp {hints.mlp} contradicts open_clip_config.json's "
+                f"quick_gelu={model_cfg['quick_gelu']}"
+            )
+    elif hints.mlp:
+        mlp = hints.mlp
+    else:
+        raise ConvertError(
+            "open_clip checkpoint: the weights do not say whether the MLP is GELU or QuickGELU "
+            "(OpenAI's); put its open_clip_config.json beside them or pass --mlp gelu|quick_gelu"
+        )
+    b = _BLOCK.format(i=0)
+    sizes = Sizes(width, depth, heads, t.shape(b + "mlp.c_fc.weight")[0], patch, grid, channels)
+    return sizes.config(
+        patch_bias=False,  # open_clip's conv1 has none
+        block="sequential",
+        norm="layernorm",
+        norm_eps=1e-5,  # torch's LayerNorm default, which open_clip uses
+        qkv_bias=b + "attn.in_proj_bias" in t,
+        out_bias=True,
+        mlp_bias=True,
+        qk_norm=False,
+        head="cls",
+        class_token=True,
+        posemb_covers_cls=covers_cls,
+        pre_norm="ln_pre.weight" in t,
+        mlp=mlp,
+        projection_dim=t.shape("proj")[1] if "proj" in t else 0,
+        preprocess=_preprocess(side.get("preprocess_cfg", {}), grid * patch),
+    )
+
+
+def _heads_from(vision: dict, width: int) -> int | None:
+    """open_clip's vision_cfg names head_width (default 64), not the head count."""
+    if not vision:
+        return None
+    return width // int(vision.get("head_width", 64))
+
+
+def _preprocess(cfg: dict, image_size: int) -> Preprocess:
+    """open_clip's PreprocessCfg (resize_mode 'shortest': resize then centre-crop)."""
+    mode = cfg.get("resize_mode", "shortest")
+    if mode != "shortest":
+        raise ConvertError(
+            f"open_clip preprocess_cfg resize_mode={mode!r}: only 'shortest' (resize the shorter "
+            "side, centre-crop) is supported; pass the preprocessing flags instead"
+        )
+    interpolation = cfg.get("interpolation", "bicubic")
+    if interpolation not in ("bicubic", "bilinear"):
+        raise ConvertError(f"open_clip preprocess_cfg interpolation={interpolation!r}")
+    return Preprocess(
+        resize=image_size,
+        interpolation=interpolation,
+        mean=tuple(cfg.get("mean", OPENAI_MEAN)),
+        std=tuple(cfg.get("std", OPENAI_STD)),
+    )
+
+
+def _block(t: SourceTensors, b: str, cfg: ViTConfig) -> dict:
+    d, h, m = cfg.width, cfg.heads, cfg.mlp_dim
+    w_in = t.take(b + "attn.in_proj_weight", (3 * d, d)).T  # nn.MultiheadAttention: q|k|v
+    block = {
+        "norm1": torch_norm(t, b + "ln_1", cfg),
+        "norm2": torch_norm(t, b + "ln_2", cfg),
+        "w_qkv": fused_to_heads(w_in, 3, h),
+    }
+    if cfg.qkv_bias:
+        block["b_qkv"] = fused_bias_to_heads(t.take(b + "attn.in_proj_bias", (3 * d,)), 3, h)
+    w_o, b_o = torch_linear(t, b + "attn.out_proj", d, d, True)
+    block["w_fc1"], block["b_fc1"] = torch_linear(t, b + "mlp.c_fc", m, d, True)
+    w_fc2, b_fc2 = torch_linear(t, b + "mlp.c_proj", d, m, True)
+    fold_layer_scale(t, b + "ls_1.gamma", d, w_o, b_o)
+    fold_layer_scale(t, b + "ls_2.gamma", d, w_fc2, b_fc2)
+    block.update(w_o=split_heads_out(w_o, h), b_o=b_o, w_fc2=w_fc2, b_fc2=b_fc2)
+    return block
+
+
+def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
+    d, c, p = cfg.width, cfg.channels, cfg.patch
+    params = {
+        "patch_embed": patch_kernel(t.take("conv1.weight", (d, c, p, p))),
+        "cls": t.take("class_embedding", (d,)).reshape(1, 1, d),
+        "pos_embedding": t.take("positional_embedding", (cfg.num_patches + 1, d))[None],
+        "encoder_norm": torch_norm(t, "ln_post", cfg),
+    }
+    if cfg.pre_norm:
+        params["pre_norm"] = torch_norm(t, "ln_pre", cfg)
+    for i in range(cfg.depth):
+        params[f"block_{i}"] = _block(t, _BLOCK.format(i=i), cfg)
+    if cfg.projection_dim:
+        params["projection"] = t.take("proj", (d, cfg.projection_dim))  # x @ proj: (in, out)
+    return params

@@ -1,0 +1,471 @@
+"""The frozen-feature backbones people use, each built with its source's own code (transformers,
+timm, open_clip) at a tiny shape no other test uses, perturbed so every parameter matters,
+written in the source's file format, converted without --model and run in float32 compute:
+pooled, last-layer patch and register tokens equal the source's forward to 1e-5 relative
+(tests/parity.py; bf16 measured)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from parity import check_parity
+from peers import import_open_clip, import_timm, perturb
+from safetensors.torch import save_file
+from vit22b.model.convert import ConvertError, Hints, convert
+
+timm = import_timm()
+from timm.models._hub import save_config_for_hf  # noqa: E402
+
+# width 48, 4 heads of 12 (RoPE needs head_dim % 4 == 0), 2 blocks, 4x4 patches of 4 pixels
+SHAPE = dict(
+    hidden_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4
+)
+
+
+def _pixels(n: int = 2, size: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face transformers
+# ------------------------------------------------------------------------------------------
+
+
+def _hf(cls_name: str, config_name: str, seed: int, **kw):
+    import transformers
+
+    config = getattr(transformers, config_name)(**SHAPE, **kw)
+    model = getattr(transformers, cls_name)(config).eval()
+    perturb(model, seed=seed)
+    return model
+
+
+def _dino_outputs(model, pixels) -> dict:
+    """DINOv2 / DINOv3: pooler_output is the normed class token; then registers, then patches."""
+    out = model(pixel_values=pixels)
+    registers = getattr(model.config, "num_register_tokens", 0)
+    peer = {
+        "pooled": out.pooler_output,
+        "patch_tokens": out.last_hidden_state[:, 1 + registers :],
+    }
+    if registers:
+        peer["register_tokens"] = out.last_hidden_state[:, 1 : 1 + registers]
+    return peer
+
+
+def _clip_outputs(model, pixels) -> dict:
+    """CLIP: last_hidden_state is before post_layernorm; image_embeds is the projected pooled."""
+    out = model(pixel_values=pixels)
+    if hasattr(out, "image_embeds"):
+        inner = model.vision_model(pixel_values=pixels)
+        return {
+            "pooled": out.image_embeds,
+            "pre_projection": inner.pooler_output,
+            "patch_tokens": out.last_hidden_state[:, 1:],
+        }
+    return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state[:, 1:]}
+
+
+def _siglip_outputs(model, pixels) -> dict:
+    out = model(pixel_values=pixels)
+    return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state}
+
+
+# case: (model class, config class, config kwargs, outputs, patches normed, what must be inferred)
+HF_CASES = {
+    "dinov2": ("Dinov2Model", "Dinov2Config", {}, _dino_outputs, True, {"num_registers": 0}),
+    "dinov2-swiglu": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(use_swiglu_ffn=True),
+        _dino_outputs,
+        True,
+        {"mlp": "swiglu", "mlp_dim": 128},  # 2/3 of 4 x 48, rounded up to a multiple of 8
+    ),
+    "dinov2-registers": (
+        "Dinov2WithRegistersModel",
+        "Dinov2WithRegistersConfig",
+        dict(num_register_tokens=3),
+        _dino_outputs,
+        True,
+        {"num_registers": 3, "posemb_covers_cls": True},
+    ),
+    "dinov3": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(intermediate_size=96, num_register_tokens=2, rope_theta=50.0),
+        _dino_outputs,
+        True,
+        {"num_registers": 2, "posemb": "rope", "rope_theta": 50.0, "norm_eps": 1e-5},
+    ),
+    "dinov3-gated": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(intermediate_size=80, num_register_tokens=1, use_gated_mlp=True, hidden_act="silu"),
+        _dino_outputs,
+        True,
+        {"mlp": "swiglu", "mlp_dim": 80},
+    ),
+    "clip": (
+        "CLIPVisionModel",
+        "CLIPVisionConfig",
+        dict(intermediate_size=96),
+        _clip_outputs,
+        False,
+        {"mlp": "quick_gelu", "pre_norm": True, "projection_dim": 0},
+    ),
+    "clip-projection": (
+        "CLIPVisionModelWithProjection",
+        "CLIPVisionConfig",
+        dict(intermediate_size=96, projection_dim=24),
+        _clip_outputs,
+        False,
+        {"mlp": "quick_gelu", "projection_dim": 24},
+    ),
+    "siglip": (
+        "SiglipVisionModel",
+        "SiglipVisionConfig",
+        dict(intermediate_size=96),
+        _siglip_outputs,
+        True,
+        {"head": "map", "gelu_exact": False, "class_token": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_parity(case, tmp_path):
+    cls_name, config_name, kw, outputs, normed, expected = HF_CASES[case]
+    model = _hf(cls_name, config_name, seed=11 + len(case), **kw)
+    model.save_pretrained(tmp_path / case)
+    converted = convert("hf", tmp_path / case)
+    cfg = converted.config
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    assert {name: getattr(cfg, name) for name in expected} == expected
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {k: v.numpy() for k, v in outputs(model, pixels).items()}
+    check_parity(f"hf-{case}", f"hf {cls_name}", converted, pixels.numpy(), peer, normed)
+
+
+def test_hf_two_tower_checkpoint_gives_its_vision_tower(tmp_path):
+    """A whole CLIPModel: the text tower is dropped by name; the vision side is image_embeds."""
+    import transformers
+
+    config = transformers.CLIPConfig(
+        vision_config=dict(**SHAPE, intermediate_size=96),
+        text_config=dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=50,
+        ),
+        projection_dim=20,
+    )
+    model = transformers.CLIPModel(config).eval()
+    perturb(model, seed=21)
+    model.save_pretrained(tmp_path / "clip")
+    converted = convert("hf", tmp_path / "clip")
+    assert converted.config.projection_dim == 20
+    assert any("dropped the text tower" in note for note in converted.notes)
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {"pooled": model.get_image_features(pixel_values=pixels)}
+        peer = {k: getattr(v, "pooler_output", v).numpy() for k, v in peer.items()}
+    check_parity("hf-clip-two-tower", "hf CLIPModel", converted, pixels.numpy(), peer, False)
+
+
+def test_hf_config_that_contradicts_the_weights_names_both(tmp_path):
+    model = _hf("Dinov2Model", "Dinov2Config", seed=3)
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+    with pytest.raises(
+        ConvertError, match="num_hidden_layers: config.json has 5, the weights have 2"
+    ):
+        convert("hf", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "siglip"}))
+    with pytest.raises(
+        ConvertError,
+        match="model_type='siglip_vision_model', but the weights are laid out as 'dinov2'",
+    ):
+        convert("hf", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "swin"}))
+    with pytest.raises(ConvertError, match="model_type='swin', which is not supported"):
+        convert("hf", tmp_path / "m")
+
+
+def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):
+    import transformers
+
+    model = _hf("CLIPVisionModel", "CLIPVisionConfig", seed=5, intermediate_size=96)
+    model.save_pretrained(tmp_path / "m")
+    processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
+    )
+    processor.save_pretrained(tmp_path / "m")
+    p = convert("hf", tmp_path / "m").config.preprocess
+    assert p.resize == 16 and p.interpolation == "bicubic"
+    assert p.mean == tuple(processor.image_mean) and p.std == tuple(processor.image_std)
+    wrong = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 20}, crop_size={"height": 20, "width": 20}
+    )
+    wrong.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConvertError, match="crops to .* but the position embedding is for 16x16"):
+        convert("hf", tmp_path / "m")
+
+
+# ------------------------------------------------------------------------------------------
+# timm
+# ------------------------------------------------------------------------------------------
+
+TIMM_SHAPE = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=4)
+TIMM_CASES = {
+    # LayerScale (folded into the out-projections), class token, pos_embed covering it
+    "dinov2": ("vit_base_patch14_dinov2", {"num_registers": 0, "posemb_covers_cls": True}),
+    # 4 register tokens; pos_embed for the patches only (no_embed_class)
+    "dinov2-reg4": (
+        "vit_base_patch14_reg4_dinov2",
+        {"num_registers": 4, "posemb_covers_cls": False},
+    ),
+    # the giant's SwiGLUPacked MLP: fc1 = [gate | value], silu
+    "dinov2-giant-swiglu": ("vit_giant_patch14_dinov2", {"mlp": "swiglu"}),
+    # attention-pool head (AttentionPoolLatent), no class token
+    "siglip": ("vit_base_patch16_siglip_224", {"head": "map", "class_token": False}),
+    # OpenAI CLIP in timm: norm_pre, quick-GELU (named by the architecture), projection as head
+    "clip-quickgelu": (
+        "vit_base_patch16_clip_quickgelu_224",
+        {"mlp": "quick_gelu", "pre_norm": True, "num_classes": 12},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TIMM_CASES))
+def test_timm_parity(case, tmp_path):
+    name, expected = TIMM_CASES[case]
+    extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
+    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **extra).eval()
+    perturb(model, seed=31 + len(case))
+    folder = tmp_path / case
+    folder.mkdir()
+    save_file(model.state_dict(), str(folder / "model.safetensors"))
+    save_config_for_hf(model, str(folder / "config.json"))
+    converted = convert("timm", folder)
+    cfg = converted.config
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    pixels = _pixels()
+    with torch.no_grad():
+        tokens = model.forward_features(pixels)
+        prefix = model.num_prefix_tokens
+        peer = {
+            "pooled": model.forward_head(tokens, pre_logits=True),
+            "patch_tokens": tokens[:, prefix:],
+        }
+        if cfg.num_registers:
+            peer["register_tokens"] = tokens[:, 1:prefix]
+    peer = {k: v.numpy() for k, v in peer.items()}
+    check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
+
+
+# ------------------------------------------------------------------------------------------
+# OpenCLIP
+# ------------------------------------------------------------------------------------------
+
+OPEN_CLIP_CFG = {
+    "embed_dim": 24,
+    "quick_gelu": True,
+    "vision_cfg": dict(
+        image_size=16,
+        layers=2,
+        width=48,
+        head_width=12,
+        patch_size=4,
+        mlp_ratio=2.5,
+        ls_init_value=0.1,
+    ),
+    "text_cfg": dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1),
+}
+
+
+@pytest.mark.parametrize("quick_gelu", [True, False])
+def test_open_clip_parity_through_its_own_loader(quick_gelu, tmp_path):
+    """A whole CLIP state dict (visual.* and the text tower) with its open_clip_config.json,
+    loaded back by open_clip's own create_model('local-dir:...') as the peer."""
+    open_clip = import_open_clip()
+    model_cfg = {**OPEN_CLIP_CFG, "quick_gelu": quick_gelu}
+    model = open_clip.model.CLIP(**{k: v for k, v in model_cfg.items()}).eval()
+    perturb(model, seed=41 + quick_gelu)
+    folder = tmp_path / "oc"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "open_clip_pytorch_model.bin")
+    preprocess = {"mean": [0.4, 0.45, 0.5], "std": [0.2, 0.25, 0.3], "interpolation": "bilinear"}
+    (folder / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess})
+    )
+    peer_model = open_clip.create_model(f"local-dir:{folder}").eval()
+    converted = convert("open_clip", folder)
+    cfg = converted.config
+    assert cfg.mlp == ("quick_gelu" if quick_gelu else "gelu") and cfg.projection_dim == 24
+    assert (cfg.width, cfg.heads, cfg.mlp_dim, cfg.image_size) == (48, 4, 120, 16)
+    assert cfg.preprocess.mean == (0.4, 0.45, 0.5) and cfg.preprocess.interpolation == "bilinear"
+    assert any("dropped the text tower" in note for note in converted.notes)
+    pixels = _pixels()
+    peer_model.visual.output_tokens = True
+    with torch.no_grad():
+        pooled, tokens = peer_model.visual(pixels)
+        assert torch.allclose(pooled, model.encode_image(pixels))  # the loader read every weight
+    peer = {"pooled": pooled.numpy(), "patch_tokens": tokens.numpy()}  # tokens: after ln_post
+    check_parity(
+        f"open_clip-quick_gelu={quick_gelu}",
+        "open_clip CLIP",
+        converted,
+        pixels.numpy(),
+        peer,
+        True,
+    )
+
+
+def test_open_clip_without_its_config_needs_the_activation(tmp_path):
+    open_clip = import_open_clip()
+    model = open_clip.model.CLIP(**OPEN_CLIP_CFG).eval()
+    save_file(
+        {k: v.contiguous() for k, v in model.visual.state_dict().items()},
+        str(tmp_path / "visual.safetensors"),
+    )
+    with pytest.raises(ConvertError, match="GELU or QuickGELU.*--mlp gelu\\|quick_gelu"):
+        convert("open_clip", tmp_path / "visual.safetensors", Hints(heads=4))
+    converted = convert(
+        "open_clip", tmp_path / "visual.safetensors", Hints(heads=4, mlp="quick_gelu")
+    )
+    assert converted.config.mlp == "quick_gelu"
+
+
+# ------------------------------------------------------------------------------------------
+# presets: the public shapes, counted as the sources' own code counts them
+# ------------------------------------------------------------------------------------------
+
+_L = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16)
+# preset: (transformers model, its config, parameters the source has and the preset does not:
+# the mask token, used only in training; LayerScale, folded into the out-projections at import,
+# 2 x width per block; DINOv3's missing key bias, which the preset holds as zeros, counts minus)
+PRESET_SOURCES = {
+    "dinov2-b/14": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(image_size=518, patch_size=14),
+        768 + 24 * 768,
+    ),
+    "dinov2-g/14": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(
+            hidden_size=1536,
+            num_hidden_layers=40,
+            num_attention_heads=24,
+            image_size=518,
+            patch_size=14,
+            use_swiglu_ffn=True,
+        ),
+        1536 + 80 * 1536,
+    ),
+    "dinov2-reg-b/14": (
+        "Dinov2WithRegistersModel",
+        "Dinov2WithRegistersConfig",
+        dict(image_size=518, patch_size=14, num_register_tokens=4),
+        768 + 24 * 768,
+    ),
+    "dinov3-l/16": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(**_L, intermediate_size=4096, patch_size=16, num_register_tokens=4),
+        1024 + 48 * 1024 - 24 * 1024,
+    ),
+    "siglip-so400m/14": (
+        "SiglipVisionModel",
+        "SiglipVisionConfig",
+        dict(
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            patch_size=14,
+            image_size=224,
+        ),
+        0,
+    ),
+    "clip-l/14": (
+        "CLIPVisionModelWithProjection",
+        "CLIPVisionConfig",
+        dict(**_L, intermediate_size=4096, patch_size=14, image_size=224, projection_dim=768),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", list(PRESET_SOURCES))
+def test_preset_parameter_counts_are_the_sources(preset):
+    import transformers
+    from vit22b.model import get_config
+    from vit22b.model.info import model_info
+
+    cls_name, config_name, kw, not_ours = PRESET_SOURCES[preset]
+    with torch.device("meta"):  # the source's own modules, no memory
+        model = getattr(transformers, cls_name)(getattr(transformers, config_name)(**kw))
+    source = sum(p.numel() for p in model.parameters())
+    info = model_info(get_config(preset))
+    assert info["total_param_count"] == source - not_ours
+
+
+# ------------------------------------------------------------------------------------------
+# served: converted by the command line in float32 compute, over gRPC
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["dinov2-registers", "clip-projection", "siglip"])
+def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
+    """`vit22b convert --compute-dtype float32` (no --model), `BackgroundServer` on the
+    checkpoint, raw uint8 images at the model's size through the SDK: pooled and last-layer
+    patch tokens equal the source's forward on the same normalised pixels to 1e-5."""
+    from parity import TOL_F32
+    from peers import rel_err
+    from vit22b.clients import FeatureClient
+    from vit22b.clients.cli import main
+    from vit22b.server.app import BackgroundServer, build_engine
+    from vit22b.server.settings import ServeConfig
+
+    cls_name, config_name, kw, outputs, normed, _ = HF_CASES[case]
+    model = _hf(cls_name, config_name, seed=51 + len(case), **kw)
+    model.save_pretrained(tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    args = ["convert", "--from", "hf", "--input", str(tmp_path / "hf"), "--out", str(ckpt)]
+    assert main([*args, "--compute-dtype", "float32"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["compute_dtype"] == "float32"
+    images = np.random.default_rng(5).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    config = ServeConfig(
+        checkpoint=str(ckpt), mesh="data=2,model=4", port=0, metrics_port=None, max_batch_images=4
+    )
+    engine = build_engine(config)
+    pre = engine.cfg.preprocess
+    with BackgroundServer(config, engine=engine) as server:
+        with FeatureClient(server.address) as client:
+            info = client.model_info()
+            got = client.embed(
+                list(images),
+                outputs=["pooled", "patch_tokens"],
+                layers=[-1],
+                normalize_patches=normed,
+            )
+    assert info.model.compute_dtype == "float32" and got.model.compute_dtype == "float32"
+    pixels = (images.astype(np.float32) / np.float32(255) - np.float32(pre.mean)) / np.float32(
+        pre.std
+    )  # the contract at the model's own size: no resize, no crop
+    with torch.no_grad():
+        peer = outputs(model, torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy()))
+    assert rel_err(got.pooled, peer["pooled"].numpy()) < TOL_F32
+    assert rel_err(got.patch_tokens[-1], peer["patch_tokens"].numpy()) < TOL_F32
