@@ -316,7 +316,8 @@ class FeatureClient(ClientBase):
     def embed(self, images, **kwargs) -> Embeddings:
         """Embed paths, bytes, PIL images or uint8 arrays; numpy arrays per requested output.
 
-        Keywords: ``outputs`` (pooled, class_token, patch_tokens, attention_stats, logits),
+        Keywords: ``outputs`` (pooled, class_token, patch_tokens, attention_stats, logits,
+        register_tokens, pre_projection; what the model has: ``model_info().outputs``),
         ``layers`` (patch-token blocks; negative count from the end), ``dtype`` (float32,
         bfloat16, float16), ``l2_normalize`` (pooled), ``normalize_patches``, ``skip_invalid``
         (report unreadable images in ``errors`` instead of raising), ``ids``, ``batch_size``

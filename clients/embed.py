@@ -74,7 +74,7 @@ def array_specs(model: ModelIdentity, spec: OutputSpec) -> dict[str, dict]:
         if kind not in model.outputs:
             raise ValueError(f"model {model.name} has no {kind} output (its outputs: "
                              f"{', '.join(model.outputs)})")
-    shapes = {"pooled": [model.width], "class_token": [model.width]}
+    shapes = {"pooled": [model.pooled_dim or model.width], "class_token": [model.width]}
     return {
         name: {"dtype": spec.dtype, "shape": shapes.get(name, [model.num_patches, model.width])}
         for name in spec.names(model.depth)

@@ -13,13 +13,22 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 # Array fields besides ``patch_tokens`` ({block index: [n, patches, width]}).
-ARRAYS = ("pooled", "class_token", "attention_entropy", "attention_max_logit", "logits")
+ARRAYS = (
+    "pooled",
+    "class_token",
+    "attention_entropy",
+    "attention_max_logit",
+    "logits",
+    "register_tokens",
+    "pre_projection",
+)
 
 
 @dataclass
 class Features:
     """``pooled`` / ``class_token`` [n, width]; ``patch_tokens`` {layer: [n, patches, width]};
-    ``attention_entropy`` / ``attention_max_logit`` [n, depth, heads]; ``logits`` [n, classes].
+    ``attention_entropy`` / ``attention_max_logit`` [n, depth, heads]; ``logits`` [n, classes];
+    ``register_tokens`` [n, registers, width]; ``pre_projection`` [n, width].
     Outputs not computed are None (``patch_tokens``: empty)."""
 
     pooled: np.ndarray | None = None
@@ -28,6 +37,8 @@ class Features:
     attention_entropy: np.ndarray | None = None
     attention_max_logit: np.ndarray | None = None
     logits: np.ndarray | None = None
+    register_tokens: np.ndarray | None = None  # [n, registers, width]
+    pre_projection: np.ndarray | None = None  # [n, width]: pooled before the projection
 
     @classmethod
     def from_tree(cls, tree: Mapping) -> Features:

@@ -21,6 +21,7 @@ class ModelIdentity:
     compute_dtype: str
     source: str = ""  # where the weights came from: "init:seed=0", "timm:...", ...
     width: int = 0
+    pooled_dim: int = 0  # the projection's width where there is one, else ``width``
     depth: int = 0
     num_patches: int = 0
     outputs: tuple[str, ...] = ()  # the output kinds the model supports
@@ -34,6 +35,7 @@ class ModelIdentity:
             compute_dtype=cfg.compute_dtype,
             source=source,
             width=cfg.width,
+            pooled_dim=cfg.pooled_dim,
             depth=cfg.depth,
             num_patches=cfg.num_patches,
             outputs=supported_kinds(cfg),

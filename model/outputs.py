@@ -19,6 +19,8 @@ KINDS = (
     "patch_tokens",
     "attention_stats",
     "logits",
+    "register_tokens",
+    "pre_projection",
 )
 DEFAULT_KINDS = ("pooled",)
 DEFAULT_PATCH_LAYERS = (-1,)  # patch tokens without layers: the last block's
@@ -26,6 +28,8 @@ _MISSING = {
     "pooled": "pooling head",
     "class_token": "class token",
     "logits": "classifier (no logits)",
+    "register_tokens": "register tokens",
+    "pre_projection": "projection after pooling (no pre-projection feature)",
 }
 
 
@@ -37,6 +41,8 @@ def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:
         "patch_tokens": True,
         "attention_stats": True,
         "logits": bool(cfg.num_classes),
+        "register_tokens": cfg.num_registers > 0,
+        "pre_projection": cfg.head != "none" and cfg.projection_dim > 0,
     }
     return tuple(kind for kind in KINDS if has[kind])
 
@@ -55,7 +61,6 @@ class OutputRequest:
     attention_stats: bool = False
     norm_patches: bool = False  # apply the final norm to returned patch tokens (DINOv2 norm=True)
     logits: bool = False
-    # computed by the model (model/vit.py); not yet output kinds on the wire (features.proto)
     register_tokens: bool = False  # [B, R, d] after the final norm (DINOv2-reg, DINOv3)
     pre_projection: bool = False  # [B, d]: the pooled feature before the projection (CLIP)
 
@@ -82,6 +87,8 @@ class OutputRequest:
             attention_stats="attention_stats" in kinds,
             norm_patches=norm_patches,
             logits="logits" in kinds,
+            register_tokens="register_tokens" in kinds,
+            pre_projection="pre_projection" in kinds,
         )
 
     @property
@@ -93,6 +100,8 @@ class OutputRequest:
             "patch_tokens": bool(self.patch_layers),
             "attention_stats": self.attention_stats,
             "logits": self.logits,
+            "register_tokens": self.register_tokens,
+            "pre_projection": self.pre_projection,
         }
         return tuple(kind for kind in KINDS if on[kind])
 

@@ -128,6 +128,8 @@ def model_info(infer: Infer) -> pb.ModelInfo:
             max_image_pixels=limits.max_image_pixels,
         ),
         server_version=server_version(),
+        pooled_dim=cfg.pooled_dim,
+        num_registers=cfg.num_registers,
     )
 
 

@@ -437,6 +437,7 @@ def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
     from vit22b.clients.cli import main
     from vit22b.server.app import BackgroundServer, build_engine
     from vit22b.server.settings import ServeConfig
+    from vit22b.v1 import wire
 
     cls_name, config_name, kw, outputs, normed, _ = HF_CASES[case]
     model = _hf(cls_name, config_name, seed=51 + len(case), **kw)
@@ -455,9 +456,11 @@ def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
     with BackgroundServer(config, engine=engine) as server:
         with FeatureClient(server.address) as client:
             info = client.model_info()
+            extra = [k for k in ("register_tokens", "pre_projection")
+                     if wire.OUTPUT_KINDS[k] in info.outputs]
             got = client.embed(
                 list(images),
-                outputs=["pooled", "patch_tokens"],
+                outputs=["pooled", "patch_tokens", *extra],
                 layers=[-1],
                 normalize_patches=normed,
             )
@@ -469,3 +472,7 @@ def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
         peer = outputs(model, torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy()))
     assert rel_err(got.pooled, peer["pooled"].numpy()) < TOL_F32
     assert rel_err(got.patch_tokens[-1], peer["patch_tokens"].numpy()) < TOL_F32
+    assert set(extra) == {k for k in ("register_tokens", "pre_projection") if k in peer}
+    for kind in extra:  # served as their own outputs, equal to the source's too
+        assert rel_err(got[kind], peer[kind].numpy()) < TOL_F32, kind
+    assert info.pooled_dim == got.pooled.shape[1]

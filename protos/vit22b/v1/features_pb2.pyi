@@ -23,6 +23,8 @@ class OutputKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_KIND_PATCH_TOKENS: _ClassVar[OutputKind]
     OUTPUT_KIND_ATTENTION_STATS: _ClassVar[OutputKind]
     OUTPUT_KIND_LOGITS: _ClassVar[OutputKind]
+    OUTPUT_KIND_REGISTER_TOKENS: _ClassVar[OutputKind]
+    OUTPUT_KIND_PRE_PROJECTION: _ClassVar[OutputKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -34,6 +36,8 @@ OUTPUT_KIND_CLASS_TOKEN: OutputKind
 OUTPUT_KIND_PATCH_TOKENS: OutputKind
 OUTPUT_KIND_ATTENTION_STATS: OutputKind
 OUTPUT_KIND_LOGITS: OutputKind
+OUTPUT_KIND_REGISTER_TOKENS: OutputKind
+OUTPUT_KIND_PRE_PROJECTION: OutputKind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -108,7 +112,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("model", "ids", "indices", "pooled", "class_token", "patch_tokens", "attention_entropy", "attention_max_logit", "logits", "errors", "timings")
+    __slots__ = ("model", "ids", "indices", "pooled", "class_token", "patch_tokens", "attention_entropy", "attention_max_logit", "logits", "errors", "timings", "register_tokens", "pre_projection")
     class PatchTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,8 @@ class EmbedResponse(_message.Message):
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRE_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     model: ModelRef
     ids: _containers.RepeatedScalarFieldContainer[str]
     indices: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +144,9 @@ class EmbedResponse(_message.Message):
     logits: Tensor
     errors: _containers.RepeatedCompositeFieldContainer[ImageError]
     timings: Timings
-    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., ids: _Optional[_Iterable[str]] = ..., indices: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., class_token: _Optional[_Union[Tensor, _Mapping]] = ..., patch_tokens: _Optional[_Mapping[int, Tensor]] = ..., attention_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., attention_max_logit: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ImageError, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    register_tokens: Tensor
+    pre_projection: Tensor
+    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., ids: _Optional[_Iterable[str]] = ..., indices: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., class_token: _Optional[_Union[Tensor, _Mapping]] = ..., patch_tokens: _Optional[_Mapping[int, Tensor]] = ..., attention_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., attention_max_logit: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ImageError, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., register_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., pre_projection: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -200,7 +208,7 @@ class Limits(_message.Message):
     def __init__(self, max_batch_images: _Optional[int] = ..., batch_buckets: _Optional[_Iterable[int]] = ..., max_delay_ms: _Optional[float] = ..., max_queue_images: _Optional[int] = ..., max_request_images: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "source", "config_json", "parameter_count", "width", "depth", "heads", "num_patches", "num_classes", "outputs", "dtypes", "preprocessing", "mesh", "limits", "server_version")
+    __slots__ = ("model", "source", "config_json", "parameter_count", "width", "depth", "heads", "num_patches", "num_classes", "outputs", "dtypes", "preprocessing", "mesh", "limits", "server_version", "pooled_dim", "num_registers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +224,8 @@ class ModelInfo(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOLED_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_REGISTERS_FIELD_NUMBER: _ClassVar[int]
     model: ModelRef
     source: str
     config_json: str
@@ -231,4 +241,6 @@ class ModelInfo(_message.Message):
     mesh: Mesh
     limits: Limits
     server_version: str
-    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., source: _Optional[str] = ..., config_json: _Optional[str] = ..., parameter_count: _Optional[int] = ..., width: _Optional[int] = ..., depth: _Optional[int] = ..., heads: _Optional[int] = ..., num_patches: _Optional[int] = ..., num_classes: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[OutputKind, str]]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., preprocessing: _Optional[_Union[Preprocessing, _Mapping]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    pooled_dim: int
+    num_registers: int
+    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., source: _Optional[str] = ..., config_json: _Optional[str] = ..., parameter_count: _Optional[int] = ..., width: _Optional[int] = ..., depth: _Optional[int] = ..., heads: _Optional[int] = ..., num_patches: _Optional[int] = ..., num_classes: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[OutputKind, str]]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., preprocessing: _Optional[_Union[Preprocessing, _Mapping]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., server_version: _Optional[str] = ..., pooled_dim: _Optional[int] = ..., num_registers: _Optional[int] = ...) -> None: ...

@@ -37,6 +37,8 @@ OUTPUT_KINDS: dict[str, int] = {
     "patch_tokens": pb.OUTPUT_KIND_PATCH_TOKENS,
     "attention_stats": pb.OUTPUT_KIND_ATTENTION_STATS,
     "logits": pb.OUTPUT_KIND_LOGITS,
+    "register_tokens": pb.OUTPUT_KIND_REGISTER_TOKENS,
+    "pre_projection": pb.OUTPUT_KIND_PRE_PROJECTION,
 }
 KIND_NAMES = {code: name for name, code in OUTPUT_KINDS.items()}
 # Response tensor fields (besides the patch_tokens map) and the output kind each belongs to.
@@ -46,6 +48,8 @@ TENSOR_FIELDS = {
     "attention_entropy": "attention_stats",
     "attention_max_logit": "attention_stats",
     "logits": "logits",
+    "register_tokens": "register_tokens",
+    "pre_projection": "pre_projection",
 }
 
 
@@ -124,7 +128,11 @@ def row_shapes(info: pb.ModelInfo, kinds: list[str], layers: list[int]) -> dict[
     """Per-image shape of every tensor a request returns, from the model's info."""
     shapes: dict[str, tuple] = {}
     if "pooled" in kinds:
-        shapes["pooled"] = (info.width,)
+        shapes["pooled"] = (info.pooled_dim or info.width,)
+    if "pre_projection" in kinds:
+        shapes["pre_projection"] = (info.width,)
+    if "register_tokens" in kinds:
+        shapes["register_tokens"] = (info.num_registers, info.width)
     if "class_token" in kinds:
         shapes["class_token"] = (info.width,)
     if "attention_stats" in kinds:
@@ -178,6 +186,7 @@ def identity_of(info: pb.ModelInfo):
         compute_dtype=info.model.compute_dtype,
         source=info.source,
         width=info.width,
+        pooled_dim=info.pooled_dim or info.width,
         depth=info.depth,
         num_patches=info.num_patches,
         outputs=tuple(kind_name(code) for code in info.outputs),
