@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
+from vit22b.model.outputs import OutputRequest
+
+from . import settings
 from .embed import DTYPE_CHOICES, OUTPUT_CHOICES, JobConfig, JobFailed, OutputSpec, run_job
 from .embed_inputs import InputListError, enumerate_inputs
 from .embed_store import JobMismatch
 from .outputs import OutputsError
+from .settings import positive, setting
 
 
 def _csv(text: str) -> list[str]:
@@ -27,11 +32,50 @@ def _layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"want integers like -1,6; got {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _tls(text: str) -> bool | str:
+    """``--tls`` alone (system roots), a PEM of trusted roots, or true/false."""
+    return {"true": True, "1": True, "false": False, "0": False}.get(text.lower(), text)
+
+
+def _dtype(text: str) -> str | None:
+    if text not in ("", "bfloat16", "float32"):
+        raise argparse.ArgumentTypeError(f"want bfloat16 or float32, got {text!r}")
+    return text or None
+
+
+@dataclass
+class EmbedSettings:
+    """Every `vit22b embed` option besides INPUT and --output, each also ``VIT22B_<FLAG>``."""
+
+    server: tuple[str, ...] = setting(
+        (), "feature server host:port; repeat to spread over several", repeat=True)
+    token: str | None = setting(None, "bearer token for the servers")
+    tls: bool | str = setting(
+        False, "TLS to the servers (alone: system roots; or a PEM of trusted roots)", parse=_tls)
+    local: bool = setting(False, "run the engine in this process (the default without --server)")
+    model: str | None = setting(None, "local: preset name (default: the embedded model)")
+    checkpoint: str | None = setting(None, "local: checkpoint directory")
+    mesh: str = setting("auto", "local: device mesh, e.g. data=2,model=4")
+    seed: int = setting(0, "local: seed of random weights")
+    compute_dtype: str | None = setting(
+        None, "local: bfloat16, or float32 for exact features (default: the checkpoint's)",
+        parse=_dtype)
+    outputs: str = setting("pooled", f"comma-separated of {', '.join(OUTPUT_CHOICES)}")
+    layers: tuple[int, ...] | None = setting(
+        None, "patch-token layers, e.g. -1,6 (implies patch_tokens; default -1)", parse=_layers)
+    dtype: str = setting("float32", f"stored dtype: {', '.join(DTYPE_CHOICES)}",
+                         check=lambda v: None if v in DTYPE_CHOICES else f"must be one of "
+                         f"{', '.join(DTYPE_CHOICES)}, got {v!r}")
+    l2_normalize: bool = setting(False, "L2-normalise pooled features")
+    normalize_patches: bool = setting(False, "apply the encoder's final norm to patch tokens")
+    batch_size: int = setting(32, "images per request", check=positive)
+    shard_size: int = setting(1024, "images per shard", check=positive)
+    concurrency: int = setting(2, "requests in flight per server (local: worker threads)",
+                               check=positive)
+    ext: tuple[str, ...] = setting(
+        (), "only files with these extensions, e.g. jpg,png (default: every file)",
+        parse=lambda text: tuple(_csv(text)))
+    quiet: bool = setting(False, "no progress bar", short="-q")
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser):
@@ -39,56 +83,27 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
                         help="folder (recursive), glob, or list file (.txt/.lst/.list) of paths")
     parser.add_argument("--output", "-o", required=True, metavar="DIR",
                         help="output directory; rerunning the same command resumes it")
-    backend = parser.add_argument_group("backend (default: --local with the embedded model)")
-    backend.add_argument("--server", action="append", default=[], metavar="ADDR",
-                         help="feature server host:port; repeat to spread over several")
-    backend.add_argument("--token", help="bearer token for the servers")
-    backend.add_argument("--tls", nargs="?", const=True, default=False, metavar="ROOTS_PEM",
-                         help="TLS to the servers (system roots, or this PEM of trusted roots)")
-    backend.add_argument("--local", action="store_true", help="run the engine in this process")
-    backend.add_argument("--model", help="local: preset name (default: the embedded model)")
-    backend.add_argument("--checkpoint", help="local: checkpoint directory")
-    backend.add_argument("--mesh", default="auto", help="local: e.g. data=2,model=4")
-    backend.add_argument("--seed", type=int, default=0, help="local: seed of random weights")
-    what = parser.add_argument_group("outputs")
-    what.add_argument("--outputs", default="pooled",
-                      help=f"comma-separated of {', '.join(OUTPUT_CHOICES)} (default: pooled)")
-    what.add_argument("--layers", type=_layers, default=None,
-                      help="patch-token layers, e.g. -1,6 (implies patch_tokens; default -1)")
-    what.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
-    what.add_argument("--l2-normalize", action="store_true", help="L2-normalise pooled features")
-    what.add_argument("--normalize-patches", action="store_true",
-                      help="apply the encoder's final norm to patch tokens")
-    job = parser.add_argument_group("job")
-    job.add_argument("--batch-size", type=_positive, default=32, help="images per request")
-    job.add_argument("--shard-size", type=_positive, default=1024, help="images per shard")
-    job.add_argument("--concurrency", type=_positive, default=2,
-                     help="requests in flight per server (local: worker threads)")
-    job.add_argument("--ext", type=_csv, default=[],
-                     help="only files with these extensions, e.g. jpg,png (default: every file)")
-    job.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    settings.add_arguments(parser, EmbedSettings)
     return run
 
 
-def output_spec(args: argparse.Namespace) -> OutputSpec:
-    kinds = set(_csv(args.outputs))
-    unknown = kinds - set(OUTPUT_CHOICES)
+def output_spec(options: EmbedSettings) -> OutputSpec:
+    kinds = _csv(options.outputs)
+    unknown = set(kinds) - set(OUTPUT_CHOICES)
     if unknown:
         raise ValueError(f"unknown output {sorted(unknown)[0]!r}; choose from {OUTPUT_CHOICES}")
-    if args.layers is not None:
-        kinds.add("patch_tokens")
-    layers = (args.layers or (-1,)) if "patch_tokens" in kinds else ()
+    asked = OutputRequest.of(kinds, options.layers or (), options.normalize_patches)
     return OutputSpec(
-        pooled="pooled" in kinds,
-        class_token="class_token" in kinds,
-        patch_layers=tuple(layers),
-        dtype=args.dtype,
-        l2_normalize=args.l2_normalize,
-        normalize_patches=args.normalize_patches,
+        pooled=asked.pooled,
+        class_token=asked.class_token,
+        patch_layers=asked.patch_layers,
+        dtype=options.dtype,
+        l2_normalize=options.l2_normalize,
+        normalize_patches=options.normalize_patches,
     )
 
 
-def make_backend(args: argparse.Namespace, spec: OutputSpec):
+def make_backend(args: EmbedSettings, spec: OutputSpec):
     if args.server and (args.local or args.checkpoint or args.model):
         raise ValueError("--server and --local/--model/--checkpoint exclude each other")
     if args.server:
@@ -100,8 +115,8 @@ def make_backend(args: argparse.Namespace, spec: OutputSpec):
     from .embed_local import LocalBackend  # imports jax
 
     backend = LocalBackend(spec, model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
-                           seed=args.seed, batch_size=args.batch_size,
-                           concurrency=args.concurrency)
+                           seed=args.seed, compute_dtype=args.compute_dtype,
+                           batch_size=args.batch_size, concurrency=args.concurrency)
     backend.warm_up()
     return backend
 
@@ -111,18 +126,20 @@ def run(args: argparse.Namespace) -> int:
     to resume), 2 bad options, inputs or a refused mix, 130 interrupted."""
     backend = None
     try:
-        spec = output_spec(args)
+        options = settings.from_args(EmbedSettings, args)
+        settings.check(options)
+        spec = output_spec(options)
         config = JobConfig(
             inputs=args.inputs,
             output=args.output,
             spec=spec,
-            batch_size=args.batch_size,
-            shard_size=args.shard_size,
-            extensions=tuple(args.ext),
-            quiet=args.quiet,
+            batch_size=options.batch_size,
+            shard_size=options.shard_size,
+            extensions=options.ext,
+            quiet=options.quiet,
         )
         items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
-        backend = make_backend(args, spec)
+        backend = make_backend(options, spec)
         summary = run_job(config, backend, items)
     except (InputListError, JobMismatch, OutputsError, ValueError) as err:
         print(f"vit22b embed: {err}", file=sys.stderr)

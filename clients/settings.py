@@ -25,6 +25,7 @@ def setting(
     repeat: bool = False,
     factory: Callable[[], Any] | None = None,
     cli: bool = True,
+    short: str | None = None,
 ) -> Any:
     """A dataclass field declaring one setting.
 
@@ -32,7 +33,7 @@ def setting(
     or None; ``flag``: when it differs from the field name; ``repeat``: a flag given several
     times (its variable separates values with ``;``); ``cli=False``: a field with no flag."""
     meta = {"help": help, "parse": parse, "check": check, "flag": flag, "repeat": repeat,
-            "cli": cli}
+            "cli": cli, "short": short}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -65,6 +66,11 @@ def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
     return str
 
 
+def _is_bool(field: dataclasses.Field) -> bool:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    return kind.startswith("bool")
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -88,22 +94,23 @@ def add_arguments(
         if not field.metadata.get("cli", False):
             continue
         flag, env, parse = flag_of(field), env_of(field), _parser_of(field)
+        flags = [flag] + ([field.metadata["short"]] if field.metadata.get("short") else [])
         default = _default(field)
         shown = "" if default in (None, (), "") else f"; default {_show(default)}"
         help_ = f"{field.metadata['help']} (${env}{shown})"
         if field.metadata["repeat"]:
             text = environ.get(env)
-            parser.add_argument(flag, dest=field.name, type=parse, action=_Repeat, help=help_,
+            parser.add_argument(*flags, dest=field.name, type=parse, action=_Repeat, help=help_,
                                 default=None if text is None else
                                 [parse(v) for v in text.split(";") if v.strip()])
-        elif parse is _bool:
+        elif _is_bool(field):  # ``--flag`` alone means true
             text = environ.get(env)
-            parser.add_argument(flag, dest=field.name, type=_bool, nargs="?", const=True,
+            parser.add_argument(*flags, dest=field.name, type=parse, nargs="?", const=True,
                                 default=default if text is None else text, help=help_)
         else:
             # argparse converts a string default with ``type`` and reports a bad one as a flag
             # error, which is what a bad variable should get too
-            parser.add_argument(flag, dest=field.name, type=parse,
+            parser.add_argument(*flags, dest=field.name, type=parse,
                                 default=environ.get(env, default), help=help_)
 
 

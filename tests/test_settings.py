@@ -49,3 +49,17 @@ def test_bad_values_are_refused_naming_the_flag():
         parse([], {"VIT22B_CHUNK_IMAGES": "-3"}).check()
     with pytest.raises(argparse.ArgumentError):
         parse([], {"VIT22B_COMPUTE_DTYPE": "float8"})
+
+
+def test_embed_options_are_declared_settings_too():
+    from vit22b.clients.embed_cli import EmbedSettings, output_spec
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    settings.add_arguments(parser, EmbedSettings, {"VIT22B_SERVER": "h1:1;h2:2",
+                                                   "VIT22B_LAYERS": "-1,2"})
+    options = settings.from_args(EmbedSettings, parser.parse_args(["--tls", "-q"]))
+    assert options.server == ("h1:1", "h2:2") and options.tls is True and options.quiet is True
+    spec = output_spec(options)  # layers imply patch tokens: the one definition of defaults
+    assert spec.pooled and spec.patch_layers == (-1, 2)
+    with pytest.raises(ValueError, match="--batch-size must be positive"):
+        settings.check(settings.from_args(EmbedSettings, parser.parse_args(["--batch-size", "0"])))
