@@ -5,7 +5,7 @@ Exports load on first use, so ``vit22b --help`` (the CLI lives in this package) 
 
 from __future__ import annotations
 
-import importlib
+from vit22b.model.lazy import lazy_exports
 
 _EXPORTS = {
     "FeatureClient": "client",
@@ -19,9 +19,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -11,7 +11,7 @@ Imports nothing of the server, the clients or the probes. Exports load on first 
 
 from __future__ import annotations
 
-import importlib
+from .lazy import lazy_exports
 
 _EXPORTS = {
     "DEFAULT_MODEL": "config",
@@ -31,9 +31,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
