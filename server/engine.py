@@ -37,7 +37,6 @@ from vit22b.model.forward import cast_matmul_kernels, chunked_apply
 from vit22b.model.identity import ModelIdentity, seeded_source
 from vit22b.model.info import count
 from vit22b.model.outputs import POOLED, OutputRequest
-from vit22b.model.pixels import Preprocessor
 from vit22b.model.sharding import (
     batch_sharding,
     check_mesh_fits,
@@ -150,7 +149,6 @@ class Engine:
         params = cast_matmul_kernels(cfg, params) if precast else params
         self.params = jax.device_put(params, self.param_shardings)  # no copy when in place
         self.batch_sharding = batch_sharding(mesh)
-        self.preprocess = Preprocessor(cfg)
         self.identity = ModelIdentity.of(cfg, fingerprint, source)
         self._placements: dict[int, Placement] = {
             mesh.shape["data"]: Placement(mesh, self.params, self.param_shardings,

@@ -30,7 +30,7 @@ from vit22b.model.errors import (
 )
 from vit22b.model.features import Features
 from vit22b.model.outputs import POOLED, OutputRequest
-from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS, check_pixels, decode
+from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS, Preprocessor, check_pixels, decode
 
 from .batcher import Batcher
 from .engine import Engine
@@ -114,6 +114,7 @@ class Infer:
         preprocess_threads: int,
     ):
         self.engine, self.batcher, self.metrics, self.limits = engine, batcher, metrics, limits
+        self.preprocess = Preprocessor(engine.cfg)  # the pixel contract of this model
         self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="vit22b-preprocess")
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -272,7 +273,7 @@ class Infer:
                 pixels = check_pixels(image.data, self.limits.max_image_pixels)
             else:
                 raise InvalidImage("no image data: send encoded file bytes or raw pixels")
-            return self.engine.preprocess(pixels)
+            return self.preprocess(pixels)
         except InvalidImage as err:
             raise err.at(index, image.id) from None
 

@@ -110,7 +110,7 @@ def model_info(infer: Infer) -> pb.ModelInfo:
             mean=p.mean,
             std=p.std,
             hash=ident.preprocess_hash,
-            description=engine.preprocess.describe(),
+            description=infer.preprocess.describe(),
         ),
         mesh=pb.Mesh(
             spec=engine.mesh_spec,

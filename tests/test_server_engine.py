@@ -38,7 +38,8 @@ def test_resolve_checks_outputs_against_the_model():
 
 def test_other_output_sets_compile_once_on_demand_and_warm_ones_stay():
     engine = shared_engine()
-    images = np.stack([engine.preprocess(p) for p in random_images(3, seed=40)])
+    pre = Preprocessor(engine.cfg)
+    images = np.stack([pre(p) for p in random_images(3, seed=40)])
     outputs = engine.resolve(OutputRequest(pooled=False, attention_stats=True))
     before = engine.compilations
     first = engine.forward(images, outputs)
