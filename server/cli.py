@@ -36,11 +36,11 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = settings.from_args(ServeConfig, args)
-        config.check()
         group = group_from_args(args)  # several processes: supervise this one's JAX process
         if group is not None:
+            config.check()  # here: before the JAX process starts
             return supervise(config, group, args.log_level)
-        return asyncio.run(serve_until_signal(config))
+        return asyncio.run(serve_until_signal(config))  # FeatureServer checks the settings
     except (ValueError, OSError) as err:  # bad flags, mesh, model, checkpoint or port
         print(f"vit22b serve: {err}", file=sys.stderr)
         return 2
