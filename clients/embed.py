@@ -31,12 +31,16 @@ import numpy as np
 from vit22b.model.identity import ModelIdentity
 from vit22b.model.outputs import OutputRequest
 
+from .embed_formats import FORMATS
+from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
 from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
-from .embed_store import OutputStore
+from .embed_store import OutputStore, ShardWriter
 from .outputs import ERRORS, array_name
+from .storage import read_bytes
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+FORMAT_CHOICES = tuple(FORMATS)
 
 
 @dataclass(frozen=True)
@@ -110,19 +114,10 @@ class JobFailed(RuntimeError):
     """The job cannot go on (every server lost, or a bug); completed shards stay resumable."""
 
 
-def to_stored(array: np.ndarray, dtype: str) -> np.ndarray:
-    """Features in the output dtype as numpy can store them: bfloat16 kept as its uint16 bits."""
-    if dtype == "bfloat16":
-        import ml_dtypes  # numpy-only; the wire format needs it too
-
-        return np.asarray(array).astype(ml_dtypes.bfloat16).view(np.uint16)
-    return np.asarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
-
-
 def read_file(item: InputItem) -> bytes:
-    """The file's bytes; OSError's message is the failure reason for errors.jsonl."""
-    with open(item.path, "rb") as f:
-        return f.read()
+    """The file's bytes (a local path or an fsspec URL); OSError's message is the failure
+    reason for errors.jsonl."""
+    return read_bytes(item.path)
 
 
 def os_reason(err: OSError) -> str:
@@ -163,6 +158,7 @@ class JobConfig:
     shard_size: int = 1024
     extensions: tuple[str, ...] = ()
     quiet: bool = False
+    format: str = "npy"  # how shards are stored: FORMAT_CHOICES
     on_shard: Callable[[int], None] | None = None  # called after each shard is written
 
 
@@ -241,32 +237,43 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         "l2_normalize": spec.l2_normalize,
         "normalize_patches": spec.normalize_patches,
         "shard_size": config.shard_size,
+        "format": config.format,
         "inputs": {"count": len(items), "sha256": ids_digest(items)},
     }
 
 
-def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
-    """Embed every input not yet in ``config.output``; returns the summary of this run."""
-    start = time.perf_counter()
+def open_job(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None = None):
+    """(items, shard slices, the opened store) of a job; refuses a mix with what is there."""
     if config.batch_size < 1 or config.shard_size < 1:
         raise ValueError("--batch-size and --shard-size must be positive")
+    if config.format not in FORMATS:
+        raise ValueError(f"unknown --format {config.format!r}; choose from {FORMAT_CHOICES}")
     items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
-    model = backend.model
     arrays = array_specs(model, config.spec)
     slices = shard_slices(len(items), config.shard_size)
     identity = identity_of(model, config, items, list(arrays))
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,
              "num_patches": model.num_patches}
-    store = OutputStore.open(config.output, identity, arrays, len(slices), about)
+    return items, slices, OutputStore.open(config.output, identity, arrays, len(slices), about)
+
+
+def finish_job(store: OutputStore, summary: Summary) -> None:
+    store.finish()
+    summary.complete = len(store.done) == summary.shards
+    summary.held = sum(entry["count"] for entry in store.done.values())
+    summary.held_failed = sum(entry["failed"] for entry in store.done.values())
+
+
+def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
+    """Embed every input not yet in ``config.output``; returns the summary of this run."""
+    start = time.perf_counter()
+    items, slices, store = open_job(config, backend.model, items)
     summary = Summary(len(items), len(slices), output=config.output)
     try:
         pending = [k for k in range(len(slices)) if k not in store.done]
         summary.skipped = sum(len(slices[k]) for k in store.done)
         _run_pending(config, backend, items, slices, pending, store, summary)
-        store.finish()
-        summary.complete = len(store.done) == len(slices)
-        summary.held = sum(entry["count"] for entry in store.done.values())
-        summary.held_failed = sum(entry["failed"] for entry in store.done.values())
+        finish_job(store, summary)
     finally:
         store.close()
         summary.seconds = time.perf_counter() - start
@@ -323,8 +330,11 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
                 progress = shards[shard]
                 progress.results[index] = result
                 if len(progress.results) == progress.batches:
-                    _write_shard(store, items, slices[shard], shard, config.batch_size,
-                                 shards.pop(shard), summary)
+                    rows = shard_rows(items, slices[shard], config.batch_size,
+                                      shards.pop(shard).results, store.writer)
+                    store.write_shard(shard, *rows)
+                    summary.embedded += len(rows[1])
+                    summary.failed += len(rows[-1])
                     tasks.written(shard)
                     remaining -= 1
                     if config.on_shard is not None:
@@ -349,10 +359,13 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
         bar.close()
 
 
-def _write_shard(store, items, positions, shard, batch_size, progress, summary) -> None:
+def shard_rows(items, positions: range, batch_size: int, results: dict[int, BatchResult],
+               writer: ShardWriter) -> tuple:
+    """A shard's batch results -> (inputs_sha256, ids, paths, arrays, failed), what
+    ``ShardWriter.write`` takes after the shard's index."""
     ids, paths, failed, parts = [], [], [], collections.defaultdict(list)
     for index, batch in enumerate(_batches(positions, batch_size)):
-        result = progress.results[index]
+        result = results[index]
         for row in result.rows:
             ids.append(items[batch[row]].id)
             paths.append(items[batch[row]].path)
@@ -361,14 +374,10 @@ def _write_shard(store, items, positions, shard, batch_size, progress, summary) 
                            "reason": reason})
         for name, array in result.arrays.items():
             parts[name].append(array)
-    arrays = {}
-    for name, spec in store.arrays.items():
-        arrays[name] = (np.concatenate(parts[name]) if parts[name] else
-                        np.empty((0, *spec["shape"]), to_stored(np.zeros(0), spec["dtype"]).dtype))
+    arrays = {name: np.concatenate(parts[name]) if parts[name] else writer.empty(name)
+              for name in writer.arrays}
     failed.sort(key=lambda row: row["id"])
-    store.write_shard(shard, ids_digest([items[p] for p in positions]), ids, paths, arrays, failed)
-    summary.embedded += len(ids)
-    summary.failed += len(failed)
+    return ids_digest([items[p] for p in positions]), ids, paths, arrays, failed
 
 
 class _NoBar:
