@@ -138,6 +138,11 @@ class Summary:
     held_failed: int = 0  # failures it lists now (all runs)
     lost_workers: list[str] = field(default_factory=list)
 
+    def add(self, entry: dict) -> None:
+        """Count a shard written by this run (its manifest entry)."""
+        self.embedded += entry["count"]
+        self.failed += entry["failed"]
+
     def line(self) -> str:
         rate = self.embedded / self.seconds if self.seconds > 0 else 0.0
         state = "complete" if self.complete else "INCOMPLETE (rerun the same command to resume)"
@@ -220,7 +225,7 @@ class _Queue:
             self._cond.notify_all()
 
 
-def _batches(positions: range, batch_size: int) -> list[range]:
+def batch_ranges(positions: range, batch_size: int) -> list[range]:
     return [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
 
 
@@ -242,8 +247,13 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
     }
 
 
-def open_job(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None = None):
-    """(items, shard slices, the opened store) of a job; refuses a mix with what is there."""
+def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None,
+             run_pending: Callable[[list[InputItem], list[range], list[int], OutputStore, Summary],
+                                   None]) -> Summary:
+    """The job around a runner: open (or resume, refusing a mix) the output, hand the shards
+    not yet done to ``run_pending(items, slices, pending, store, summary)``, which writes and
+    records them, and finish the output; returns the summary of this run."""
+    start = time.perf_counter()
     if config.batch_size < 1 or config.shard_size < 1:
         raise ValueError("--batch-size and --shard-size must be positive")
     if config.format not in FORMATS:
@@ -254,46 +264,41 @@ def open_job(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     identity = identity_of(model, config, items, list(arrays))
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,
              "num_patches": model.num_patches}
-    return items, slices, OutputStore.open(config.output, identity, arrays, len(slices), about)
-
-
-def finish_job(store: OutputStore, summary: Summary) -> None:
-    store.finish()
-    summary.complete = len(store.done) == summary.shards
-    summary.held = sum(entry["count"] for entry in store.done.values())
-    summary.held_failed = sum(entry["failed"] for entry in store.done.values())
-
-
-def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
-    """Embed every input not yet in ``config.output``; returns the summary of this run."""
-    start = time.perf_counter()
-    items, slices, store = open_job(config, backend.model, items)
+    store = OutputStore.open(config.output, identity, arrays, len(slices), about)
     summary = Summary(len(items), len(slices), output=config.output)
     try:
         pending = [k for k in range(len(slices)) if k not in store.done]
         summary.skipped = sum(len(slices[k]) for k in store.done)
-        _run_pending(config, backend, items, slices, pending, store, summary)
-        finish_job(store, summary)
+        if pending:
+            run_pending(items, slices, pending, store, summary)
+        store.finish()
+        summary.complete = len(store.done) == len(slices)
+        summary.held = sum(entry["count"] for entry in store.done.values())
+        summary.held_failed = sum(entry["failed"] for entry in store.done.values())
     finally:
         store.close()
         summary.seconds = time.perf_counter() - start
     return summary
 
 
+def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
+    """Embed every input not yet in ``config.output`` with this process's worker threads."""
+    return run_plan(config, backend.model, items,
+                    lambda *job: _run_pending(config, backend, *job))
+
+
 def _run_pending(config, backend, items, slices, pending, store, summary) -> None:
-    if not pending:
-        return
     workers = backend.workers()
     if not workers:
         raise JobFailed("no worker available (no server reachable)")
     in_flight = len(workers) * config.batch_size
     tasks = _Queue(
         ((k, b, batch) for k in pending
-         for b, batch in enumerate(_batches(slices[k], config.batch_size))),
+         for b, batch in enumerate(batch_ranges(slices[k], config.batch_size))),
         pending,
         window=2 + -(-in_flight // config.shard_size),
     )
-    shards = {k: _ShardProgress(batches=len(_batches(slices[k], config.batch_size)))
+    shards = {k: _ShardProgress(batches=len(batch_ranges(slices[k], config.batch_size)))
               for k in pending}
     results: queue.Queue = queue.Queue()
 
@@ -319,7 +324,7 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
     for t in threads:
         t.start()
     total = sum(len(slices[k]) for k in pending)
-    bar = _progress(total, config.quiet)
+    bar = progress_bar(total, config.quiet)
     alive, remaining, reported = len(threads), len(pending), set()
     try:
         while remaining and alive:
@@ -332,9 +337,7 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
                 if len(progress.results) == progress.batches:
                     rows = shard_rows(items, slices[shard], config.batch_size,
                                       shards.pop(shard).results, store.writer)
-                    store.write_shard(shard, *rows)
-                    summary.embedded += len(rows[1])
-                    summary.failed += len(rows[-1])
+                    summary.add(store.write_shard(shard, *rows))
                     tasks.written(shard)
                     remaining -= 1
                     if config.on_shard is not None:
@@ -364,7 +367,7 @@ def shard_rows(items, positions: range, batch_size: int, results: dict[int, Batc
     """A shard's batch results -> (inputs_sha256, ids, paths, arrays, failed), what
     ``ShardWriter.write`` takes after the shard's index."""
     ids, paths, failed, parts = [], [], [], collections.defaultdict(list)
-    for index, batch in enumerate(_batches(positions, batch_size)):
+    for index, batch in enumerate(batch_ranges(positions, batch_size)):
         result = results[index]
         for row in result.rows:
             ids.append(items[batch[row]].id)
@@ -391,7 +394,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, quiet: bool):
+def progress_bar(total: int, quiet: bool):
     """tqdm bar on stderr: count, images/s and ETA."""
     if quiet:
         return _NoBar()

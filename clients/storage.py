@@ -16,6 +16,7 @@ Atomicity differs by kind, and the job relies on nothing more than this:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -55,7 +56,13 @@ def read_bytes(path: str) -> bytes:
         with open(local_path(path), "rb") as f:
             return f.read()
     fs, inner = filesystem(path)
-    return fs.cat_file(inner)
+    try:
+        return fs.cat_file(inner)
+    except (FileNotFoundError, PermissionError) as err:  # remote ones carry only the path
+        if err.strerror is not None:
+            raise
+        code = errno.ENOENT if isinstance(err, FileNotFoundError) else errno.EACCES
+        raise type(err)(code, os.strerror(code), path) from None
 
 
 class HashingWriter:
