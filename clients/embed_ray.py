@@ -229,6 +229,14 @@ def _cause(err: BaseException) -> BaseException:
     return JobFailed(f"the Ray job failed: {type(err).__name__}: {err}")
 
 
+def _results(dataset):
+    """The dataset's rows as they complete; a worker's error as the job's own."""
+    try:
+        yield from dataset.iter_rows()
+    except Exception as err:  # noqa: BLE001 - Ray wraps the workers' errors
+        raise _cause(err) from err
+
+
 def embed_with_ray(
     config: JobConfig,
     actors: ServerActors | EngineActors,
@@ -272,15 +280,13 @@ def embed_with_ray(
             )
             bar = progress_bar(sum(len(slices[k]) for k in pending), config.quiet)
             try:
-                for row in done.iter_rows():
+                for row in _results(done):
                     entry = json.loads(row["entry"])
                     store.record(entry, json.loads(row["failed"]))
                     summary.add(entry)
                     bar.update(entry["count"] + entry["failed"])
                     if config.on_shard is not None:
                         config.on_shard(entry["index"])
-            except Exception as err:  # noqa: BLE001 - Ray wraps the workers' errors
-                raise _cause(err) from err
             finally:
                 bar.close()
 
