@@ -258,6 +258,7 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
         raise ValueError("--batch-size and --shard-size must be positive")
     if config.format not in FORMATS:
         raise ValueError(f"unknown --format {config.format!r}; choose from {FORMAT_CHOICES}")
+    FORMATS[config.format].check()
     items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
     arrays = array_specs(model, config.spec)
     slices = shard_slices(len(items), config.shard_size)

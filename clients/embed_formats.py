@@ -51,6 +51,10 @@ def widened(array: np.ndarray) -> np.ndarray:
 class ShardFormat(Protocol):
     name: str
 
+    def check(self) -> None:
+        """Raise ValueError, naming the install, when this format cannot be written here."""
+        ...
+
     def write(self, where: Location, index: int, ids: list[str], paths: list[str],
               arrays: dict[str, np.ndarray], metadata: dict) -> dict[str, dict]:
         """Write shard ``index``; returns manifest file entries {role: {"file", "sha256"}}."""
@@ -68,6 +72,9 @@ def _entry(where: Location, rel: str, write: Callable[[BinaryIO], None]) -> dict
 
 class Npy:
     name = "npy"
+
+    def check(self) -> None:
+        pass
 
     def write(self, where, index, ids, paths, arrays, metadata):
         files = {}
@@ -104,6 +111,9 @@ def _pyarrow():
 class Parquet:
     name = "parquet"
     ROLE = "table"
+
+    def check(self) -> None:
+        _pyarrow()
 
     def write(self, where, index, ids, paths, arrays, metadata):
         pa, pq = _pyarrow()
@@ -143,6 +153,9 @@ _ST_NUMPY = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16}
 class Safetensors:
     name = "safetensors"
     ROLE = "tensors"
+
+    def check(self) -> None:
+        pass
 
     def write(self, where, index, ids, paths, arrays, metadata):
         header, offset = {}, 0
