@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def s3():
     """A real S3-compatible server (moto's server mode) on a free loopback port; the AWS
     variables point every S3 client of this process (and of processes it starts) at it.
-    Yields a function that creates a fresh bucket and returns its s3:// URL."""
+    Yields ``bucket(name, files)``: a fresh bucket holding ``files`` ({key: bytes}); its URL."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
@@ -31,12 +31,15 @@ def s3():
     os.environ.update(env)
     buckets = []
 
-    def bucket(name: str) -> str:
+    def bucket(name: str, files: dict[str, bytes] | None = None) -> str:
         import fsspec
 
         name = f"{name}-{len(buckets)}"
-        fsspec.filesystem("s3").mkdir(name)
+        fs = fsspec.filesystem("s3")
+        fs.mkdir(name)
         buckets.append(name)
+        for key, blob in (files or {}).items():
+            fs.pipe(f"{name}/{key}", blob)
         return f"s3://{name}"
 
     try:

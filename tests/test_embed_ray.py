@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from serving import MESH, shared_engine, start_server
-from test_embed import read_dir, write_bad_files, write_images
+from serving import MESH, shared_engine
+from test_embed import read_dir
+from test_embed_remote import dataset, server  # noqa: F401 - the fixtures: 30 + 3 bad files
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
 from vit22b.clients.embed_local import LocalBackend
 from vit22b.clients.embed_ray import EngineActors, ServerActors, embed_with_ray
@@ -39,21 +40,6 @@ def cluster(s3):
              logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server(max_delay_ms=25)  # every batch takes a little while: kills land mid-job
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    data = tmp_path_factory.mktemp("ray") / "data"
-    good = write_images(data, 16, seed=2)
-    bad = write_bad_files(data)
-    return data, good, bad
 
 
 def config(data, out, **kw) -> JobConfig:
@@ -81,7 +67,7 @@ def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, da
     backend.close()
     summary = embed_with_ray(config(data, tmp_path / "servers"), ServerActors((server.address,)),
                              concurrency=1)
-    assert summary.complete and (summary.embedded, summary.failed) == (16, 3)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
     assert threads.complete and read_dir(tmp_path / "servers") == read_dir(tmp_path / "threads")
 
     local = LocalBackend(SPEC, engine=shared_engine(), concurrency=1)
@@ -89,7 +75,7 @@ def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, da
     local.close()
     summary = embed_with_ray(config(data, tmp_path / "engine"), EngineActors(mesh=MESH),
                              concurrency=1)
-    assert summary.complete and (summary.embedded, summary.failed) == (16, 3)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
     assert read_dir(tmp_path / "engine") == read_dir(tmp_path / "local")  # manifest included
 
     result = open_outputs(str(tmp_path / "engine"), verify=True)
@@ -101,7 +87,7 @@ def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, da
 
     before = read_dir(tmp_path / "servers")
     again = embed_with_ray(config(data, tmp_path / "servers"), ServerActors((server.address,)))
-    assert (again.embedded, again.failed, again.skipped, again.complete) == (0, 0, 19, True)
+    assert (again.embedded, again.failed, again.skipped, again.complete) == (0, 0, 33, True)
     assert read_dir(tmp_path / "servers") == before
     with pytest.raises(JobMismatch, match="format: 'npy' in the manifest, 'parquet' now"):
         embed_with_ray(config(data, tmp_path / "servers", format="parquet"),
@@ -120,12 +106,12 @@ def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, serve
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
 
-    # shards of 2 images, one per batch: 10 shards of >= 25 ms each over 2 actors
+    # shards of 2 images, one per batch: 17 shards of >= 25 ms each over 2 actors
     summary = embed_with_ray(config(data, tmp_path / "out", batch_size=1, shard_size=2,
                                     on_shard=kill_one),
                              ServerActors((server.address,)), concurrency=2)
     assert killed and len(seen[0]) == 2
-    assert summary.complete and (summary.embedded, summary.failed) == (16, 3)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
     assert any(set(pids) - seen[0] for pids in seen[1:]), "no actor was restarted"
     result = open_outputs(str(tmp_path / "out"), verify=True)
     assert result.ids == good  # every image exactly once, in input order
@@ -150,15 +136,13 @@ def test_s3_inputs_and_parquet_outputs(cluster, server, dataset, s3, tmp_path):
     import pyarrow.parquet as pq
 
     data, good, bad = dataset
-    bucket = s3("ray")
+    bucket = s3("ray", {f"photos/{rel}": (data / rel).read_bytes() for rel in [*good, *bad]})
     fs = fsspec.filesystem("s3")
-    for rel in [*good, *bad]:
-        fs.pipe(f"{bucket}/photos/{rel}", (data / rel).read_bytes())
     out = f"{bucket}/emb"
     job = JobConfig([f"{bucket}/photos/"], out, SPEC, batch_size=4, shard_size=5, quiet=True,
                     format="parquet")
     summary = embed_with_ray(job, ServerActors((server.address,)), concurrency=1)
-    assert summary.complete and (summary.embedded, summary.failed) == (16, 3)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
 
     manifest = json.loads(fs.cat_file(f"{out}/manifest.json"))
     table = pa.concat_tables(pq.read_table(f"{out}/{s['files']['table']['file']}",
@@ -184,7 +168,7 @@ def test_cli_joins_the_cluster(cluster, server, dataset, tmp_path):
             "--format", "safetensors", "--dtype", "bfloat16", "-o", str(tmp_path / "out"), "-q"]
     job = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr
-    assert "embedded 16, skipped 0 (done by an earlier run), failed 3" in job.stdout
+    assert "embedded 30, skipped 0 (done by an earlier run), failed 3" in job.stdout
     result = open_outputs(str(tmp_path / "out"), verify=True)
     assert result.ids == good and result.manifest["identity"]["format"] == "safetensors"
 

@@ -30,7 +30,7 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def npy(engine, data, tmp_path_factory):  # noqa: F811 - the engine fixture of test_embed
+def npy(engine, data, tmp_path_factory):  # the engine fixture of test_embed
     out = tmp_path_factory.mktemp("npy") / "out"
     assert local_job(engine, data[0], out, SPEC, shard_size=3).complete
     return out
@@ -41,7 +41,7 @@ def bf16(array) -> np.ndarray:
     return np.asarray(array).astype(ml_dtypes.bfloat16)
 
 
-def test_parquet_reads_with_pyarrow_and_pandas_alone(engine, data, npy, tmp_path):  # noqa: F811
+def test_parquet_reads_with_pyarrow_and_pandas_alone(engine, data, npy, tmp_path):
     import pandas as pd
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -79,7 +79,7 @@ def test_parquet_reads_with_pyarrow_and_pandas_alone(engine, data, npy, tmp_path
     assert loaded.failed == reference.failed and len(loaded.failed) == 3
 
 
-def test_safetensors_reads_with_safetensors_alone(engine, data, npy, tmp_path):  # noqa: F811
+def test_safetensors_reads_with_safetensors_alone(engine, data, npy, tmp_path):
     import safetensors
     import safetensors.torch
     import torch
@@ -108,7 +108,7 @@ def test_safetensors_reads_with_safetensors_alone(engine, data, npy, tmp_path): 
         np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(reference[name]))
 
 
-def test_float16_parquet_and_a_format_mix_is_refused(engine, data, tmp_path):  # noqa: F811
+def test_float16_parquet_and_a_format_mix_is_refused(engine, data, tmp_path):
     import pyarrow.parquet as pq
 
     out = tmp_path / "out"
@@ -121,7 +121,7 @@ def test_float16_parquet_and_a_format_mix_is_refused(engine, data, tmp_path):  #
         local_job(engine, data[0], out, spec, shard_size=4)
 
 
-def test_memory_filesystem_inputs_outputs_and_resume(engine, data, npy):  # noqa: F811
+def test_memory_filesystem_inputs_outputs_and_resume(engine, data, npy):
     root, good, bad = data
     fs = fsspec.filesystem("memory")
     for rel in [*good, *bad]:
@@ -154,12 +154,10 @@ def test_memory_filesystem_inputs_outputs_and_resume(engine, data, npy):  # noqa
         open_outputs(out, verify=True)
 
 
-def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):  # noqa: F811
+def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):
     root, good, bad = data
-    bucket = s3("threads")
+    bucket = s3("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
     fs = fsspec.filesystem("s3")
-    for rel in [*good, *bad]:
-        fs.pipe(f"{bucket}/photos/{rel}", (root / rel).read_bytes())
     listing = tmp_path / "list.txt"  # a local list file naming objects, one of them missing
     listing.write_text(f"{bucket}/photos/{good[0]}\n{bucket}/photos/missing.jpg\n")
 
@@ -184,7 +182,7 @@ def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):  # noqa: F811
         (f"{bucket}/photos/missing.jpg", "cannot read file: No such file or directory")]
 
 
-def test_local_file_urls(engine, data, npy, tmp_path):  # noqa: F811
+def test_local_file_urls(engine, data, npy, tmp_path):
     out = tmp_path / "out"
     local_job(engine, f"file://{data[0]}", f"file://{out}", SPEC, shard_size=3)
     assert read_dir(out) == read_dir(npy)  # the same bytes as plain paths
