@@ -135,8 +135,11 @@ class Parquet:
         pa, pq = _pyarrow()
         rel = files[self.ROLE]["file"]
         local = where.local_file(rel)
-        source = local if local is not None else where.open(rel)
-        table = pq.read_table(source, columns=list(specs), memory_map=mmap and local is not None)
+        if local is not None:
+            table = pq.read_table(local, columns=list(specs), memory_map=mmap)
+        else:
+            with where.open(rel) as f:
+                table = pq.read_table(f, columns=list(specs))
         out = {}
         for name, spec in specs.items():
             values = table.column(name).combine_chunks()

@@ -128,8 +128,7 @@ class EngineActors:
         gpus = self.num_gpus
         if gpus is None:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        return {"num_cpus": self.num_cpus, "num_gpus": gpus} if gpus else {
-            "num_cpus": self.num_cpus}
+        return {"num_cpus": self.num_cpus, **({"num_gpus": gpus} if gpus else {})}
 
 
 def _model_of(actors: EngineActors, spec: OutputSpec, batch_size: int) -> ModelIdentity:
