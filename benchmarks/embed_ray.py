@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=max(args.concurrency, os.cpu_count() or 1), include_dashboard=False,
              logging_level="WARNING")
     spec = OutputSpec()
+    model = ServerActors((address,)).identity(spec, args.batch_size).name
     runs = iter(range(10**6))
     small = os.path.join(work, "small.txt")
     with open(small, "w") as f:
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     break_even = round(gap / slack) if slack > 0 else None  # None: never, at these rates
     emit({
         "benchmark": "embed_ray_vs_threads",
-        "model": args.model or "default",
+        "model": model,
         "images": args.images,
         "image_size": [args.size, args.size + args.size // 4],
         "batch_size": args.batch_size,
