@@ -40,11 +40,15 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         forward += ["--batches", "1", "8", "--repeats", "2"]
         serve_b += ["--images", "32", "--repeats", "1"]
         serve_tiny += ["--repeats", "1"]
+    embed_ray = ["benchmarks/embed_ray.py"]
+    if quick:
+        embed_ray += ["--images", "1024", "--small", "256", "--repeats", "1"]
     gpu_22b = ["benchmarks/gpu_22b.py"] if gpu else ["benchmarks/gpu_22b.py", "--dry-run"]
     return [
         ("forward", py + forward),
         ("serve", py + serve_b),
         ("serve_tiny", py + serve_tiny),
+        ("embed_ray", py + embed_ray),
         ("gpu_22b", py + gpu_22b),
     ]
 
@@ -172,6 +176,31 @@ def serve_section(r: dict, note: str = "") -> str:
     ]).rstrip() + "\n"
 
 
+def embed_ray_section(r: dict) -> str:
+    rows = [[name, r[f"{name}_images_per_s"], r[f"{name}_rate_images_per_s"],
+             r[f"{name}_fixed_s"]] for name in ("threads", "ray")]
+    ratios = [
+        [f"Ray / threads, end to end at {r['images']} images", met(r["ratio_ray_to_threads"],
+                                                                   (">=", r["target_ratio"]))],
+        ["Ray / threads, rate after the fixed cost", met(r["ratio_ray_to_threads_rate"],
+                                                         (">=", r["target_ratio"]))],
+        [f"job size where end to end reaches {r['target_ratio']}",
+         r["break_even_images"] or "never, at these rates"],
+    ]
+    return "\n\n".join([
+        f"## Batch job: `vit22b embed --runner ray` vs the threads runner ({r['model']} model)",
+        f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} alternating repeats, medians; "
+        f"{r['images']} and {r['small_images']} JPEGs of {r['image_size'][0]}x"
+        f"{r['image_size'][1]} through one `vit22b serve`, batch {r['batch_size']}, shards of "
+        f"{r['shard_size']}, {r['concurrency']} requests in flight on each side; ray "
+        f"{r['ray']}; load average {r['_load_before']} before, {r['load_average_after']} after)."
+        " Each side's wall time is split into a fixed cost per job and a rate from its two job "
+        "sizes; the Ray side's fixed cost is Ray Data starting its executor and actor pool.",
+        table(["runner", f"img/s end to end ({r['images']})", "img/s rate", "fixed s"], rows),
+        table(["ratio", "value (target)"], ratios),
+    ])
+
+
 def gpu_section(r: dict) -> str:
     head = "## ViT-22B/14 bf16 on one GPU (`benchmarks/gpu_22b.py`)"
     if r["dry_run"]:
@@ -233,6 +262,7 @@ def write_markdown(results: dict, started: str, quick: bool) -> str:
         forward_section(results["forward"]),
         serve_section(results["serve"], SERVE_NOTES["serve"]),
         serve_section(results["serve_tiny"], SERVE_NOTES["serve_tiny"]),
+        embed_ray_section(results["embed_ray"]),
         gpu_section(results["gpu_22b"]),
         "## Commands\n\n" + "\n".join(f"    {r['_command']}" for r in results.values()),
     ]

@@ -31,12 +31,16 @@ import numpy as np
 from vit22b.model.identity import ModelIdentity
 from vit22b.model.outputs import OutputRequest
 
+from .embed_formats import FORMATS
+from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
 from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
-from .embed_store import OutputStore
+from .embed_store import OutputStore, ShardWriter
 from .outputs import ERRORS, array_name
+from .storage import read_bytes
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+FORMAT_CHOICES = tuple(FORMATS)
 
 
 @dataclass(frozen=True)
@@ -110,19 +114,10 @@ class JobFailed(RuntimeError):
     """The job cannot go on (every server lost, or a bug); completed shards stay resumable."""
 
 
-def to_stored(array: np.ndarray, dtype: str) -> np.ndarray:
-    """Features in the output dtype as numpy can store them: bfloat16 kept as its uint16 bits."""
-    if dtype == "bfloat16":
-        import ml_dtypes  # numpy-only; the wire format needs it too
-
-        return np.asarray(array).astype(ml_dtypes.bfloat16).view(np.uint16)
-    return np.asarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
-
-
 def read_file(item: InputItem) -> bytes:
-    """The file's bytes; OSError's message is the failure reason for errors.jsonl."""
-    with open(item.path, "rb") as f:
-        return f.read()
+    """The file's bytes (a local path or an fsspec URL); OSError's message is the failure
+    reason for errors.jsonl."""
+    return read_bytes(item.path)
 
 
 def os_reason(err: OSError) -> str:
@@ -142,6 +137,11 @@ class Summary:
     held: int = 0  # images the output directory holds now (all runs)
     held_failed: int = 0  # failures it lists now (all runs)
     lost_workers: list[str] = field(default_factory=list)
+
+    def add(self, entry: dict) -> None:
+        """Count a shard written by this run (its manifest entry)."""
+        self.embedded += entry["count"]
+        self.failed += entry["failed"]
 
     def line(self) -> str:
         rate = self.embedded / self.seconds if self.seconds > 0 else 0.0
@@ -163,6 +163,7 @@ class JobConfig:
     shard_size: int = 1024
     extensions: tuple[str, ...] = ()
     quiet: bool = False
+    format: str = "npy"  # how shards are stored: FORMAT_CHOICES
     on_shard: Callable[[int], None] | None = None  # called after each shard is written
 
 
@@ -224,7 +225,7 @@ class _Queue:
             self._cond.notify_all()
 
 
-def _batches(positions: range, batch_size: int) -> list[range]:
+def batch_ranges(positions: range, batch_size: int) -> list[range]:
     return [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
 
 
@@ -241,17 +242,24 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         "l2_normalize": spec.l2_normalize,
         "normalize_patches": spec.normalize_patches,
         "shard_size": config.shard_size,
+        "format": config.format,
         "inputs": {"count": len(items), "sha256": ids_digest(items)},
     }
 
 
-def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
-    """Embed every input not yet in ``config.output``; returns the summary of this run."""
+def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None,
+             run_pending: Callable[[list[InputItem], list[range], list[int], OutputStore, Summary],
+                                   None]) -> Summary:
+    """The job around a runner: open (or resume, refusing a mix) the output, hand the shards
+    not yet done to ``run_pending(items, slices, pending, store, summary)``, which writes and
+    records them, and finish the output; returns the summary of this run."""
     start = time.perf_counter()
     if config.batch_size < 1 or config.shard_size < 1:
         raise ValueError("--batch-size and --shard-size must be positive")
+    if config.format not in FORMATS:
+        raise ValueError(f"unknown --format {config.format!r}; choose from {FORMAT_CHOICES}")
+    FORMATS[config.format].check()
     items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
-    model = backend.model
     arrays = array_specs(model, config.spec)
     slices = shard_slices(len(items), config.shard_size)
     identity = identity_of(model, config, items, list(arrays))
@@ -262,7 +270,8 @@ def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None =
     try:
         pending = [k for k in range(len(slices)) if k not in store.done]
         summary.skipped = sum(len(slices[k]) for k in store.done)
-        _run_pending(config, backend, items, slices, pending, store, summary)
+        if pending:
+            run_pending(items, slices, pending, store, summary)
         store.finish()
         summary.complete = len(store.done) == len(slices)
         summary.held = sum(entry["count"] for entry in store.done.values())
@@ -273,20 +282,24 @@ def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None =
     return summary
 
 
+def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
+    """Embed every input not yet in ``config.output`` with this process's worker threads."""
+    return run_plan(config, backend.model, items,
+                    lambda *job: _run_pending(config, backend, *job))
+
+
 def _run_pending(config, backend, items, slices, pending, store, summary) -> None:
-    if not pending:
-        return
     workers = backend.workers()
     if not workers:
         raise JobFailed("no worker available (no server reachable)")
     in_flight = len(workers) * config.batch_size
     tasks = _Queue(
         ((k, b, batch) for k in pending
-         for b, batch in enumerate(_batches(slices[k], config.batch_size))),
+         for b, batch in enumerate(batch_ranges(slices[k], config.batch_size))),
         pending,
         window=2 + -(-in_flight // config.shard_size),
     )
-    shards = {k: _ShardProgress(batches=len(_batches(slices[k], config.batch_size)))
+    shards = {k: _ShardProgress(batches=len(batch_ranges(slices[k], config.batch_size)))
               for k in pending}
     results: queue.Queue = queue.Queue()
 
@@ -312,7 +325,7 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
     for t in threads:
         t.start()
     total = sum(len(slices[k]) for k in pending)
-    bar = _progress(total, config.quiet)
+    bar = progress_bar(total, config.quiet)
     alive, remaining, reported = len(threads), len(pending), set()
     try:
         while remaining and alive:
@@ -323,8 +336,9 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
                 progress = shards[shard]
                 progress.results[index] = result
                 if len(progress.results) == progress.batches:
-                    _write_shard(store, items, slices[shard], shard, config.batch_size,
-                                 shards.pop(shard), summary)
+                    rows = shard_rows(items, slices[shard], config.batch_size,
+                                      shards.pop(shard).results, store.writer)
+                    summary.add(store.write_shard(shard, *rows))
                     tasks.written(shard)
                     remaining -= 1
                     if config.on_shard is not None:
@@ -349,10 +363,13 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
         bar.close()
 
 
-def _write_shard(store, items, positions, shard, batch_size, progress, summary) -> None:
+def shard_rows(items, positions: range, batch_size: int, results: dict[int, BatchResult],
+               writer: ShardWriter) -> tuple:
+    """A shard's batch results -> (inputs_sha256, ids, paths, arrays, failed), what
+    ``ShardWriter.write`` takes after the shard's index."""
     ids, paths, failed, parts = [], [], [], collections.defaultdict(list)
-    for index, batch in enumerate(_batches(positions, batch_size)):
-        result = progress.results[index]
+    for index, batch in enumerate(batch_ranges(positions, batch_size)):
+        result = results[index]
         for row in result.rows:
             ids.append(items[batch[row]].id)
             paths.append(items[batch[row]].path)
@@ -361,14 +378,10 @@ def _write_shard(store, items, positions, shard, batch_size, progress, summary) 
                            "reason": reason})
         for name, array in result.arrays.items():
             parts[name].append(array)
-    arrays = {}
-    for name, spec in store.arrays.items():
-        arrays[name] = (np.concatenate(parts[name]) if parts[name] else
-                        np.empty((0, *spec["shape"]), to_stored(np.zeros(0), spec["dtype"]).dtype))
+    arrays = {name: np.concatenate(parts[name]) if parts[name] else writer.empty(name)
+              for name in writer.arrays}
     failed.sort(key=lambda row: row["id"])
-    store.write_shard(shard, ids_digest([items[p] for p in positions]), ids, paths, arrays, failed)
-    summary.embedded += len(ids)
-    summary.failed += len(failed)
+    return ids_digest([items[p] for p in positions]), ids, paths, arrays, failed
 
 
 class _NoBar:
@@ -382,7 +395,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, quiet: bool):
+def progress_bar(total: int, quiet: bool):
     """tqdm bar on stderr: count, images/s and ETA."""
     if quiet:
         return _NoBar()

@@ -2,7 +2,9 @@
 
 Backends: ``--server ADDR`` (repeatable; work is spread over all of them and moves off one that
 fails) or ``--local`` (the in-process engine: ``--model``, ``--checkpoint``, ``--mesh``), which is
-also what runs when neither is given. Remote mode never imports jax.
+also what runs when neither is given. Remote mode never imports jax. Runners: this process's
+threads (default), or ``--runner ray`` (embed_ray: a Ray Data pipeline of ``--concurrency``
+actors of the chosen backend, on the cluster at ``--ray-address``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from dataclasses import dataclass
 from vit22b.model.outputs import OutputRequest
 
 from . import settings
-from .embed import DTYPE_CHOICES, OUTPUT_CHOICES, JobConfig, JobFailed, OutputSpec, run_job
+from .embed import (
+    DTYPE_CHOICES,
+    FORMAT_CHOICES,
+    OUTPUT_CHOICES,
+    JobConfig,
+    JobFailed,
+    OutputSpec,
+    run_job,
+)
 from .embed_inputs import InputListError, enumerate_inputs
 from .embed_store import JobMismatch
 from .outputs import OutputsError
@@ -35,6 +45,10 @@ def _layers(text: str) -> tuple[int, ...]:
 def _tls(text: str) -> bool | str:
     """``--tls`` alone (system roots), a PEM of trusted roots, or true/false."""
     return {"true": True, "1": True, "false": False, "0": False}.get(text.lower(), text)
+
+
+def _one_of(choices: tuple[str, ...]):
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
 
 
 def _dtype(text: str) -> str | None:
@@ -64,14 +78,21 @@ class EmbedSettings:
     layers: tuple[int, ...] | None = setting(
         None, "patch-token layers, e.g. -1,6 (implies patch_tokens; default -1)", parse=_layers)
     dtype: str = setting("float32", f"stored dtype: {', '.join(DTYPE_CHOICES)}",
-                         check=lambda v: None if v in DTYPE_CHOICES else f"must be one of "
-                         f"{', '.join(DTYPE_CHOICES)}, got {v!r}")
+                         check=_one_of(DTYPE_CHOICES))
     l2_normalize: bool = setting(False, "L2-normalise pooled features")
     normalize_patches: bool = setting(False, "apply the encoder's final norm to patch tokens")
+    format: str = setting(
+        "npy", "npy (a file per output and shard; bfloat16 as float32), parquet (a table per "
+        "shard) or safetensors (a file per shard, bfloat16 native)", check=_one_of(FORMAT_CHOICES))
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
-    concurrency: int = setting(2, "requests in flight per server (local: worker threads)",
-                               check=positive)
+    concurrency: int = setting(
+        2, "requests in flight per server (local: worker threads; --runner ray: actors in all)",
+        check=positive)
+    runner: str = setting("threads", "threads of this process, or ray: a Ray Data pipeline "
+                          "(pip install 'vit22b[ray]')", check=_one_of(("threads", "ray")))
+    ray_address: str | None = setting(
+        None, "Ray cluster to join (default: RAY_ADDRESS, or a new local instance)")
     ext: tuple[str, ...] = setting(
         (), "only files with these extensions, e.g. jpg,png (default: every file)",
         parse=lambda text: tuple(_csv(text)))
@@ -82,7 +103,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="folder (recursive), glob, or list file (.txt/.lst/.list) of paths")
     parser.add_argument("--output", "-o", required=True, metavar="DIR",
-                        help="output directory; rerunning the same command resumes it")
+                        help="output directory or URL; rerunning the same command resumes it")
     settings.add_arguments(parser, EmbedSettings)
     return run
 
@@ -106,6 +127,8 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
 def make_backend(args: EmbedSettings, spec: OutputSpec):
     if args.server and (args.local or args.checkpoint or args.model):
         raise ValueError("--server and --local/--model/--checkpoint exclude each other")
+    if args.runner == "ray":
+        return ray_runner(args)
     if args.server:
         from .embed_remote import RemoteBackend
 
@@ -119,6 +142,18 @@ def make_backend(args: EmbedSettings, spec: OutputSpec):
                            batch_size=args.batch_size, concurrency=args.concurrency)
     backend.warm_up()
     return backend
+
+
+def ray_runner(args: EmbedSettings):
+    """The Ray runner with the backend's actors (each builds its backend, not this process)."""
+    from .embed_ray import EngineActors, RayRunner, ServerActors
+
+    if args.server:
+        actors = ServerActors(tuple(args.server), token=args.token, tls=args.tls)
+    else:
+        actors = EngineActors(model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
+                              seed=args.seed, compute_dtype=args.compute_dtype)
+    return RayRunner(actors, concurrency=args.concurrency, address=args.ray_address)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,10 +172,14 @@ def run(args: argparse.Namespace) -> int:
             shard_size=options.shard_size,
             extensions=options.ext,
             quiet=options.quiet,
+            format=options.format,
         )
         items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
         backend = make_backend(options, spec)
-        summary = run_job(config, backend, items)
+        if options.runner == "ray":
+            summary = backend.run(config, items)
+        else:
+            summary = run_job(config, backend, items)
     except (InputListError, JobMismatch, OutputsError, ValueError) as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 2

@@ -1,9 +1,9 @@
 """The inputs of `vit22b embed`: folders, globs and list files -> one sorted list of images.
 
-Each INPUT is
+Each INPUT, a local path or an fsspec URL (``s3://bucket/photos/``, ``gs://...``: storage.py), is
 - a folder: every file below it, recursively (hidden files and folders skipped);
 - a text file ending in .txt, .lst or .list: one path per line (blank lines and lines starting
-  with '#' skipped; relative paths are relative to the list file's folder);
+  with '#' skipped; relative paths are relative to the list file's folder; a line may be a URL);
 - anything else: a glob (``**`` recurses) or a single file.
 
 Every image gets a stable id: its path relative to the folder when a single folder is given,
@@ -19,7 +19,10 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import posixpath
 from dataclasses import dataclass
+
+from .storage import filesystem, is_url
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
 
@@ -31,7 +34,7 @@ class InputListError(ValueError):
 @dataclass(frozen=True, slots=True)
 class InputItem:
     id: str  # stable, relative where possible; the key of the image in the outputs
-    path: str  # absolute path read by the job
+    path: str  # absolute path or URL read by the job
 
 
 def _posix(path: str) -> str:
@@ -66,11 +69,62 @@ def _read_list(list_path: str) -> list[InputItem]:
         for line in f:
             entry = line.strip()
             if entry and not entry.startswith("#"):
-                items.append(InputItem(_posix(entry), os.path.normpath(os.path.join(base, entry))))
+                items.append(_listed(entry, lambda e: os.path.normpath(os.path.join(base, e))))
+    return items
+
+
+def _listed(entry: str, resolve) -> InputItem:
+    return InputItem(entry, entry) if is_url(entry) else InputItem(_posix(entry), resolve(entry))
+
+
+def _hidden(rel: str) -> bool:
+    return any(part.startswith(".") for part in rel.split("/"))
+
+
+def _expand_url(spec: str, several: bool) -> list[InputItem]:
+    """The same rules as for local INPUTs, through the URL's fsspec filesystem."""
+    fs, path = filesystem(spec)
+
+    def resolve(entry: str) -> str:  # a list line, relative to the list file's folder
+        return fs.unstrip_protocol(posixpath.normpath(f"{posixpath.dirname(path)}/{entry}"))
+
+    def walk(folder: str, prefix: str | None) -> list[InputItem]:
+        items = []
+        for found in fs.find(folder):
+            rel = posixpath.relpath(found, folder)
+            if not _hidden(rel):
+                items.append(InputItem(rel if prefix is None else f"{prefix}/{rel}",
+                                       fs.unstrip_protocol(found)))
+        return items
+
+    try:
+        if fs.isdir(path):
+            return walk(path, spec.rstrip("/") if several else None)
+        if fs.isfile(path):
+            if not spec.lower().endswith(LIST_SUFFIXES):
+                return [InputItem(spec, spec)]
+            lines = fs.cat_file(path).decode("utf-8").splitlines()
+            return [_listed(line.strip(), resolve) for line in lines
+                    if line.strip() and not line.strip().startswith("#")]
+        if not glob.has_magic(spec):
+            raise InputListError(
+                f"input {spec!r} does not exist (want a folder, a glob or a list file)")
+        matches = sorted(fs.glob(path))
+    except OSError as err:  # e.g. no such bucket, access denied
+        raise InputListError(f"input {spec!r}: {err}") from None
+    if not matches:
+        raise InputListError(f"input glob {spec!r} matches nothing")
+    items = []
+    for match in matches:
+        url = fs.unstrip_protocol(match)
+        items.extend(walk(match, url) if fs.isdir(match) else [InputItem(url, url)])
     return items
 
 
 def _expand(spec: str, several: bool) -> list[InputItem]:
+    if is_url(spec):
+        return _expand_url(spec, several)
+    spec = spec.removeprefix("file://")
     if os.path.isdir(spec):
         return _walk(spec, _posix(spec) if several else None)
     if os.path.isfile(spec):

@@ -1,21 +1,26 @@
 """Reading the outputs of `vit22b embed`: the on-disk layout and a loader that memory-maps it.
 
-Layout of an output directory (everything written atomically: temp file + rename)::
+Layout of an output directory (a local folder or an fsspec URL: see storage.py for how each
+file is written whole)::
 
     DIR/manifest.json                  the job's identity and every completed shard
     DIR/errors.jsonl                   one JSON object per failed image: id, path, reason, shard
     DIR/shards/00000.ids.json          {"ids": [...], "paths": [...], "failed": [...]} of shard 0
+    --format npy (the default):
     DIR/shards/00000.pooled.npy        [n, d]      rows in the order of "ids"
     DIR/shards/00000.class_token.npy   [n, d]      (models with a class token)
     DIR/shards/00000.patch_tokens.3.npy [n, N, d]  patch tokens after block 3 (index >= 0)
-    DIR/.lock                          empty; a running job holds an flock on it
+    --format parquet / safetensors:
+    DIR/shards/00000.parquet           id, path and a column per output (see embed_formats.py)
+    DIR/shards/00000.safetensors       a tensor per output
+    DIR/.lock                          empty; a running job holds an flock on it (local only)
 
 Shard ``k`` covers positions ``k*shard_size .. (k+1)*shard_size - 1`` of the sorted input list;
 its arrays hold the images of that range that were embedded, its ``failed`` list the others.
 ``manifest.json`` names the model, its checkpoint fingerprint, the preprocessing hash, the
-outputs and, per completed shard, the image count and the sha256 of every file. Arrays stored as
-``bfloat16`` are kept as their raw 16 bits in ``uint16`` (numpy has no bfloat16);
-:func:`bfloat16_to_float32` widens them exactly.
+outputs, the storage format and, per completed shard, the image count and the sha256 of every
+file. ``bfloat16`` outputs are stored as float32 (exact) in ``.npy`` and Parquet files and as
+BF16 in safetensors; this loader returns them as float32.
 
 With numpy alone::
 
@@ -25,23 +30,26 @@ With numpy alone::
         ids = json.load(open(f"DIR/{shard['files']['ids']['file']}"))["ids"]
         pooled = np.load(f"DIR/{shard['files']['pooled']['file']}", mmap_mode="r")
 
-This module needs numpy only (no jax, no gRPC): ``open_outputs(DIR)`` memory-maps every shard.
+This module needs numpy only (no jax, no gRPC; Parquet shards need pyarrow):
+``open_outputs(DIR)`` memory-maps every local npy or safetensors shard.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-FORMAT = "vit22b-embeddings/1"
+from .storage import Location
+
+FORMAT = "vit22b-embeddings/2"  # /1 stored bfloat16 as uint16 bits
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"
 SHARDS_DIR = "shards"
+LOCK = ".lock"
 IDS = "ids"  # the per-shard file naming the rows (and the failures) of that shard
 
 
@@ -50,23 +58,19 @@ def array_name(output: str, layer: int | None = None) -> str:
     return output if layer is None else f"{output}.{layer}"
 
 
-def shard_file(index: int, name: str) -> str:
-    """Path, relative to the output directory, of array ``name`` (or 'ids') of shard ``index``."""
-    suffix = "json" if name == IDS else "npy"
-    return f"{SHARDS_DIR}/{index:05d}.{name}.{suffix}"
+def shard_file(index: int, name: str | None, suffix: str) -> str:
+    """Path, relative to the output directory, of file ``name`` of shard ``index`` (one file
+    per shard when ``name`` is None)."""
+    stem = f"{index:05d}" if name is None else f"{index:05d}.{name}"
+    return f"{SHARDS_DIR}/{stem}.{suffix}"
 
 
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+def sha256_of(where: Location, rel: str, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with where.open(rel) as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 values stored as uint16 bits -> float32 (exact: bfloat16 is float32's top half)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 class OutputsError(ValueError):
@@ -80,10 +84,9 @@ class ShardedArray:
     ``np.asarray(x)`` (or ``x.numpy()``) concatenates everything into memory.
     """
 
-    def __init__(self, name: str, parts: list[np.ndarray], stored_dtype: str):
+    def __init__(self, name: str, parts: list[np.ndarray]):
         self.name = name
-        self.parts = parts
-        self.stored_dtype = stored_dtype  # 'bfloat16' when parts hold uint16 bits
+        self.parts = parts  # as stored; bfloat16 (safetensors) is widened on reading
         self._offsets = np.cumsum([0] + [len(p) for p in parts])
 
     def __len__(self) -> int:
@@ -94,8 +97,9 @@ class ShardedArray:
         inner = self.parts[0].shape[1:] if self.parts else ()
         return (len(self), *inner)
 
-    def _widen(self, a: np.ndarray) -> np.ndarray:
-        return bfloat16_to_float32(a) if self.stored_dtype == "bfloat16" else a
+    @staticmethod
+    def _widen(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
 
     def __getitem__(self, index) -> np.ndarray:
         if isinstance(index, (int, np.integer)):
@@ -175,53 +179,50 @@ class Outputs:
         return iter(self._arrays)
 
 
-def read_manifest(directory: str) -> dict:
-    path = os.path.join(directory, MANIFEST)
+def read_manifest(directory: str | Location) -> dict:
+    where = directory if isinstance(directory, Location) else Location(directory)
+    path = where.path(MANIFEST)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(where.read(MANIFEST))
     except FileNotFoundError:
         raise OutputsError(f"{path} not found: not a vit22b embed output directory") from None
     except json.JSONDecodeError as err:
         raise OutputsError(f"{path} is not valid JSON: {err}") from None
     if manifest.get("format") != FORMAT:
-        raise OutputsError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise OutputsError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}"
+                           " (written by another version: embed into a new directory)")
     return manifest
 
 
-def verify_file(directory: str, entry: dict) -> None:
+def verify_file(where: Location, entry: dict) -> None:
     """Raise OutputsError unless the file of a manifest entry exists with its recorded sha256."""
-    path = os.path.join(directory, entry["file"])
-    if not os.path.exists(path):
+    path = where.path(entry["file"])
+    if not where.exists(entry["file"]):
         raise OutputsError(f"{path} is listed in the manifest but missing")
-    if sha256_file(path) != entry["sha256"]:
+    if sha256_of(where, entry["file"]) != entry["sha256"]:
         raise OutputsError(f"{path} does not match the sha256 in the manifest")
 
 
-def _load(path: str, mmap: bool) -> np.ndarray:
-    try:
-        return np.load(path, mmap_mode="r" if mmap else None)
-    except ValueError:  # a shard whose images all failed: zero rows cannot be memory-mapped
-        return np.load(path)
-
-
 def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Outputs:
-    """Open the completed shards of an embed output; ``verify=True`` checks every checksum."""
-    manifest = read_manifest(directory)
+    """Open the completed shards of an embed output (a folder or an fsspec URL);
+    ``verify=True`` checks every checksum."""
+    from .embed_formats import get_format
+
+    where = Location(directory)
+    manifest = read_manifest(where)
+    storage = get_format(manifest["identity"]["format"])
     names = list(manifest["identity"]["outputs"])  # the order the job was asked for
+    specs = {name: manifest["arrays"][name] for name in names}
     shards: list[ShardView] = []
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for entry in manifest["shards"]:
         files = entry["files"]
         if verify:
             for file_entry in files.values():
-                verify_file(directory, file_entry)
-        with open(os.path.join(directory, files[IDS]["file"])) as f:
-            rows = json.load(f)
+                verify_file(where, file_entry)
+        rows = json.loads(where.read(files[IDS]["file"]))
         shards.append(ShardView(entry["index"], rows["ids"], rows["paths"], rows["failed"]))
-        for name in names:
-            parts[name].append(_load(os.path.join(directory, files[name]["file"]), mmap))
-    arrays = {
-        name: ShardedArray(name, parts[name], manifest["arrays"][name]["dtype"]) for name in names
-    }
+        for name, array in storage.read(where, files, specs, mmap).items():
+            parts[name].append(array)
+    arrays = {name: ShardedArray(name, parts[name]) for name in names}
     return Outputs(directory, manifest, shards, arrays)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 from PIL import Image
@@ -16,12 +17,7 @@ from serving import in_process
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
 from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
-from vit22b.clients.outputs import (
-    OutputsError,
-    bfloat16_to_float32,
-    open_outputs,
-    read_manifest,
-)
+from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
 
 
 def write_images(root, count: int, seed: int = 0) -> list[str]:
@@ -260,10 +256,14 @@ def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):
     assert result["patch_tokens.3"].shape == (7, 16, 64)
     assert result.ids == ids and len(result.shards) == 3
     raw = np.load(out / "shards" / "00000.pooled.npy")
-    assert raw.dtype == np.uint16  # bfloat16 bits: numpy can open it
+    # .npy has no bfloat16: stored as float32, never as integers a generic reader would misread;
+    # the widening is exact, so every value is a bfloat16 value
+    assert raw.dtype == np.float32
+    np.testing.assert_array_equal(raw.astype(ml_dtypes.bfloat16).astype(np.float32), raw)
+    assert result.manifest["arrays"]["pooled"]["dtype"] == "bfloat16"
     pooled = np.asarray(result["pooled"])
     assert pooled.dtype == np.float32
-    np.testing.assert_array_equal(pooled[:3], bfloat16_to_float32(raw))
+    np.testing.assert_array_equal(pooled[:3], raw)
     np.testing.assert_allclose(np.linalg.norm(pooled, axis=1), 1.0, atol=1e-2)
     tokens = result["patch_tokens.1"]
     np.testing.assert_array_equal(tokens[4], np.asarray(tokens)[4])

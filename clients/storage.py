@@ -1,0 +1,221 @@
+"""Where the batch job reads and writes: local paths, or URLs of any fsspec filesystem.
+
+``s3://bucket/key``, ``gs://bucket/key``, ``memory://...`` and the other fsspec protocols go
+through fsspec (``pip install 'vit22b[storage]'`` brings fsspec and s3fs; gs:// needs gcsfs),
+with credentials from the usual environment of each (for S3: ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3`` ...; for GCS: application
+default credentials). ``file://`` URLs and plain paths are the local disk, through ``os``.
+
+Atomicity differs by kind, and the job relies on nothing more than this:
+- local: a file is written to a temp name, fsynced and renamed over its final name, so a reader
+  sees the old file or the new one; an flock on ``.lock`` keeps a second job out;
+- object stores: an object is written once under its final key (a PUT replaces an object whole:
+  readers see the old object or the new one, never a part), and the manifest last. There is no
+  rename and no lock there: run one job per output at a time.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from typing import BinaryIO
+
+TEMP_MARK = ".tmp-"
+FILE_SCHEME = "file://"
+
+
+def is_url(path: str) -> bool:
+    """A path with a protocol other than file:// (those go through fsspec)."""
+    return "://" in path and not path.startswith(FILE_SCHEME)
+
+
+def local_path(path: str) -> str:
+    return path[len(FILE_SCHEME):] if path.startswith(FILE_SCHEME) else path
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path within it) of a URL; a clear error when fsspec is missing."""
+    try:
+        from fsspec.core import url_to_fs
+    except ModuleNotFoundError:
+        raise ValueError(f"{url}: remote storage needs fsspec: pip install 'vit22b[storage]'") \
+            from None
+    try:
+        return url_to_fs(url)
+    except (ImportError, ValueError) as err:  # e.g. s3fs or gcsfs not installed: fsspec says so
+        raise ValueError(f"{url}: {err}") from None
+
+
+def read_bytes(path: str) -> bytes:
+    """The whole file at a local path or URL (OSError, with its reason, when unreadable)."""
+    if not is_url(path):
+        with open(local_path(path), "rb") as f:
+            return f.read()
+    fs, inner = filesystem(path)
+    try:
+        return fs.cat_file(inner)
+    except (FileNotFoundError, PermissionError) as err:  # remote ones carry only the path
+        if err.strerror is not None:
+            raise
+        code = errno.ENOENT if isinstance(err, FileNotFoundError) else errno.EACCES
+        raise type(err)(code, os.strerror(code), path) from None
+
+
+class HashingWriter:
+    """File wrapper that hashes what passes through (np.save and pyarrow write in chunks)."""
+
+    def __init__(self, f: BinaryIO):
+        self.f = f
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> str:
+    """Write local ``path`` via a temp file + fsync + rename; returns the sha256 written."""
+    tmp = f"{path}{TEMP_MARK}{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            writer = HashingWriter(f)
+            write(writer)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return writer.digest.hexdigest()
+
+
+class Location:
+    """A folder on the local disk or in an fsspec filesystem; every path is relative to it.
+
+    Picklable (Ray workers write shards through it): an fsspec filesystem pickles as its
+    settings. ``memory://`` lives in one process, so it suits the in-process runner only.
+    """
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/") or url
+        self.remote = is_url(url)
+        if self.remote:
+            self.fs, self.root = filesystem(self.url)
+        else:
+            self.fs, self.root = None, local_path(self.url)
+        self._lock_file: BinaryIO | None = None
+
+    def __getstate__(self):
+        return {"url": self.url}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"])
+
+    def __str__(self) -> str:
+        return self.url
+
+    def path(self, rel: str = "") -> str:
+        """The full path (local) or URL (remote) of ``rel``, as messages name it."""
+        if not rel:
+            return self.url
+        return f"{self.url}/{rel}" if self.remote else os.path.join(self.root, rel)
+
+    def _inner(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def local_file(self, rel: str) -> str | None:
+        """The file's path on the local disk (to memory-map it), or None for remote storage."""
+        return None if self.remote else os.path.join(self.root, rel)
+
+    def makedirs(self, rel: str = "") -> None:
+        if self.remote:
+            self.fs.makedirs(self._inner(rel), exist_ok=True)  # a no-op on object stores
+        else:
+            os.makedirs(os.path.join(self.root, rel), exist_ok=True)
+
+    def exists(self, rel: str) -> bool:
+        if self.remote:
+            return self.fs.exists(self._inner(rel))
+        return os.path.exists(os.path.join(self.root, rel))
+
+    def files(self, rel: str = "") -> set[str]:
+        """Names of the files directly in folder ``rel`` (one listing: cheap on object stores)."""
+        if not self.remote:
+            folder = os.path.join(self.root, rel)
+            return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        try:
+            listing = self.fs.ls(self._inner(rel), detail=True, refresh=True)
+        except FileNotFoundError:
+            return set()
+        return {os.path.basename(e["name"].rstrip("/")) for e in listing if e["type"] == "file"}
+
+    def read(self, rel: str) -> bytes:
+        if self.remote:
+            return self.fs.cat_file(self._inner(rel))
+        with open(os.path.join(self.root, rel), "rb") as f:
+            return f.read()
+
+    def open(self, rel: str) -> BinaryIO:
+        """A binary file opened for reading (pyarrow and np.load take it)."""
+        if self.remote:
+            return self.fs.open(self._inner(rel), "rb")
+        return open(os.path.join(self.root, rel), "rb")
+
+    def remove(self, rel: str) -> None:
+        if self.remote:
+            self.fs.rm_file(self._inner(rel))
+        else:
+            os.remove(os.path.join(self.root, rel))
+
+    def write(self, rel: str, write: Callable[[BinaryIO], None]) -> str:
+        """Write file ``rel`` whole (see the module's note on atomicity); returns its sha256."""
+        if not self.remote:
+            return atomic_write(os.path.join(self.root, rel), write)
+        with self.fs.open(self._inner(rel), "wb") as f:
+            writer = HashingWriter(f)
+            write(writer)  # type: ignore[arg-type]
+        return writer.digest.hexdigest()
+
+    def write_bytes(self, rel: str, blob: bytes) -> str:
+        return self.write(rel, lambda f: f.write(blob))
+
+    def remove_temp_files(self, *folders: str) -> None:
+        """Temp files a killed local writer left behind (object stores have none)."""
+        if self.remote:
+            return
+        for folder in folders:
+            for name in self.files(folder):
+                if TEMP_MARK in name:
+                    self.remove(f"{folder}/{name}" if folder else name)
+
+    def lock(self, rel: str) -> bool:
+        """Take an exclusive flock on local file ``rel``; False if another process holds it.
+        Object stores have no locks: always True there."""
+        if self.remote:
+            return True
+        self._lock_file = open(os.path.join(self.root, rel), "ab")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.unlock()
+            return False
+        return True
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None

@@ -1,0 +1,177 @@
+"""`vit22b embed --runner ray` on a local Ray instance (``ray.init(num_cpus=2)``, once here).
+
+Both kinds of actors against the threads runner on the same folder (bit for bit: one request in
+flight on each side), a worker process SIGKILLed mid-job (Ray restarts it; every image ends up
+in the output exactly once), a rerun that skips everything, corrupt files reported, inputs and
+Parquet outputs on a real S3-compatible server on loopback, and the CLI joining the instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from serving import MESH, shared_engine
+from test_embed import read_dir
+from test_embed_remote import dataset, server  # noqa: F401 - the fixtures: 30 + 3 bad files
+from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+from vit22b.clients.embed_local import LocalBackend
+from vit22b.clients.embed_ray import EngineActors, ServerActors, embed_with_ray
+from vit22b.clients.embed_remote import RemoteBackend
+from vit22b.clients.embed_store import JobMismatch
+from vit22b.clients.outputs import open_outputs
+
+ray = pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = OutputSpec(pooled=True, patch_layers=(-1,), dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def cluster(s3):
+    # after the S3 server: Ray's workers inherit this process's environment at init
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
+             logging_level="WARNING")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def config(data, out, **kw) -> JobConfig:
+    return JobConfig([str(data)], str(out), SPEC, quiet=True,
+                     **{"batch_size": 4, "shard_size": 5, **kw})
+
+
+def actor_pids() -> set[int]:
+    """This test's Ray actors of the job (processes below this one: never another's)."""
+    pids = set()
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "MapWorker" in " ".join(process.cmdline()):
+                pids.add(process.pid)
+        except psutil.Error:  # gone, or a zombie not yet reaped
+            pass
+    return pids
+
+
+def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, dataset,
+                                                             tmp_path):
+    data, good, bad = dataset
+    backend = RemoteBackend([server.address], SPEC, batch_size=4, concurrency=1, quiet=True)
+    threads = run_job(config(data, tmp_path / "threads"), backend)
+    backend.close()
+    summary = embed_with_ray(config(data, tmp_path / "servers"), ServerActors((server.address,)),
+                             concurrency=1)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
+    assert threads.complete and read_dir(tmp_path / "servers") == read_dir(tmp_path / "threads")
+
+    local = LocalBackend(SPEC, engine=shared_engine(), concurrency=1)
+    run_job(config(data, tmp_path / "local"), local)
+    local.close()
+    summary = embed_with_ray(config(data, tmp_path / "engine"), EngineActors(mesh=MESH),
+                             concurrency=1)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
+    assert read_dir(tmp_path / "engine") == read_dir(tmp_path / "local")  # manifest included
+
+    result = open_outputs(str(tmp_path / "engine"), verify=True)
+    assert result.ids == good
+    errors = [json.loads(line) for line in open(tmp_path / "engine" / "errors.jsonl")]
+    assert {e["id"]: e["reason"] for e in errors}.keys() == bad.keys()
+    for e in errors:  # corrupt files are reported with the decoder's reason
+        assert bad[e["id"]] in e["reason"], e
+
+    before = read_dir(tmp_path / "servers")
+    again = embed_with_ray(config(data, tmp_path / "servers"), ServerActors((server.address,)))
+    assert (again.embedded, again.failed, again.skipped, again.complete) == (0, 0, 33, True)
+    assert read_dir(tmp_path / "servers") == before
+    with pytest.raises(JobMismatch, match="format: 'npy' in the manifest, 'parquet' now"):
+        embed_with_ray(config(data, tmp_path / "servers", format="parquet"),
+                       ServerActors((server.address,)))
+
+
+def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, server, dataset,
+                                                                  tmp_path):
+    data, good, bad = dataset
+    seen, killed = [], []
+
+    def kill_one(shard: int) -> None:
+        seen.append(actor_pids())
+        if not killed:  # both actors are busy with their next shard: kill one mid-shard
+            victim = min(seen[0])
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+
+    # shards of 2 images, one per batch: 17 shards of >= 25 ms each over 2 actors
+    summary = embed_with_ray(config(data, tmp_path / "out", batch_size=1, shard_size=2,
+                                    on_shard=kill_one),
+                             ServerActors((server.address,)), concurrency=2)
+    assert killed and len(seen[0]) == 2
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
+    assert any(set(pids) - seen[0] for pids in seen[1:]), "no actor was restarted"
+    result = open_outputs(str(tmp_path / "out"), verify=True)
+    assert result.ids == good  # every image exactly once, in input order
+    assert sorted(f["id"] for f in result.failed) == sorted(bad)
+
+    # the same as an uninterrupted run (concurrent requests may be packed into other batch
+    # sizes by the server, which moves a value by an ulp: compared to bf16 rounding)
+    alone = RemoteBackend([server.address], SPEC, batch_size=1, concurrency=1, quiet=True)
+    run_job(config(data, tmp_path / "alone", batch_size=1, shard_size=2), alone)
+    alone.close()
+    reference = open_outputs(str(tmp_path / "alone"))
+    for name in reference.names:
+        np.testing.assert_allclose(np.asarray(result[name]), np.asarray(reference[name]),
+                                   rtol=1e-2, atol=1e-2)
+    assert (tmp_path / "out" / "errors.jsonl").read_bytes() == \
+        (tmp_path / "alone" / "errors.jsonl").read_bytes()
+
+
+def test_s3_inputs_and_parquet_outputs(cluster, server, dataset, s3, tmp_path):
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data, good, bad = dataset
+    bucket = s3("ray", {f"photos/{rel}": (data / rel).read_bytes() for rel in [*good, *bad]})
+    fs = fsspec.filesystem("s3")
+    out = f"{bucket}/emb"
+    job = JobConfig([f"{bucket}/photos/"], out, SPEC, batch_size=4, shard_size=5, quiet=True,
+                    format="parquet")
+    summary = embed_with_ray(job, ServerActors((server.address,)), concurrency=1)
+    assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
+
+    manifest = json.loads(fs.cat_file(f"{out}/manifest.json"))
+    table = pa.concat_tables(pq.read_table(f"{out}/{s['files']['table']['file']}",
+                                           filesystem=fs) for s in manifest["shards"])
+    assert table["id"].to_pylist() == good
+    assert table["path"].to_pylist() == [f"{bucket}/photos/{i}" for i in good]
+    assert json.loads(table.schema.metadata[b"vit22b"])["identity"] == manifest["identity"]
+
+    backend = RemoteBackend([server.address], SPEC, batch_size=4, concurrency=1, quiet=True)
+    run_job(config(data, tmp_path / "npy"), backend)
+    backend.close()
+    reference = open_outputs(str(tmp_path / "npy"))
+    pooled = np.stack(table["pooled"].to_numpy(zero_copy_only=False))
+    np.testing.assert_array_equal(pooled, np.asarray(reference["pooled"]))
+    errors = [json.loads(line) for line in fs.cat_file(f"{out}/errors.jsonl").splitlines()]
+    assert sorted(e["id"] for e in errors) == sorted(bad)
+
+
+def test_cli_joins_the_cluster(cluster, server, dataset, tmp_path):
+    data, good, _ = dataset
+    args = [sys.executable, "-m", "vit22b.clients.cli", "embed", str(data), "--server",
+            server.address, "--runner", "ray", "--ray-address", cluster, "--concurrency", "2",
+            "--format", "safetensors", "--dtype", "bfloat16", "-o", str(tmp_path / "out"), "-q"]
+    job = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr
+    assert "embedded 30, skipped 0 (done by an earlier run), failed 3" in job.stdout
+    result = open_outputs(str(tmp_path / "out"), verify=True)
+    assert result.ids == good and result.manifest["identity"]["format"] == "safetensors"
+
+    mixed = subprocess.run([*args, "--format", "npy"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert mixed.returncode == 2 and "refusing to mix" in mixed.stderr

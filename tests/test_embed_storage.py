@@ -1,0 +1,189 @@
+"""`vit22b embed --format` and remote storage with the threads runner (Ray: test_embed_ray.py).
+
+Parquet and safetensors shards are read back with pyarrow / pandas / safetensors alone and must
+equal the .npy shards of the same job (bfloat16 compared as bfloat16). Remote storage: fsspec's
+memory:// and a real S3-compatible server on loopback (moto's server mode, the ``s3`` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import fsspec
+import ml_dtypes
+import numpy as np
+import pytest
+from test_embed import engine, local_job, read_dir, write_bad_files, write_images  # noqa: F401
+from vit22b.clients.embed import OutputSpec
+from vit22b.clients.embed_inputs import enumerate_inputs
+from vit22b.clients.embed_store import JobMismatch
+from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
+
+SPEC = OutputSpec(pooled=True, patch_layers=(-1, 1), dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("formats") / "data"
+    return root, write_images(root, 7), write_bad_files(root)
+
+
+@pytest.fixture(scope="module")
+def npy(engine, data, tmp_path_factory):  # the engine fixture of test_embed
+    out = tmp_path_factory.mktemp("npy") / "out"
+    assert local_job(engine, data[0], out, SPEC, shard_size=3).complete
+    return out
+
+
+def bf16(array) -> np.ndarray:
+    """Exact for float32 values that are bfloat16 values (the .npy files hold only those)."""
+    return np.asarray(array).astype(ml_dtypes.bfloat16)
+
+
+def test_parquet_reads_with_pyarrow_and_pandas_alone(engine, data, npy, tmp_path):
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    assert local_job(engine, data[0], out, SPEC, shard_size=3, format="parquet").complete
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["identity"]["format"] == "parquet"
+    reference = open_outputs(str(npy))
+    tables = [pq.read_table(out / s["files"]["table"]["file"]) for s in manifest["shards"]]
+
+    schema = tables[0].schema
+    assert schema.names == ["id", "path", "pooled", "patch_tokens.1", "patch_tokens.3"]
+    meta = json.loads(schema.metadata[b"vit22b"])
+    assert meta["identity"] == manifest["identity"]  # model, fingerprint, hashes, outputs...
+    assert meta["arrays"]["patch_tokens.3"] == {"dtype": "bfloat16", "shape": [16, 64]}
+    assert schema.field("pooled").metadata == {b"dtype": b"bfloat16"}
+    pooled_type = schema.field("pooled").type
+    assert (pooled_type.list_size, str(pooled_type.value_type)) == (64, "float")
+
+    table = pa.concat_tables(tables)  # a shard whose images all failed has no rows
+    assert table["id"].to_pylist() == reference.ids == data[1]
+    pooled = np.stack(table["pooled"].to_numpy(zero_copy_only=False))
+    assert pooled.dtype == np.float32  # float values, never integers
+    np.testing.assert_array_equal(bf16(pooled), bf16(reference["pooled"]))
+
+    frame = pd.read_parquet(out / manifest["shards"][0]["files"]["table"]["file"])
+    assert list(frame["id"]) == data[1][:3]
+    tokens = np.stack([np.stack(row) for row in frame["patch_tokens.3"]])  # [3, 16, 64]
+    np.testing.assert_array_equal(bf16(tokens), bf16(reference["patch_tokens.3"][:3]))
+
+    loaded = open_outputs(str(out), verify=True)  # the project's loader reads it too
+    for name in reference.names:
+        np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(reference[name]))
+    assert loaded.failed == reference.failed and len(loaded.failed) == 3
+
+
+def test_safetensors_reads_with_safetensors_alone(engine, data, npy, tmp_path):
+    import safetensors
+    import safetensors.torch
+    import torch
+
+    out = tmp_path / "out"
+    assert local_job(engine, data[0], out, SPEC, shard_size=3, format="safetensors").complete
+    manifest = read_manifest(str(out))
+    reference = open_outputs(str(npy))
+    first = out / manifest["shards"][0]["files"]["tensors"]["file"]
+    raw = dict(safetensors.deserialize(first.read_bytes()))
+    assert raw["pooled"]["dtype"] == "BF16" and raw["pooled"]["shape"] == [3, 64]
+    pooled = np.frombuffer(raw["pooled"]["data"], ml_dtypes.bfloat16).reshape(3, 64)
+    np.testing.assert_array_equal(pooled, bf16(reference["pooled"][:3]))  # bf16 as bf16
+
+    tensors = safetensors.torch.load_file(first)
+    assert tensors["patch_tokens.3"].dtype == torch.bfloat16
+    want = bf16(reference["patch_tokens.3"][:3]).view(np.int16)
+    np.testing.assert_array_equal(tensors["patch_tokens.3"].view(torch.int16).numpy(), want)
+    with safetensors.safe_open(first, "pt") as f:
+        meta = json.loads(f.metadata()["vit22b"])
+    assert meta["identity"] == manifest["identity"] and meta["shard"] == 0
+
+    loaded = open_outputs(str(out), verify=True)
+    assert loaded.ids == reference.ids
+    for name in reference.names:
+        np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(reference[name]))
+
+
+def test_float16_parquet_and_a_format_mix_is_refused(engine, data, tmp_path):
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    spec = OutputSpec(dtype="float16")
+    assert local_job(engine, data[0], out, spec, shard_size=4, format="parquet").complete
+    table = pq.read_table(out / "shards" / "00000.parquet")
+    assert str(table.schema.field("pooled").type.value_type) == "halffloat"
+    assert np.asarray(open_outputs(str(out))["pooled"]).dtype == np.float16
+    with pytest.raises(JobMismatch, match="format: 'parquet' in the manifest, 'npy' now"):
+        local_job(engine, data[0], out, spec, shard_size=4)
+
+
+def test_memory_filesystem_inputs_outputs_and_resume(engine, data, npy):
+    root, good, bad = data
+    fs = fsspec.filesystem("memory")
+    for rel in [*good, *bad]:
+        fs.pipe(f"/in/{rel}", (root / rel).read_bytes())
+    fs.pipe("/in/.hidden.jpg", b"skipped")
+    items = enumerate_inputs(["memory://in/"])
+    assert [i.id for i in items] == sorted([*good, *bad])
+    assert items[0].path == f"memory:///in/{items[0].id}"
+
+    out = "memory://jobs/out"
+    summary = local_job(engine, "memory://in", out, SPEC, shard_size=3)
+    assert summary.complete and (summary.embedded, summary.failed) == (7, 3)
+    result = open_outputs(out, verify=True)
+    reference = open_outputs(str(npy))
+    assert result.ids == reference.ids
+    np.testing.assert_array_equal(np.asarray(result["patch_tokens.1"]),
+                                  np.asarray(reference["patch_tokens.1"]))
+    assert sorted(f["id"] for f in result.failed) == sorted(bad)
+    assert all(f["path"].startswith("memory:///in/") for f in result.failed)
+
+    # an object store keeps no temp files: every object is written whole, the manifest last
+    assert not any(".tmp-" in name for name in fs.find("/jobs/out"))
+    again = local_job(engine, "memory://in", out, SPEC, shard_size=3)
+    assert (again.embedded, again.skipped) == (0, 10)
+    fs.rm("/jobs/out/shards/00001.pooled.npy")  # a lost shard file: that shard is redone
+    redone = local_job(engine, "memory://in", out, SPEC, shard_size=3)
+    assert (redone.embedded + redone.failed, redone.skipped) == (3, 7)
+    fs.pipe("/jobs/out/shards/00002.pooled.npy", b"damaged")
+    with pytest.raises(OutputsError, match="00002.pooled.npy does not match"):
+        open_outputs(out, verify=True)
+
+
+def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):
+    root, good, bad = data
+    bucket = s3("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
+    fs = fsspec.filesystem("s3")
+    listing = tmp_path / "list.txt"  # a local list file naming objects, one of them missing
+    listing.write_text(f"{bucket}/photos/{good[0]}\n{bucket}/photos/missing.jpg\n")
+
+    out = f"{bucket}/emb"
+    summary = local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3, format="parquet")
+    assert summary.complete and (summary.embedded, summary.failed) == (7, 3)
+    result = open_outputs(out, verify=True)
+    reference = open_outputs(str(npy))
+    assert result.ids == reference.ids
+    for name in reference.names:
+        np.testing.assert_array_equal(np.asarray(result[name]), np.asarray(reference[name]))
+    errors = [json.loads(line) for line in fs.cat_file(f"{out}/errors.jsonl").splitlines()]
+    assert sorted(e["id"] for e in errors) == sorted(bad)
+    assert errors[0]["path"] == f"{bucket}/photos/{errors[0]['id']}"
+    assert local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3,
+                     format="parquet").skipped == 10
+
+    listed = local_job(engine, listing, tmp_path / "listed")
+    failed = open_outputs(str(tmp_path / "listed")).failed
+    assert listed.embedded == 1
+    assert [(f["id"], f["reason"]) for f in failed] == [
+        (f"{bucket}/photos/missing.jpg", "cannot read file: No such file or directory")]
+
+
+def test_local_file_urls(engine, data, npy, tmp_path):
+    out = tmp_path / "out"
+    local_job(engine, f"file://{data[0]}", f"file://{out}", SPEC, shard_size=3)
+    assert read_dir(out) == read_dir(npy)  # the same bytes as plain paths
+    assert not os.path.exists(tmp_path / "file:")
