@@ -25,6 +25,10 @@ class InvalidImage(InvalidRequest):
         return InvalidImage(self.reason, index, image_id)
 
 
+class TooLarge(InvalidRequest):
+    """A request body, or the response it asks for, over the message limit."""
+
+
 class QueueFull(Exception):
     """Admission refused: the queue holds its maximum of images."""
 

@@ -1,8 +1,9 @@
 """Assembling and running the server: engine, batcher, facade, gRPC door, health, reflection,
-metrics, auth.
+metrics, auth, tracing, and the HTTP door (``--http-port``) on the same loop and facade.
 
 Start-up compiles every batch bucket before health reports SERVING. SIGTERM (or SIGINT): health
-goes NOT_SERVING, new calls get UNAVAILABLE, accepted calls finish, then the process exits 0.
+goes NOT_SERVING, new calls get UNAVAILABLE (HTTP 503) on both doors, accepted calls finish, then
+the process exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .infer import Infer, Limits
 from .metrics import Metrics
 from .service import SERVICE_NAME, FeatureService
 from .settings import ServeConfig
+from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +54,18 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
 class FeatureServer:
     """One server in the current event loop: ``await start()``, ``await drain_and_stop()``."""
 
-    def __init__(self, config: ServeConfig, engine: Engine | None = None):
+    def __init__(
+        self, config: ServeConfig, engine: Engine | None = None, tracing: Tracing | None = None
+    ):
         config.check()
         self.config = config
         self.engine = engine
         self.metrics = Metrics()
+        self.tracing = tracing or Tracing.export_to(config.otlp_endpoint)
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http = None  # the HTTP door, with --http-port
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
 
@@ -79,12 +86,13 @@ class FeatureServer:
             max_image_pixels=config.max_image_pixels,
         )
         self.infer = Infer(
-            self.engine, self.batcher, self.metrics, limits, config.preprocess_threads
+            self.engine, self.batcher, self.metrics, limits, config.preprocess_threads,
+            self.tracing,
         )
         self.service = FeatureService(self.infer, self.metrics)
         interceptors = []
-        if config.token_file:
-            tokens = read_tokens(config.token_file)
+        tokens = read_tokens(config.token_file) if config.token_file else ()
+        if tokens:
             reject = self.metrics.requests.labels
             interceptors.append(
                 TokenAuth(
@@ -115,10 +123,19 @@ class FeatureServer:
         self.batcher.start()
         await server.start()
         self._server = server
+        if config.http_port is not None:
+            from .http import HttpDoor  # FastAPI and uvicorn load only with an HTTP door
+
+            self.http = HttpDoor(self.infer, self.metrics, self.service.info, tokens)
+            self.http_port = await self.http.start(
+                config.host, config.http_port, config.tls_cert, config.tls_key
+            )
         if config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(config.metrics_port, config.host)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.http is not None:
+            self.http.serving = True
 
     async def drain_and_stop(self, timeout: float | None = None) -> bool:
         """NOT_SERVING, refuse new calls, finish accepted ones, stop. True if nothing was cut."""
@@ -128,10 +145,12 @@ class FeatureServer:
         if not clean:
             log.warning("drain timed out after %.0fs; stopping with calls in flight", timeout)
         await asyncio.sleep(self.config.drain_linger_s)
-        await self._server.stop(grace=1.0)
+        http = self.http.stop() if self.http is not None else asyncio.sleep(0)
+        await asyncio.gather(self._server.stop(grace=1.0), http)
         await asyncio.to_thread(self.batcher.stop)
         self.infer.close()
         self.metrics.stop()
+        self.tracing.shutdown()
         self._stopped.set()
         return clean
 
@@ -141,6 +160,14 @@ class FeatureServer:
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """``http(s)://host:port`` of the HTTP door, or None without one."""
+        if self.http_port is None:
+            return None
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{self.config.host}:{self.http_port}"
 
 
 async def serve_until_signal(config: ServeConfig) -> int:
@@ -158,6 +185,8 @@ async def serve_started(server: FeatureServer, mesh_note: str = "") -> int:
     engine = server.engine
     log.info("%s (%s) on mesh %s", engine.cfg.name, engine.identity.source, engine.mesh_spec)
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+    if server.http_url:  # its own line: the SERVING line's format is what scripts parse
+        print(f"vit22b serve: HTTP on {server.http_url}", flush=True)
     print(
         f"vit22b serve: SERVING {engine.cfg.name} ({engine.identity.source}) on "
         f"{server.address}, mesh {engine.mesh_spec}{mesh_note}, buckets {list(engine.buckets)}"
@@ -178,8 +207,10 @@ async def serve_started(server: FeatureServer, mesh_note: str = "") -> int:
 class BackgroundServer:
     """A FeatureServer on its own event-loop thread: for tests, notebooks and in-process use."""
 
-    def __init__(self, config: ServeConfig, engine: Engine | None = None):
-        self.server = FeatureServer(config, engine)
+    def __init__(
+        self, config: ServeConfig, engine: Engine | None = None, tracing: Tracing | None = None
+    ):
+        self.server = FeatureServer(config, engine, tracing)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="vit22b-server"
@@ -201,6 +232,10 @@ class BackgroundServer:
     @property
     def address(self) -> str:
         return self.server.address
+
+    @property
+    def http_url(self) -> str | None:
+        return self.server.http_url
 
     @property
     def engine(self) -> Engine:

@@ -38,6 +38,17 @@ class Result:
     compute_s: float  # forward time of the batches that held its rows
 
 
+@dataclass(frozen=True)
+class BatchRecord:
+    """When one batch holding a job's rows ran (wall-clock ns, for trace spans)."""
+
+    start_ns: int
+    end_ns: int
+    images: int  # real images in the batch
+    bucket: int
+    rows: int  # the job's rows among them
+
+
 @dataclass(eq=False)
 class Job:
     images: np.ndarray  # preprocessed float32 [n, S, S, 3]
@@ -45,6 +56,7 @@ class Job:
     deadline: float | None  # time.monotonic() deadline, or None
     solo: bool = False  # never packed with other jobs
     submitted: float = field(default_factory=time.monotonic)
+    submitted_ns: int = field(default_factory=time.time_ns)
     future: Future = field(default_factory=Future)
     next_row: int = 0  # rows handed to batches so far
     done_rows: int = 0
@@ -52,6 +64,7 @@ class Job:
     started: float | None = None
     compute_s: float = 0.0
     cancelled: bool = False
+    batches: list[BatchRecord] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -251,7 +264,7 @@ class Batcher:
     def _compute(self, batch: list[tuple[Job, int, int]]) -> None:
         outputs = batch[0][0].outputs
         images = np.concatenate([job.images[first : first + rows] for job, first, rows in batch])
-        start = time.monotonic()
+        start, start_ns = time.monotonic(), time.time_ns()
         for job, _, _ in batch:
             if job.started is None:
                 job.started = start
@@ -263,11 +276,14 @@ class Batcher:
             for job, _, _ in batch:
                 _fail(job.future, err)
             features = None
-        elapsed = time.monotonic() - start
+        elapsed, end_ns = time.monotonic() - start, time.time_ns()
         n = len(images)
+        bucket = self.engine.bucket(n)
+        for job, _, rows in batch:
+            job.batches.append(BatchRecord(start_ns, end_ns, n, bucket, rows))
         self.metrics.compute_seconds.observe(elapsed)
         self.metrics.batch_images.observe(n)
-        self.metrics.padding_images.inc(self.engine.bucket(n) - n)
+        self.metrics.padding_images.inc(bucket - n)
         self.metrics.compilations.set(self.engine.compilations)
         with self._cond:
             self._pending -= n

@@ -35,6 +35,7 @@ from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS, Preprocessor, check_pi
 from .batcher import Batcher
 from .engine import Engine
 from .metrics import Metrics
+from .tracing import Tracing
 
 OUTPUT_DTYPES = {
     "float32": np.dtype(np.float32),
@@ -112,9 +113,11 @@ class Infer:
         metrics: Metrics,
         limits: Limits,
         preprocess_threads: int,
+        tracing: Tracing | None = None,
     ):
         self.engine, self.batcher, self.metrics, self.limits = engine, batcher, metrics, limits
         self.preprocess = Preprocessor(engine.cfg)  # the pixel contract of this model
+        self.tracing = tracing or Tracing()
         self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="vit22b-preprocess")
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -176,9 +179,14 @@ class Infer:
         """Room in the queue for the call's images: at once, or (``wait_for_room``) as it
         drains, until the deadline."""
         start, n = time.monotonic(), len(call.images)
+        with self.tracing.step("admission", images=n):
+            await self._room(call, n)
+        return Admitted(call, outputs, start, n)
+
+    async def _room(self, call: EmbedCall, n: int) -> None:
         if not call.wait_for_room or n > self.batcher.max_queue_images:
             self.batcher.admit(n)
-            return Admitted(call, outputs, start, n)
+            return
         pause = _ADMIT_POLL_S[0]
         while not self.batcher.try_admit(n):
             if self.draining.is_set():
@@ -192,13 +200,13 @@ class Infer:
                 )
             await asyncio.sleep(pause)
             pause = min(pause * 2, _ADMIT_POLL_S[1])
-        return Admitted(call, outputs, start, n)
 
     async def run(self, admitted: Admitted) -> EmbedResult:
         """Decode, batch, compute and finish an admitted call."""
         call, start = admitted.call, admitted.start
         try:
-            pixels, indices, errors = await self._preprocess(call)
+            with self.tracing.step("preprocess", images=len(call.images)):
+                pixels, indices, errors = await self._preprocess(call)
             preprocessed = time.monotonic()
             self.metrics.preprocess_seconds.observe(preprocessed - start)
             self.batcher.release(admitted.held - len(indices))
@@ -212,6 +220,8 @@ class Infer:
                 except asyncio.CancelledError:
                     job.cancel()
                     raise
+                finally:
+                    self.tracing.job(job)
                 result.features = done.features
                 result.timings.queue_s, result.timings.compute_s = done.queue_s, done.compute_s
         except asyncio.CancelledError:  # gone (or out of time) while its images were decoded
@@ -236,6 +246,17 @@ class Infer:
     async def embed(self, call: EmbedCall) -> EmbedResult:
         """The whole call: validate, admit, run."""
         return await self.run(await self.admit(call, self.validate(call)))
+
+    def tensors(
+        self, call: EmbedCall, result: EmbedResult
+    ) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+        """A result's arrays by name, and its patch tokens by layer as the call spelled them."""
+        if not result.indices:
+            return {}, {}
+        depth, features = self.engine.cfg.depth, result.features
+        patches = {layer: features.patch_tokens[layer % depth]
+                   for layer in call.outputs.patch_layers}
+        return dict(features.arrays()), patches
 
     # ---- steps -----------------------------------------------------------------------------
     async def _preprocess(self, call: EmbedCall):

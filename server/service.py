@@ -20,14 +20,14 @@ from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 from google.protobuf.message import DecodeError
-from vit22b.model.errors import Draining, InvalidRequest
+from vit22b.model.errors import Draining, InvalidRequest, TooLarge
 from vit22b.model.outputs import OutputRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
 from .infer import EmbedCall, EmbedResult, ImageInput, Infer
 from .metrics import Metrics
-from .status import status_code
+from .status import status_of
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def to_call(request: pb.EmbedRequest, context, wait_for_room: bool = False) -> E
     remaining = context.time_remaining()
     kinds = [wire.kind_name(code) for code in request.outputs]
     return EmbedCall(
-        images=[_image(image) for image in request.images],
+        images=[image_input(image) for image in request.images],
         outputs=OutputRequest.of(kinds, request.patch_layers, request.normalize_patches),
         dtype=wire.output_dtype(request.dtype),
         l2_normalize=request.l2_normalize,
@@ -65,7 +65,8 @@ def to_call(request: pb.EmbedRequest, context, wait_for_room: bool = False) -> E
     )
 
 
-def _image(image: pb.Image) -> ImageInput:
+def image_input(image: pb.Image) -> ImageInput:
+    """An ``Image`` message as the facade's input; what cannot be read becomes its error."""
     source = image.WhichOneof("source")
     if source == "encoded":
         return ImageInput(image.encoded, image.id)
@@ -162,7 +163,9 @@ class FeatureService:
 
     # ---- bookkeeping ---------------------------------------------------------------------
     async def _abort(self, method: str, context, err: Exception) -> None:
-        code = status_code(err)
+        status = status_of(err)
+        code = status.grpc
+        self.infer.tracing.failed(status, err)
         message = str(err) or type(err).__name__
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=err)
@@ -173,21 +176,24 @@ class FeatureService:
 
     @contextlib.asynccontextmanager
     async def _call(self, method: str, context):
-        """One call: refuse while draining, count it, map failures through the status table."""
-        try:
-            self.infer.enter()
-        except Draining as err:
-            await self._abort(method, context, err)
-        try:
-            yield
-        except asyncio.CancelledError:
-            self.metrics.requests.labels(method, "CANCELLED").inc()
-            raise
-        except Exception as err:  # noqa: BLE001 - mapped through the status table
-            await self._abort(method, context, err)
-        finally:
-            self.infer.leave()
-        self.metrics.requests.labels(method, "OK").inc()
+        """One call: its trace span, refuse while draining, count it, map failures through the
+        status table."""
+        with self.infer.tracing.call(f"{SERVICE_NAME}/{method}", context.invocation_metadata,
+                                     **{"rpc.system": "grpc", "rpc.method": method}):
+            try:
+                self.infer.enter()
+            except Draining as err:
+                await self._abort(method, context, err)
+            try:
+                yield
+            except asyncio.CancelledError:
+                self.metrics.requests.labels(method, "CANCELLED").inc()
+                raise
+            except Exception as err:  # noqa: BLE001 - mapped through the status table
+                await self._abort(method, context, err)
+            finally:
+                self.infer.leave()
+            self.metrics.requests.labels(method, "OK").inc()
 
     # ---- handlers ------------------------------------------------------------------------
     async def GetModelInfo(self, raw: bytes, context):
@@ -265,15 +271,7 @@ class FeatureService:
 
     # ---- translation ---------------------------------------------------------------------
     def _check_size(self, call: EmbedCall, outputs: OutputRequest) -> None:
-        layers = list(call.outputs.patch_layers)
-        row = wire.row_bytes(self.info, list(outputs.kinds), layers, call.dtype)
-        size = wire.response_bytes(row, [image.id for image in call.images])
-        limit = self.infer.limits.max_message_bytes
-        if size > limit:
-            raise InvalidRequest(
-                f"the response for {len(call.images)} images would be about {size >> 20} MiB, "
-                f"over the message limit of {limit >> 20} MiB; send fewer images per request"
-            )
+        check_response_size(self.info, call, outputs, self.infer.limits.max_message_bytes)
 
     def _response(self, call: EmbedCall, result: EmbedResult) -> pb.EmbedResponse:
         t = result.timings
@@ -286,16 +284,26 @@ class FeatureService:
             timings=pb.Timings(queue_ms=t.queue_s * 1e3, preprocess_ms=t.preprocess_s * 1e3,
                                compute_ms=t.compute_s * 1e3, total_ms=t.total_s * 1e3),
         )
-        if not result.indices:
-            return response
-        features = result.features
-        for name, array in features.arrays():
+        arrays, patches = self.infer.tensors(call, result)
+        for name, array in arrays.items():
             getattr(response, name).CopyFrom(wire.to_tensor(array))
-        depth = self.infer.engine.cfg.depth
-        for layer in call.outputs.patch_layers:
-            tokens = features.patch_tokens[layer % depth]
+        for layer, tokens in patches.items():
             response.patch_tokens[layer].CopyFrom(wire.to_tensor(tokens))
         return response
+
+
+def check_response_size(
+    info: pb.ModelInfo, call: EmbedCall, outputs: OutputRequest, limit: int
+) -> None:
+    """``TooLarge`` when the call's response would not fit the message limit."""
+    layers = list(call.outputs.patch_layers)
+    row = wire.row_bytes(info, list(outputs.kinds), layers, call.dtype)
+    size = wire.response_bytes(row, [image.id for image in call.images])
+    if size > limit:
+        raise TooLarge(
+            f"the response for {len(call.images)} images would be about {size >> 20} MiB, "
+            f"over the message limit of {limit >> 20} MiB; send fewer images per request"
+        )
 
 
 def _settle(task: asyncio.Future) -> None:

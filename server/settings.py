@@ -67,6 +67,13 @@ class ServeConfig:
     metrics_port: int | None = setting(
         9464, "Prometheus /metrics port; 0 picks a free one, -1 turns it off",
         parse=_port_or_off)
+    http_port: int | None = setting(
+        None, "HTTP/JSON port (OpenAI-compatible /v1/embeddings, /v1/features, /health, /ready, "
+        "/v1/models), sharing the token file, TLS and limits; 0 picks a free one; -1 (the "
+        "default) turns it off", parse=_port_or_off)
+    otlp_endpoint: str | None = setting(
+        None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317: a trace span "
+        "per call with its admission, preprocessing, queueing and compute (default: off)")
     token_file: str | None = setting(
         None, "bearer tokens, one per line (health and reflection stay open)")
     tls_cert: str | None = setting(None, "PEM certificate chain (with --tls-key)")

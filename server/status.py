@@ -1,10 +1,16 @@
-"""The one table mapping the service's failures (``model/errors.py``) to transport status codes.
+"""The one table mapping the service's failures (``model/errors.py``) to transport statuses.
 
 TEI / Triton style: the first entry matching an exception's class hierarchy wins; anything not
-in the table is a bug and becomes INTERNAL. Every door (gRPC, HTTP) maps through ``status_code``.
+in the table is a bug and becomes INTERNAL / 500. Each failure has its gRPC code and its HTTP
+status side by side, so the two doors cannot drift apart. HTTP choices: a full queue or a full
+compile cache is 429 (with ``Retry-After``); a body or response over the message limit is 413;
+non-finite outputs are 422 (the request was well formed, its result cannot be returned in the
+asked dtype); a caller that went away is 499 (nginx's "client closed request": nobody reads it).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import grpc
 from vit22b.model.errors import (
@@ -15,25 +21,41 @@ from vit22b.model.errors import (
     NonFiniteOutput,
     NotReady,
     QueueFull,
+    TooLarge,
     Unauthenticated,
 )
 from vit22b.v1.wire import WireError
 
-STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    WireError: grpc.StatusCode.INVALID_ARGUMENT,
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
-    CallerGone: grpc.StatusCode.CANCELLED,
-    Draining: grpc.StatusCode.UNAVAILABLE,
-    NotReady: grpc.StatusCode.UNAVAILABLE,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    NonFiniteOutput: grpc.StatusCode.OUT_OF_RANGE,  # e.g. float16 overflow: ask another dtype
+
+class Status(NamedTuple):
+    grpc: grpc.StatusCode
+    http: int
+
+
+_C = grpc.StatusCode
+STATUSES: dict[type[BaseException], Status] = {
+    TooLarge: Status(_C.INVALID_ARGUMENT, 413),
+    InvalidRequest: Status(_C.INVALID_ARGUMENT, 400),
+    WireError: Status(_C.INVALID_ARGUMENT, 400),
+    QueueFull: Status(_C.RESOURCE_EXHAUSTED, 429),  # CompileLimit too
+    DeadlineExpired: Status(_C.DEADLINE_EXCEEDED, 504),
+    CallerGone: Status(_C.CANCELLED, 499),
+    Draining: Status(_C.UNAVAILABLE, 503),
+    NotReady: Status(_C.UNAVAILABLE, 503),
+    Unauthenticated: Status(_C.UNAUTHENTICATED, 401),
+    NonFiniteOutput: Status(_C.OUT_OF_RANGE, 422),  # e.g. float16 overflow: ask another dtype
 }
+INTERNAL = Status(_C.INTERNAL, 500)
+RETRY_AFTER_S = 1  # HTTP 429 / 503 ``Retry-After``: the queue drains within batches
+
+
+def status_of(err: BaseException) -> Status:
+    for cls in type(err).__mro__:
+        if cls in STATUSES:
+            return STATUSES[cls]
+    return INTERNAL
 
 
 def status_code(err: BaseException) -> grpc.StatusCode:
-    for cls in type(err).__mro__:
-        if cls in STATUS_CODES:
-            return STATUS_CODES[cls]
-    return grpc.StatusCode.INTERNAL
+    """The gRPC code of a failure."""
+    return status_of(err).grpc

@@ -11,13 +11,18 @@ import functools
 import io
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from vit22b.model.features import Features
@@ -50,7 +55,8 @@ def in_process(engine: Engine, images, outputs: OutputRequest = POOLED, **option
 
 def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]:
     """A real `vit22b serve` process on a free port; (process, address) once it is SERVING.
-    The caller stops it (SIGTERM) and reads the rest of its output."""
+    The caller stops it (SIGTERM) and reads the rest of its output. With ``--http-port``, the
+    announced HTTP door's URL is ``process.http_url``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     command = [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
@@ -58,6 +64,8 @@ def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
+        if match := re.search(r"HTTP on (\S+)", line):
+            proc.http_url = match[1]
         match = re.search(r"SERVING .* on (\S+),", line)
         if match:
             return proc, match[1]
@@ -65,11 +73,53 @@ def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]
     raise AssertionError(f"the server did not report SERVING (exit {proc.wait()})")
 
 
-def start_server(**overrides) -> BackgroundServer:
+def sigterm_under_load(proc: subprocess.Popen, loads, enough) -> list[tuple[str, str]]:
+    """Run each ``load(outcomes, stop)`` in its own thread until ``enough(outcomes)``, then
+    SIGTERM the server; it must drain clean (exit 0). Returns every call's (code, details)."""
+    outcomes: list[tuple[str, str]] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=load, args=(outcomes, stop)) for load in loads]
+    for t in threads:
+        t.start()
+    wait_for(lambda: enough(outcomes), timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=60)[0]
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert proc.returncode == 0, rest
+    assert "stopped (clean)" in rest
+    return outcomes
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def self_signed(directory: Path) -> Path:
+    """``cert.pem`` and ``key.pem`` for 127.0.0.1 / localhost in ``directory`` (skips the test
+    without openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a self-signed certificate")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(directory / "key.pem"), "-out", str(directory / "cert.pem"),
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True,
+    )
+    return directory
+
+
+def start_server(tracing=None, **overrides) -> BackgroundServer:
+    """A server on free ports with the shared engine; ``http_port=0`` adds the HTTP door."""
     config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=MAX_BATCH)
     for key, value in overrides.items():
         setattr(config, key, value)
-    return BackgroundServer(config, engine=shared_engine()).start()
+    return BackgroundServer(config, engine=shared_engine(), tracing=tracing).start()
 
 
 def stub(address: str, credentials=None, max_mb: int = 64) -> pb_grpc.FeatureServiceStub:

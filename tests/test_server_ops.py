@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
-import shutil
 import signal
-import subprocess
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -20,9 +18,12 @@ from serving import (
     metrics,
     random_images,
     raw_image,
+    self_signed,
     serve_process,
+    sigterm_under_load,
     start_server,
     stub,
+    wait_for,
 )
 from vit22b.clients import FeatureClient, FeatureError, Retry
 from vit22b.v1 import features_pb2 as pb
@@ -35,14 +36,6 @@ QUEUE = 6
 
 def request(n: int, seed: int = 0) -> pb.EmbedRequest:
     return pb.EmbedRequest(images=[raw_image(p) for p in random_images(n, seed, (64, 64))])
-
-
-def wait_for(condition, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def wait_for_images(server, before: dict, outcome: str, count: int) -> None:
@@ -135,31 +128,7 @@ TOKEN = "s3cret-token"
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a self-signed certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            str(d / "key.pem"),
-            "-out",
-            str(d / "cert.pem"),
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    d = self_signed(tmp_path_factory.mktemp("tls"))
     (d / "tokens").write_text(f"# clients\n{TOKEN}\nanother-token\n")
     srv = start_server(
         token_file=str(d / "tokens"), tls_cert=str(d / "cert.pem"), tls_key=str(d / "key.pem")
@@ -240,10 +209,8 @@ def test_sigterm_during_load_loses_no_accepted_request():
         "--log-level", "WARNING", "--compile-cache", "off",
     )
     try:
-        outcomes: list[tuple[str, str]] = []
-        stop = threading.Event()
 
-        def load(seed: int) -> None:
+        def load(seed: int, outcomes: list, stop: threading.Event) -> None:
             s = stub(address)
             while not stop.is_set():
                 try:
@@ -255,17 +222,8 @@ def test_sigterm_during_load_loses_no_accepted_request():
                     if err.code() == grpc.StatusCode.UNAVAILABLE:
                         return
 
-        threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        wait_for(lambda: len(outcomes) >= 40, timeout=60)
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[0]
-        stop.set()
-        for t in threads:
-            t.join(30)
-        assert proc.returncode == 0, rest
-        assert "stopped (clean)" in rest
+        loads = [functools.partial(load, i) for i in range(8)]
+        outcomes = sigterm_under_load(proc, loads, lambda done: len(done) >= 40)
         codes = {code for code, _ in outcomes}
         assert codes <= {"OK", "UNAVAILABLE"}, outcomes
         assert sum(code == "OK" for code, _ in outcomes) >= 40

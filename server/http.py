@@ -1,0 +1,523 @@
+"""The HTTP door: JSON over HTTP on the facade, beside gRPC in the same process and event loop.
+
+Routes: ``POST /v1/embeddings`` (OpenAI-compatible: pooled features, L2-normalised, as OpenAI's
+embeddings are), ``POST /v1/features`` (everything ``Embed`` offers; JSON with base64 tensors, or
+with ``Accept: application/vnd.safetensors`` one safetensors body), ``GET /health`` (liveness),
+``GET /ready`` (SERVING or not), ``GET /v1/models`` (the model info), and the OpenAPI document
+(``/openapi.json``, ``/docs``). Like the gRPC door it translates and maps statuses only: the
+token and the body limit are checked before the body is read (``_Guard``), the body becomes an
+``EmbedCall`` (images as base64 or ``data:`` URIs; raw pixels as the proto's ``Image``, so both
+doors read them alike), and the facade validates, admits and runs it. Failures map through
+``status.py``'s table into an OpenAI-style error body that names the image index and reason.
+Image URLs are refused: this server does not fetch. A client that disconnects, or whose
+``X-Request-Timeout`` passes, has its images dropped before they are computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import logging
+import math
+import socket
+import time
+from typing import Literal
+
+import numpy as np
+import safetensors.numpy
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from google.protobuf import json_format
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vit22b.model.errors import (
+    CallerGone,
+    DeadlineExpired,
+    Draining,
+    InvalidImage,
+    InvalidRequest,
+    NotReady,
+    TooLarge,
+    Unauthenticated,
+)
+from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+from .infer import EmbedCall, EmbedResult, ImageInput, Infer
+from .metrics import Metrics
+from .service import check_response_size, image_input, server_version
+from .status import INTERNAL, RETRY_AFTER_S, Status, status_of
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS = "application/vnd.safetensors"
+OPEN_PATHS = ("/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+ROUTES = {"/v1/embeddings", "/v1/features", "/v1/models", *OPEN_PATHS}  # metric labels
+TIMEOUT_HEADER = "x-request-timeout"  # seconds; the call's deadline, like gRPC's
+
+
+# ---- request and response bodies (their schemas are the OpenAPI document's) -----------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Tensor(_Body):
+    dtype: str = Field(description="float32, bfloat16, float16 or uint8")
+    shape: list[int]
+    data: str = Field(description="base64 of the little-endian C-order bytes")
+
+
+class Image(_Body):
+    id: str = ""
+    data: str | None = Field(None, description="an encoded file (JPEG, PNG, WebP) as base64 or "
+                             "a data: URI")
+    pixels: Tensor | None = Field(None, description="raw uint8 [height, width, 3] pixels")
+
+
+class FeaturesRequest(_Body):
+    images: list[Image | str] = Field(description="images; a string is an image's `data`")
+    outputs: list[str] = Field([], description="pooled, class_token, patch_tokens, "
+                               "attention_stats, logits (default: pooled)")
+    layers: list[int] = Field([], description="blocks whose patch tokens to return (negative "
+                              "count from the end; imply patch_tokens)")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    l2_normalize: bool = Field(False, description="L2-normalise pooled features")
+    normalize_patches: bool = Field(False, description="apply the final norm to patch tokens")
+    skip_invalid: bool = Field(False, description="invalid images become errors beside the "
+                               "others' features instead of failing the call")
+
+
+class EmbeddingsRequest(BaseModel):
+    """OpenAI's embeddings request; fields OpenAI clients add and this server ignores pass."""
+
+    model_config = ConfigDict(strict=True)
+    input: str | list[str] = Field(description="one image or several: base64 or data: URIs")
+    model: str
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the little-endian float32 bytes of each embedding")
+    dimensions: int | None = Field(None, description="only the model's width")
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="patches of the images (a ViT's tokens)")
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class ImageError(BaseModel):
+    index: int
+    id: str
+    reason: str
+
+
+class FeaturesResponse(BaseModel):
+    model: dict[str, str] = Field(description="name, fingerprint, preprocess_hash, "
+                                  "compute_dtype: features compare only when all agree")
+    ids: list[str]
+    indices: list[int] = Field(description="the positions in the request of the returned rows")
+    errors: list[ImageError]
+    timings: dict[str, float]
+    outputs: dict[str, Tensor | dict[str, Tensor]] = Field(
+        description="pooled, class_token, attention_entropy, attention_max_logit, logits; "
+        "patch_tokens: {layer as requested: tensor}")
+
+
+# ---- translation ---------------------------------------------------------------------------
+
+
+def image_bytes(text: str) -> bytes:
+    """An image's ``data``: base64, or a ``data:`` URI with base64 data."""
+    if text.startswith("data:"):
+        head, comma, text = text.partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise InvalidImage("a data: URI must carry base64 data (data:image/png;base64,...)")
+    elif text.startswith(("http://", "https://")):
+        raise InvalidImage("image URLs are not fetched (fetching is off on this server): send "
+                           "the file as base64 or a data: URI")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise InvalidImage(f"image data is not base64 ({err})") from None
+
+
+def _image(item: Image | str) -> ImageInput:
+    if isinstance(item, str):
+        item = Image(data=item)
+    if (item.data is None) == (item.pixels is None):
+        return ImageInput(None, item.id, "set one of `data` (an encoded file as base64 or a "
+                                         "data: URI) or `pixels`")
+    if item.data is not None:
+        try:
+            return ImageInput(image_bytes(item.data), item.id)
+        except InvalidImage as err:
+            return ImageInput(None, item.id, err.reason)
+    try:  # raw pixels read as the gRPC door reads them
+        tensor = pb.Tensor(dtype=wire.dtype_code(item.pixels.dtype), shape=item.pixels.shape,
+                           data=base64.b64decode(item.pixels.data, validate=True))
+    except (wire.WireError, binascii.Error, ValueError) as err:
+        return ImageInput(None, item.id, f"raw pixels: {err}")
+    return image_input(pb.Image(id=item.id, pixels=tensor))
+
+
+def _parse(body: bytes, model: type[BaseModel]):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+            for e in err.errors(include_url=False)[:4]
+        ]
+        raise InvalidRequest(f"request body ({model.__name__}): {'; '.join(problems)}") from None
+
+
+def _deadline(request: Request) -> float | None:
+    text = request.headers.get(TIMEOUT_HEADER)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise InvalidRequest(f"X-Request-Timeout is seconds > 0, got {text!r}")
+    return time.monotonic() + seconds
+
+
+def _tensor(array: np.ndarray) -> dict:
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.name, "shape": list(array.shape),
+            "data": base64.b64encode(array.tobytes()).decode()}
+
+
+def _json(body: dict, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status, headers,
+                    media_type="application/json")
+
+
+def error_response(err: BaseException, status: Status) -> Response:
+    """OpenAI's error shape, plus the gRPC code name and, for one image, its index and reason."""
+    error = {"message": str(err) or type(err).__name__, "type": type(err).__name__,
+             "code": status.grpc.name}
+    if isinstance(err, InvalidImage) and err.index is not None:
+        error.update(index=err.index, id=err.image_id, reason=err.reason)
+    headers = {}
+    if status.http in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    if status.http == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return _json({"error": error}, status.http, headers)
+
+
+def model_json(info: pb.ModelInfo, created: int) -> dict:
+    """The ModelInfo as JSON, as an entry of OpenAI's model list."""
+    body = json_format.MessageToDict(info, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    body["config"] = json.loads(body.pop("config_json"))
+    body["parameter_count"] = info.parameter_count  # int64 is a string in proto JSON
+    body["limits"]["max_message_bytes"] = info.limits.max_message_bytes
+    body["limits"]["max_image_pixels"] = info.limits.max_image_pixels
+    body["outputs"] = [wire.kind_name(code) for code in info.outputs]
+    body["dtypes"] = [wire.dtype_name(code) for code in info.dtypes]
+    return {"id": info.model.name, "object": "model", "created": created, "owned_by": "vit22b",
+            **body}
+
+
+# ---- the door ------------------------------------------------------------------------------
+
+
+class HttpDoor:
+    def __init__(self, infer: Infer, metrics: Metrics, info: pb.ModelInfo,
+                 tokens: tuple[str, ...] = ()):
+        self.infer, self.metrics, self.info = infer, metrics, info
+        self.serving = False  # set by the server once every bucket is compiled
+        self.models = {"object": "list", "data": [model_json(info, int(time.time()))]}
+        self.app = self._app()
+        self.asgi = _Guard(self.app, self, tuple(t.encode() for t in tokens),
+                           infer.limits.max_message_bytes)
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="vit22b", version=server_version(), description=__doc__)
+        app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"],
+                          response_model=EmbeddingsResponse, summary="OpenAI-compatible embeddings")
+        app.add_api_route("/v1/features", self.features, methods=["POST"],
+                          response_model=FeaturesResponse, summary="Features (JSON or safetensors)")
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"], summary="Model info")
+        app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness")
+        app.add_api_route("/ready", self.ready, methods=["GET"], summary="SERVING or not")
+        bodies = {"/v1/embeddings": EmbeddingsRequest, "/v1/features": FeaturesRequest}
+
+        def openapi() -> dict:  # the bodies are parsed in the routes, under their trace span
+            if app.openapi_schema is None:
+                schema = get_openapi(title=app.title, version=app.version,
+                                     description=app.description, routes=app.routes)
+                schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+                for path, model in bodies.items():
+                    named = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                    schemas.update(named.pop("$defs", {}))
+                    schemas[model.__name__] = named
+                    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                    schema["paths"][path]["post"]["requestBody"] = {
+                        "required": True, "content": {"application/json": {"schema": ref}}}
+                app.openapi_schema = schema
+            return app.openapi_schema
+
+        app.openapi = openapi
+        return app
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, host: str, port: int, cert: str | None = None,
+                    key: str | None = None) -> int:
+        """Listen on ``host:port`` (0: a free port) in the running loop; the bound port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            sock = socket.create_server((host, port), family=family)
+        except OSError as err:
+            raise OSError(f"cannot bind HTTP {host}:{port}: {err}") from None
+        config = uvicorn.Config(
+            self.asgi, loop="none", lifespan="off", log_config=None, access_log=False,
+            ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError(f"the HTTP server on {host}:{port} did not start")
+            await asyncio.sleep(0.005)
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        """Close the port and the idle connections (after the facade has drained)."""
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+
+    # ---- routes --------------------------------------------------------------------------
+    async def health(self) -> Response:
+        return _json({"status": "ok"})
+
+    async def ready(self) -> Response:
+        serving = self.serving and not self.infer.draining.is_set()
+        try:
+            self.infer.engine.executor.check()
+        except NotReady:
+            serving = False
+        return _json({"status": "SERVING" if serving else "NOT_SERVING"}, 200 if serving else 503)
+
+    async def list_models(self, request: Request) -> Response:
+        return await self._serve("GET /v1/models", request, self._models)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._serve("POST /v1/embeddings", request, self._embeddings)
+
+    async def features(self, request: Request) -> Response:
+        return await self._serve("POST /v1/features", request, self._features)
+
+    async def _models(self, request: Request) -> Response:
+        return _json(self.models)
+
+    async def _embeddings(self, request: Request) -> Response:
+        body = _parse(await request.body(), EmbeddingsRequest)
+        name, width = self.info.model.name, self.info.width
+        if body.model != name:
+            raise InvalidRequest(f"model {body.model!r} is not served here; this server serves "
+                                 f"{name!r} (GET /v1/models)")
+        if body.dimensions is not None and body.dimensions != width:
+            raise InvalidRequest(f"dimensions={body.dimensions} is not supported: {name}'s "
+                                 f"embeddings have {width} (no truncation); omit dimensions")
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        call = EmbedCall([_image(text) for text in inputs], POOLED, l2_normalize=True,
+                         deadline=_deadline(request))
+        result = await self._run(request, call)
+        rows = result.features.pooled
+        if body.encoding_format == "base64":
+            vectors = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in rows]
+        else:
+            vectors = rows.tolist()
+        tokens = len(inputs) * self.info.num_patches
+        return _json({
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": v}
+                     for i, v in zip(result.indices, vectors)],
+            "model": name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })
+
+    async def _features(self, request: Request) -> Response:
+        body = _parse(await request.body(), FeaturesRequest)
+        call = EmbedCall(
+            images=[_image(item) for item in body.images],
+            outputs=OutputRequest.of(body.outputs, body.layers, body.normalize_patches),
+            dtype=body.dtype,
+            l2_normalize=body.l2_normalize,
+            skip_invalid=body.skip_invalid,
+            deadline=_deadline(request),
+        )
+        result = await self._run(request, call)
+        arrays, patches = self.infer.tensors(call, result)
+        ref = json_format.MessageToDict(self.info.model, preserving_proto_field_name=True)
+        t = result.timings
+        meta = {
+            "model": ref,
+            "ids": result.ids,
+            "indices": result.indices,
+            "errors": [{"index": e.index, "id": e.image_id, "reason": e.reason}
+                       for e in result.errors],
+            "timings": {"queue_ms": t.queue_s * 1e3, "preprocess_ms": t.preprocess_s * 1e3,
+                        "compute_ms": t.compute_s * 1e3, "total_ms": t.total_s * 1e3},
+        }
+        if SAFETENSORS in request.headers.get("accept", ""):
+            tensors = {**arrays, **{f"patch_tokens.{k}": v for k, v in patches.items()}}
+            tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+            metadata = {k: json.dumps(v, separators=(",", ":")) for k, v in meta.items()}
+            return Response(safetensors.numpy.save(tensors, metadata), media_type=SAFETENSORS)
+        outputs: dict = {k: _tensor(v) for k, v in arrays.items()}
+        if patches:
+            outputs["patch_tokens"] = {str(k): _tensor(v) for k, v in patches.items()}
+        return _json({**meta, "outputs": outputs})
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    async def _run(self, request: Request, call: EmbedCall) -> EmbedResult:
+        """Validate, admit and run ``call``; its images are dropped if the client goes away or
+        the deadline passes first."""
+        outputs = self.infer.validate(call)
+        check_response_size(self.info, call, outputs, self.infer.limits.max_message_bytes)
+        admitted = await self.infer.admit(call, outputs)
+        work = asyncio.ensure_future(self.infer.run(admitted))
+        gone = asyncio.ensure_future(_disconnected(request))
+        left = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=left,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)  # its room given back
+        if work in done:
+            return work.result()
+        if gone in done:
+            raise CallerGone("the client disconnected; its images were not computed")
+        raise DeadlineExpired("X-Request-Timeout passed before the images were computed")
+
+    async def _serve(self, route: str, request: Request, work) -> Response:
+        """One call: its trace span, refused while draining, counted, failures mapped."""
+        tracing = self.infer.tracing
+        with tracing.call(route, request.headers, **{"http.request.method": request.method,
+                                                     "http.route": request.url.path}):
+            try:
+                self.infer.enter()
+            except Draining as err:
+                return self.refuse(route, err)
+            try:
+                response = await work(request)
+            except Exception as err:  # noqa: BLE001 - mapped through the status table
+                return self.refuse(route, err)
+            finally:
+                self.infer.leave()
+        self.metrics.requests.labels(route, "OK").inc()
+        return response
+
+    def refuse(self, route: str, err: BaseException) -> Response:
+        status = status_of(err)
+        message = str(err) or type(err).__name__
+        if status == INTERNAL:
+            log.error("%s failed", route, exc_info=err)
+        else:
+            log.info("%s refused: %s %s: %s", route, status.http, status.grpc.name, message[:300])
+        self.infer.tracing.failed(status, err)
+        self.metrics.requests.labels(route, status.grpc.name).inc()
+        return error_response(err, status)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """The process's SIGTERM / SIGINT handling drains both doors; uvicorn takes none."""
+        yield
+
+
+class _Guard:
+    """Before a route reads anything: the bearer token, then the body limit (``Content-Length``
+    at once, else while the body arrives); the body is handed on whole."""
+
+    def __init__(self, app, door: HttpDoor, tokens: tuple[bytes, ...], limit: int):
+        self.app, self.door, self.tokens, self.limit = app, door, tokens, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = f"{scope['method']} {path if path in ROUTES else '(other)'}"
+        headers = dict(scope["headers"])
+        if self.tokens and path not in OPEN_PATHS and not self._allowed(headers):
+            err = Unauthenticated("missing or wrong bearer token (header 'Authorization: "
+                                  "Bearer <token>')")
+            return await self.door.refuse(route, err)(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self.door.refuse(route, self._too_large(int(declared)))(
+                scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.door.refuse(route, self._too_large(size))(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        return await self.app(scope, replay, send)
+
+    def _allowed(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        given = token.strip()
+        return any(hmac.compare_digest(given, t) for t in self.tokens)
+
+    def _too_large(self, size: int) -> TooLarge:
+        return TooLarge(f"request body of {size} bytes is over the message limit of "
+                        f"{self.limit} bytes (--max-message-mb); send fewer images per request")

@@ -1,0 +1,557 @@
+"""The HTTP door on loopback with real clients (httpx, the openai package, curl): the same
+features as gRPC, every bad input of the gRPC tests with its HTTP status and message, auth and
+TLS, overload, deadlines, disconnects, draining, and the OpenAPI document."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+
+import grpc
+import httpx
+import ml_dtypes
+import numpy as np
+import openai
+import pytest
+import safetensors.numpy
+from serving import (
+    in_process,
+    metric,
+    metrics,
+    png,
+    random_images,
+    raw_image,
+    self_signed,
+    serve_process,
+    sigterm_under_load,
+    start_server,
+    stub,
+    wait_for,
+)
+from test_server import BAD_INPUTS, GOOD, IMAGE_LEVEL, MAX_REQUEST
+from test_server_ops import DELAY_MS, QUEUE, queued, wait_for_images
+from vit22b.model import OutputRequest
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+MODEL = "vit-22b-tiny/16"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(http_port=0, max_delay_ms=20, max_request_images=MAX_REQUEST,
+                       max_message_mb=0.25)
+    yield srv
+    assert srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http_url, timeout=60) as client:
+        yield client
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def pngs(images) -> list[str]:
+    return [b64(png(p)) for p in images]
+
+
+def tensor(t: dict) -> np.ndarray:
+    dtype = np.dtype(ml_dtypes.bfloat16) if t["dtype"] == "bfloat16" else np.dtype(t["dtype"])
+    return np.frombuffer(base64.b64decode(t["data"]), dtype).reshape(t["shape"])
+
+
+def grpc_features(server, images, **fields) -> pb.EmbedResponse:
+    request = pb.EmbedRequest(images=[pb.Image(encoded=png(p)) for p in images], **fields)
+    return stub(server.address).Embed(request, timeout=60)
+
+
+# ---- the same features as gRPC -------------------------------------------------------------
+
+
+def test_features_equal_grpc_features_exactly(server, http):
+    images = random_images(3, seed=21)
+    body = {"images": pngs(images), "outputs": ["pooled", "attention_stats"], "layers": [-1, 0]}
+    response = http.post("/v1/features", json=body)
+    assert response.status_code == 200, response.text
+    got = response.json()
+    want = grpc_features(server, images, outputs=[pb.OUTPUT_KIND_POOLED,
+                                                  pb.OUTPUT_KIND_ATTENTION_STATS],
+                         patch_layers=[-1, 0])
+    outputs = got["outputs"]
+    assert outputs["pooled"]["dtype"] == "float32" and outputs["pooled"]["shape"] == [3, 64]
+    for name in ("pooled", "attention_entropy", "attention_max_logit"):
+        np.testing.assert_array_equal(tensor(outputs[name]), wire.from_tensor(getattr(want, name)))
+    assert set(outputs["patch_tokens"]) == {"-1", "0"}
+    for layer in (-1, 0):
+        np.testing.assert_array_equal(tensor(outputs["patch_tokens"][str(layer)]),
+                                      wire.from_tensor(want.patch_tokens[layer]))
+    assert got["indices"] == [0, 1, 2] and got["errors"] == []
+    identity = server.engine.identity
+    assert got["model"] == {"name": MODEL, "fingerprint": identity.fingerprint,
+                            "preprocess_hash": identity.preprocess_hash,
+                            "compute_dtype": identity.compute_dtype}
+    assert got["timings"]["compute_ms"] > 0
+
+
+def test_raw_pixels_data_uris_bfloat16_and_l2(server, http):
+    images = random_images(2, seed=22, size=(40, 70))
+    body = {
+        "images": [
+            {"id": "a", "pixels": {"dtype": "uint8", "shape": [40, 70, 3],
+                                   "data": b64(images[0].tobytes())}},
+            {"id": "b", "data": "data:image/png;base64," + b64(png(images[1]))},
+        ],
+        "dtype": "bfloat16", "l2_normalize": True,
+    }
+    got = http.post("/v1/features", json=body).json()
+    assert got["ids"] == ["a", "b"]
+    pooled = tensor(got["outputs"]["pooled"])
+    assert pooled.dtype == np.dtype(ml_dtypes.bfloat16)
+    want = in_process(server.engine, images, l2_normalize=True)["pooled"]
+    np.testing.assert_array_equal(pooled, want.astype(ml_dtypes.bfloat16))
+
+
+def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
+    images = random_images(3, seed=23)
+    body = {"images": [pngs(images)[0], "junk", *pngs(images)[1:]], "layers": [-1],
+            "outputs": ["pooled"], "skip_invalid": True}
+    response = http.post("/v1/features", json=body,
+                         headers={"Accept": "application/vnd.safetensors"})
+    assert response.headers["content-type"] == "application/vnd.safetensors"
+    tensors = safetensors.numpy.load(response.content)
+    assert set(tensors) == {"pooled", "patch_tokens.-1"}
+    want = in_process(server.engine, images, OutputRequest(patch_layers=(3,)))
+    np.testing.assert_array_equal(tensors["pooled"], want["pooled"])
+    np.testing.assert_array_equal(tensors["patch_tokens.-1"], want["patch_tokens"][3])
+    header = json.loads(response.content[8 : 8 + int.from_bytes(response.content[:8], "little")])
+    meta = {k: json.loads(v) for k, v in header["__metadata__"].items()}
+    assert meta["indices"] == [0, 2, 3]
+    assert meta["errors"][0]["index"] == 1 and "not a JPEG" in meta["errors"][0]["reason"]
+    assert meta["model"]["fingerprint"] == server.engine.identity.fingerprint
+
+
+def test_openai_client_embeddings_equal_grpc_l2_pooled(server):
+    images = random_images(4, seed=24, size=(64, 64))
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0)
+    default = client.embeddings.create(model=MODEL, input=pngs(images))  # sends base64
+    floats = client.embeddings.create(model=MODEL, input=pngs(images), encoding_format="float")
+    single = client.embeddings.create(model=MODEL, input=pngs(images)[0])
+    want = wire.from_tensor(grpc_features(server, images, l2_normalize=True).pooled)
+    for result in (default, floats):
+        assert [d.index for d in result.data] == [0, 1, 2, 3]
+        np.testing.assert_array_equal(np.array([d.embedding for d in result.data], np.float32),
+                                      want)
+        assert result.model == MODEL
+        assert result.usage.prompt_tokens == result.usage.total_tokens == 4 * 16  # patches
+    alone = wire.from_tensor(grpc_features(server, images[:1], l2_normalize=True).pooled)
+    np.testing.assert_array_equal(np.float32(single.data[0].embedding), alone[0])
+    raw = httpx.post(server.http_url + "/v1/embeddings", timeout=60,
+                     json={"model": MODEL, "input": pngs(images), "encoding_format": "base64"})
+    vectors = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in raw.json()["data"]]
+    np.testing.assert_array_equal(np.stack(vectors), want)
+
+
+def test_openai_client_sees_refusals_as_its_errors(server):
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0)
+    image = pngs(random_images(1, seed=25))[0]
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.embeddings.create(model="text-embedding-3-small", input=[image])
+    with pytest.raises(openai.BadRequestError, match="dimensions=32 is not supported"):
+        client.embeddings.create(model=MODEL, input=[image], dimensions=32)
+    client.embeddings.create(model=MODEL, input=[image], dimensions=64)
+    with pytest.raises(openai.BadRequestError, match="image 1: .*not base64"):
+        client.embeddings.create(model=MODEL, input=[image, "a text, not an image"])
+    with pytest.raises(openai.BadRequestError, match="input"):
+        client.embeddings.create(model=MODEL, input=[[1, 2, 3]])  # token ids
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_embeddings_and_features(server, tmp_path):
+    images = random_images(2, seed=26)
+    (tmp_path / "body.json").write_text(json.dumps({"model": MODEL, "input": pngs(images)}))
+    out = subprocess.run(
+        ["curl", "-sS", "--fail-with-body", f"{server.http_url}/v1/embeddings",
+         "-H", "Content-Type: application/json", "-d", f"@{tmp_path / 'body.json'}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    got = np.array([d["embedding"] for d in json.loads(out)["data"]], np.float32)
+    want = wire.from_tensor(grpc_features(server, images, l2_normalize=True).pooled)
+    np.testing.assert_array_equal(got, want)
+    # no Content-Type (curl -d sends a form type): the body is read as JSON all the same
+    (tmp_path / "f.json").write_text(json.dumps({"images": pngs(images)}))
+    out = subprocess.run(["curl", "-sS", f"{server.http_url}/v1/features", "-d",
+                          f"@{tmp_path / 'f.json'}"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert json.loads(out)["outputs"]["pooled"]["shape"] == [2, 64]
+
+
+def test_health_ready_models_and_openapi(server, http):
+    assert http.get("/health").json() == {"status": "ok"}
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "SERVING"}
+    model = http.get("/v1/models").json()["data"][0]
+    assert model["id"] == MODEL and model["object"] == "model"
+    assert model["model"]["compute_dtype"] == server.engine.identity.compute_dtype
+    assert model["preprocessing"]["hash"] == server.engine.identity.preprocess_hash
+    assert model["limits"]["max_request_images"] == MAX_REQUEST
+    assert model["limits"]["max_message_bytes"] == 1 << 18
+    assert model["outputs"] == ["pooled", "patch_tokens", "attention_stats"]
+    assert model["config"]["width"] == 64 and model["parameter_count"] > 0
+    doc = http.get("/openapi.json").json()
+    assert {"/v1/embeddings", "/v1/features", "/v1/models", "/health", "/ready"} <= set(
+        doc["paths"])
+    body = doc["paths"]["/v1/features"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/FeaturesRequest"
+    schemas = doc["components"]["schemas"]
+    assert {"images", "outputs", "layers", "dtype", "skip_invalid"} <= set(
+        schemas["FeaturesRequest"]["properties"])
+    assert "Image" in schemas and "EmbeddingsRequest" in schemas
+
+
+# ---- bad input: the gRPC tests' cases, each with its HTTP status and message ---------------
+
+# The same request in JSON. Good images travel as PNG: a base64 body is 4/3 of the proto's.
+_GOOD_PIXELS = raw_image(GOOD).pixels
+# Where JSON spells a case differently (names for kinds and dtypes), its HTTP message.
+HTTP_REASONS = {
+    "unknown output kind": "unknown output 'kind99'",
+    "unknown dtype": "unknown output dtype 'code77'",
+    "uint8 output dtype": "unknown output dtype 'uint8'",
+}
+HTTP_STATUS = {"response over the message limit": 413}
+
+
+def as_json(request: pb.EmbedRequest) -> dict:
+    images = []
+    for image in request.images:
+        if image.WhichOneof("source") == "pixels" and image.pixels == _GOOD_PIXELS:
+            images.append({"id": image.id, "data": b64(png(GOOD))})
+        elif image.WhichOneof("source") == "pixels":
+            p = image.pixels
+            images.append({"id": image.id, "pixels": {"dtype": _dtype(p.dtype),
+                                                      "shape": list(p.shape), "data": b64(p.data)}})
+        else:
+            images.append({"id": image.id, "data": b64(image.encoded)})
+    body: dict = {"images": images}
+    if request.outputs:
+        body["outputs"] = [wire.KIND_NAMES.get(code, f"kind{code}") for code in request.outputs]
+    if request.patch_layers:
+        body["layers"] = list(request.patch_layers)
+    if request.dtype:
+        body["dtype"] = _dtype(request.dtype)
+    return body
+
+
+def _dtype(code: int) -> str:
+    try:
+        return wire.dtype_name(code)
+    except wire.WireError:
+        return f"code{code}"
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_every_grpc_bad_input_has_its_http_status_and_message(server, http, case):
+    request, reason = BAD_INPUTS[case]
+    body = as_json(request)
+    if case in IMAGE_LEVEL:  # behind two good images, as in the gRPC test
+        body["images"] = [{"data": b64(png(GOOD))}] * 2 + body["images"]
+    response = http.post("/v1/features", json=body)
+    assert response.status_code == HTTP_STATUS.get(case, 400), response.text
+    error = response.json()["error"]
+    assert HTTP_REASONS.get(case, reason) in error["message"]
+    assert error["code"] == "INVALID_ARGUMENT"
+    if case in IMAGE_LEVEL:
+        assert error["message"].startswith("image 2 (id 'bad'): ")
+        assert (error["index"], error["id"]) == (2, "bad") and reason in error["reason"]
+    assert http.post("/v1/features", json={"images": [b64(png(GOOD))]}).status_code == 200
+
+
+HTTP_ONLY = {
+    "not base64": ({"images": ["not base64!"]}, 400, "image 0: image data is not base64"),
+    "url": ({"images": ["https://example.com/cat.jpg"]}, 400, "fetching is off"),
+    "data uri without base64": ({"images": ["data:image/png,abc"]}, 400, "must carry base64"),
+    "data and pixels": ({"images": [{"data": "", "pixels": {"dtype": "uint8", "shape": [1],
+                                                            "data": ""}}]}, 400, "set one of"),
+    "pixels not base64": ({"images": [{"pixels": {"dtype": "uint8", "shape": [1, 1, 3],
+                                                  "data": "@@"}}]}, 400, "raw pixels: "),
+    "pixels unknown dtype": ({"images": [{"pixels": {"dtype": "int7", "shape": [1, 1, 3],
+                                                     "data": ""}}]}, 400, "unknown dtype 'int7'"),
+    "a typo in a field": ({"images": ["x"], "layer": [1]}, 400, "layer: Extra inputs"),
+    "a wrong type": ({"images": ["x"], "layers": "1"}, 400, "layers: Input should be"),
+    "no images field": ({"outputs": ["pooled"]}, 400, "images: Field required"),
+    "l2 without pooled": ({"images": [b64(png(GOOD))], "outputs": ["patch_tokens"],
+                           "l2_normalize": True}, 400, "l2_normalize applies to pooled"),
+}
+
+
+@pytest.mark.parametrize("case", list(HTTP_ONLY))
+def test_http_bad_input_is_named(http, case):
+    body, status, reason = HTTP_ONLY[case]
+    response = http.post("/v1/features", json=body)
+    assert response.status_code == status, response.text
+    assert reason in response.json()["error"]["message"]
+
+
+def test_bodies_that_are_not_json_or_too_large(server, http):
+    response = http.post("/v1/features", content=b"\xff{ not json")
+    assert response.status_code == 400 and "Invalid JSON" in response.json()["error"]["message"]
+    big = json.dumps({"images": ["A" * (300 << 10)]}).encode()
+    response = http.post("/v1/features", content=big)  # Content-Length over 256 KiB
+    assert response.status_code == 413
+    assert "over the message limit of 262144 bytes" in response.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b" " * (10 << 10)
+
+    response = http.post("/v1/features", content=chunks())
+    assert response.status_code == 413
+    bad_timeout = http.post("/v1/features", json={"images": [b64(png(GOOD))]},
+                            headers={"X-Request-Timeout": "soon"})
+    assert bad_timeout.status_code == 400 and "X-Request-Timeout" in bad_timeout.text
+    samples = metrics(server)
+    assert metric(samples, "vit22b_requests_total", method="POST /v1/features",
+                  code="INVALID_ARGUMENT") >= 3
+    assert metric(samples, "vit22b_queue_images") == 0
+
+
+# ---- non-finite outputs ----------------------------------------------------------------------
+
+
+def test_non_finite_outputs_are_422_or_per_image_errors():
+    from tiny_models import random_params
+    from vit22b.model import get_config
+    from vit22b.model.sharding import make_mesh, shard_params
+    from vit22b.server.app import BackgroundServer
+    from vit22b.server.engine import Engine
+    from vit22b.server.settings import ServeConfig
+
+    cfg = get_config(MODEL)
+    mesh = make_mesh("data=2,model=4")
+    params = random_params(cfg, 6)
+    params["encoder_norm"]["scale"] = np.full_like(params["encoder_norm"]["scale"], np.nan)
+    engine = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="nan", source="s",
+                    max_batch_images=8)
+    config = ServeConfig(mesh="data=2,model=4", port=0, http_port=0, metrics_port=None,
+                         max_batch_images=8)
+    with BackgroundServer(config, engine=engine) as srv:
+        body = {"images": pngs(random_images(2, 3)), "layers": [-1], "normalize_patches": True}
+        response = httpx.post(srv.http_url + "/v1/features", json=body, timeout=120)
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert error["code"] == "OUT_OF_RANGE" and "image 0" in error["message"]
+        assert "NaN or Inf" in error["message"]
+        body["skip_invalid"] = True
+        got = httpx.post(srv.http_url + "/v1/features", json=body, timeout=120).json()
+        assert got["indices"] == [] and [e["index"] for e in got["errors"]] == [0, 1]
+        assert got["outputs"] == {}
+
+
+# ---- operating it: auth and TLS, overload, deadlines, disconnects, draining -----------------
+
+TOKEN = "h77p-token"
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    d = self_signed(tmp_path_factory.mktemp("tls"))
+    (d / "tokens").write_text(f"# clients\n{TOKEN}\n")
+    srv = start_server(http_port=0, token_file=str(d / "tokens"), tls_cert=str(d / "cert.pem"),
+                       tls_key=str(d / "key.pem"))
+    yield srv, ssl.create_default_context(cafile=str(d / "cert.pem"))
+    srv.stop()
+
+
+def test_tls_and_token_shared_with_grpc(secure):
+    srv, cert = secure
+    assert srv.http_url.startswith("https://")
+    image = pngs(random_images(1, seed=27))
+    with httpx.Client(base_url=srv.http_url, verify=cert, timeout=60) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            for method, path in (("POST", "/v1/features"), ("GET", "/v1/models")):
+                response = client.request(method, path, headers=headers, content=b"\xff junk")
+                assert response.status_code == 401, (headers, path)  # before the body is read
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert "bearer token" in response.json()["error"]["message"]
+        for path in ("/health", "/ready", "/openapi.json"):  # open, like gRPC health
+            assert client.get(path).status_code == 200
+        ok = client.post("/v1/features", json={"images": image},
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+    with socket.create_connection(("127.0.0.1", srv.server.http_port)) as raw:
+        with cert.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # 100 MiB announced
+            tls.sendall(b"POST /v1/features HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 104857600\r\n\r\n")
+            assert tls.recv(4096).startswith(b"HTTP/1.1 401")  # answered before any body
+    with pytest.raises(httpx.HTTPError):  # plaintext is refused
+        httpx.get(srv.http_url.replace("https", "http") + "/health", timeout=5)
+    client = openai.OpenAI(base_url=srv.http_url + "/v1", api_key=TOKEN, max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=cert))
+    assert len(client.embeddings.create(model=MODEL, input=image).data) == 1
+    wrong = openai.OpenAI(base_url=srv.http_url + "/v1", api_key="nope", max_retries=0,
+                          http_client=openai.DefaultHttpxClient(verify=cert))
+    with pytest.raises(openai.AuthenticationError):
+        wrong.embeddings.create(model=MODEL, input=image)
+
+
+@pytest.fixture(scope="module")
+def slow():
+    srv = start_server(http_port=0, max_delay_ms=DELAY_MS, max_queue_images=QUEUE,
+                       max_request_images=QUEUE)
+    yield srv
+    srv.stop()
+
+
+def _post_in_thread(url: str, body: dict, out: list, **options) -> threading.Thread:
+    def run():
+        try:
+            out.append(httpx.post(url, json=body, **options))
+        except httpx.HTTPError as err:
+            out.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_overload_is_429_with_retry_after_while_admitted_calls_complete(slow):
+    url = slow.http_url + "/v1/features"
+    admitted: list = []
+    threads = [_post_in_thread(url, {"images": pngs(random_images(3, i, (64, 64)))}, admitted,
+                               timeout=60) for i in range(2)]
+    wait_for(lambda: queued(slow) == QUEUE)
+    refused = httpx.post(url, json={"images": pngs(random_images(1))}, timeout=60)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == "RESOURCE_EXHAUSTED" and "queue full" in error["message"]
+    assert not admitted  # refused while the admitted calls still waited for their batch
+    for thread in threads:
+        thread.join(60)
+    assert [r.status_code for r in admitted] == [200, 200]
+
+
+def test_deadline_is_504_and_the_images_are_not_computed(slow):
+    before = metrics(slow)
+    response = httpx.post(slow.http_url + "/v1/features", timeout=60,
+                          json={"images": pngs(random_images(2, 5, (64, 64)))},
+                          headers={"X-Request-Timeout": "0.3"})
+    assert response.status_code == 504 and response.json()["error"]["code"] == "DEADLINE_EXCEEDED"
+    wait_for_images(slow, before, "expired", 2)
+    after = metrics(slow)
+    assert metric(after, "vit22b_batch_images_count") == metric(before, "vit22b_batch_images_count")
+    assert metric(after, "vit22b_queue_images") == 0
+
+
+def test_a_client_that_disconnects_is_not_computed(slow):
+    before = metrics(slow)
+    out: list = []
+    thread = _post_in_thread(slow.http_url + "/v1/features",
+                             {"images": pngs(random_images(2, 6, (64, 64)))}, out, timeout=0.5)
+    thread.join(30)
+    assert isinstance(out[0], httpx.TimeoutException)  # the client gave up and closed
+    wait_for_images(slow, before, "cancelled", 2)
+    after = metrics(slow)
+    assert metric(after, "vit22b_batch_images_count") == metric(before, "vit22b_batch_images_count")
+    assert metric(after, "vit22b_queue_images") == 0
+
+
+def test_drain_finishes_accepted_calls_on_both_doors_then_refuses():
+    srv = start_server(http_port=0, max_delay_ms=DELAY_MS * 4)
+    url = srv.http_url
+    accepted: list = []
+    thread = _post_in_thread(url + "/v1/features", {"images": pngs(random_images(2, 7))},
+                             accepted, timeout=60)
+    wait_for(lambda: queued(srv) == 2)
+    rpc = stub(srv.address).Embed.future(pb.EmbedRequest(images=[raw_image(GOOD)]), timeout=60)
+    wait_for(lambda: queued(srv) == 3)
+    outcome = {}
+    stopper = threading.Thread(target=lambda: outcome.update(clean=srv.stop()))
+    stopper.start()
+    wait_for(lambda: httpx.get(url + "/ready").status_code == 503)
+    assert httpx.get(url + "/ready").json() == {"status": "NOT_SERVING"}
+    refused = httpx.post(url + "/v1/features", json={"images": pngs(random_images(1))})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "shutting down" in refused.json()["error"]["message"]
+    thread.join(60)
+    assert accepted[0].status_code == 200  # not cut: drained without waiting out the delay
+    assert wire.from_tensor(rpc.result().pooled).shape == (1, 64)
+    stopper.join(60)
+    assert outcome["clean"] is True
+    with pytest.raises(httpx.ConnectError):  # the port is closed after the drain
+        httpx.get(url + "/health", timeout=5)
+
+
+def test_grpc_and_http_calls_share_one_batcher(slow):
+    before = metrics(slow)
+    images = random_images(3, seed=28, size=(64, 64))
+    answers: list = []
+    thread = _post_in_thread(slow.http_url + "/v1/features", {"images": pngs(images[:2])},
+                             answers, timeout=60)
+    wait_for(lambda: queued(slow) == 2)
+    rpc = stub(slow.address).Embed.future(pb.EmbedRequest(images=[raw_image(images[2])]),
+                                          timeout=60)
+    thread.join(60)
+    after = metrics(slow)
+    count = "vit22b_batch_images_count"
+    assert metric(after, count) - metric(before, count) == 1  # one batch of both doors' images
+    assert metric(after, "vit22b_batch_images_sum") - metric(before, "vit22b_batch_images_sum") == 3
+    assert tensor(answers[0].json()["outputs"]["pooled"]).shape == (2, 64)
+    assert wire.from_tensor(rpc.result().pooled).shape == (1, 64)
+
+
+def test_sigterm_drains_both_doors_and_loses_no_accepted_call():
+    proc, address = serve_process(
+        "--mesh", "data=2,model=4", "--max-batch-images", "8", "--max-delay-ms", "50",
+        "--log-level", "WARNING", "--compile-cache", "off", "--http-port", "0",
+    )
+    try:
+        body = {"images": pngs(random_images(2, 8, (64, 64)))}
+
+        def grpc_load(outcomes: list, stop: threading.Event) -> None:
+            s = stub(address)
+            while not stop.is_set():
+                try:
+                    response = s.Embed(pb.EmbedRequest(images=[raw_image(GOOD)] * 2), timeout=60)
+                    assert wire.from_tensor(response.pooled).shape == (2, 64)
+                    outcomes.append(("grpc OK", ""))
+                except grpc.RpcError as err:
+                    outcomes.append((f"grpc {err.code().name}", err.details() or ""))
+                    return
+
+        def http_load(outcomes: list, stop: threading.Event) -> None:
+            with httpx.Client(base_url=proc.http_url, timeout=60) as client:
+                while not stop.is_set():
+                    try:
+                        response = client.post("/v1/features", json=body)
+                    except httpx.ConnectError as err:  # the port closed: refused, not cut
+                        outcomes.append(("http refused", str(err)))
+                        return
+                    outcomes.append((f"http {response.status_code}", response.text[:200]))
+                    if response.status_code != 200:
+                        return
+                    assert response.json()["outputs"]["pooled"]["shape"] == [2, 64]
+
+        outcomes = sigterm_under_load(proc, [grpc_load, http_load] * 4,
+                                      lambda done: sum(c == "http 200" for c, _ in done) >= 20)
+        codes = {code for code, _ in outcomes}
+        assert codes <= {"grpc OK", "grpc UNAVAILABLE", "http 200", "http 503", "http refused"}
+        assert {"grpc OK", "http 200"} <= codes, outcomes
+        for code, details in outcomes:  # refused at the door, never cut mid-call
+            if code in ("grpc UNAVAILABLE", "http 503"):
+                assert re.search(r"shutting down|connect|refused", details), details
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
