@@ -163,7 +163,7 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     prefix = data[:16]
     for fmt in FORMATS:
         factory, accept = Image.OPEN[fmt]
-        recognised = accept(prefix)
+        recognised = _signature(accept, prefix)
         if isinstance(recognised, str):  # the plugin is there but its codec is not
             raise InvalidImage(f"{_name(fmt)} image, but {recognised}")
         if not recognised:
@@ -177,6 +177,15 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         except Exception as err:  # noqa: BLE001 - a header parser failure is the sender's data
             raise InvalidImage(f"{_name(fmt)} file, but {_header_reason(err)}") from None
     raise InvalidImage(_unaccepted(data))
+
+
+def _signature(accept, prefix: bytes):
+    """A plugin's signature check; one that fails on a prefix too short for it does not match
+    (Pillow's DIB check unpacks 4 bytes of whatever it is given)."""
+    try:
+        return accept(prefix)
+    except Exception:  # noqa: BLE001 - any failure of the check is "not this format"
+        return False
 
 
 def _header_reason(err: Exception) -> str:
@@ -193,7 +202,7 @@ def _unaccepted(data: bytes) -> str:
     prefix = data[:16]
     for fmt in Image.ID:
         factory, accept = Image.OPEN[fmt]
-        if fmt not in FORMATS and accept is not None and accept(prefix) is True:
+        if fmt not in FORMATS and accept is not None and _signature(accept, prefix) is True:
             description = getattr(factory, "format_description", None)
             named = f"{fmt} ({description})" if description else fmt
             return f"{named} file (by its signature), not an accepted format: send {FORMAT_NAMES}"

@@ -114,6 +114,9 @@ def test_bytes_of_no_format_say_so():
         decode(b"this is text, not an image")
     with pytest.raises(InvalidImage, match="empty image bytes"):
         decode(b"")
+    for short in (b"a", b"ab", b"abc", b"\x00\x01\x02"):  # shorter than some signatures
+        with pytest.raises(InvalidImage, match="not an image file of a known format"):
+            decode(short)
 
 
 def _zero_sized() -> dict[str, bytes]:
