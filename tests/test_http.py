@@ -136,7 +136,7 @@ def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
     header = json.loads(response.content[8 : 8 + int.from_bytes(response.content[:8], "little")])
     meta = {k: json.loads(v) for k, v in header["__metadata__"].items()}
     assert meta["indices"] == [0, 2, 3]
-    assert meta["errors"][0]["index"] == 1 and "not a JPEG" in meta["errors"][0]["reason"]
+    assert meta["errors"][0]["index"] == 1 and "not an image file" in meta["errors"][0]["reason"]
     assert meta["model"]["fingerprint"] == server.engine.identity.fingerprint
 
 
