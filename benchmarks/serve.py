@@ -67,6 +67,16 @@ def drive(address: str, clients: int, images: list[bytes], bulk_batch: int) -> d
             wall = timed(lambda: client.embed(images, batch_size=bulk_batch))
         return {"wall_s": wall, "latencies_s": []}
 
+    def one(client, image: bytes) -> None:
+        assert client.embed([image]).pooled.shape[0] == 1
+
+    return run_clients(lambda: FeatureClient(address), one, clients, images)
+
+
+def run_clients(connect, call, clients: int, images: list[bytes]) -> dict:
+    """``clients`` threads, each with its own connection (``connect()``, a context manager)
+    calling ``call(connection, image)`` for every image of its share; the first call off the
+    clock, then 'ready' / 'go'. Wall seconds and per-call latencies."""
     shares = [images[i::clients] for i in range(clients)]
     latencies: list[list[float]] = [[] for _ in range(clients)]
     start = threading.Barrier(clients + 1)
@@ -74,14 +84,13 @@ def drive(address: str, clients: int, images: list[bytes], bulk_batch: int) -> d
 
     def client_loop(i: int) -> None:
         try:
-            with FeatureClient(address) as client:
-                client.embed(shares[i][:1])  # channel and first call off the clock
+            with connect() as client:
+                call(client, shares[i][0])  # connection and first call off the clock
                 start.wait()
                 for image in shares[i]:
                     t0 = time.perf_counter()
-                    features = client.embed([image])
+                    call(client, image)
                     latencies[i].append(time.perf_counter() - t0)
-                    assert features.pooled.shape[0] == 1
         except BaseException as err:  # reported by the parent, never hidden
             errors.append(err)
             start.abort()
@@ -124,11 +133,15 @@ def scrape_batches(metrics_url: str) -> tuple[float, float]:
 
 
 def run_phase(args, address: str, metrics_url: str, clients: int) -> dict:
-    """One client process; returns its figures plus the server's average batch in the phase."""
     command = [
         sys.executable, __file__, "--drive", address, "--clients", str(clients),
         "--images", str(args.images), "--size", str(args.size), "--batch", str(args.batch),
     ]
+    return run_client_process(command, metrics_url, clients)
+
+
+def run_client_process(command: list[str], metrics_url: str, clients: int) -> dict:
+    """One client process; returns its figures plus the server's average batch in the phase."""
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         if proc.stdout.readline().strip() != "ready":
