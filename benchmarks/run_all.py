@@ -36,10 +36,13 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
     serve_b = ["benchmarks/serve.py"]
     serve_tiny = ["benchmarks/serve.py", "--model", "vit-22b-tiny/16", "--size", "64",
                   "--images", "256"]
+    http_tiny = ["benchmarks/serve_http.py", "--model", "vit-22b-tiny/16", "--size", "64",
+                 "--images", "256"]
     if quick:
         forward += ["--batches", "1", "8", "--repeats", "2"]
         serve_b += ["--images", "32", "--repeats", "1"]
         serve_tiny += ["--repeats", "1"]
+        http_tiny += ["--repeats", "1"]
     embed_ray = ["benchmarks/embed_ray.py"]
     if quick:
         embed_ray += ["--images", "1024", "--small", "256", "--repeats", "1"]
@@ -48,6 +51,7 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         ("forward", py + forward),
         ("serve", py + serve_b),
         ("serve_tiny", py + serve_tiny),
+        ("serve_http_tiny", py + http_tiny),
         ("embed_ray", py + embed_ray),
         ("gpu_22b", py + gpu_22b),
     ]
@@ -201,6 +205,25 @@ def embed_ray_section(r: dict) -> str:
     ])
 
 
+def http_section(r: dict) -> str:
+    rows = [[f"{door} ({'SDK' if door == 'grpc' else 'httpx, JSON'})", clients,
+             s["images_per_s"], s["p50_ms"], s["p99_ms"], s["avg_batch"]]
+            for clients in (1, 32) for door in ("grpc", "http")
+            for s in [r[f"{door}_clients_{clients}"]]]
+    return "\n\n".join([
+        f"## HTTP `/v1/features` vs gRPC `Embed` ({r['model']}, mesh {r['mesh']})",
+        f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} repeats of {r['images']} JPEGs of "
+        f"{r['jpeg_side']}x{r['jpeg_side']}, doors alternating, medians; one image per call; "
+        f"load average {r['_load_before']} before, {r['machine']['load_avg_1m']} after). One "
+        "server runs both doors; clients in a separate process, one connection each.",
+        table(["door", "clients", "img/s", "p50 ms", "p99 ms", "avg batch"], rows),
+        table(["ratio", "value"], [
+            ["HTTP / gRPC at 1 client", r["ratio_http_to_grpc_1"]],
+            ["HTTP / gRPC at 32 clients", r["ratio_http_to_grpc_32"]],
+        ]),
+    ])
+
+
 def gpu_section(r: dict) -> str:
     head = "## ViT-22B/14 bf16 on one GPU (`benchmarks/gpu_22b.py`)"
     if r["dry_run"]:
@@ -262,6 +285,7 @@ def write_markdown(results: dict, started: str, quick: bool) -> str:
         forward_section(results["forward"]),
         serve_section(results["serve"], SERVE_NOTES["serve"]),
         serve_section(results["serve_tiny"], SERVE_NOTES["serve_tiny"]),
+        http_section(results["serve_http_tiny"]),
         embed_ray_section(results["embed_ray"]),
         gpu_section(results["gpu_22b"]),
         "## Commands\n\n" + "\n".join(f"    {r['_command']}" for r in results.values()),
