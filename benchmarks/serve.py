@@ -238,8 +238,9 @@ def serve_main(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def serving_parser(description: str) -> argparse.ArgumentParser:
+    """The serving benchmarks' options (model, mesh, images, batching, repeats)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="vit-b/16")
     parser.add_argument("--mesh", default="auto", help="default: the engine's own choice")
     parser.add_argument("--images", type=int, default=96, help="images per side and repeat")
@@ -247,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="max_batch_images")
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--drive", metavar="ADDRESS", help=argparse.SUPPRESS)  # client process
     parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = serving_parser(__doc__.splitlines()[0])
+    parser.add_argument("--drive", metavar="ADDRESS", help=argparse.SUPPRESS)  # client process
     args = parser.parse_args(argv)
     if args.drive:
         result = drive(args.drive, args.clients, jpegs(args.images, args.size), args.batch)

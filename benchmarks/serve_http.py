@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 from benchlib import emit, log, machine
-from serve import jpegs, run_client_process, run_clients, summarize
+from serve import jpegs, run_client_process, run_clients, serving_parser, summarize
 
 CLIENTS = (1, 32)
 DOORS = ("grpc", "http")
@@ -109,16 +109,8 @@ def serve_main(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="vit-b/16")
-    parser.add_argument("--mesh", default="auto", help="default: the engine's own choice")
-    parser.add_argument("--images", type=int, default=96, help="images per phase and repeat")
-    parser.add_argument("--size", type=int, default=256, help="side of the JPEG files")
-    parser.add_argument("--batch", type=int, default=32, help="max_batch_images")
-    parser.add_argument("--max-delay-ms", type=float, default=5.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = serving_parser(__doc__.splitlines()[0])
     parser.add_argument("--drive", nargs=2, metavar=("DOOR", "ADDRESS"), help=argparse.SUPPRESS)
-    parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.drive:
         door, address = args.drive

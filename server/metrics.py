@@ -14,7 +14,7 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "vit22b_requests",
-            "Calls by method and gRPC status code",
+            "Calls by method (gRPC method, or HTTP route) and status (its gRPC code name)",
             ["method", "code"],
             registry=r,
         )
