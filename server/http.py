@@ -45,7 +45,8 @@ from vit22b.model.errors import (
     TooLarge,
     Unauthenticated,
 )
-from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.model.features import ARRAYS
+from vit22b.model.outputs import KINDS, POOLED, OutputRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -84,8 +85,7 @@ class Image(_Body):
 
 class FeaturesRequest(_Body):
     images: list[Image | str] = Field(description="images; a string is an image's `data`")
-    outputs: list[str] = Field([], description="pooled, class_token, patch_tokens, "
-                               "attention_stats, logits (default: pooled)")
+    outputs: list[str] = Field([], description=f"{', '.join(KINDS)} (default: pooled)")
     layers: list[int] = Field([], description="blocks whose patch tokens to return (negative "
                               "count from the end; imply patch_tokens)")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
@@ -139,7 +139,7 @@ class FeaturesResponse(BaseModel):
     errors: list[ImageError]
     timings: dict[str, float]
     outputs: dict[str, Tensor | dict[str, Tensor]] = Field(
-        description="pooled, class_token, attention_entropy, attention_max_logit, logits; "
+        description=f"{', '.join(ARRAYS)}: each a tensor, when asked; "
         "patch_tokens: {layer as requested: tensor}")
 
 
@@ -337,7 +337,7 @@ class HttpDoor:
 
     async def _embeddings(self, request: Request) -> Response:
         body = _parse(await request.body(), EmbeddingsRequest)
-        name, width = self.info.model.name, self.info.width
+        name, width = self.info.model.name, self.info.pooled_dim or self.info.width
         if body.model != name:
             raise InvalidRequest(f"model {body.model!r} is not served here; this server serves "
                                  f"{name!r} (GET /v1/models)")
