@@ -137,21 +137,32 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded():
                     source="s", max_batch_images=8, max_compiled=4)  # 4 buckets: 1 output set
     engine.warm_up()
     config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    compiling, release = threading.Event(), threading.Event()
+    original = engine._compile
+
+    def held_compile(bucket, outputs):  # an on-demand compile that lasts until released
+        compiling.set()
+        release.wait(60)
+        return original(bucket, outputs)
+
     with BackgroundServer(config, engine=engine) as srv:
         client = stub(srv.address)
-        order: list[str] = []
-
-        def new_set():
-            client.Embed(embed_request(1, patch_layers=[1]), timeout=60)
-            order.append("new")
-
-        thread = threading.Thread(target=new_set)
+        engine._compile = held_compile
+        done: list[str] = []
+        thread = threading.Thread(
+            target=lambda: done.append(
+                str(client.Embed(embed_request(1, patch_layers=[1]), timeout=60).indices)
+            )
+        )
         thread.start()
-        time.sleep(0.05)  # the new set is compiling on the engine's compile thread
-        client.Embed(embed_request(1), timeout=60)
-        order.append("pooled")
-        thread.join()
-        assert order[0] == "pooled"  # the warm set was not held behind the compile
+        assert compiling.wait(30)  # the new set is compiling on the engine's compile thread
+        for _ in range(3):  # the warm set keeps flowing meanwhile
+            assert list(client.Embed(embed_request(1), timeout=30).indices) == [0]
+        assert not done  # ... while the new set still waits for its compile
+        release.set()
+        thread.join(60)
+        del engine._compile
+        assert done == ["[0]"]
         with pytest.raises(grpc.RpcError) as err:  # the cache holds one on-demand set: full
             client.Embed(embed_request(1, patch_layers=[2]), timeout=60)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
