@@ -117,7 +117,11 @@ def embed_job(backend, data, out, k=4, **kw):
     return run_job(config, backend)
 
 
-def test_the_job_stores_frames_mean_and_timestamps_and_lists_bad_videos(videos, tmp_path):
+@pytest.mark.parametrize("storage", ["npy", "parquet", "safetensors"])
+def test_the_job_stores_frames_mean_and_timestamps_and_lists_bad_videos(videos, tmp_path,
+                                                                        storage):
+    if storage == "parquet":
+        pytest.importorskip("pyarrow")
     data, out = tmp_path / "data", tmp_path / "out"
     bad = bad_videos(data / "bad")
     for path in videos:
@@ -125,7 +129,7 @@ def test_the_job_stores_frames_mean_and_timestamps_and_lists_bad_videos(videos, 
     spec = OutputSpec(patch_layers=(-1,))
     backend = LocalBackend(spec, engine=shared_engine())
     # one video per batch: its frames are computed as one call, like the reference below
-    summary = embed_job(backend, data, out, spec=spec, batch_size=1)
+    summary = embed_job(backend, data, out, spec=spec, batch_size=1, format=storage)
     result = open_outputs(str(out), verify=True)
     good = sorted([p.name for p in videos] + ["bad/good.mp4", "bad/good.webm"])
     assert result.ids == good and summary.complete
@@ -153,10 +157,10 @@ def test_the_job_stores_frames_mean_and_timestamps_and_lists_bad_videos(videos, 
         np.testing.assert_array_equal(result["frame_indices"][row], clip.indices)
 
     identity = json.loads((out / "manifest.json").read_text())["identity"]
-    assert identity["video"]["frames"] == 4
+    assert identity["video"]["frames"] == 4 and identity["format"] == storage
     with pytest.raises(JobMismatch, match="video: .*'frames': 4.* in the manifest, .*'frames': 6"):
-        embed_job(backend, data, out, k=6, spec=spec)
-    again = embed_job(backend, data, out, spec=spec)  # the same settings: resumes, nothing to do
+        embed_job(backend, data, out, k=6, spec=spec, format=storage)
+    again = embed_job(backend, data, out, spec=spec, format=storage)  # the same: resumes
     assert again.embedded == 0 and again.skipped == len(good) + len(errors)
 
 
