@@ -5,7 +5,7 @@ fails) or ``--local`` (the in-process engine: ``--model``, ``--checkpoint``, ``-
 also what runs when neither is given. Remote mode never imports jax. Runners: this process's
 threads (default), or ``--runner ray`` (embed_ray: a Ray Data pipeline of ``--concurrency``
 actors of the chosen backend, on the cluster at ``--ray-address``). ``--frames K`` makes it a
-job over videos (clients/embed_video.py, threads runner): inputs narrowed to video files unless
+job over videos (clients/embed_video.py, either runner): inputs narrowed to video files unless
 ``--ext`` says.
 """
 
@@ -142,9 +142,6 @@ def video_sampling(options: EmbedSettings) -> Sampling | None:
         raise ValueError("--frames and --stride-seconds exclude each other")
     sampling = Sampling(options.frames, options.stride_seconds)
     video_arrays({}, sampling)  # refuses a stride, with the reason
-    if options.runner != "threads":
-        raise ValueError("--frames runs with --runner threads (the Ray runner's actors do not "
-                         "decode videos)")
     return sampling
 
 

@@ -14,8 +14,9 @@ video. Stored per video (one row of each array):
     timestamps               [K] float64      seconds from the first frame's start
     frame_indices            [K] int64        positions in the presentation order
 
-A video that cannot be decoded, or one of whose frames the server refused, is a failure with
-its reason in ``errors.jsonl``. The sampling settings are part of the job's identity, so a
+Inputs may be local paths (PyAV reads the file) or fsspec URLs (read whole, then decoded). A
+video that cannot be read or decoded, or one of whose frames the server refused, is a failure
+with its reason in ``errors.jsonl``. The sampling settings are part of the job's identity, so a
 rerun with other settings is refused. Only ``--frames K`` is offered: a job stores a fixed row
 shape per output, and a stride in seconds gives each video its own frame count (the SDK's
 ``embed_videos(stride_s=S)`` serves that).
@@ -27,9 +28,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .embed import BatchResult, to_stored
+from .embed import BatchResult, os_reason, to_stored
 from .embed_inputs import InputItem
-from .video import Sampling
+from .storage import is_url, local_path, read_bytes
+from .video import Clip, Sampling, VideoError, read_clip
 from .video_features import FramePlan
 
 FRAMES, MEAN = "frames.", "mean."
@@ -62,8 +64,7 @@ class VideoWorker:
         self.name = inner.name
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
-        plan = FramePlan.read([item.path for item in items], self.sampling,
-                              [item.id for item in items])
+        plan = FramePlan([self._read(item) for item in items])
         frames = plan.frames
         result = self.inner.embed_images(frames) if frames else BatchResult([], {}, [])
         rows, errors = plan.regroup(result.rows, result.failed)
@@ -81,6 +82,17 @@ class VideoWorker:
                 means = np.stack([np.asarray(a, np.float32).mean(axis=0) for a in per_video])
                 arrays[MEAN + name] = to_stored(means, self.dtype)
         return BatchResult(videos, arrays, failed)
+
+
+    def _read(self, item: InputItem) -> Clip | VideoError:
+        """A local file by its path (PyAV reads it); a URL (fsspec) by its bytes."""
+        try:
+            source = read_bytes(item.path) if is_url(item.path) else local_path(item.path)
+            return read_clip(source, self.sampling, name=item.id)
+        except OSError as err:
+            return VideoError(item.id, os_reason(err))
+        except VideoError as err:
+            return err
 
 
 class VideoBackend:

@@ -191,3 +191,23 @@ def test_cli_video_options(server, videos, tmp_path, capsys):
     assert "use --frames K" in capsys.readouterr().err
     frames = np.asarray(open_outputs(out)["frames.pooled"])
     assert frames.shape == (4, 2, 64)
+
+
+def test_video_inputs_from_an_fsspec_url_equal_the_local_files(videos, tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    for path in videos:
+        fs.pipe(f"/video-inputs/{path.name}", path.read_bytes())
+    fs.pipe("/video-inputs/broken.mp4", b"\x00" * 64)
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    config = dict(batch_size=1, shard_size=8, video=Sampling(frames=3), quiet=True)
+    remote = run_job(JobConfig(["memory://video-inputs/"], str(tmp_path / "m"), OutputSpec(),
+                               **config), backend)
+    local = run_job(JobConfig([str(videos[0].parent)], str(tmp_path / "l"), OutputSpec(),
+                              **config), backend)
+    assert (remote.embedded, remote.failed) == (4, 1) and local.embedded == 4
+    a, b = open_outputs(str(tmp_path / "m")), open_outputs(str(tmp_path / "l"))
+    np.testing.assert_array_equal(np.asarray(a["frames.pooled"]), np.asarray(b["frames.pooled"]))
+    np.testing.assert_array_equal(np.asarray(a["timestamps"]), np.asarray(b["timestamps"]))
+    assert "not a readable video container" in a.failed[0]["reason"]
+    fs.rm("/video-inputs", recursive=True)
