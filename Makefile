@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch only for the tests that compare against PyTorch peers; 2.13.0 is the CPU wheel on disk.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[all,dev,compare]'
+	# all includes video (PyAV: a binary wheel, no compiler)
+	$(PY) -m pip install -q -e '.[all,video,dev,compare]'
 	# timm's own model code for the import parity tests. --no-deps: its torchvision does not load
 	# beside this torch; tests/peers.py runs timm without it.
 	$(PY) -m pip install -q --no-deps timm==1.0.31

@@ -46,6 +46,7 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
     embed_ray = ["benchmarks/embed_ray.py"]
     if quick:
         embed_ray += ["--images", "1024", "--small", "256", "--repeats", "1"]
+    video = ["benchmarks/video.py"] + (["--clips", "8", "--repeats", "1"] if quick else [])
     gpu_22b = ["benchmarks/gpu_22b.py"] if gpu else ["benchmarks/gpu_22b.py", "--dry-run"]
     return [
         ("forward", py + forward),
@@ -53,6 +54,7 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         ("serve_tiny", py + serve_tiny),
         ("serve_http_tiny", py + http_tiny),
         ("embed_ray", py + embed_ray),
+        ("video", py + video),
         ("gpu_22b", py + gpu_22b),
     ]
 
@@ -224,6 +226,33 @@ def http_section(r: dict) -> str:
     ])
 
 
+def video_section(r: dict) -> str:
+    c, per_video = r["clip"], round(1000 / r["job_videos_per_s"], 2)
+    rows = [
+        ["decode: PyAV demux + decode, RGB of the sampled frames", r["decode_videos_per_s"],
+         r["decode_ms_per_video"]],
+        ["compute: the facade on the decoded frames (preprocess + forward)",
+         r["compute_videos_per_s"], r["compute_ms_per_video"]],
+        ["job: `run_job` with `--frames`, decoding in the workers", r["job_videos_per_s"],
+         per_video],
+    ]
+    return "\n\n".join([
+        f"## Video: {r['frames_per_clip']}-frame clips through the batch job ({r['model']}, "
+        f"mesh {r['mesh']})",
+        f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} repeats, medians; {r['clips']} "
+        f"{c['codec']} MP4 clips of {c['frames']} frames, {c['width']}x{c['height']} at "
+        f"{c['fps']:g} fps, {r['frames_per_clip']} frames sampled from each; "
+        f"{r['concurrency']} workers, batches of {r['batch_size']} frames; load average "
+        f"{r['_load_before']} before, {r['machine']['load_avg_1m']} after).",
+        table(["side", "videos/s", "ms per video"], rows),
+        f"Decoding's share of the serial time, decode / (decode + compute): "
+        f"**{r['decode_share']}**. The job moved {r['job_frames_per_s']} frames/s. Decoding "
+        "runs every frame of a clip (inter-frame codecs), not only the sampled ones; next to "
+        f"this model's forward it is {'most' if r['decode_share'] > 0.5 else 'less than half'} "
+        "of a video's cost.",
+    ])
+
+
 def gpu_section(r: dict) -> str:
     head = "## ViT-22B/14 bf16 on one GPU (`benchmarks/gpu_22b.py`)"
     if r["dry_run"]:
@@ -287,6 +316,7 @@ def write_markdown(results: dict, started: str, quick: bool) -> str:
         serve_section(results["serve_tiny"], SERVE_NOTES["serve_tiny"]),
         http_section(results["serve_http_tiny"]),
         embed_ray_section(results["embed_ray"]),
+        video_section(results["video"]),
         gpu_section(results["gpu_22b"]),
         "## Commands\n\n" + "\n".join(f"    {r['_command']}" for r in results.values()),
     ]

@@ -16,6 +16,9 @@ _EXPORTS = {
     "ImageError": "embeddings",
     "MixedModelsError": "embeddings",
     "InvalidImage": "client",
+    "Sampling": "video",
+    "VideoError": "video",
+    "VideoEmbedding": "video_features",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("vit22b.model.checkpoint_cli", "write a checkpoint with seeded random weights"),
     "convert": ("vit22b.model.checkpoint_cli", "convert timm / Hugging Face / big_vision weights"),
     "serve": ("vit22b.server.cli", "run the gRPC feature server"),
-    "embed": ("vit22b.clients.embed_cli", "embed folders of images into sharded outputs"),
+    "embed": ("vit22b.clients.embed_cli", "embed folders of images or videos into sharded outputs"),
     "probe": ("vit22b.probes.cli", "evaluate features with a probe (linear, knn, depth, ...)"),
     "explore": ("vit22b.probes.cli", "attention-entropy explorer: QK-norm and block types"),
 }

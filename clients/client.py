@@ -325,6 +325,23 @@ class FeatureClient(ClientBase):
         """
         return merge(list(self.iter_embed(images, **kwargs)))
 
+    def embed_videos(self, videos, **kwargs):
+        """Per-frame features of videos (paths or bytes; PyAV decodes them here): ``frames=K``
+        or ``stride_s=S``, then ``embed``'s keywords; see ``video_features.embed_videos``."""
+        from .video_features import embed_videos
+
+        return embed_videos(self, videos, **kwargs)
+
+    def embed_video(self, video, **kwargs):
+        """One video: ``.pooled`` [frames, width], ``.temporal_mean``, ``.patch_tokens`` (on
+        request), ``.timestamps``; raises ``VideoError`` for a video that cannot be decoded."""
+        from .video import VideoError
+
+        result = self.embed_videos([video], **kwargs)
+        if result.errors:  # skip_invalid=True: still one video asked for, so raise
+            raise VideoError(result.errors[0].id, result.errors[0].reason)
+        return result.videos[0]
+
     def close(self) -> None:
         for channel in self._channels:
             channel.close()

@@ -123,6 +123,19 @@ def summary(result: Embeddings, paths: list[Path], folder: Path, info, seconds: 
     return "\n".join(lines)
 
 
+def video_summary(video, seconds: float) -> str:
+    """One ``embed_video`` result (``video_features.VideoEmbedding``) in a few lines."""
+    info, stamps = video.info, ", ".join(f"{t:.2f}" for t in video.timestamps)
+    return "\n".join([
+        f"video       {video.id}: {info.codec} in {info.container.split(',')[0]}, "
+        f"{info.width}x{info.height}, {info.frame_count} frames, {info.duration_s:.3f} s at "
+        f"{info.fps:g} fps",
+        f"frames      {len(video.timestamps)} sampled at {stamps} s (centres of equal segments)",
+        f"features    pooled {video.pooled.shape} per frame, temporal mean "
+        f"{video.temporal_mean.shape}; {seconds * 1000:.0f} ms decode + embed",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vit22b.clients.demo", description=__doc__)
     parser.add_argument("--images", type=Path, default=SAMPLE, help="folder of <class>/<x>.png")

@@ -37,6 +37,7 @@ from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
 from .embed_store import OutputStore, ShardWriter
 from .outputs import ERRORS, array_name
 from .storage import read_bytes
+from .video import Sampling
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -101,6 +102,10 @@ class Worker(Protocol):
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult: ...
 
+    def embed_images(self, images: Sequence[bytes | np.ndarray]) -> BatchResult:
+        """Encoded images or uint8 [H, W, 3] pixels; rows and failures are their positions."""
+        ...
+
 
 class Backend(Protocol):
     model: ModelIdentity
@@ -122,6 +127,23 @@ def read_file(item: InputItem) -> bytes:
 
 def os_reason(err: OSError) -> str:
     return f"cannot read file: {err.strerror or err}"
+
+
+def embed_files(worker, items: Sequence[InputItem]) -> BatchResult:
+    """Read each item's file and embed the readable ones with ``worker.embed_images(blobs)``
+    (whose rows and failures are positions among the blobs); an unreadable file is a failure."""
+    blobs, positions, failed = [], [], []
+    for position, item in enumerate(items):
+        try:
+            blobs.append(read_file(item))
+            positions.append(position)
+        except OSError as err:
+            failed.append((position, os_reason(err)))
+    if not blobs:
+        return BatchResult([], {}, failed)
+    result = worker.embed_images(blobs)
+    failed += [(positions[p], reason) for p, reason in result.failed]
+    return BatchResult([positions[r] for r in result.rows], result.arrays, sorted(failed))
 
 
 @dataclass
@@ -164,6 +186,7 @@ class JobConfig:
     extensions: tuple[str, ...] = ()
     quiet: bool = False
     format: str = "npy"  # how shards are stored: FORMAT_CHOICES
+    video: Sampling | None = None  # a job over videos (embed_video): frames sampled per video
     on_shard: Callable[[int], None] | None = None  # called after each shard is written
 
 
@@ -244,7 +267,7 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         "shard_size": config.shard_size,
         "format": config.format,
         "inputs": {"count": len(items), "sha256": ids_digest(items)},
-    }
+    } | ({"video": config.video.describe()} if config.video is not None else {})
 
 
 def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None,
@@ -261,6 +284,10 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     FORMATS[config.format].check()
     items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
     arrays = array_specs(model, config.spec)
+    if config.video is not None:
+        from .embed_video import video_arrays
+
+        arrays = video_arrays(arrays, config.video)
     slices = shard_slices(len(items), config.shard_size)
     identity = identity_of(model, config, items, list(arrays))
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,
@@ -284,6 +311,10 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
 
 def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None = None) -> Summary:
     """Embed every input not yet in ``config.output`` with this process's worker threads."""
+    if config.video is not None:  # a job over videos: every worker decodes them
+        from .embed_video import VideoBackend
+
+        backend = VideoBackend(backend, config.video, config.spec.dtype)
     return run_plan(config, backend.model, items,
                     lambda *job: _run_pending(config, backend, *job))
 

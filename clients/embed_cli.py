@@ -4,7 +4,9 @@ Backends: ``--server ADDR`` (repeatable; work is spread over all of them and mov
 fails) or ``--local`` (the in-process engine: ``--model``, ``--checkpoint``, ``--mesh``), which is
 also what runs when neither is given. Remote mode never imports jax. Runners: this process's
 threads (default), or ``--runner ray`` (embed_ray: a Ray Data pipeline of ``--concurrency``
-actors of the chosen backend, on the cluster at ``--ray-address``).
+actors of the chosen backend, on the cluster at ``--ray-address``). ``--frames K`` makes it a
+job over videos (clients/embed_video.py, either runner): inputs narrowed to video files unless
+``--ext`` says.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from .embed import (
 )
 from .embed_inputs import InputListError, enumerate_inputs
 from .embed_store import JobMismatch
+from .embed_video import video_arrays
 from .outputs import OutputsError
 from .settings import positive, setting
+from .video import VIDEO_SUFFIXES, Sampling
 
 
 def _csv(text: str) -> list[str]:
@@ -94,8 +98,14 @@ class EmbedSettings:
     ray_address: str | None = setting(
         None, "Ray cluster to join (default: RAY_ADDRESS, or a new local instance)")
     ext: tuple[str, ...] = setting(
-        (), "only files with these extensions, e.g. jpg,png (default: every file)",
-        parse=lambda text: tuple(_csv(text)))
+        (), "only files with these extensions, e.g. jpg,png (default: every file; with "
+        "--frames: .mp4 .webm .mkv .mov .avi)", parse=lambda text: tuple(_csv(text)))
+    frames: int | None = setting(
+        None, "a job over videos (decoded here, PyAV): K frames per video, at the centres of K "
+        "equal segments; --batch-size then counts frames", check=positive)
+    stride_seconds: float | None = setting(
+        None, "refused by the job (each video would store its own number of frames); the "
+        "SDK's embed_videos(stride_s=S) does it")
     quiet: bool = setting(False, "no progress bar", short="-q")
 
 
@@ -122,6 +132,17 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
         l2_normalize=options.l2_normalize,
         normalize_patches=options.normalize_patches,
     )
+
+
+def video_sampling(options: EmbedSettings) -> Sampling | None:
+    """The job's frame sampling, or None for an image job."""
+    if options.frames is None and options.stride_seconds is None:
+        return None
+    if options.frames is not None and options.stride_seconds is not None:
+        raise ValueError("--frames and --stride-seconds exclude each other")
+    sampling = Sampling(options.frames, options.stride_seconds)
+    video_arrays({}, sampling)  # refuses a stride, with the reason
+    return sampling
 
 
 def make_backend(args: EmbedSettings, spec: OutputSpec):
@@ -164,15 +185,18 @@ def run(args: argparse.Namespace) -> int:
         options = settings.from_args(EmbedSettings, args)
         settings.check(options)
         spec = output_spec(options)
+        sampling = video_sampling(options)
+        frames = sampling.frames if sampling else 1
         config = JobConfig(
             inputs=args.inputs,
             output=args.output,
             spec=spec,
-            batch_size=options.batch_size,
+            batch_size=max(1, options.batch_size // frames),  # videos: about batch_size frames
             shard_size=options.shard_size,
-            extensions=options.ext,
+            extensions=options.ext or (VIDEO_SUFFIXES if sampling else ()),
             quiet=options.quiet,
             format=options.format,
+            video=sampling,
         )
         items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
         backend = make_backend(options, spec)

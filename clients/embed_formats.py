@@ -149,8 +149,11 @@ class Parquet:
         return out
 
 
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-_ST_NUMPY = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16}
+# float64 / int64: a video job's timestamps and frame indices
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
+              "int64": "I64"}
+_ST_NUMPY = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BFLOAT16,
+             "F64": np.dtype("<f8"), "I64": np.dtype("<i8")}
 
 
 class Safetensors:

@@ -20,7 +20,7 @@ from vit22b.model.outputs import OutputRequest
 from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.infer import ImageInput, LocalInfer
 
-from .embed import BatchResult, OutputSpec, os_reason, read_file, to_stored
+from .embed import BatchResult, OutputSpec, embed_files, to_stored
 from .embed_inputs import InputItem
 from .outputs import array_name
 
@@ -38,22 +38,15 @@ class LocalWorker:
         self.local, self.spec, self.name = local, spec, name
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
-        positions, images, failed = [], [], []
-        for position, item in enumerate(items):
-            try:
-                images.append(ImageInput(read_file(item)))
-                positions.append(position)
-            except OSError as err:
-                failed.append((position, os_reason(err)))
-        if not images:
-            return BatchResult([], {}, failed)
+        return embed_files(self, items)
+
+    def embed_images(self, images: Sequence[bytes | np.ndarray]) -> BatchResult:
         result = self.local.embed(
-            images, self.spec.request, l2_normalize=self.spec.l2_normalize, skip_invalid=True,
-            solo=True,
+            [ImageInput(image) for image in images], self.spec.request,
+            l2_normalize=self.spec.l2_normalize, skip_invalid=True, solo=True,
         )
-        failed += [(positions[e.index], e.reason) for e in result.errors]
-        rows = [positions[i] for i in result.indices]
-        return BatchResult(rows, stored_arrays(result.features, self.spec), sorted(failed))
+        failed = sorted((e.index, e.reason) for e in result.errors)
+        return BatchResult(list(result.indices), stored_arrays(result.features, self.spec), failed)
 
 
 class LocalBackend:

@@ -141,13 +141,17 @@ class EmbedShards:
     """The ``map_batches`` callable class: one backend per actor; embeds and writes shards."""
 
     def __init__(self, actors, spec: OutputSpec, batch_size: int, writer: ShardWriter,
-                 expected: tuple[str, ...]):
+                 expected: tuple[str, ...], video=None):
         self.backend = actors.backend(spec, batch_size)
         if self.backend.model.key != tuple(expected):
             raise JobMismatch(f"this worker's model {self.backend.model.key} is not the job's "
                               f"{tuple(expected)}: refusing to mix")
         if hasattr(self.backend, "warm_up"):
             self.backend.warm_up()  # compile before the first shard
+        if video is not None:  # a job over videos (embed_video): this actor decodes them
+            from .embed_video import VideoBackend
+
+            self.backend = VideoBackend(self.backend, video, spec.dtype)
         self.workers = self.backend.workers()  # remote: one per server; local: one
         self.batch_size, self.writer = batch_size, writer
         self.turn = os.getpid()  # actors start on different servers
@@ -274,7 +278,7 @@ def embed_with_ray(
                 compute=ray.data.ActorPoolStrategy(size=concurrency),
                 fn_constructor_kwargs=dict(actors=actors, spec=config.spec,
                                            batch_size=config.batch_size, writer=store.writer,
-                                           expected=model.key),
+                                           expected=model.key, video=config.video),
                 **resources,
             )
             bar = progress_bar(sum(len(slices[k]) for k in pending), config.quiet)

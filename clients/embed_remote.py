@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 from vit22b.model.errors import InvalidImage
 from vit22b.model.identity import ModelIdentity
 from vit22b.v1 import wire
@@ -25,8 +26,7 @@ from .embed import (
     JobFailed,
     OutputSpec,
     WorkerLost,
-    os_reason,
-    read_file,
+    embed_files,
     to_stored,
 )
 from .embed_inputs import InputItem
@@ -68,16 +68,13 @@ class RemoteWorker:
         )
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
+        return embed_files(self, items)
+
+    def embed_images(self, images: Sequence[bytes | np.ndarray]) -> BatchResult:
         server = self.server
         if server.lost:
             raise WorkerLost(server.lost)
-        blobs, positions, failed = [], [], []
-        for position, item in enumerate(items):
-            try:
-                blobs.append(read_file(item))
-                positions.append(position)
-            except OSError as err:
-                failed.append((position, os_reason(err)))
+        blobs, positions, failed = list(images), list(range(len(images))), []
         while blobs:
             try:
                 # no ids on the wire: file names need not be UTF-8; rows map back by index

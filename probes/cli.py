@@ -63,10 +63,17 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     one.add_argument("--digits", action="store_true", help="scikit-learn's bundled digits")
     one.add_argument(
+        "--moving-world",
+        type=int,
+        metavar="N",
+        help="video: N moving-shapes videos (approaching or receding), written as MP4 files "
+        "under --out",
+    )
+    one.add_argument(
         "--data",
         type=Path,
         metavar="DIR",
-        help="class subfolders; for shape-bias a cue-conflict folder "
+        help="class subfolders (video: of video files); for shape-bias a cue-conflict folder "
         "(<shape>/<shape>N-<texture>M.png); for depth/segmentation a folder "
         "of images with --depth and/or --masks",
     )
@@ -75,7 +82,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="PATH",
         help="features computed before: a .npz from --save-features, or a "
-        "`vit22b embed` output folder",
+        "`vit22b embed` output folder (video: of `vit22b embed --frames K`)",
     )
     src.add_argument(
         "--depth",
@@ -96,6 +103,10 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         help="shape-bias on the shapes world: cue-conflict images (default N/3)",
     )
     src.add_argument("--world-seed", type=int, default=0, help="seed of the shapes world")
+    src.add_argument(
+        "--frames", type=int, default=9, metavar="K",
+        help="video: frames sampled per video, at the centres of K equal segments (default 9)",
+    )
 
     feat = parser.add_argument_group("features of the images")
     feat.add_argument("--server", metavar="ADDR", help="a running `vit22b serve` (host:port)")
@@ -225,9 +236,46 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
     return data, extra
 
 
+def _video_data(args):
+    """Per-frame features of labelled videos (probes/video.py)."""
+    from .video import VideoFeatures
+    from .video_data import (
+        load_video_folder,
+        moving_world,
+        video_features,
+        video_features_from_embed_folder,
+        write_moving_world,
+    )
+
+    if args.save_features:
+        raise DataError("--save-features is for image probes; a video embed output folder "
+                        "(`vit22b embed --frames K`) keeps video features")
+    if args.features:
+        frames, stamps, paths, meta = video_features_from_embed_folder(args.features)
+        return VideoFeatures(frames, *labels_from_folders(paths), stamps, meta)
+    if args.moving_world:
+        world = moving_world(args.moving_world, seed=args.world_seed)
+        paths = write_moving_world(world, args.out / "moving-world")
+        labels, names = world.labels, world.class_names
+    elif args.data:
+        videos = load_video_folder(args.data)
+        paths, labels, names = videos.paths, videos.labels, videos.class_names
+    else:
+        raise DataError("the video probe reads videos: --moving-world N, --data DIR (class "
+                        "subfolders of videos) or --features DIR (a `vit22b embed --frames K` "
+                        "output)")
+    if args.frames < 1:
+        raise DataError(f"--frames must be at least 1, got {args.frames}")
+    frames, stamps, meta = video_features(paths, args.frames, server=args.server,
+                                          token=args.token, model=args.model, seed=args.seed)
+    return VideoFeatures(frames, labels, names, stamps, meta)
+
+
 def _options(args, kind: str) -> dict:
     """Probe options given on the command line (others keep the probe's defaults)."""
     chosen = {}
+    if kind == "video" and args.steps:
+        chosen["steps"] = args.steps
     if kind in ("linear", "fewshot", "knn", "calibration", "shape-bias"):
         chosen["feature"] = args.feature
     if kind in DENSE and args.steps:
@@ -265,8 +313,15 @@ def _run_probe_command(args) -> int:
             )
         if args.shapes_world is not None and args.shapes_world < 8:
             raise DataError("--shapes-world needs at least 8 images")
+        if kind != "video" and args.moving_world is not None:
+            raise DataError("--moving-world is for the video probe (vit22b probe video)")
         options = _options(args, kind)  # reads --head first: fail before embedding anything
-        data, extra = _probe_data(args, kind)
+        if kind == "video":
+            if args.moving_world is not None and args.moving_world < 8:
+                raise DataError("--moving-world needs at least 8 videos")
+            data, extra = _video_data(args), {}
+        else:
+            data, extra = _probe_data(args, kind)
         if args.save_features:
             save_probe_data(args.save_features, data)
         report = run_probe(kind, data, out_dir=args.out, seed=args.seed, **extra, **options)

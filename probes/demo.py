@@ -8,7 +8,9 @@
 4. the probes on the stored features: linear, few-shot, kNN, calibration, depth, segmentation,
    and shape bias measured the Geirhos way (a linear head trained on images whose shape and
    texture agree, tested on cue-conflict images where they disagree);
-5. a summary table; reports (JSON) and figures (PNG) in one output folder.
+5. a moving-shapes world written as MP4 videos, one through the SDK (``embed_video``) and all
+   through `vit22b embed --frames 9`, and the video probe on the stored per-frame features;
+6. a summary table; reports (JSON) and figures (PNG) in one output folder.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .data import ShapesWorld, shapes_world
 from .features import features_from_embed_folder
 from .report import summarize
 from .runner import ProbeData, probe_data_from_shapes_world, run_probe
+from .video_demo import video_step
 
 DENSE_AND_CLASSIFICATION = ("linear", "fewshot", "knn", "calibration", "depth", "segmentation")
 
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="output folder")
     parser.add_argument("--train", type=int, default=960, help="shapes-world images (cues agree)")
     parser.add_argument("--conflict", type=int, default=320, help="cue-conflict images")
+    parser.add_argument("--videos", type=int, default=200, help="moving-shapes videos")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out: Path = args.out
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = len(world.images) / (time.perf_counter() - t0)
             print(f"      {rate:.0f} images/s through the batch job")
             data[name] = probe_data(world, out / "embeddings" / name)
+        videos = video_step(address, out, args.videos, args.seed)
 
     reports = out / "reports"
     lines = []
@@ -107,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     report = run_probe(
         "shape-bias", data["conflict"], out_dir=reports, seed=args.seed, train=data["world"]
     )
+    lines.append((summarize(report), time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    report = run_probe("video", videos, out_dir=reports, seed=args.seed)
     lines.append((summarize(report), time.perf_counter() - t0))
 
     print(f"\nprobes on {info.model.name} features ({info.source}; random weights: the figures")

@@ -92,6 +92,13 @@ def summarize(report: dict) -> str:
             f"{report['texture_decisions']} texture, {report['other_decisions']} other "
             f"decisions; {report['same_category_excluded']} same-category images left out)"
         )
+    if kind == "video":
+        return (
+            f"video ({report['frames_per_video']} frames): attention head top-1 "
+            f"{_fmt(report['attention']['top1'])}, linear on the temporal mean "
+            f"{_fmt(report['temporal_mean']['top1'])}, middle frame alone "
+            f"{_fmt(report['middle_frame']['top1'])}; chance {_fmt(base['chance_top1'])}"
+        )
     if kind == "diagnostics":
         layers = ", ".join(f"L{r['layer']} {r['entropy_mean']:.3f}" for r in report["per_layer"])
         collapsed = report.get("collapsed_heads")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shape_bias
+from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shape_bias, video
 from .data import DataError, ShapesWorld
 from .features import Features, load_npz_features, save_features
 from .heads import LinearHead
@@ -20,6 +20,7 @@ from .report import write_report
 
 KINDS = (
     "linear", "fewshot", "knn", "calibration", "depth", "segmentation", "shape-bias", "diagnostics",
+    "video",
 )  # fmt: skip
 
 
@@ -272,7 +273,14 @@ def run_diagnostics(data: ProbeData, out_dir=None) -> dict:
 
 
 def run_probe(kind: str, data: ProbeData, out_dir=None, seed: int = 0, **options) -> dict:
-    """Run one probe; with ``out_dir``, write ``<kind>.json`` (and its PNG) there."""
+    """Run one probe; with ``out_dir``, write ``<kind>.json`` (and its PNG) there.
+
+    ``video`` takes a ``video.VideoFeatures`` (per-frame features of videos) as ``data``."""
+    if kind == "video":
+        report = video.run_video(data, seed=seed, **options)
+        if out_dir is not None:
+            report["report"] = str(write_report(report, out_dir, kind))
+        return report
     if kind in ("linear", "fewshot", "knn"):
         report = run_classification(kind, data, seed=seed, **options)
     elif kind == "calibration":

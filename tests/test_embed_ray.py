@@ -175,3 +175,24 @@ def test_cli_joins_the_cluster(cluster, server, dataset, tmp_path):
     mixed = subprocess.run([*args, "--format", "npy"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300)
     assert mixed.returncode == 2 and "refusing to mix" in mixed.stderr
+
+
+def test_a_job_over_videos_equals_the_threads_runner(cluster, server, tmp_path):
+    pytest.importorskip("av")
+    from vit22b.clients.video import Sampling, write_video
+
+    data = tmp_path / "videos"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        write_video(data / f"v{i}.mp4", rng.integers(0, 256, (6 + i, 32, 48, 3), np.uint8))
+    (data / "bad.mp4").write_bytes(b"not a video")
+    video = dict(video=Sampling(frames=2), batch_size=2, shard_size=3)
+    backend = RemoteBackend([server.address], SPEC, batch_size=4, concurrency=1, quiet=True)
+    threads = run_job(config(data, tmp_path / "threads", **video), backend)
+    backend.close()
+    summary = embed_with_ray(config(data, tmp_path / "ray", **video),
+                             ServerActors((server.address,)), concurrency=1)
+    assert (summary.embedded, summary.failed) == (threads.embedded, threads.failed) == (3, 1)
+    assert read_dir(tmp_path / "ray") == read_dir(tmp_path / "threads")
+    assert open_outputs(str(tmp_path / "ray"))["frames.pooled"].shape == (3, 2, 64)

@@ -1,0 +1,109 @@
+"""`vit22b embed --frames K`: a job over videos, through any backend's workers.
+
+Each worker of the job's backend is wrapped: a batch of videos is decoded here (PyAV, in the
+worker's thread), all their sampled frames go to the inner worker's ``embed_images`` as raw
+uint8 pixels (frames of several videos share requests), and the rows come back regrouped per
+video. Stored per video (one row of each array):
+
+    frames.pooled            [K, width]       per-frame pooled features
+    frames.class_token       [K, width]       (when asked for)
+    frames.patch_tokens.L    [K, P, width]    (when asked for)
+    mean.pooled              [width]          the temporal mean of frames.pooled (float32
+                                              mean of the stored values, then the job's dtype)
+    mean.class_token         [width]          (when asked for)
+    timestamps               [K] float64      seconds from the first frame's start
+    frame_indices            [K] int64        positions in the presentation order
+
+Inputs may be local paths (PyAV reads the file) or fsspec URLs (read whole, then decoded). A
+video that cannot be read or decoded, or one of whose frames the server refused, is a failure
+with its reason in ``errors.jsonl``. The sampling settings are part of the job's identity, so a
+rerun with other settings is refused. Only ``--frames K`` is offered: a job stores a fixed row
+shape per output, and a stride in seconds gives each video its own frame count (the SDK's
+``embed_videos(stride_s=S)`` serves that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .embed import BatchResult, os_reason, to_stored
+from .embed_inputs import InputItem
+from .storage import is_url, local_path, read_bytes
+from .video import Clip, Sampling, VideoError, read_clip
+from .video_features import FramePlan
+
+FRAMES, MEAN = "frames.", "mean."
+TIMESTAMPS, FRAME_INDICES = "timestamps", "frame_indices"
+_MEANS = ("pooled", "class_token")  # the outputs with one vector per frame
+
+
+def video_arrays(image_arrays: dict[str, dict], sampling: Sampling) -> dict[str, dict]:
+    """The job's stored arrays for videos, from its per-image arrays."""
+    if sampling.frames is None:
+        raise ValueError(
+            "the embed job stores a fixed number of frames per video: use --frames K "
+            "(a stride in seconds gives each video its own count; the SDK's "
+            "embed_videos(stride_s=S) does that)"
+        )
+    k = sampling.frames
+    arrays = {FRAMES + name: {**spec, "shape": [k, *spec["shape"]]}
+              for name, spec in image_arrays.items()}
+    arrays |= {MEAN + name: spec for name, spec in image_arrays.items() if name in _MEANS}
+    arrays[TIMESTAMPS] = {"dtype": "float64", "shape": [k]}
+    arrays[FRAME_INDICES] = {"dtype": "int64", "shape": [k]}
+    return arrays
+
+
+class VideoWorker:
+    """A job worker over videos, around a worker that embeds images."""
+
+    def __init__(self, inner, sampling: Sampling, dtype: str):
+        self.inner, self.sampling, self.dtype = inner, sampling, dtype
+        self.name = inner.name
+
+    def embed(self, items: Sequence[InputItem]) -> BatchResult:
+        plan = FramePlan([self._read(item) for item in items])
+        frames = plan.frames
+        result = self.inner.embed_images(frames) if frames else BatchResult([], {}, [])
+        rows, errors = plan.regroup(result.rows, result.failed)
+        failed, videos = sorted(errors.items()), sorted(rows)
+        if not videos:
+            return BatchResult([], {}, failed)
+        arrays = {
+            TIMESTAMPS: np.stack([plan.clips[v].timestamps for v in videos]),
+            FRAME_INDICES: np.stack([plan.clips[v].indices for v in videos]),
+        }
+        for name, array in result.arrays.items():
+            per_video = [array[rows[v]] for v in videos]
+            arrays[FRAMES + name] = np.stack(per_video)
+            if name in _MEANS:
+                means = np.stack([np.asarray(a, np.float32).mean(axis=0) for a in per_video])
+                arrays[MEAN + name] = to_stored(means, self.dtype)
+        return BatchResult(videos, arrays, failed)
+
+
+    def _read(self, item: InputItem) -> Clip | VideoError:
+        """A local file by its path (PyAV reads it); a URL (fsspec) by its bytes."""
+        try:
+            source = read_bytes(item.path) if is_url(item.path) else local_path(item.path)
+            return read_clip(source, self.sampling, name=item.id)
+        except OSError as err:
+            return VideoError(item.id, os_reason(err))
+        except VideoError as err:
+            return err
+
+
+class VideoBackend:
+    """The job's backend with every worker taking videos."""
+
+    def __init__(self, inner, sampling: Sampling, dtype: str):
+        self.inner, self.sampling, self.dtype = inner, sampling, dtype
+        self.model = inner.model
+
+    def workers(self) -> list[VideoWorker]:
+        return [VideoWorker(w, self.sampling, self.dtype) for w in self.inner.workers()]
+
+    def close(self) -> None:
+        self.inner.close()

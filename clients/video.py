@@ -1,0 +1,401 @@
+"""Video files on the client: probe, sample frames exactly, decode to uint8 RGB; write test clips.
+
+jax-free; PyAV (``pip install 'vit22b[video]'``) is imported on first use, so the base client
+install does not need it. Frames leave this module as uint8 ``[H, W, 3]`` arrays and travel to
+the server as raw pixels like any other image: each goes through the server's own published
+preprocessing (resize, crop, normalise), so a video frame and the same frame sent as an image
+get the same features.
+
+Which frames (exact, in rational arithmetic on the container's timestamps):
+
+- the video's frames, in presentation order, start at ``t_0 = 0 < t_1 < ... < t_{N-1}`` seconds
+  (each frame's pts minus the first's, times the stream's time base); the video lasts
+  ``D = t_{N-1} + d``, ``d`` the last frame's own duration (else the median frame interval,
+  else one frame at the stream's average rate);
+- the frame *shown at* time ``t`` is the last frame with ``t_i <= t``;
+- ``frames=K``: the frames shown at the centres of K equal segments of ``[0, D)``, times
+  ``(k + 1/2) * D / K`` for ``k = 0 .. K-1`` (for K > N some frames repeat: K rows always);
+- ``stride_s=S``: the frames shown at ``0, S, 2S, ...``, every such time below ``D`` (at least
+  one frame).
+
+At a constant rate ``f`` (``t_i = i / f``, ``D = N / f``) that is frame ``floor((2k+1) N / 2K)``
+for ``frames=K`` and frame ``floor(j S f)`` for ``stride_s=S``. Timestamps returned are the
+chosen frames' own start times.
+
+Decoding is sequential (no seeking: a seek lands on a keyframe, and exact sampling would decode
+from there anyway). A demux pass reads the timeline from the packets; the decode pass converts
+only the chosen frames to RGB and checks that the decoded frames have that same timeline (when
+they do not, e.g. a codec with hidden frames, the choice is redone on the decoded timeline).
+
+Refused, with ``VideoError`` naming the file and the reason: unreadable or non-video data,
+a still image, no video stream, no decoder for the codec, no decodable frame, timestamps that
+are missing or not increasing, a decode error, and a stream that ends more than
+``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+VideoSource = str | os.PathLike | bytes | bytearray
+# Encoders tried in order for each suffix (the first this PyAV build has).
+ENCODERS = {
+    ".mp4": ("libx264", "mpeg4"),
+    ".mov": ("libx264", "mpeg4"),
+    ".mkv": ("libx264", "mpeg4"),
+    ".webm": ("libvpx-vp9", "libvpx"),
+    ".avi": ("mpeg4",),
+}
+_TRUNCATION_FRAMES, _TRUNCATION_FRACTION = 2, Fraction(1, 20)
+
+
+class VideoError(ValueError):
+    """A video that cannot be used; names the file (or input) and the reason."""
+
+    def __init__(self, source: str, reason: str):
+        self.source, self.reason = source, reason
+        super().__init__(f"{source}: {reason}")
+
+
+def is_video(path: str | os.PathLike) -> bool:
+    """By extension (``VIDEO_SUFFIXES``)."""
+    return os.fspath(path).lower().endswith(VIDEO_SUFFIXES)
+
+
+def _av():
+    try:
+        import av
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "video decoding needs PyAV: pip install 'vit22b[video]'", name="av"
+        ) from None
+    return av
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which frames of a video: ``frames=K`` uniformly, or one every ``stride_s`` seconds."""
+
+    frames: int | None = None
+    stride_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.frames is None) == (self.stride_s is None):
+            raise ValueError("give exactly one of frames=K and stride_s=S")
+        if self.frames is not None and (isinstance(self.frames, bool) or self.frames < 1):
+            raise ValueError(f"frames must be a positive integer, got {self.frames!r}")
+        if self.stride_s is not None and not self.stride_s > 0:
+            raise ValueError(f"stride_s must be a positive number of seconds, got {self.stride_s}")
+
+    @property
+    def stride(self) -> Fraction:
+        """The stride as an exact rational (its decimal meaning: 0.1 is 1/10)."""
+        return Fraction(str(self.stride_s))
+
+    def times(self, duration: Fraction) -> list[Fraction]:
+        """The sampling times in ``[0, duration)`` (see the module's docstring)."""
+        if self.frames is not None:
+            return [(2 * k + 1) * duration / (2 * self.frames) for k in range(self.frames)]
+        count = max(1, -(-duration // self.stride))  # ceil: every j*S < D
+        return [j * self.stride for j in range(int(count))]
+
+    def describe(self) -> dict:
+        """The settings and the rule, e.g. for a job's identity."""
+        if self.frames is not None:
+            return {"frames": self.frames, "rule": "centres of K equal segments of [0, D)"}
+        return {"stride_s": self.stride_s, "rule": "every S seconds from 0 while below D"}
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    container: str  # the demuxer's name, e.g. "mov,mp4,m4a,3gp,3g2,mj2" or "matroska,webm"
+    codec: str  # e.g. "h264", "vp9"
+    width: int
+    height: int
+    frame_count: int  # frames in the timeline (probe: packets; read_clip: decoded frames)
+    duration_s: float  # D: the end of the last frame, from the first frame's start
+    fps: float  # frame_count / duration_s
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Clip:
+    """The sampled frames of one video."""
+
+    frames: np.ndarray  # uint8 [K, H, W, 3]
+    timestamps: np.ndarray  # float64 [K], seconds from the first frame's start
+    indices: np.ndarray  # int64 [K], positions in the presentation order
+    info: VideoInfo
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    pts: tuple[int, ...]  # presentation timestamps, increasing, in stream time-base units
+    end: int  # pts at which the last frame ends
+
+    def seconds(self, time_base: Fraction) -> list[Fraction]:
+        return [(p - self.pts[0]) * time_base for p in self.pts]
+
+    def choose(self, sampling: Sampling, time_base: Fraction) -> list[int]:
+        """The index of the frame shown at each sampling time."""
+        starts = self.seconds(time_base)
+        duration = (self.end - self.pts[0]) * time_base
+        chosen, i = [], 0
+        for t in sampling.times(duration):  # increasing: one forward sweep
+            while i + 1 < len(starts) and starts[i + 1] <= t:
+                i += 1
+            chosen.append(i)
+        return chosen
+
+
+def _name(source: VideoSource, name: str | None) -> str:
+    if name:
+        return name
+    return os.fspath(source) if isinstance(source, (str, os.PathLike)) else "<video bytes>"
+
+
+def _open(av, source: VideoSource, name: str):
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            if not source:
+                raise VideoError(name, "empty (0 bytes)")
+            return av.open(io.BytesIO(bytes(source)), "r")
+        if os.path.isfile(source) and os.path.getsize(source) == 0:
+            raise VideoError(name, "empty file (0 bytes)")
+        return av.open(os.fspath(source), "r")
+    except OSError as err:  # av.error.FileNotFoundError etc.; av's EOFError too
+        reason = getattr(err, "strerror", None) or str(err)
+        raise VideoError(name, f"cannot open as a video: {reason}") from None
+    except av.error.FFmpegError as err:
+        raise VideoError(name, f"not a readable video container ({_ffmpeg(err)})") from None
+
+
+def _ffmpeg(err) -> str:
+    return getattr(err, "strerror", None) or str(err)
+
+
+def _video_stream(container, name: str):
+    """The first video stream, refusing still images and codecs without a decoder here."""
+    fmt = container.format.name
+    if fmt.endswith("_pipe") or fmt == "image2":
+        raise VideoError(name, f"a still image ({container.format.long_name}), not a video")
+    streams = container.streams.video
+    if not container.streams:
+        raise VideoError(name, f"no streams at all in the {fmt} container (a truncated MP4 or "
+                         "MOV, whose index is written last, reads like this)")
+    if not streams:
+        kinds = ", ".join(s.type for s in container.streams)
+        raise VideoError(name, f"no video stream in the {fmt} container (streams: {kinds})")
+    stream = streams[0]
+    if stream.codec_context is None:
+        raise VideoError(name, f"no decoder for the video codec of the {fmt} container here")
+    return stream
+
+
+def _end(pts: list[int], durations: list[int], stream) -> int:
+    """Where the last frame ends: its own duration, else the median interval, else 1/rate."""
+    if durations[-1] and durations[-1] > 0:
+        return pts[-1] + durations[-1]
+    if len(pts) > 1:
+        return pts[-1] + int(np.median(np.diff(pts)))
+    rate = stream.average_rate or stream.guessed_rate
+    step = 1 / (Fraction(rate) * stream.time_base) if rate else 0
+    return pts[-1] + max(int(step), 0)
+
+
+def _timeline(entries: list[tuple[int | None, int | None]], stream, name: str) -> _Timeline:
+    """(pts, duration) of each frame -> the timeline; refuses missing or repeated timestamps."""
+    if any(p is None for p, _ in entries):
+        raise VideoError(name, "frames without timestamps (pts); cannot place them in time")
+    ordered = sorted(entries, key=lambda e: e[0])
+    pts = [int(p) for p, _ in ordered]
+    repeated = next((i for i in range(1, len(pts)) if pts[i] == pts[i - 1]), None)
+    if repeated is not None:
+        raise VideoError(name, f"two frames share the timestamp {pts[repeated]} (pts)")
+    return _Timeline(tuple(pts), _end(pts, [d or 0 for _, d in ordered], stream))
+
+
+def _demux(av, source, name: str) -> tuple[_Timeline | None, dict]:
+    """The timeline from a demux pass (no decoding; None when packets lack timestamps) and the
+    stream's description."""
+    with _open(av, source, name) as container:
+        stream = _video_stream(container, name)
+        meta = _stream_meta(container, stream)
+        try:
+            entries = [(p.pts, p.duration) for p in container.demux(stream) if p.size]
+        except av.error.FFmpegError as err:
+            raise VideoError(name, f"damaged container ({_ffmpeg(err)})") from None
+        try:
+            return _timeline(entries, stream, name) if entries else None, meta
+        except VideoError:  # packets without or with shared timestamps: the frames decide
+            return None, meta
+
+
+def _decode(av, source, name: str, wanted: set[int]):
+    """Decode every frame; RGB copies of the frames whose pts is in ``wanted``."""
+    with _open(av, source, name) as container:
+        stream = _video_stream(container, name)
+        stream.thread_type = "AUTO"  # frame and slice threads: the same pixels, sooner
+        entries, kept = [], {}
+        last_pts = None
+        try:
+            for frame in container.decode(stream):
+                if last_pts is not None and frame.pts is not None and frame.pts < last_pts:
+                    raise VideoError(name, f"frame timestamps go backwards at pts {frame.pts}")
+                last_pts = frame.pts
+                entries.append((frame.pts, getattr(frame, "duration", None)))
+                if frame.pts in wanted:
+                    kept[frame.pts] = frame.to_ndarray(format="rgb24")
+        except av.error.FFmpegError as err:
+            raise VideoError(
+                name, f"decoding failed after {len(entries)} frames ({_ffmpeg(err)})"
+            ) from None
+        if not entries:
+            raise VideoError(name, f"no decodable frame in its {stream.codec_context.name} stream")
+        return _timeline(entries, stream, name), kept
+
+
+def _stream_meta(container, stream) -> dict:
+    declared = None
+    if stream.duration:
+        declared = stream.duration * stream.time_base
+    elif len(container.streams) == 1 and container.duration:
+        declared = Fraction(container.duration, 1_000_000)  # AV_TIME_BASE
+    return {
+        "container": container.format.name,
+        "codec": stream.codec_context.name,
+        "width": stream.codec_context.width,
+        "height": stream.codec_context.height,
+        "time_base": Fraction(stream.time_base),
+        "declared": declared,
+    }
+
+
+def _info(timeline: _Timeline, meta: dict) -> VideoInfo:
+    duration = (timeline.end - timeline.pts[0]) * meta["time_base"]
+    count = len(timeline.pts)
+    return VideoInfo(meta["container"], meta["codec"], meta["width"], meta["height"], count,
+                     float(duration), float(count / duration) if duration else 0.0)
+
+
+def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
+    """Refuse a stream that stops well before the duration its container declares."""
+    declared = meta["declared"]
+    if declared is None:
+        return
+    tb = meta["time_base"]
+    decoded = (timeline.end - timeline.pts[0]) * tb
+    intervals = np.diff(timeline.pts)
+    interval = Fraction(int(np.median(intervals))) * tb if len(intervals) else 0
+    if declared - decoded > max(_TRUNCATION_FRAMES * interval, _TRUNCATION_FRACTION * declared):
+        raise VideoError(
+            name, f"truncated or damaged: its container declares {float(declared):.3f} s, "
+            f"but its frames end at {float(decoded):.3f} s ({len(timeline.pts)} frames)"
+        )
+
+
+def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
+    """Container, codec, size, frame count and duration from a demux pass (decoding only when
+    the packets carry no timestamps)."""
+    av, name = _av(), _name(source, name)
+    timeline, meta = _demux(av, source, name)
+    if timeline is None:
+        timeline = _decode(av, source, name, set())[0]
+    return _info(timeline, meta)
+
+
+def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) -> Clip:
+    """The frames ``sampling`` chooses, decoded to uint8 RGB, with their timestamps.
+
+    ``source``: a path or the file's bytes; ``name`` names it in errors (default: the path).
+    """
+    av, name = _av(), _name(source, name)
+    timeline, meta = _demux(av, source, name)
+    time_base = meta["time_base"]
+    for _ in range(2):
+        wanted = set()
+        if timeline is not None:
+            wanted = {timeline.pts[i] for i in timeline.choose(sampling, time_base)}
+        decoded, kept = _decode(av, source, name, wanted)
+        if decoded == timeline:
+            break
+        timeline = decoded  # the packets' timeline was not the frames': choose again
+    else:
+        raise VideoError(name, "decoding gives a different timeline on each pass")
+    _check_complete(timeline, meta, name)
+    chosen = timeline.choose(sampling, time_base)
+    starts = timeline.seconds(time_base)
+    return Clip(
+        frames=np.stack([kept[timeline.pts[i]] for i in chosen]),
+        timestamps=np.asarray([float(starts[i]) for i in chosen], np.float64),
+        indices=np.asarray(chosen, np.int64),
+        info=_info(timeline, meta),
+    )
+
+
+def read_clips(
+    sources: Sequence[VideoSource], sampling: Sampling, names: Sequence[str] | None = None
+) -> list[Clip | VideoError]:
+    """``read_clip`` of each source; a video that cannot be read gives its ``VideoError``."""
+    out: list[Clip | VideoError] = []
+    for i, source in enumerate(sources):
+        try:
+            out.append(read_clip(source, sampling, names[i] if names else None))
+        except VideoError as err:
+            out.append(err)
+    return out
+
+
+def encoder_for(path: str | os.PathLike, codec: str | None = None) -> str:
+    """The encoder ``write_video`` uses for a file name: ``codec``, or the first of
+    ``ENCODERS[suffix]`` this PyAV build has."""
+    av = _av()
+    suffix = Path(path).suffix.lower()
+    candidates = (codec,) if codec else ENCODERS.get(suffix, ())
+    for candidate in candidates:
+        try:
+            av.codec.Codec(candidate, "w")
+            return candidate
+        except Exception:  # noqa: BLE001 - av raises UnknownCodecError (not exported everywhere)
+            continue
+    raise ValueError(f"no encoder for {path} here (tried {', '.join(candidates) or 'none'})")
+
+
+def write_video(
+    path: str | os.PathLike, frames: np.ndarray, fps: int = 8, codec: str | None = None
+) -> str:
+    """Encode uint8 frames [T, H, W, 3] (H, W even) to ``path`` at ``fps``; returns the codec.
+
+    High quality (x264 CRF 18; 2 Mbit/s otherwise), yuv420p: for tests, demos and benchmarks.
+    """
+    av = _av()
+    frames = np.asarray(frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or not len(frames):
+        raise ValueError(f"frames must be uint8 [T, H, W, 3], T >= 1; got {frames.dtype} "
+                         f"{list(frames.shape)}")
+    if frames.shape[1] % 2 or frames.shape[2] % 2:
+        raise ValueError(f"yuv420p needs an even height and width, got {frames.shape[1:3]}")
+    codec = encoder_for(path, codec)
+    options = {"crf": "18"} if codec == "libx264" else {}
+    with av.open(os.fspath(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps, options=options)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        if codec != "libx264":
+            stream.bit_rate = 2_000_000
+        for pixels in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return codec

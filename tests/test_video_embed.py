@@ -1,0 +1,213 @@
+"""Videos through the SDK and the embed job: a real server on loopback and the in-process facade.
+
+Frames decoded from real files must get exactly the features of the same frames sent as images
+(raw pixels or PNG): the server's preprocessing is the one path. The job stores per video the
+per-frame features, their temporal mean and the timestamps; bad videos land in errors.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from serving import in_process, png, shared_engine, start_server
+from test_video import FPS, bad_videos
+from vit22b.clients import FeatureClient, VideoError
+from vit22b.clients.cli import main as cli
+from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+from vit22b.clients.embed_local import LocalBackend
+from vit22b.clients.embed_remote import RemoteBackend
+from vit22b.clients.embed_store import JobMismatch
+from vit22b.clients.outputs import open_outputs
+from vit22b.clients.video import Sampling, read_clip, write_video
+from vit22b.clients.video_features import embed_videos
+from vit22b.model.outputs import OutputRequest
+
+pytest.importorskip("av")
+
+
+def coloured(n: int, seed: int, size=(48, 80)) -> np.ndarray:
+    """Smooth random colour fields (codec-friendly), each frame different."""
+    rng = np.random.default_rng(seed)
+    h, w = size
+    y, x = np.mgrid[:h, :w] / max(h, w)
+    out = np.empty((n, h, w, 3), np.uint8)
+    for i in range(n):
+        a = rng.uniform(0, 6, 3)
+        out[i] = (127 + 120 * np.sin(a[None, None] * (x + y * 0.7 + i / n)[..., None])).astype(
+            np.uint8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("videos")
+    paths = []
+    for i, suffix in enumerate([".mp4", ".webm", ".mp4", ".mkv"]):
+        path = folder / f"clip{i}{suffix}"
+        write_video(path, coloured(12 + 3 * i, seed=i), fps=FPS)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv
+    srv.stop()
+
+
+def test_video_frames_through_the_server_equal_the_frames_sent_as_images(server, videos):
+    with FeatureClient(server.address) as client:
+        got = client.embed_video(videos[0], frames=5, outputs=["pooled"], layers=[-1])
+        clip = read_clip(videos[0], Sampling(frames=5))
+        as_pixels = client.embed(list(clip.frames), outputs=["pooled"], layers=[-1])
+        as_png = client.embed([png(f) for f in clip.frames], outputs=["pooled"], layers=[-1])
+    assert got.pooled.shape == (5, 64) and got.patch_tokens[-1].shape == (5, 16, 64)
+    for other in (as_pixels, as_png):  # the same request shape: bit-identical features
+        np.testing.assert_array_equal(got.pooled, other.pooled)
+        np.testing.assert_array_equal(got.patch_tokens[-1], other.patch_tokens[-1])
+    np.testing.assert_allclose(got.temporal_mean, got.pooled.mean(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(got.timestamps, clip.timestamps)
+    assert got.frame_indices.tolist() == [1, 3, 6, 8, 10] and got.info.frame_count == 12
+    assert got.model.fingerprint == shared_engine().identity.fingerprint
+    # ... and the in-process facade agrees with the server (same preprocessing, same model)
+    local = in_process(shared_engine(), list(clip.frames))
+    np.testing.assert_allclose(got.pooled, local.pooled, rtol=2e-2, atol=2e-2)
+
+
+class Counting:
+    """The real client, counting the images of each ``embed`` call."""
+
+    def __init__(self, client: FeatureClient):
+        self.client, self.calls = client, []
+
+    def embed(self, images, **kwargs):
+        self.calls.append(len(images))
+        return self.client.embed(images, **kwargs)
+
+
+def test_several_videos_share_one_call_and_bad_ones_are_reported(server, videos, tmp_path):
+    bad = bad_videos(tmp_path / "bad")
+    truncated = tmp_path / "bad" / "truncated.webm"
+    inputs = [videos[1], truncated, videos[2].read_bytes(), videos[3]]
+    with FeatureClient(server.address) as client:
+        with pytest.raises(VideoError, match="truncated.webm: truncated or damaged"):
+            client.embed_videos(inputs, frames=3)
+        counting = Counting(client)
+        result = embed_videos(counting, inputs, stride_s=0.5, skip_invalid=True)
+        alone = [client.embed_video(v, stride_s=0.5) for v in (videos[1], videos[2], videos[3])]
+    assert [v.id for v in result.videos] == [str(videos[1]), "2", str(videos[3])]
+    assert [(e.index, e.id) for e in result.errors] == [(1, str(truncated))]
+    assert bad["truncated.webm"][1] in result.errors[0].reason
+    counts = [len(v.pooled) for v in result.videos]
+    assert counts == [3, 4, 5]  # 1.5, 1.8 and 2.1 s at a 0.5 s stride: each its own count
+    assert counting.calls == [sum(counts)]  # one embed call: the videos' frames share requests
+    for together, one in zip(result.videos, alone):
+        np.testing.assert_array_equal(together.timestamps, one.timestamps)
+        np.testing.assert_allclose(together.pooled, one.pooled, rtol=2e-2, atol=2e-2)
+
+
+def embed_job(backend, data, out, k=4, **kw):
+    config = JobConfig([str(data)], str(out), kw.pop("spec", OutputSpec()), quiet=True,
+                       batch_size=kw.pop("batch_size", 2), shard_size=3,
+                       extensions=(".mp4", ".webm", ".mkv", ".avi"), video=Sampling(frames=k),
+                       **kw)
+    return run_job(config, backend)
+
+
+@pytest.mark.parametrize("storage", ["npy", "parquet", "safetensors"])
+def test_the_job_stores_frames_mean_and_timestamps_and_lists_bad_videos(videos, tmp_path,
+                                                                        storage):
+    if storage == "parquet":
+        pytest.importorskip("pyarrow")
+    data, out = tmp_path / "data", tmp_path / "out"
+    bad = bad_videos(data / "bad")
+    for path in videos:
+        (data / path.name).write_bytes(path.read_bytes())
+    spec = OutputSpec(patch_layers=(-1,))
+    backend = LocalBackend(spec, engine=shared_engine())
+    # one video per batch: its frames are computed as one call, like the reference below
+    summary = embed_job(backend, data, out, spec=spec, batch_size=1, format=storage)
+    result = open_outputs(str(out), verify=True)
+    good = sorted([p.name for p in videos] + ["bad/good.mp4", "bad/good.webm"])
+    assert result.ids == good and summary.complete
+    assert result.names == ["frames.pooled", "frames.patch_tokens.3", "mean.pooled",
+                            "timestamps", "frame_indices"]
+    assert result["frames.pooled"].shape == (6, 4, 64)
+    assert result["frames.patch_tokens.3"].shape == (6, 4, 16, 64)
+    errors = {e["id"]: e["reason"] for e in map(json.loads, open(out / "errors.jsonl"))}
+    listed = {f"bad/{name}": words for name, (_, words) in bad.items() if name != "missing.mp4"}
+    assert set(errors) == set(listed)
+    for video_id, reason in errors.items():
+        assert listed[video_id] in reason, (video_id, reason)
+
+    for row, video_id in enumerate(result.ids):  # each row: that video's frames, as images
+        clip = read_clip(data / video_id, Sampling(frames=4))
+        want = in_process(shared_engine(), list(clip.frames),
+                          OutputRequest(pooled=True, patch_layers=(3,)))
+        np.testing.assert_allclose(result["frames.pooled"][row], want.pooled, rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(result["frames.patch_tokens.3"][row], want.patch_tokens[3],
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result["mean.pooled"][row], want.pooled.mean(0), rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_array_equal(result["timestamps"][row], clip.timestamps)
+        np.testing.assert_array_equal(result["frame_indices"][row], clip.indices)
+
+    identity = json.loads((out / "manifest.json").read_text())["identity"]
+    assert identity["video"]["frames"] == 4 and identity["format"] == storage
+    with pytest.raises(JobMismatch, match="video: .*'frames': 4.* in the manifest, .*'frames': 6"):
+        embed_job(backend, data, out, k=6, spec=spec, format=storage)
+    again = embed_job(backend, data, out, spec=spec, format=storage)  # the same: resumes
+    assert again.embedded == 0 and again.skipped == len(good) + len(errors)
+
+
+def test_the_job_through_a_server_in_bfloat16(server, videos, tmp_path):
+    spec = OutputSpec(dtype="bfloat16")
+    data = videos[0].parent
+    summary = embed_job(RemoteBackend([server.address], spec, quiet=True), data, tmp_path / "o",
+                        k=3, spec=spec)
+    assert summary.complete and summary.embedded == len(videos)
+    out = open_outputs(str(tmp_path / "o"))
+    frames = np.asarray(out["frames.pooled"])  # widened from the stored bfloat16 bits
+    assert frames.shape == (4, 3, 64) and frames.dtype == np.float32
+    with FeatureClient(server.address) as client:
+        want = client.embed_video(videos[0], frames=3, dtype="bfloat16")
+    np.testing.assert_allclose(frames[0], np.asarray(want.pooled, np.float32), rtol=2e-2,
+                               atol=2e-2)  # other batch sizes: bf16-compute noise
+    mean = frames.mean(axis=1)  # the stored mean: float32 mean of the values, then bfloat16
+    np.testing.assert_allclose(np.asarray(out["mean.pooled"]), mean, rtol=1e-2, atol=1e-2)
+
+
+def test_cli_video_options(server, videos, tmp_path, capsys):
+    data, out = str(videos[0].parent), str(tmp_path / "cli")
+    assert cli(["embed", data, "--server", server.address, "-o", out, "--frames", "2", "-q"]) == 0
+    assert "embedded 4" in capsys.readouterr().out
+    assert cli(["embed", data, "--server", server.address, "-o", out, "--frames", "3", "-q"]) == 2
+    assert "refusing to mix" in capsys.readouterr().err
+    assert cli(["embed", data, "-o", str(tmp_path / "s"), "--stride-seconds", "0.5"]) == 2
+    assert "use --frames K" in capsys.readouterr().err
+    frames = np.asarray(open_outputs(out)["frames.pooled"])
+    assert frames.shape == (4, 2, 64)
+
+
+def test_video_inputs_from_an_fsspec_url_equal_the_local_files(videos, tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    for path in videos:
+        fs.pipe(f"/video-inputs/{path.name}", path.read_bytes())
+    fs.pipe("/video-inputs/broken.mp4", b"\x00" * 64)
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    config = dict(batch_size=1, shard_size=8, video=Sampling(frames=3), quiet=True)
+    remote = run_job(JobConfig(["memory://video-inputs/"], str(tmp_path / "m"), OutputSpec(),
+                               **config), backend)
+    local = run_job(JobConfig([str(videos[0].parent)], str(tmp_path / "l"), OutputSpec(),
+                              **config), backend)
+    assert (remote.embedded, remote.failed) == (4, 1) and local.embedded == 4
+    a, b = open_outputs(str(tmp_path / "m")), open_outputs(str(tmp_path / "l"))
+    np.testing.assert_array_equal(np.asarray(a["frames.pooled"]), np.asarray(b["frames.pooled"]))
+    np.testing.assert_array_equal(np.asarray(a["timestamps"]), np.asarray(b["timestamps"]))
+    assert "not a readable video container" in a.failed[0]["reason"]
+    fs.rm("/video-inputs", recursive=True)

@@ -1,0 +1,84 @@
+"""The moving-shapes world and the video probe: where motion decides, the attention head over
+frames beats the middle frame (and the temporal mean, which cannot see the order)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from serving import shared_engine, start_server
+from vit22b.clients.cli import main as cli
+from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+from vit22b.clients.embed_local import LocalBackend
+from vit22b.clients.video import Sampling, probe
+from vit22b.probes.video_data import DIRECTIONS, moving_world, write_moving_world
+
+pytest.importorskip("av")
+K = 9  # odd: the middle sampled frame is the clip's middle frame
+
+
+def test_moving_world_is_seeded_balanced_and_no_single_frame_decides():
+    world = moving_world(64, seed=3)
+    again = moving_world(64, seed=3)
+    np.testing.assert_array_equal(world.videos, again.videos)
+    assert world.videos.shape == (64, 17, 64, 64, 3) and world.class_names == DIRECTIONS
+    assert np.bincount(world.labels).tolist() == [32, 32]
+    approaching = world.labels == 0
+    steps = np.diff(np.log(world.depth), axis=1)
+    assert (steps[approaching] < 0).all() and (steps[~approaching] > 0).all()
+    np.testing.assert_allclose(np.abs(steps).sum(1), 0.8, rtol=1e-5)  # the same travel
+    middle = world.depth[:, 8]  # drawn from one range for both classes
+    assert middle.min() >= 2.0 and middle.max() <= 3.0
+    # the object grows as it approaches: more pixels differ from the clip's static ground
+    changed = np.abs(world.videos[:, -1].astype(int) - world.videos[:, 0]).sum(-1) > 30
+    assert changed.any(axis=(1, 2)).all()
+
+
+def test_the_video_probe_beats_the_middle_frame_where_motion_decides(tmp_path, capsys):
+    world = moving_world(200, seed=0)
+    paths = write_moving_world(world, tmp_path / "world")
+    assert probe(paths[0]).codec == "h264" and probe(paths[0]).frame_count == 17
+    spec_out = tmp_path / "emb"  # per-frame pooled features stored by the job
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    summary = run_job(JobConfig([str(tmp_path / "world")], str(spec_out), quiet=True,
+                                batch_size=4, video=Sampling(frames=K)), backend)
+    assert summary.complete and summary.embedded == 200 and summary.failed == 0
+
+    assert cli(["probe", "video", "--features", str(spec_out), "--out", str(tmp_path / "r")]) == 0
+    line = capsys.readouterr().out
+    report = json.loads((tmp_path / "r" / "video.json").read_text())
+    assert report["frames_per_video"] == K and report["num_videos"] == 200
+    assert report["features"]["video"]["frames"] == K
+    chance = report["baselines"]["chance_top1"]
+    middle = report["middle_frame"]["top1"]
+    mean = report["temporal_mean"]["top1"]
+    attention = report["attention"]["top1"]
+    assert chance == 0.5
+    # one frame, or the mean over frames, cannot tell approaching from receding ...
+    assert middle < 0.7 and mean < 0.7, report
+    # ... the attention head, which knows each frame's place in time, can
+    assert attention >= 0.85 and attention >= middle + 0.25, report
+    assert "video (9 frames): attention head top-1" in line
+    # frames 0, 2, .., 16 of 17 at 8 fps: the centres of 9 equal segments
+    np.testing.assert_allclose(report["mean_timestamps_s"], np.arange(0, 17, 2) / 8)
+
+
+def test_probe_video_cli_from_generated_videos_through_a_server(tmp_path, capsys):
+    server = start_server()
+    try:
+        code = cli(["probe", "video", "--moving-world", "16", "--frames", "3", "--steps", "5",
+                    "--server", server.address, "--out", str(tmp_path)])
+    finally:
+        server.stop()
+    assert code == 0
+    report = json.loads((tmp_path / "video.json").read_text())
+    assert report["frames_per_video"] == 3 and report["num_videos"] == 16
+    assert report["features"]["source"] == server.address
+    assert report["features"]["checkpoint_fingerprint"] == shared_engine().identity.fingerprint
+    assert len(list((tmp_path / "moving-world").glob("*/*.mp4"))) == 16
+    for bad in (["--shapes-world", "16"], ["--data", str(tmp_path / "nothing")]):
+        assert cli(["probe", "video", *bad, "--out", str(tmp_path)]) == 2
+    assert cli(["probe", "linear", "--moving-world", "16", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the video probe reads videos" in err and "--moving-world is for the video" in err
