@@ -80,8 +80,8 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
         return [path]
     if not path.is_dir():
         raise ConvertError(f"{path}: no such file or directory")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
+    index = path / "model.safetensors.index.json"  # transformers' shards
+    if index.exists() and "model.safetensors" in preferred:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / name for name in shards]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)

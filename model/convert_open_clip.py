@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Preprocess, ViTConfig
+from .config import ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
@@ -29,6 +29,7 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
+from .convert_preprocess import SourcePreprocess
 
 WEIGHT_FILES = (
     "open_clip_model.safetensors",
@@ -41,10 +42,12 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 _BLOCK = "transformer.resblocks.{i}."
 
 
-def side_files(path: Path) -> tuple[dict, bool]:
+SIDE_FILES = ("open_clip_config.json",)
+
+
+def side_files(path: Path) -> dict:
     """open_clip_config.json: model_cfg (vision_cfg, quick_gelu) and preprocess_cfg."""
-    side = json_beside(path, "open_clip_config.json")
-    return side, bool(side.get("preprocess_cfg"))
+    return json_beside(path, "open_clip_config.json")
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -106,7 +109,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         pre_norm="ln_pre.weight" in t,
         mlp=mlp,
         projection_dim=t.shape("proj")[1] if "proj" in t else 0,
-        preprocess=_preprocess(side.get("preprocess_cfg", {}), grid * patch),
     )
 
 
@@ -117,22 +119,34 @@ def _heads_from(vision: dict, width: int) -> int | None:
     return width // int(vision.get("head_width", 64))
 
 
-def _preprocess(cfg: dict, image_size: int) -> Preprocess:
-    """open_clip's PreprocessCfg (resize_mode 'shortest': resize then centre-crop)."""
+def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
+    """open_clip's PreprocessCfg: resize_mode 'shortest' (the default) resizes the shorter side
+    to the input size and centre-crops; bicubic and OpenAI's mean/std where it is silent."""
+    cfg = side.get("preprocess_cfg") or {}
+    where = "open_clip_config.json preprocess_cfg"
+    if not cfg:
+        where = "open_clip defaults (no preprocess_cfg in open_clip_config.json)"
+    size = cfg.get("size", image_size)
+    if isinstance(size, (list, tuple)):
+        if len(set(size)) != 1:
+            raise ConvertError(f"open_clip {where}: size {size} is not square")
+        size = size[0]
     mode = cfg.get("resize_mode", "shortest")
-    if mode != "shortest":
-        raise ConvertError(
-            f"open_clip preprocess_cfg resize_mode={mode!r}: only 'shortest' (resize the shorter "
-            "side, centre-crop) is supported; pass the preprocessing flags instead"
-        )
-    interpolation = cfg.get("interpolation", "bicubic")
-    if interpolation not in ("bicubic", "bilinear"):
-        raise ConvertError(f"open_clip preprocess_cfg interpolation={interpolation!r}")
-    return Preprocess(
-        resize=image_size,
-        interpolation=interpolation,
+    geometry = {
+        "shortest": None,
+        "squash": f"resize_mode 'squash' resizes every image to {size}x{size} (the aspect ratio "
+        "is not kept)",
+        "longest": "resize_mode 'longest' resizes the longer side and pads",
+    }.get(mode, f"resize_mode {mode!r}")
+    return SourcePreprocess(
+        where,
+        bool(cfg),
+        resize=int(size),
+        crop=int(size),
+        interpolation=cfg.get("interpolation", "bicubic"),
         mean=tuple(cfg.get("mean", OPENAI_MEAN)),
         std=tuple(cfg.get("std", OPENAI_STD)),
+        geometry=geometry,
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Preprocess, ViTConfig
+from .config import IMAGENET_PREPROCESS, ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
@@ -31,12 +31,18 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
+from .convert_preprocess import SourcePreprocess
+
+IMAGENET_MEAN, IMAGENET_STD = IMAGENET_PREPROCESS.mean, IMAGENET_PREPROCESS.std
 
 
-def side_files(path: Path) -> tuple[dict, bool]:
-    """timm's hub config.json (architecture, num_classes, global_pool, pretrained_cfg)."""
-    side = json_beside(path, "config.json")
-    return side, bool(side.get("pretrained_cfg"))
+SIDE_FILES = ("config.json",)
+
+
+def side_files(path: Path) -> dict:
+    """timm's hub config.json (architecture, num_classes, global_pool, model_args,
+    pretrained_cfg)."""
+    return json_beside(path, "config.json")
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -119,7 +125,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         gelu_exact=True,
         mlp=mlp,
         num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
-        preprocess=_timm_preprocess(side.get("pretrained_cfg", {}), grid * patch),
     )
 
 
@@ -132,15 +137,40 @@ def _activation(architecture: str, t: SourceTensors) -> str:
     return "gelu"
 
 
-def _timm_preprocess(pretrained_cfg: dict, image_size: int) -> Preprocess:
-    # timm's ViT defaults: Inception mean/std (0.5), bicubic, crop_pct 0.9.
-    crop_pct = float(pretrained_cfg.get("crop_pct", 0.9))
-    interpolation = pretrained_cfg.get("interpolation", "bicubic")
-    return Preprocess(
-        resize=int(math.floor(image_size / crop_pct)),
-        interpolation=interpolation if interpolation in ("bicubic", "bilinear") else "bicubic",
-        mean=tuple(pretrained_cfg.get("mean", (0.5, 0.5, 0.5))),
-        std=tuple(pretrained_cfg.get("std", (0.5, 0.5, 0.5))),
+def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
+    """pretrained_cfg as timm's resolve_data_config reads it (bicubic, ImageNet mean/std and
+    crop_pct 0.875 where it is silent); timm's eval transform resizes the shorter side to
+    floor(input size / crop_pct), then centre-crops ('center' crop_mode). Without a
+    pretrained_cfg: timm's ViT defaults (Inception mean/std 0.5, bicubic, crop_pct 0.9)."""
+    cfg = side.get("pretrained_cfg") or {}
+    if not cfg:
+        where, half = "timm defaults (no pretrained_cfg in config.json)", (0.5, 0.5, 0.5)
+        resize = math.floor(image_size / 0.9)
+        return SourcePreprocess(where, False, resize, image_size, "bicubic", half, half)
+    where = "config.json pretrained_cfg"
+    height, width = (cfg.get("input_size") or (3, image_size, image_size))[-2:]
+    if height != width:
+        raise ConvertError(
+            f"timm {where}: input_size {cfg['input_size']} is not square, which the pixel "
+            "contract cannot serve"
+        )
+    resize = math.floor(height / float(cfg.get("crop_pct") or 0.875))
+    mode = cfg.get("crop_mode") or "center"
+    geometry = {
+        "center": None,
+        "squash": f"crop_mode 'squash' resizes every image to {resize}x{resize} (the aspect "
+        "ratio is not kept) before the centre crop",
+        "border": "crop_mode 'border' resizes the longer side and pads",
+    }.get(mode, f"crop_mode {mode!r}")
+    return SourcePreprocess(
+        where,
+        True,
+        resize=resize,
+        crop=int(height),
+        interpolation=cfg.get("interpolation") or "bicubic",
+        mean=tuple(cfg.get("mean") or IMAGENET_MEAN),
+        std=tuple(cfg.get("std") or IMAGENET_STD),
+        geometry=geometry,
     )
 
 
