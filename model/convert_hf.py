@@ -21,6 +21,7 @@ from .convert_common import (
     Hints,
     Sizes,
     SourceTensors,
+    check_claims,
     count_blocks,
     fold_layer_scale,
     fused_bias_to_heads,
@@ -230,10 +231,9 @@ def _family_of_keys(t: SourceTensors) -> str:
         return "clip_vision_model" if "embeddings.class_embedding" in t else "siglip_vision_model"
     if "encoder.layer.0.layernorm_before.weight" in t:
         return "vit"
-    some = ", ".join(sorted(t.tensors)[:8])
     raise ConvertError(
         f"hf checkpoint: not a supported vision model (ViT, DINOv2, DINOv3 ViT, CLIP or SigLIP "
-        f"vision tower); its keys begin: {some}"
+        f"vision tower); its keys begin: {t.some_keys()}"
     )
 
 
@@ -260,24 +260,16 @@ def family(t: SourceTensors, side: dict) -> str:
 
 def _check_side(side: dict, cfg: ViTConfig) -> None:
     """config.json's sizes, where it gives them, must be the weights'."""
+    swiglu = cfg.mlp == "swiglu" or side.get("use_swiglu_ffn")  # its intermediate_size is unused
     weights = {
         "hidden_size": cfg.width,
         "num_hidden_layers": cfg.depth,
-        "intermediate_size": cfg.mlp_dim,
+        "intermediate_size": None if swiglu else cfg.mlp_dim,
         "patch_size": cfg.patch,
         "num_register_tokens": cfg.num_registers,
         "projection_dim": cfg.projection_dim or None,
     }
-    problems = [
-        f"{name}: config.json has {side[name]}, the weights have {value}"
-        for name, value in weights.items()
-        if side.get(name) is not None and value is not None and side[name] != value
-    ]
-    if cfg.mlp == "swiglu" or side.get("use_swiglu_ffn"):
-        problems = [p for p in problems if not p.startswith("intermediate_size")]
-    if problems:
-        problems = "; ".join(problems)
-        raise ConvertError(f"hf checkpoint: config.json contradicts the weights: {problems}")
+    check_claims("hf", "config.json", {k: (side.get(k), v) for k, v in weights.items()})
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:

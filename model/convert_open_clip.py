@@ -17,6 +17,7 @@ from .convert_common import (
     Hints,
     Sizes,
     SourceTensors,
+    check_claims,
     count_blocks,
     fold_layer_scale,
     fused_bias_to_heads,
@@ -52,6 +53,13 @@ def side_files(path: Path) -> dict:
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
     if not any(key.startswith("visual.") for key in tensors):
+        if "conv1.weight" not in tensors:
+            text = "token_embedding.weight" in tensors
+            held = "a text tower only (token_embedding.weight, ...)" if text else "no image tower"
+            raise ConvertError(
+                f"open_clip checkpoint: {held}: no visual.* keys nor a bare tower's conv1.weight; "
+                f"its keys begin: {', '.join(sorted(tensors)[:8]) or 'none'}"
+            )
         return tensors  # a bare vision tower
     other = [key for key in tensors if not key.startswith("visual.")]
     if other:
@@ -94,7 +102,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         )
     b = _BLOCK.format(i=0)
     sizes = Sizes(width, depth, heads, t.shape(b + "mlp.c_fc.weight")[0], patch, grid, channels)
-    return sizes.config(
+    cfg = sizes.config(
         patch_bias=False,  # open_clip's conv1 has none
         block="sequential",
         norm="layernorm",
@@ -110,6 +118,26 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp=mlp,
         projection_dim=t.shape("proj")[1] if "proj" in t else 0,
     )
+    _check_side(model_cfg, cfg)
+    return cfg
+
+
+def _check_side(model_cfg: dict, cfg: ViTConfig) -> None:
+    """open_clip_config.json's vision_cfg sizes and embed_dim, where it gives them, must be the
+    weights'."""
+    vision = model_cfg.get("vision_cfg") or {}
+    size = vision.get("image_size")
+    ratio = vision.get("mlp_ratio")
+    claims = {
+        "vision_cfg.width": (vision.get("width"), cfg.width),
+        "vision_cfg.layers": (vision.get("layers"), cfg.depth),
+        "vision_cfg.patch_size": (vision.get("patch_size"), cfg.patch),
+        "vision_cfg.image_size": (size[0] if isinstance(size, list) else size, cfg.image_size),
+        "vision_cfg.head_width": (vision.get("head_width"), cfg.head_dim),
+        "vision_cfg.mlp_ratio": (ratio and int(ratio * cfg.width), cfg.mlp_dim),
+        "embed_dim": (model_cfg.get("embed_dim"), cfg.projection_dim or None),
+    }
+    check_claims("open_clip", "open_clip_config.json", claims)
 
 
 def _heads_from(vision: dict, width: int) -> int | None:

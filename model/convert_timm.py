@@ -18,6 +18,7 @@ from .convert_common import (
     Hints,
     Sizes,
     SourceTensors,
+    check_claims,
     count_blocks,
     fold_layer_scale,
     fused_bias_to_heads,
@@ -53,6 +54,14 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
+    if side.get("architecture"):  # every message names it
+        t.source = f"timm {side['architecture']}"
+    blocks = "blocks.0.norm1.weight" in t or "blocks.0.in_norm.weight" in t
+    if "patch_embed.proj.weight" not in t or not blocks:
+        raise ConvertError(
+            f"{t.source} checkpoint: not a timm VisionTransformer (no patch_embed.proj and "
+            f"blocks.0.norm1 / blocks.0.in_norm); its keys begin: {t.some_keys()}"
+        )
     for key, what in (
         ("dist_token", "a distillation token"),
         ("fc_norm.weight", "a norm after average pooling (timm fc_norm)"),
@@ -63,7 +72,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         t.refuse(key, what)
     if "pos_embed" not in t:
         raise ConvertError(
-            "timm checkpoint: no 'pos_embed': models without a learned "
+            f"{t.source} checkpoint: no 'pos_embed': models without a learned "
             "position embedding are not supported"
         )
     width, channels, patch, _ = t.shape("patch_embed.proj.weight")
@@ -102,12 +111,12 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     elif pool in (None, "avg"):
         head = "gap"
     else:
-        raise ConvertError(f"timm checkpoint: global_pool={pool!r} is not supported")
+        raise ConvertError(f"{t.source} checkpoint: global_pool={pool!r} is not supported")
     head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
     gated = not parallel and t.shape("blocks.0.mlp.fc1.weight")[0] == 2 * mlp_dim  # SwiGLUPacked
     mlp = "swiglu" if gated else _activation(str(side.get("architecture", "")), t)
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
-    return sizes.config(
+    cfg = sizes.config(
         patch_bias="patch_embed.proj.bias" in t,  # timm's pre-norm models have none
         block="parallel" if parallel else "sequential",
         norm=norm,
@@ -126,6 +135,33 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp=mlp,
         num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
     )
+    _check_side(t, side, cfg)
+    return cfg
+
+
+def _check_side(t: SourceTensors, side: dict, cfg: ViTConfig) -> None:
+    """config.json's num_classes, model_args and pretrained_cfg input size, where it gives them,
+    must be the weights'."""
+    args = side.get("model_args") or {}
+    input_size = (side.get("pretrained_cfg") or {}).get("input_size")
+    claims = {
+        "num_classes": (side.get("num_classes"), cfg.num_classes),
+        "model_args.num_classes": (args.get("num_classes"), cfg.num_classes),
+        "model_args.embed_dim": (args.get("embed_dim"), cfg.width),
+        "model_args.depth": (args.get("depth"), cfg.depth),
+        "model_args.num_heads": (args.get("num_heads"), cfg.heads),
+        "model_args.patch_size": (_square(args.get("patch_size")), cfg.patch),
+        "model_args.img_size": (_square(args.get("img_size")), cfg.image_size),
+        "pretrained_cfg.input_size": (_square(input_size and input_size[-2:]), cfg.image_size),
+    }
+    check_claims(t.source, "config.json", claims)
+
+
+def _square(size) -> int | None:
+    """timm's sizes: an int, or [h, w] (the weights' are square: a non-square one never is)."""
+    if isinstance(size, (list, tuple)):
+        return size[0] if len(set(size)) == 1 else tuple(size)
+    return size
 
 
 def _activation(architecture: str, t: SourceTensors) -> str:

@@ -135,7 +135,9 @@ def _download(
 
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, as the cache is
     try:
-        files = set(HfApi(endpoint=endpoint).list_repo_files(model.repo, revision=model.revision))
+        # model_info asks once (list_repo_files would retry an unreachable hub for half a minute)
+        info = HfApi(endpoint=endpoint).model_info(model.repo, revision=model.revision, timeout=10)
+        files = {sibling.rfilename for sibling in info.siblings or ()}
         chosen = [name for name in weights if name in files][:1]
         if not chosen and _sharded(weights) and SHARD_INDEX in files:
             chosen = [SHARD_INDEX, SHARDS]
