@@ -134,7 +134,10 @@ def _check_side(model_cfg: dict, cfg: ViTConfig) -> None:
         "vision_cfg.patch_size": (vision.get("patch_size"), cfg.patch),
         "vision_cfg.image_size": (size[0] if isinstance(size, list) else size, cfg.image_size),
         "vision_cfg.head_width": (vision.get("head_width"), cfg.head_dim),
-        "vision_cfg.mlp_ratio": (ratio and int(ratio * cfg.width), cfg.mlp_dim),
+        "the MLP width (vision_cfg.mlp_ratio x width)": (
+            ratio and int(ratio * vision.get("width", cfg.width)),
+            cfg.mlp_dim,
+        ),
         "embed_dim": (model_cfg.get("embed_dim"), cfg.projection_dim or None),
     }
     check_claims("open_clip", "open_clip_config.json", claims)
