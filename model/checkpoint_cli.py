@@ -3,9 +3,9 @@
     vit22b init --model vit-22b-tiny/16 --seed 0 --out ckpt/tiny
     vit22b convert --from timm --input vit_base_patch16_224.safetensors --heads 12 --out ckpt/b16
     vit22b convert --from hf --input google-vit-base-patch16-224/ --model vit-b/16 --out ckpt/hf
-    vit22b convert --from hf --input facebook/dinov2-small --out ckpt/dinov2   # the hub (cache)
-    vit22b convert --from timm --input hf-hub:timm/vit_small_patch14_dinov2.lvd142m --out ckpt/t
-    vit22b convert --from open_clip --input ViT-B-16/ --mean 0.48 0.46 0.41 --std 0.27 0.26 0.28 ...
+    vit22b convert --from hf --input openai/clip-vit-base-patch16 --out ckpt/clip   # the hub
+    vit22b convert --from timm --input hf-hub:timm/vit_small_patch14_dinov2.lvd142m --heads 6 ...
+    vit22b convert --from big_vision --input vit.npz --heads 12 --mean 0.5 0.5 0.5 --resize 256 ...
 
 The last line printed is one JSON object describing the checkpoint (path, model, fingerprint, ...).
 """
