@@ -30,7 +30,7 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
-from .convert_preprocess import SourcePreprocess
+from .convert_preprocess import SourcePreprocess, unservable
 
 WEIGHT_FILES = (
     "open_clip_model.safetensors",
@@ -162,13 +162,8 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         if len(set(size)) != 1:
             raise ConvertError(f"open_clip {where}: size {size} is not square")
         size = size[0]
-    mode = cfg.get("resize_mode", "shortest")
-    geometry = {
-        "shortest": None,
-        "squash": f"resize_mode 'squash' resizes every image to {size}x{size} (the aspect ratio "
-        "is not kept)",
-        "longest": "resize_mode 'longest' resizes the longer side and pads",
-    }.get(mode, f"resize_mode {mode!r}")
+    kinds = {"shortest": "shortest", "squash": "squash", "longest": "longest"}
+    geometry = unservable("resize_mode", cfg.get("resize_mode", "shortest"), size, kinds)
     return SourcePreprocess(
         where,
         bool(cfg),

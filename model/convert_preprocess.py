@@ -60,6 +60,22 @@ class PreprocessFlags:
         return tuple(f"--{name}" for name in FIELDS if getattr(self, name) is not None)
 
 
+def unservable(field: str, mode: str, size: int, kinds: dict[str, str]) -> str | None:
+    """How a source's resize ``mode`` (its ``field``) differs from the contract, in words; None
+    when it is the contract's own. ``kinds`` names the source's modes: 'shortest' (the shorter
+    side, a centre crop), 'squash' (a fixed square) or 'longest' (the longer side, padded)."""
+    kind = kinds.get(mode)
+    if kind == "shortest":
+        return None
+    if kind == "squash":
+        return (
+            f"{field} {mode!r} resizes every image to {size}x{size} (the aspect ratio is not kept)"
+        )
+    if kind == "longest":
+        return f"{field} {mode!r} resizes the longer side and pads"
+    return f"{field} {mode!r} is not a resize mode known here"
+
+
 def _check(name: str, value, origin: str) -> None:
     if name in ("resize", "crop"):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

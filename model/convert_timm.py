@@ -32,7 +32,7 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
-from .convert_preprocess import SourcePreprocess
+from .convert_preprocess import SourcePreprocess, unservable
 
 IMAGENET_MEAN, IMAGENET_STD = IMAGENET_PREPROCESS.mean, IMAGENET_PREPROCESS.std
 
@@ -191,13 +191,8 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
             "contract cannot serve"
         )
     resize = math.floor(height / float(cfg.get("crop_pct") or 0.875))
-    mode = cfg.get("crop_mode") or "center"
-    geometry = {
-        "center": None,
-        "squash": f"crop_mode 'squash' resizes every image to {resize}x{resize} (the aspect "
-        "ratio is not kept) before the centre crop",
-        "border": "crop_mode 'border' resizes the longer side and pads",
-    }.get(mode, f"crop_mode {mode!r}")
+    kinds = {"center": "shortest", "squash": "squash", "border": "longest"}
+    geometry = unservable("crop_mode", cfg.get("crop_mode") or "center", resize, kinds)
     return SourcePreprocess(
         where,
         True,

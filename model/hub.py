@@ -80,7 +80,7 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
     importer reads them): from the cache,
     else downloaded. The folder's name is the commit it holds."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = cache_dir()
     patterns = [*side_files, *weights, *((SHARD_INDEX, SHARDS) if _sharded(weights) else ())]
@@ -94,10 +94,11 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
                 allow_patterns=patterns,
             )
         )
-    except IncompleteSnapshotError as err:  # other files of the repo are missing: ours may not be
-        folder = Path(err.snapshot_path)
-    except LocalEntryNotFoundError:
-        folder = None
+    except LocalEntryNotFoundError as err:
+        # IncompleteSnapshotError (newer huggingface_hub) keeps the folder: files of the repo we
+        # never fetched are missing, ours may not be
+        snapshot = getattr(err, "snapshot_path", None)
+        folder = Path(snapshot) if snapshot else None
     if folder is not None and _holds_weights(folder, weights):
         return folder
     if offline():
