@@ -140,10 +140,9 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
 
 
 def _check_side(t: SourceTensors, side: dict, cfg: ViTConfig) -> None:
-    """config.json's num_classes, model_args and pretrained_cfg input size, where it gives them,
-    must be the weights'."""
+    """config.json's num_classes and model_args, where it gives them, must be the weights'
+    (pretrained_cfg's input size is what timm's transforms give: the served crop)."""
     args = side.get("model_args") or {}
-    input_size = (side.get("pretrained_cfg") or {}).get("input_size")
     claims = {
         "num_classes": (side.get("num_classes"), cfg.num_classes),
         "model_args.num_classes": (args.get("num_classes"), cfg.num_classes),
@@ -152,7 +151,6 @@ def _check_side(t: SourceTensors, side: dict, cfg: ViTConfig) -> None:
         "model_args.num_heads": (args.get("num_heads"), cfg.heads),
         "model_args.patch_size": (_square(args.get("patch_size")), cfg.patch),
         "model_args.img_size": (_square(args.get("img_size")), cfg.image_size),
-        "pretrained_cfg.input_size": (_square(input_size and input_size[-2:]), cfg.image_size),
     }
     check_claims(t.source, "config.json", claims)
 
