@@ -3,6 +3,9 @@
     vit22b init --model vit-22b-tiny/16 --seed 0 --out ckpt/tiny
     vit22b convert --from timm --input vit_base_patch16_224.safetensors --heads 12 --out ckpt/b16
     vit22b convert --from hf --input google-vit-base-patch16-224/ --model vit-b/16 --out ckpt/hf
+    vit22b convert --from hf --input openai/clip-vit-base-patch16 --out ckpt/clip   # the hub
+    vit22b convert --from timm --input hf-hub:timm/vit_small_patch14_dinov2.lvd142m --heads 6 ...
+    vit22b convert --from big_vision --input vit.npz --heads 12 --mean 0.5 0.5 0.5 --resize 256 ...
 
 The last line printed is one JSON object describing the checkpoint (path, model, fingerprint, ...).
 """
@@ -16,7 +19,7 @@ import sys
 from .config import DEFAULT_MODEL, ConfigError, get_config
 
 
-def _summary(out: str, meta) -> str:
+def _summary(out: str, meta, **extra) -> str:
     cfg = meta.config
     return json.dumps(
         {
@@ -30,6 +33,7 @@ def _summary(out: str, meta) -> str:
             "compute_dtype": cfg.compute_dtype,
             "num_classes": cfg.num_classes,
             "preprocess_hash": meta.preprocess_hash,
+            **extra,
         }
     )
 
@@ -67,6 +71,7 @@ def _tensor_parallel_mesh(cfg):
 def _convert(args: argparse.Namespace) -> int:
     from .checkpoint import check_writable, save
     from .convert import Hints, convert
+    from .convert_preprocess import PreprocessFlags
 
     check_writable(args.out, args.overwrite)
     hints = Hints(
@@ -75,7 +80,14 @@ def _convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         mlp=args.mlp,
     )
-    converted = convert(args.source, args.input, hints)
+    flags = PreprocessFlags(
+        resize=args.resize,
+        crop=args.crop,
+        interpolation=args.interpolation,
+        mean=tuple(args.mean) if args.mean else None,
+        std=tuple(args.std) if args.std else None,
+    )
+    converted = convert(args.source, args.input, hints, flags)
     for note in converted.notes:
         print(f"note: {note}", file=sys.stderr)
     cfg = converted.config
@@ -89,7 +101,7 @@ def _convert(args: argparse.Namespace) -> int:
         notes=tuple(converted.notes),
         overwrite=args.overwrite,
     )
-    print(_summary(args.out, meta))
+    print(_summary(args.out, meta, preprocess_from=converted.preprocess_from))
     return 0
 
 
@@ -130,10 +142,17 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
             "as split the heads, on the model axis)",
         )
         return _guarded(_init)
+    from .config import INTERPOLATIONS
     from .convert import SOURCES
 
     parser.add_argument("--from", dest="source", required=True, choices=SOURCES)
-    parser.add_argument("--input", required=True, help="weight file, or a directory holding one")
+    parser.add_argument(
+        "--input",
+        required=True,
+        help="weight file, or a directory holding one, or a Hugging Face Hub model: ORG/NAME "
+        "(--from hf) or hf-hub:ORG/NAME, each with an optional @REVISION, read from the hub "
+        "cache (HF_HUB_CACHE / HF_HOME) or downloaded into it unless HF_HUB_OFFLINE=1",
+    )
     parser.add_argument(
         "--model", help="preset the checkpoint must match (default: inferred from the weights)"
     )
@@ -145,4 +164,15 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
         choices=("gelu", "quick_gelu"),
         help="the MLP's activation, when the source's config does not say (OpenCLIP)",
     )
+    group = parser.add_argument_group(
+        "preprocessing", "each replaces what the source's files say (or supplies it)"
+    )
+    channels = dict(nargs=3, type=float, metavar=("R", "G", "B"))
+    group.add_argument("--mean", **channels, help="per-channel mean of pixels scaled to [0, 1]")
+    group.add_argument("--std", **channels, help="per-channel std (positive)")
+    group.add_argument("--resize", type=int, help="the shorter side is resized to this")
+    group.add_argument(
+        "--crop", type=int, help="centre crop: the model's input size (its position embedding)"
+    )
+    group.add_argument("--interpolation", choices=INTERPOLATIONS, help="resampling of the resize")
     return _guarded(_convert)

@@ -18,6 +18,7 @@ HeadType = Literal["map", "cls", "gap", "none"]
 PosembType = Literal["learn", "sincos2d", "rope"]
 MlpType = Literal["gelu", "quick_gelu", "swiglu"]
 DType = Literal["float32", "bfloat16"]
+INTERPOLATIONS = ("bicubic", "bilinear")  # the resamplings the pixel contract serves
 
 _CHOICES = {
     "block": ("parallel", "sequential"),

@@ -7,7 +7,8 @@ have no place in a feature extractor (Hugging Face's tanh pooler, its masked-ima
 token) are dropped by name, and such notes go into the checkpoint's metadata.
 
 One module per source (convert_timm, convert_hf, convert_big_vision, convert_open_clip) over
-convert_common.
+convert_common; the served preprocessing is convert_preprocess's, and models named on the Hugging
+Face Hub are read from its cache (or downloaded) by hub.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from . import convert_big_vision, convert_hf, convert_open_clip, convert_timm
+from . import convert_big_vision, convert_hf, convert_open_clip, convert_timm, hub
 from .checkpoint import (
     expected_shapes,
     flatten,
@@ -36,6 +37,7 @@ from .convert_common import (
     find_weights,
     read_tensors,
 )
+from .convert_preprocess import PreprocessFlags, SourcePreprocess, resolve
 
 # Config fields a checkpoint decides even when a preset is named (numerics of the source).
 _SOURCE_DECIDES = ("norm_eps", "gelu_exact", "num_classes", "param_dtype")
@@ -46,16 +48,18 @@ _NOT_COMPARED = ("name", "compute_dtype", "preprocess", *_SOURCE_DECIDES)
 class Converted:
     config: ViTConfig
     params: dict  # nested dict of numpy arrays in this project's layout
-    source: str  # "timm:vit_base_patch16_224", ...
+    source: str  # "timm:vit_base_patch16_224", "hf:facebook/dinov2-small@<commit>", ...
     notes: list[str] = field(default_factory=list)
+    preprocess_from: str = ""  # "preprocessor_config.json", "flags (--mean) over ...", ...
 
 
 # ------------------------------------------------------------------------------------------
 # the entry point
 # ------------------------------------------------------------------------------------------
 
-# Each source module: side_files(path) -> (its config files, whether they name the preprocessing);
-# canonical(tensors, notes) -> tensors under the names it reads; infer_config; build_params.
+# Each source module: SIDE_FILES (the config files it reads beside the weights) and side_files(path)
+# -> what they say; canonical(tensors, notes) -> tensors under the names it reads; infer_config;
+# preprocessing(side, image_size) -> SourcePreprocess; build_params.
 IMPORTERS = {
     "timm": convert_timm,
     "hf": convert_hf,
@@ -63,6 +67,7 @@ IMPORTERS = {
     "open_clip": convert_open_clip,
 }
 SOURCES = tuple(IMPORTERS)
+HUB_SOURCES = ("hf", "timm", "open_clip")  # whose files the hub keeps under known names
 
 
 def _source_name(path: Path, side: dict) -> str:
@@ -71,8 +76,23 @@ def _source_name(path: Path, side: dict) -> str:
     return path.name if path.is_dir() else path.stem
 
 
-def _with_preset(cfg: ViTConfig, preset: ViTConfig, notes: list[str], has_preprocess: bool):
-    """The preset's name (and preprocessing), provided its architecture is the checkpoint's."""
+def _locate(source: str, name, importer) -> tuple[Path, str | None]:
+    """The local path to read, and for a hub model its name and commit (``spec@commit``)."""
+    model = hub.parse(source, str(name))
+    if model is None:
+        return Path(name), None
+    if source not in HUB_SOURCES:
+        raise ConvertError(
+            f"{name}: hub models are read for --from {', '.join(HUB_SOURCES)}; for {source}, "
+            "download the weight file and pass its path"
+        )
+    weights = getattr(importer, "WEIGHT_FILES", WEIGHT_FILES)
+    folder = hub.fetch(model, importer.SIDE_FILES, weights)
+    return folder, f"{model.spec}@{folder.name}"
+
+
+def _with_preset(cfg: ViTConfig, preset: ViTConfig, notes: list[str]) -> ViTConfig:
+    """The preset's name, provided its architecture is the checkpoint's."""
     problems = shape_problems(
         expected_shapes(preset.replace(num_classes=cfg.num_classes, param_dtype="float32")),
         expected_shapes(cfg.replace(param_dtype="float32")),
@@ -94,25 +114,27 @@ def _with_preset(cfg: ViTConfig, preset: ViTConfig, notes: list[str], has_prepro
                 f"kept the checkpoint's {name}={getattr(cfg, name)!r} "
                 f"(preset {preset.name} has {getattr(preset, name)!r})"
             )
-    return cfg.replace(
-        name=preset.name,
-        compute_dtype=preset.compute_dtype,
-        preprocess=cfg.preprocess if has_preprocess else preset.preprocess,
-    )
+    return cfg.replace(name=preset.name, compute_dtype=preset.compute_dtype)
 
 
-def convert(source: str, input_path, hints: Hints | None = None) -> Converted:
-    """Read a public checkpoint and return it in this project's config and parameter layout."""
+def convert(
+    source: str,
+    input_path,
+    hints: Hints | None = None,
+    preprocess: PreprocessFlags | None = None,
+) -> Converted:
+    """Read a public checkpoint (a path, or a hub model name) and return it in this project's
+    config and parameter layout; ``preprocess`` overrides what the source says about pixels."""
     hints = hints or Hints()
     if source not in IMPORTERS:
         raise ConvertError(f"unknown source {source!r}; one of {SOURCES}")
     importer = IMPORTERS[source]
-    path = Path(input_path)
-    side, has_preprocess = importer.side_files(path)
+    path, hub_name = _locate(source, input_path, importer)
+    side = importer.side_files(path)
     notes: list[str] = []
     files = find_weights(path, getattr(importer, "WEIGHT_FILES", WEIGHT_FILES))
     tensors = importer.canonical(read_tensors(files), notes)
-    name = f"{source}:{_source_name(path, side)}"
+    name = f"{source}:{hub_name or _source_name(path, side)}"
     t = SourceTensors(tensors, source)
     try:
         cfg = importer.infer_config(t, hints, side).replace(name=name)
@@ -122,12 +144,19 @@ def convert(source: str, input_path, hints: Hints | None = None) -> Converted:
         raise ConvertError(f"{source} checkpoint gives an invalid config: {err}") from err
     cfg = cfg.replace(param_dtype=hints.dtype or t.float_dtype())
     if hints.preset is not None:
-        cfg = _with_preset(cfg, hints.preset, notes, has_preprocess)
+        cfg = _with_preset(cfg, hints.preset, notes)
     params = importer.build_params(t, cfg)
     t.finish()
+    said = importer.preprocessing(side, cfg.image_size)
+    if hints.preset is not None and not said.from_files:  # the files say nothing: the preset's
+        preset = hints.preset
+        said = SourcePreprocess.of_preset(preset.name, preset.preprocess, cfg.image_size)
+    served, origin, more = resolve(said, preprocess or PreprocessFlags(), cfg.image_size)
+    cfg = cfg.replace(preprocess=served)
+    notes += [*more, f"preprocessing from {origin}"]
     dtype = ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else np.float32
     params = unflatten({k: np.asarray(v, dtype) for k, v in flatten(params).items()})
     problems = shape_problems(expected_shapes(cfg), shapes_of(params), cfg.name, "the import")
     if problems:  # an importer bug, not a user error: say so plainly
         raise AssertionError(format_problems(problems, "importer bug: wrong layout"))
-    return Converted(cfg, params, name, notes + t.notes)
+    return Converted(cfg, params, name, notes + t.notes, origin)

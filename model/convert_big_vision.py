@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Preprocess, ViTConfig
+from .config import ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
@@ -18,15 +18,26 @@ from .convert_common import (
     grid_of,
     norm_params,
 )
+from .convert_preprocess import SourcePreprocess
 
 _BV_PREFIXES = ("params/img/", "opt/target/", "params/")
 # the other tower of big_vision's two_towers (SigLIP), its temperature t and bias b
 _SIGLIP_TEXT = re.compile(r"^params/(txt/.*|t|b)$")
 
 
-def side_files(path: Path) -> tuple[dict, bool]:
+SIDE_FILES: tuple[str, ...] = ()
+
+
+def side_files(path: Path) -> dict:
     """None: big_vision keeps config and preprocessing in its training config, not the npz."""
-    return {}, False
+    return {}
+
+
+def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
+    """big_vision's usual value_range(-1, 1) and a plain resize to the model's size."""
+    half = (0.5, 0.5, 0.5)
+    where = "big_vision defaults (the .npz does not say)"
+    return SourcePreprocess(where, False, image_size, image_size, "bilinear", half, half)
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -92,8 +103,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         posemb_covers_cls=False,  # big_vision adds it to the patches, then prepends the token
         gelu_exact=False,  # flax's nn.gelu is the tanh approximation
         num_classes=t.shape("head/kernel")[1] if "head/kernel" in t else 0,
-        # big_vision's usual value_range(-1, 1) and a plain resize to the model's size
-        preprocess=Preprocess(resize=grid * patch, interpolation="bilinear"),
     )
 
 

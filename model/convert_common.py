@@ -80,8 +80,8 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
         return [path]
     if not path.is_dir():
         raise ConvertError(f"{path}: no such file or directory")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
+    index = path / "model.safetensors.index.json"  # transformers' shards
+    if index.exists() and "model.safetensors" in preferred:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / name for name in shards]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
@@ -230,11 +230,29 @@ class SourceTensors:
             context = f"{self.source} checkpoint does not convert"
             raise ConvertError(format_problems(problems, context, limit=40))
 
+    def some_keys(self, n: int = 8) -> str:
+        """The first keys, for a message saying what a checkpoint holds."""
+        return ", ".join(sorted(self.tensors)[:n]) or "none"
+
     def float_dtype(self) -> str:
         """'bfloat16' when every floating tensor is, else 'float32'."""
         bf16 = np.dtype(ml_dtypes.bfloat16)
         floats = [v.dtype for v in self.tensors.values() if v.dtype == bf16 or v.dtype.kind == "f"]
         return "bfloat16" if floats and all(d == bf16 for d in floats) else "float32"
+
+
+def check_claims(source: str, file: str, claims: dict[str, tuple]) -> None:
+    """A config file's claims, ``{name: (what the file says, what the weights have)}``, must hold
+    wherever the file makes one; every contradiction is named, with both values."""
+    problems = [
+        f"{name}: {file} has {said}, the weights have {have}"
+        for name, (said, have) in claims.items()
+        if said is not None and have is not None and said != have
+    ]
+    if problems:
+        raise ConvertError(
+            f"{source} checkpoint: {file} contradicts the weights: {'; '.join(problems)}"
+        )
 
 
 def count_blocks(t: SourceTensors, pattern: str) -> int:

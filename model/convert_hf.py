@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Preprocess, ViTConfig
+from .config import ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
     Sizes,
     SourceTensors,
+    check_claims,
     count_blocks,
     fold_layer_scale,
     fused_bias_to_heads,
@@ -34,6 +35,7 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
+from .convert_preprocess import SourcePreprocess
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": (False, "gelu"),
     "quick_gelu": (True, "quick_gelu"),
 }
-_PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+# PIL's resampling filters by number, as preprocessor_config.json's resample gives them
+_PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 _PROJECTION = "visual_projection.weight"  # CLIPVisionModelWithProjection's [P, d]
 # transformers 5 names the modules of ViT and DINOv2 differently in memory (state_dict()) than
 # in hub files; these map the in-memory names to the hub names (DINOv3's hub names are its own)
@@ -186,13 +189,16 @@ _DINOV2_GATE = re.compile(r"^(encoder\.layer\.\d+\.mlp\.)gate_proj\.(weight|bias
 _TEXT_TOWER = re.compile(r"^(text_model\.|text_projection\.|logit_scale$|logit_bias$)")
 
 
-def side_files(path: Path) -> tuple[dict, bool]:
+SIDE_FILES = ("config.json", "preprocessor_config.json")
+
+
+def side_files(path: Path) -> dict:
     """config.json (family, sizes, heads, epsilon, activation) and preprocessor_config.json."""
     side = json_beside(path, "config.json")
     if "vision_config" in side:  # a two-tower config: the image tower's part
         side = {**side["vision_config"], "projection_dim": side.get("projection_dim")}
     side["_preprocessor"] = json_beside(path, "preprocessor_config.json")
-    return side, bool(side["_preprocessor"])
+    return side
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -225,10 +231,9 @@ def _family_of_keys(t: SourceTensors) -> str:
         return "clip_vision_model" if "embeddings.class_embedding" in t else "siglip_vision_model"
     if "encoder.layer.0.layernorm_before.weight" in t:
         return "vit"
-    some = ", ".join(sorted(t.tensors)[:8])
     raise ConvertError(
         f"hf checkpoint: not a supported vision model (ViT, DINOv2, DINOv3 ViT, CLIP or SigLIP "
-        f"vision tower); its keys begin: {some}"
+        f"vision tower); its keys begin: {t.some_keys()}"
     )
 
 
@@ -255,24 +260,16 @@ def family(t: SourceTensors, side: dict) -> str:
 
 def _check_side(side: dict, cfg: ViTConfig) -> None:
     """config.json's sizes, where it gives them, must be the weights'."""
+    swiglu = cfg.mlp == "swiglu" or side.get("use_swiglu_ffn")  # its intermediate_size is unused
     weights = {
         "hidden_size": cfg.width,
         "num_hidden_layers": cfg.depth,
-        "intermediate_size": cfg.mlp_dim,
+        "intermediate_size": None if swiglu else cfg.mlp_dim,
         "patch_size": cfg.patch,
         "num_register_tokens": cfg.num_registers,
         "projection_dim": cfg.projection_dim or None,
     }
-    problems = [
-        f"{name}: config.json has {side[name]}, the weights have {value}"
-        for name, value in weights.items()
-        if side.get(name) is not None and value is not None and side[name] != value
-    ]
-    if cfg.mlp == "swiglu" or side.get("use_swiglu_ffn"):
-        problems = [p for p in problems if not p.startswith("intermediate_size")]
-    if problems:
-        problems = "; ".join(problems)
-        raise ConvertError(f"hf checkpoint: config.json contradicts the weights: {problems}")
+    check_claims("hf", "config.json", {k: (side.get(k), v) for k, v in weights.items()})
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
@@ -328,32 +325,72 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp=mlp,
         projection_dim=t.shape(_PROJECTION)[0] if _PROJECTION in t else 0,
         num_classes=t.shape("classifier.weight")[0] if "classifier.weight" in t else 0,
-        preprocess=_hf_preprocess(side.get("_preprocessor", {}), grid * patch),
     )
     _check_side(side, cfg)
     return cfg
 
 
-def _hf_preprocess(proc: dict, image_size: int) -> Preprocess:
-    """The image processor's resize (shortest_edge, or a square size), resample and mean/std.
-
-    Defaults when there is no preprocessor_config.json: ViTImageProcessor's (resize to the model's
-    size, bilinear, mean/std 0.5).
-    """
-    size = proc.get("size") or {}
-    resize = size.get("shortest_edge") or size.get("height") or image_size
-    crop = proc.get("crop_size") or {}
-    if proc.get("do_center_crop") and crop and crop.get("height", image_size) != image_size:
+def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
+    """The image processor's geometry, resample and mean/std, as transformers reads them:
+    ``size`` is a shortest edge, or a height x width every image is resized to (an int: a
+    shortest edge when a centre crop follows, else a square); ``crop_size`` applies when
+    ``do_center_crop``. Without preprocessor_config.json: ViTImageProcessor's defaults at the
+    model's size (bilinear, mean/std 0.5)."""
+    proc = side.get("_preprocessor") or {}
+    half = (0.5, 0.5, 0.5)
+    if not proc:
+        where = "hf defaults (no preprocessor_config.json)"
+        return SourcePreprocess(where, False, image_size, image_size, "bilinear", half, half)
+    where = "preprocessor_config.json"
+    crops = bool(proc.get("do_center_crop", "crop_size" in proc))
+    size = _size(proc.get("size"), square=not crops, what="size", where=where)
+    geometry = None
+    if "height" in size:
+        resize = size["height"]
+        geometry = f"resizes every image to {resize}x{resize} (size: the aspect ratio is not kept)"
+    else:
+        resize = size["shortest_edge"]
+    crop = _size(proc["crop_size"], True, "crop_size", where)["height"] if crops else resize
+    if not crops and geometry is None:
+        geometry = f"resizes the shorter side to {resize} and does not crop (a non-square input)"
+    if not proc.get("do_resize", True):
+        geometry = "does not resize (do_resize false)"
+    scale = proc.get("rescale_factor", 1 / 255)
+    if not proc.get("do_rescale", True) or abs(scale * 255 - 1) > 1e-6:
         raise ConvertError(
-            f"hf preprocessor_config.json crops to {crop}, but the position embedding is for "
-            f"{image_size}x{image_size} images"
+            f"hf {where}: do_rescale={proc.get('do_rescale', True)} rescale_factor={scale}: the "
+            "pixel contract scales by 1/255"
         )
-    return Preprocess(
-        resize=int(resize),
-        interpolation=_PIL_RESAMPLE.get(int(proc.get("resample", 2)), "bilinear"),
-        mean=tuple(proc.get("image_mean", (0.5, 0.5, 0.5))),
-        std=tuple(proc.get("image_std", (0.5, 0.5, 0.5))),
+    normalise = proc.get("do_normalize", True)
+    resample = proc.get("resample", 2)
+    return SourcePreprocess(
+        where,
+        True,
+        resize=resize,
+        crop=crop,
+        interpolation=_PIL_RESAMPLE.get(resample, str(resample)),
+        mean=_per_channel(proc.get("image_mean", 0.5)) if normalise else (0.0, 0.0, 0.0),
+        std=_per_channel(proc.get("image_std", 0.5)) if normalise else (1.0, 1.0, 1.0),
+        geometry=geometry,
     )
+
+
+def _size(value, square: bool, what: str, where: str) -> dict:
+    """transformers' size dict: ``{"shortest_edge": n}`` or a square ``{"height", "width"}``."""
+    if isinstance(value, int):
+        return {"height": value, "width": value} if square else {"shortest_edge": value}
+    value = value or {}
+    if set(value) == {"shortest_edge"} or set(value) == {"height", "width"}:
+        if value.get("height", 0) == value.get("width", 0):
+            return {k: int(v) for k, v in value.items()}
+    raise ConvertError(
+        f"hf {where}: {what}={value!r} is not a shortest edge nor a square, which the pixel "
+        "contract cannot serve"
+    )
+
+
+def _per_channel(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,) * 3
 
 
 def _mlp(t: SourceTensors, b: str, lay: Layout, cfg: ViTConfig) -> dict:

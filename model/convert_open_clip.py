@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Preprocess, ViTConfig
+from .config import ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
     Sizes,
     SourceTensors,
+    check_claims,
     count_blocks,
     fold_layer_scale,
     fused_bias_to_heads,
@@ -29,6 +30,7 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
+from .convert_preprocess import SourcePreprocess, unservable
 
 WEIGHT_FILES = (
     "open_clip_model.safetensors",
@@ -41,14 +43,23 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 _BLOCK = "transformer.resblocks.{i}."
 
 
-def side_files(path: Path) -> tuple[dict, bool]:
+SIDE_FILES = ("open_clip_config.json",)
+
+
+def side_files(path: Path) -> dict:
     """open_clip_config.json: model_cfg (vision_cfg, quick_gelu) and preprocess_cfg."""
-    side = json_beside(path, "open_clip_config.json")
-    return side, bool(side.get("preprocess_cfg"))
+    return json_beside(path, "open_clip_config.json")
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
     if not any(key.startswith("visual.") for key in tensors):
+        if "conv1.weight" not in tensors:
+            text = "token_embedding.weight" in tensors
+            held = "a text tower only (token_embedding.weight, ...)" if text else "no image tower"
+            raise ConvertError(
+                f"open_clip checkpoint: {held}: no visual.* keys nor a bare tower's conv1.weight; "
+                f"its keys begin: {', '.join(sorted(tensors)[:8]) or 'none'}"
+            )
         return tensors  # a bare vision tower
     other = [key for key in tensors if not key.startswith("visual.")]
     if other:
@@ -91,7 +102,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         )
     b = _BLOCK.format(i=0)
     sizes = Sizes(width, depth, heads, t.shape(b + "mlp.c_fc.weight")[0], patch, grid, channels)
-    return sizes.config(
+    cfg = sizes.config(
         patch_bias=False,  # open_clip's conv1 has none
         block="sequential",
         norm="layernorm",
@@ -106,8 +117,30 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         pre_norm="ln_pre.weight" in t,
         mlp=mlp,
         projection_dim=t.shape("proj")[1] if "proj" in t else 0,
-        preprocess=_preprocess(side.get("preprocess_cfg", {}), grid * patch),
     )
+    _check_side(model_cfg, cfg)
+    return cfg
+
+
+def _check_side(model_cfg: dict, cfg: ViTConfig) -> None:
+    """open_clip_config.json's vision_cfg sizes and embed_dim, where it gives them, must be the
+    weights'."""
+    vision = model_cfg.get("vision_cfg") or {}
+    size = vision.get("image_size")
+    ratio = vision.get("mlp_ratio")
+    claims = {
+        "vision_cfg.width": (vision.get("width"), cfg.width),
+        "vision_cfg.layers": (vision.get("layers"), cfg.depth),
+        "vision_cfg.patch_size": (vision.get("patch_size"), cfg.patch),
+        "vision_cfg.image_size": (size[0] if isinstance(size, list) else size, cfg.image_size),
+        "vision_cfg.head_width": (vision.get("head_width"), cfg.head_dim),
+        "the MLP width (vision_cfg.mlp_ratio x width)": (
+            ratio and int(ratio * vision.get("width", cfg.width)),
+            cfg.mlp_dim,
+        ),
+        "embed_dim": (model_cfg.get("embed_dim"), cfg.projection_dim or None),
+    }
+    check_claims("open_clip", "open_clip_config.json", claims)
 
 
 def _heads_from(vision: dict, width: int) -> int | None:
@@ -117,22 +150,29 @@ def _heads_from(vision: dict, width: int) -> int | None:
     return width // int(vision.get("head_width", 64))
 
 
-def _preprocess(cfg: dict, image_size: int) -> Preprocess:
-    """open_clip's PreprocessCfg (resize_mode 'shortest': resize then centre-crop)."""
-    mode = cfg.get("resize_mode", "shortest")
-    if mode != "shortest":
-        raise ConvertError(
-            f"open_clip preprocess_cfg resize_mode={mode!r}: only 'shortest' (resize the shorter "
-            "side, centre-crop) is supported; pass the preprocessing flags instead"
-        )
-    interpolation = cfg.get("interpolation", "bicubic")
-    if interpolation not in ("bicubic", "bilinear"):
-        raise ConvertError(f"open_clip preprocess_cfg interpolation={interpolation!r}")
-    return Preprocess(
-        resize=image_size,
-        interpolation=interpolation,
+def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
+    """open_clip's PreprocessCfg: resize_mode 'shortest' (the default) resizes the shorter side
+    to the input size and centre-crops; bicubic and OpenAI's mean/std where it is silent."""
+    cfg = side.get("preprocess_cfg") or {}
+    where = "open_clip_config.json preprocess_cfg"
+    if not cfg:
+        where = "open_clip defaults (no preprocess_cfg in open_clip_config.json)"
+    size = cfg.get("size", image_size)
+    if isinstance(size, (list, tuple)):
+        if len(set(size)) != 1:
+            raise ConvertError(f"open_clip {where}: size {size} is not square")
+        size = size[0]
+    kinds = {"shortest": "shortest", "squash": "squash", "longest": "longest"}
+    geometry = unservable("resize_mode", cfg.get("resize_mode", "shortest"), size, kinds)
+    return SourcePreprocess(
+        where,
+        bool(cfg),
+        resize=int(size),
+        crop=int(size),
+        interpolation=cfg.get("interpolation", "bicubic"),
         mean=tuple(cfg.get("mean", OPENAI_MEAN)),
         std=tuple(cfg.get("std", OPENAI_STD)),
+        geometry=geometry,
     )
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Preprocess, ViTConfig
+from .config import IMAGENET_PREPROCESS, ViTConfig
 from .convert_common import (
     ConvertError,
     Hints,
     Sizes,
     SourceTensors,
+    check_claims,
     count_blocks,
     fold_layer_scale,
     fused_bias_to_heads,
@@ -31,12 +32,18 @@ from .convert_common import (
     torch_linear,
     torch_norm,
 )
+from .convert_preprocess import SourcePreprocess, unservable
+
+IMAGENET_MEAN, IMAGENET_STD = IMAGENET_PREPROCESS.mean, IMAGENET_PREPROCESS.std
 
 
-def side_files(path: Path) -> tuple[dict, bool]:
-    """timm's hub config.json (architecture, num_classes, global_pool, pretrained_cfg)."""
-    side = json_beside(path, "config.json")
-    return side, bool(side.get("pretrained_cfg"))
+SIDE_FILES = ("config.json",)
+
+
+def side_files(path: Path) -> dict:
+    """timm's hub config.json (architecture, num_classes, global_pool, model_args,
+    pretrained_cfg)."""
+    return json_beside(path, "config.json")
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -47,6 +54,14 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
+    if side.get("architecture"):  # every message names it
+        t.source = f"timm {side['architecture']}"
+    blocks = "blocks.0.norm1.weight" in t or "blocks.0.in_norm.weight" in t
+    if "patch_embed.proj.weight" not in t or not blocks:
+        raise ConvertError(
+            f"{t.source} checkpoint: not a timm VisionTransformer (no patch_embed.proj and "
+            f"blocks.0.norm1 / blocks.0.in_norm); its keys begin: {t.some_keys()}"
+        )
     for key, what in (
         ("dist_token", "a distillation token"),
         ("fc_norm.weight", "a norm after average pooling (timm fc_norm)"),
@@ -57,7 +72,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         t.refuse(key, what)
     if "pos_embed" not in t:
         raise ConvertError(
-            "timm checkpoint: no 'pos_embed': models without a learned "
+            f"{t.source} checkpoint: no 'pos_embed': models without a learned "
             "position embedding are not supported"
         )
     width, channels, patch, _ = t.shape("patch_embed.proj.weight")
@@ -96,12 +111,12 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     elif pool in (None, "avg"):
         head = "gap"
     else:
-        raise ConvertError(f"timm checkpoint: global_pool={pool!r} is not supported")
+        raise ConvertError(f"{t.source} checkpoint: global_pool={pool!r} is not supported")
     head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
     gated = not parallel and t.shape("blocks.0.mlp.fc1.weight")[0] == 2 * mlp_dim  # SwiGLUPacked
     mlp = "swiglu" if gated else _activation(str(side.get("architecture", "")), t)
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
-    return sizes.config(
+    cfg = sizes.config(
         patch_bias="patch_embed.proj.bias" in t,  # timm's pre-norm models have none
         block="parallel" if parallel else "sequential",
         norm=norm,
@@ -119,8 +134,32 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         gelu_exact=True,
         mlp=mlp,
         num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
-        preprocess=_timm_preprocess(side.get("pretrained_cfg", {}), grid * patch),
     )
+    _check_side(t, side, cfg)
+    return cfg
+
+
+def _check_side(t: SourceTensors, side: dict, cfg: ViTConfig) -> None:
+    """config.json's num_classes and model_args, where it gives them, must be the weights'
+    (pretrained_cfg's input size is what timm's transforms give: the served crop)."""
+    args = side.get("model_args") or {}
+    claims = {
+        "num_classes": (side.get("num_classes"), cfg.num_classes),
+        "model_args.num_classes": (args.get("num_classes"), cfg.num_classes),
+        "model_args.embed_dim": (args.get("embed_dim"), cfg.width),
+        "model_args.depth": (args.get("depth"), cfg.depth),
+        "model_args.num_heads": (args.get("num_heads"), cfg.heads),
+        "model_args.patch_size": (_square(args.get("patch_size")), cfg.patch),
+        "model_args.img_size": (_square(args.get("img_size")), cfg.image_size),
+    }
+    check_claims(t.source, "config.json", claims)
+
+
+def _square(size) -> int | None:
+    """timm's sizes: an int, or [h, w] (the weights' are square: a non-square one never is)."""
+    if isinstance(size, (list, tuple)):
+        return size[0] if len(set(size)) == 1 else tuple(size)
+    return size
 
 
 def _activation(architecture: str, t: SourceTensors) -> str:
@@ -132,15 +171,35 @@ def _activation(architecture: str, t: SourceTensors) -> str:
     return "gelu"
 
 
-def _timm_preprocess(pretrained_cfg: dict, image_size: int) -> Preprocess:
-    # timm's ViT defaults: Inception mean/std (0.5), bicubic, crop_pct 0.9.
-    crop_pct = float(pretrained_cfg.get("crop_pct", 0.9))
-    interpolation = pretrained_cfg.get("interpolation", "bicubic")
-    return Preprocess(
-        resize=int(math.floor(image_size / crop_pct)),
-        interpolation=interpolation if interpolation in ("bicubic", "bilinear") else "bicubic",
-        mean=tuple(pretrained_cfg.get("mean", (0.5, 0.5, 0.5))),
-        std=tuple(pretrained_cfg.get("std", (0.5, 0.5, 0.5))),
+def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
+    """pretrained_cfg as timm's resolve_data_config reads it (bicubic, ImageNet mean/std and
+    crop_pct 0.875 where it is silent); timm's eval transform resizes the shorter side to
+    floor(input size / crop_pct), then centre-crops ('center' crop_mode). Without a
+    pretrained_cfg: timm's ViT defaults (Inception mean/std 0.5, bicubic, crop_pct 0.9)."""
+    cfg = side.get("pretrained_cfg") or {}
+    if not cfg:
+        where, half = "timm defaults (no pretrained_cfg in config.json)", (0.5, 0.5, 0.5)
+        resize = math.floor(image_size / 0.9)
+        return SourcePreprocess(where, False, resize, image_size, "bicubic", half, half)
+    where = "config.json pretrained_cfg"
+    height, width = (cfg.get("input_size") or (3, image_size, image_size))[-2:]
+    if height != width:
+        raise ConvertError(
+            f"timm {where}: input_size {cfg['input_size']} is not square, which the pixel "
+            "contract cannot serve"
+        )
+    resize = math.floor(height / float(cfg.get("crop_pct") or 0.875))
+    kinds = {"center": "shortest", "squash": "squash", "border": "longest"}
+    geometry = unservable("crop_mode", cfg.get("crop_mode") or "center", resize, kinds)
+    return SourcePreprocess(
+        where,
+        True,
+        resize=resize,
+        crop=int(height),
+        interpolation=cfg.get("interpolation") or "bicubic",
+        mean=tuple(cfg.get("mean") or IMAGENET_MEAN),
+        std=tuple(cfg.get("std") or IMAGENET_STD),
+        geometry=geometry,
     )
 
 

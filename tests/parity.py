@@ -4,7 +4,8 @@ Float32 compute must agree to ``TOL_F32`` relative (the whole array's ||a - b|| 
 output the source gives (pooled, last-layer patch tokens, register tokens, the pre-projection
 feature); bfloat16 compute is measured against the same reference and must stay within
 ``TOL_BF16``. With ``VIT22B_PARITY_OUT`` set, every figure is appended to that file as one JSON
-line (``python benchmarks/parity.py`` turns them into the README's table).
+line (``python benchmarks/parity.py`` turns them into the README's tables); ``record`` writes the
+processor-parity figures of tests/test_processor_parity.py the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def _ours(converted, pixels_nhwc: np.ndarray, dtype: str, request: OutputRequest
     return flat
 
 
+def record(row: dict) -> None:
+    """One measured figure, as a JSON line of ``VIT22B_PARITY_OUT`` when it is set."""
+    out = os.environ.get("VIT22B_PARITY_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def check_parity(case: str, source: str, converted, pixels_nchw, peer: dict, norm_patches: bool):
     """``peer``: {'pooled', 'patch_tokens' (last layer), 'register_tokens', 'pre_projection'}
     (those the source gives) as numpy arrays; ``norm_patches``: whether its patch tokens are
@@ -45,12 +54,8 @@ def check_parity(case: str, source: str, converted, pixels_nchw, peer: dict, nor
     figures = {
         name: (rel_err(f32[name], ref), rel_err(bf16[name], ref)) for name, ref in peer.items()
     }
-    out = os.environ.get("VIT22B_PARITY_OUT")
-    if out:
-        with open(out, "a") as f:
-            for name, (e32, e16) in figures.items():
-                row = {"case": case, "source": source, "output": name, "f32": e32, "bf16": e16}
-                f.write(json.dumps(row) + "\n")
+    for name, (e32, e16) in figures.items():
+        record({"case": case, "source": source, "output": name, "f32": e32, "bf16": e16})
     for name, (e32, e16) in figures.items():
         assert e32 < TOL_F32, f"{case}: {name} differs from the source by {e32:.2e} in float32"
         assert e16 < TOL_BF16, f"{case}: {name} differs from the source by {e16:.2e} in bfloat16"

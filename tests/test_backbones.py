@@ -215,7 +215,8 @@ def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):
         size={"shortest_edge": 20}, crop_size={"height": 20, "width": 20}
     )
     wrong.save_pretrained(tmp_path / "m")
-    with pytest.raises(ConvertError, match="crops to .* but the position embedding is for 16x16"):
+    with pytest.raises(ConvertError, match=r"crop 20x20 \(preprocessor_config.json\), but the "
+                       "position embedding is for 16x16"):
         convert("hf", tmp_path / "m")
 
 

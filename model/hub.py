@@ -1,0 +1,166 @@
+"""Models named on the Hugging Face Hub: ``ORG/NAME`` (``--from hf``) or ``hf-hub:ORG/NAME``
+(any source, timm's spelling), optionally ``@REVISION``, read from the local hub cache
+(``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``: the
+``models--ORG--NAME/{refs,snapshots}`` layout) and downloaded into it when it is not there and a
+hub is reachable (never with ``HF_HUB_OFFLINE=1``).
+
+Only what an importer reads is fetched: its config files and the first weight file of its
+preference list that the repository holds (a repository often keeps the same weights in several
+formats).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .convert_common import ConvertError
+
+PREFIX = "hf-hub:"
+SHARD_INDEX = "model.safetensors.index.json"
+SHARDS = "model-*-of-*.safetensors"
+_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class HubModel:
+    """A repository on the hub, as the user named it, and the revision asked for."""
+
+    spec: str  # what was typed, without the revision: "facebook/dinov2-small", "hf-hub:timm/..."
+    repo: str
+    revision: str = "main"
+
+    def folder(self, cache: Path) -> Path:
+        return cache / ("models--" + self.repo.replace("/", "--"))
+
+
+def parse(source: str, name: str) -> HubModel | None:
+    """The hub model ``name`` names, or None when it is a local path (an existing path always
+    is; so is any name that is not ``hf-hub:ORG/NAME``, or for ``--from hf`` ``ORG/NAME``)."""
+    spec = str(name)
+    if Path(spec).exists():
+        return None
+    bare = spec.removeprefix(PREFIX)
+    if bare == spec and source != "hf":
+        return None
+    repo, _, revision = bare.partition("@")
+    if not _REPO.match(repo):
+        if bare != spec:
+            raise ConvertError(f"{spec}: not a hub model name (hf-hub:ORG/NAME[@REVISION])")
+        return None  # a local path that does not exist: find_weights says so
+    spec = spec.partition("@")[0]
+    return HubModel(spec, repo, revision or "main")
+
+
+def cache_dir() -> Path:
+    """The hub cache, read from the environment at each call (huggingface_hub's own constants
+    are fixed when it is imported), with huggingface_hub's precedence."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expanduser(os.environ[var]))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface",
+    )
+    return Path(os.path.expanduser(home)) / "hub"
+
+
+def offline() -> bool:
+    return any(
+        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]) -> Path:
+    """The snapshot folder holding ``side_files`` (where the repository has them) and one of
+    ``weights`` (in that order of preference, else transformers' sharded safetensors where the
+    importer reads them): from the cache,
+    else downloaded. The folder's name is the commit it holds."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = cache_dir()
+    patterns = [*side_files, *weights, *((SHARD_INDEX, SHARDS) if _sharded(weights) else ())]
+    try:
+        folder = Path(
+            snapshot_download(
+                model.repo,
+                revision=model.revision,
+                cache_dir=cache,
+                local_files_only=True,
+                allow_patterns=patterns,
+            )
+        )
+    except LocalEntryNotFoundError as err:
+        # IncompleteSnapshotError (newer huggingface_hub) keeps the folder: files of the repo we
+        # never fetched are missing, ours may not be
+        snapshot = getattr(err, "snapshot_path", None)
+        folder = Path(snapshot) if snapshot else None
+    if folder is not None and _holds_weights(folder, weights):
+        return folder
+    if offline():
+        if folder is None:
+            missing = f"revision {model.revision!r} is not in the Hugging Face cache"
+        else:
+            missing = f"its cached snapshot holds none of {', '.join(weights)}"
+        raise ConvertError(
+            f"{_named(model)}{missing} ({model.folder(cache)}), and HF_HUB_OFFLINE forbids "
+            "downloading it"
+        )
+    return _download(model, cache, side_files, weights)
+
+
+def _named(model: HubModel) -> str:
+    """How a message starts: a bare ORG/NAME may also have been meant as a local path."""
+    local = "" if model.spec.startswith(PREFIX) else "no such local path, and "
+    return f"{model.spec}: {local}"
+
+
+def _sharded(weights: tuple[str, ...]) -> bool:
+    """Whether the importer reads transformers' sharded safetensors (its index names them)."""
+    return "model.safetensors" in weights
+
+
+def _holds_weights(folder: Path, weights: tuple[str, ...]) -> bool:
+    index = (SHARD_INDEX,) if _sharded(weights) else ()
+    return any((folder / name).is_file() for name in (*weights, *index))
+
+
+def _download(
+    model: HubModel, cache: Path, side_files: tuple[str, ...], weights: tuple[str, ...]
+) -> Path:
+    from huggingface_hub import HfApi, snapshot_download
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, as the cache is
+    try:
+        # model_info asks once (list_repo_files would retry an unreachable hub for half a minute)
+        info = HfApi(endpoint=endpoint).model_info(model.repo, revision=model.revision, timeout=10)
+        files = {sibling.rfilename for sibling in info.siblings or ()}
+        chosen = [name for name in weights if name in files][:1]
+        if not chosen and _sharded(weights) and SHARD_INDEX in files:
+            chosen = [SHARD_INDEX, SHARDS]
+        if not chosen:
+            held = ", ".join(sorted(files)) or "no files"
+            raise ConvertError(
+                f"{model.spec} (revision {model.revision!r}) holds none of the weight files this "
+                f"importer reads ({', '.join(weights)}); it has: {held}"
+            )
+        folder = snapshot_download(
+            model.repo,
+            revision=model.revision,
+            cache_dir=cache,
+            allow_patterns=[*side_files, *chosen],
+            endpoint=endpoint,
+        )
+    except ConvertError:
+        raise
+    except Exception as err:  # no route, refused, unknown repository or revision, no access
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        raise ConvertError(
+            f"{_named(model)}revision {model.revision!r} is not in the Hugging Face cache "
+            f"({model.folder(cache)}), and downloading it failed: {reason}"
+        ) from err
+    return Path(folder)

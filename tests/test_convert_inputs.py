@@ -1,0 +1,288 @@
+"""What `vit22b convert` reads besides the tensors: the preprocessing (the source's files, its
+defaults, or the flags --mean/--std/--resize/--crop/--interpolation over either, each value
+checked naming where it came from), and the refusals of what it cannot serve: an unsupported
+family names what it has, a config that contradicts the weights names both values."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from peers import import_open_clip, perturb
+from safetensors.torch import save_file
+from test_backbones import OPEN_CLIP_CFG, TIMM_SHAPE, _hf, timm
+from timm.models._hub import save_config_for_hf
+from vit22b.clients.cli import main
+from vit22b.model import checkpoint as ckpt
+from vit22b.model.config import Preprocess
+from vit22b.model.convert import ConvertError, Hints, convert
+from vit22b.model.convert_preprocess import PreprocessFlags
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _clip_folder(path, processor=None):
+    """A tiny CLIPVisionModel (16x16 input) saved by transformers, with ``processor``'s file."""
+    _hf("CLIPVisionModel", "CLIPVisionConfig", seed=71, intermediate_size=96).save_pretrained(path)
+    if processor is not None:
+        processor.save_pretrained(path)
+    return path
+
+
+def _clip_processor(**kw):
+    import transformers
+
+    kw = {"size": {"shortest_edge": 18}, "crop_size": {"height": 16, "width": 16}, **kw}
+    return transformers.CLIPImageProcessor(**kw)
+
+
+# ------------------------------------------------------------------------------------------
+# where the preprocessing comes from
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_processor_file_decides_and_its_absence_gives_the_sources_defaults(tmp_path):
+    with_file = convert("hf", _clip_folder(tmp_path / "a", _clip_processor()))
+    assert with_file.preprocess_from == "preprocessor_config.json"
+    assert with_file.config.preprocess == Preprocess(18, "bicubic", OPENAI_MEAN, OPENAI_STD)
+    assert "preprocessing from preprocessor_config.json" in with_file.notes
+
+    bare = convert("hf", _clip_folder(tmp_path / "b"))
+    assert bare.preprocess_from == "hf defaults (no preprocessor_config.json)"
+    assert bare.config.preprocess == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3)
+    supplied = convert("hf", tmp_path / "b", preprocess=PreprocessFlags(mean=(0.1, 0.2, 0.3)))
+    assert (
+        supplied.preprocess_from == "flags (--mean) over hf defaults (no preprocessor_config.json)"
+    )
+    assert supplied.config.preprocess.mean == (0.1, 0.2, 0.3)
+
+
+def test_flags_override_the_files_and_are_recorded_in_the_checkpoint(tmp_path, capsys):
+    folder = _clip_folder(tmp_path / "m", _clip_processor())
+    out = tmp_path / "ckpt"
+    flags = ["--mean", "0.1", "0.2", "0.3", "--std", "0.4", "0.5", "0.6"]
+    flags += ["--resize", "20", "--interpolation", "bilinear", "--crop", "16"]
+    args = ["convert", "--from", "hf", "--input", str(folder), "--out", str(out), *flags]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["preprocess_from"] == "flags"  # all five given: nothing left of the file's
+    meta = ckpt.read_metadata(out)
+    assert meta.config.preprocess == Preprocess(20, "bilinear", (0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    assert summary["preprocess_hash"] == meta.preprocess_hash
+    assert "preprocessing from flags" in meta.notes
+
+    assert main([*args[:7], "--overwrite", "--std", "0.4", "0.5", "0.6"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["preprocess_from"] == "flags (--std) over preprocessor_config.json"
+    assert ckpt.read_metadata(out).config.preprocess == Preprocess(
+        18, "bicubic", OPENAI_MEAN, (0.4, 0.5, 0.6)
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(std=(0.2, 0.0, 0.3)), "std (0.2, 0.0, 0.3) (--std): needs 3 positive numbers"),
+        (dict(std=(0.2, -1.0, 0.3)), "needs 3 positive numbers, one per channel R G B"),
+        (dict(mean=(0.1, float("nan"), 0.3)), "mean (0.1, nan, 0.3) (--mean): needs 3 finite"),
+        (dict(mean=(0.1, 0.2)), "mean (0.1, 0.2) (--mean): needs 3 finite numbers"),
+        (dict(resize=0), "resize 0 (--resize): needs a positive whole number"),
+        (dict(interpolation="lanczos"), "interpolation 'lanczos' (--interpolation) is not one"),
+        (dict(crop=20), "crop 20x20 (--crop), but the position embedding is for 16x16 images"),
+        (dict(resize=12), "resize 12 (--resize) is smaller than the crop 16 (preprocessor_config"),
+        (dict(resize=15, crop=16), "resize 15 (--resize) is smaller than the crop 16 (--crop)"),
+    ],
+)
+def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
+    folder = _clip_folder(tmp_path / "m", _clip_processor())
+    with pytest.raises(ConvertError, match=re.escape(message)):
+        convert("hf", folder, preprocess=PreprocessFlags(**flags))
+
+
+def test_a_bad_flag_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys):
+    folder = _clip_folder(tmp_path / "m")
+    args = ["convert", "--from", "hf", "--input", str(folder), "--out", str(tmp_path / "c")]
+    capsys.readouterr()
+    assert main([*args, "--std", "0.2", "0", "0.3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "vit22b convert: std (0.2, 0.0, 0.3) (--std): needs 3 positive numbers, one per "
+        "channel R G B"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--interpolation", "lanczos"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'lanczos'" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "file, refused, rescue",
+    [
+        (dict(resample=1), "interpolation 'lanczos' (preprocessor_config.json)", "--interpolation"),
+        (
+            dict(crop_size={"height": 20, "width": 20}, size={"shortest_edge": 20}),
+            "crop 20x20 (preprocessor_config.json), but the position embedding is for 16x16",
+            "--crop",
+        ),
+        (
+            dict(image_std=[0.2, 0.0, 0.3]),
+            "std (0.2, 0.0, 0.3) (preprocessor_config.json)",
+            "--std",
+        ),
+    ],
+)
+def test_what_a_file_says_and_cannot_be_served_is_refused_unless_a_flag_replaces_it(
+    file, refused, rescue, tmp_path
+):
+    folder = _clip_folder(tmp_path / "m", _clip_processor(**file))
+    with pytest.raises(ConvertError, match=re.escape(refused)):
+        convert("hf", folder)
+    flag = {
+        "--interpolation": dict(interpolation="bicubic"),
+        "--crop": dict(crop=16),
+        "--std": dict(std=(0.2, 0.3, 0.3)),
+    }[rescue]
+    converted = convert("hf", folder, preprocess=PreprocessFlags(**flag))
+    assert converted.preprocess_from == f"flags ({rescue}) over preprocessor_config.json"
+
+
+def test_a_square_resize_is_refused_unless_resize_chooses_the_contracts_geometry(tmp_path):
+    """ViTImageProcessor / SigLIP resize every image to HxW, ignoring the aspect ratio; the
+    contract resizes the shorter side and centre-crops, the same only for square images."""
+    import transformers
+
+    processor = transformers.ViTImageProcessor(size={"height": 16, "width": 16})
+    folder = _clip_folder(tmp_path / "m", processor)
+    with pytest.raises(ConvertError) as err:
+        convert("hf", folder)
+    assert str(err.value) == (
+        "preprocessor_config.json: resizes every image to 16x16 (size: the aspect ratio is not "
+        "kept), which the pixel contract (the shorter side resized, then a centre crop) cannot "
+        "serve; pass --resize N (N >= 16) to serve that instead"
+    )
+    converted = convert("hf", folder, preprocess=PreprocessFlags(resize=16))
+    assert converted.config.preprocess == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3)
+    assert any("served: --resize 16, centre crop" in note for note in converted.notes)
+
+
+def _timm_folder(path, name="vit_base_patch16_224", **kw):
+    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **kw).eval()
+    perturb(model, seed=72)
+    path.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors")
+    )
+    save_config_for_hf(model, str(path / "config.json"))
+    return path
+
+
+def _edit_json(file, edit) -> None:
+    data = json.loads(file.read_text())
+    edit(data)
+    file.write_text(json.dumps(data))
+
+
+def test_timm_squash_and_open_clip_squash_are_refused_without_resize(tmp_path):
+    folder = _timm_folder(tmp_path / "t", num_classes=0)
+    _edit_json(folder / "config.json", lambda c: c["pretrained_cfg"].update(crop_mode="squash"))
+    with pytest.raises(ConvertError, match="crop_mode 'squash' resizes every image to 17x17"):
+        convert("timm", folder)
+    served = convert("timm", folder, preprocess=PreprocessFlags(resize=17)).config.preprocess
+    assert served.resize == 17
+
+    open_clip = import_open_clip()
+    oc = tmp_path / "oc"
+    oc.mkdir()
+    torch.save(
+        open_clip.model.CLIP(**OPEN_CLIP_CFG).state_dict(), oc / "open_clip_pytorch_model.bin"
+    )
+    config = {"model_cfg": OPEN_CLIP_CFG, "preprocess_cfg": {"resize_mode": "squash"}}
+    (oc / "open_clip_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError, match="resize_mode 'squash' resizes every image to 16x16"):
+        convert("open_clip", oc)
+    assert (
+        convert("open_clip", oc, preprocess=PreprocessFlags(resize=16)).config.preprocess.resize
+        == 16
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# unsupported families and contradicting configs
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_timm_model_that_is_not_a_vision_transformer_names_what_it_has(tmp_path):
+    model = timm.create_model("convnext_atto", pretrained=False)
+    tmp_path.joinpath("cn").mkdir()
+    save_file(model.state_dict(), str(tmp_path / "cn" / "model.safetensors"))
+    save_config_for_hf(model, str(tmp_path / "cn" / "config.json"))
+    with pytest.raises(
+        ConvertError,
+        match=r"timm convnext_atto checkpoint: not a timm VisionTransformer .*its keys begin: "
+        r"head\.fc\.bias, head\.fc\.weight, .*stages\.0\.blocks\.0\.conv_dw",
+    ):
+        convert("timm", tmp_path / "cn")
+    # a ViT variant with what this model cannot express: the key and the architecture
+    folder = _timm_folder(tmp_path / "deit", "deit_tiny_distilled_patch16_224", num_classes=0)
+    with pytest.raises(
+        ConvertError,
+        match=r"timm deit_tiny_distilled_patch16_224 checkpoint: key 'dist_token' \(1, 1, 48\) "
+        "is a distillation token",
+    ):
+        convert("timm", folder)
+
+
+def test_an_open_clip_checkpoint_of_a_text_tower_alone_says_so(tmp_path):
+    open_clip = import_open_clip()
+    state = open_clip.model.CLIP(**OPEN_CLIP_CFG).state_dict()
+    tmp_path.joinpath("oc").mkdir()
+    text = {k: v for k, v in state.items() if not k.startswith("visual.")}
+    torch.save(text, tmp_path / "oc" / "open_clip_pytorch_model.bin")
+    with pytest.raises(
+        ConvertError,
+        match=r"open_clip checkpoint: a text tower only \(token_embedding.weight, ...\): no "
+        r"visual\.\* keys nor a bare tower's conv1\.weight; its keys begin: ln_final\.bias",
+    ):
+        convert("open_clip", tmp_path / "oc", Hints(mlp="gelu"))
+
+
+def test_a_timm_config_that_contradicts_the_weights_names_both(tmp_path):
+    folder = _timm_folder(tmp_path / "t", num_classes=12)
+
+    def edit(c):
+        c["num_classes"] = 1000
+        c["model_args"]["depth"] = 12
+
+    _edit_json(folder / "config.json", edit)
+    with pytest.raises(ConvertError) as err:
+        convert("timm", folder)
+    assert str(err.value) == (
+        "timm vit_base_patch16_224 checkpoint: config.json contradicts the weights: "
+        "num_classes: config.json has 1000, the weights have 12; model_args.depth: config.json "
+        "has 12, the weights have 2"
+    )
+
+
+def test_an_open_clip_config_that_contradicts_the_weights_names_both(tmp_path):
+    open_clip = import_open_clip()
+    tmp_path.joinpath("oc").mkdir()
+    torch.save(
+        open_clip.model.CLIP(**OPEN_CLIP_CFG).state_dict(),
+        tmp_path / "oc" / "open_clip_pytorch_model.bin",
+    )
+    vision = {**OPEN_CLIP_CFG["vision_cfg"], "layers": 12, "width": 768}
+    config = {"model_cfg": {**OPEN_CLIP_CFG, "vision_cfg": vision, "embed_dim": 512}}
+    (tmp_path / "oc" / "open_clip_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError) as err:
+        convert("open_clip", tmp_path / "oc")
+    assert str(err.value) == (
+        "open_clip checkpoint: open_clip_config.json contradicts the weights: vision_cfg.width: "
+        "open_clip_config.json has 768, the weights have 48; vision_cfg.layers: "
+        "open_clip_config.json has 12, the weights have 2; the MLP width (vision_cfg.mlp_ratio "
+        "x width): open_clip_config.json has 1920, the weights have 120; embed_dim: "
+        "open_clip_config.json has 512, the weights have 24"
+    )

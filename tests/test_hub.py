@@ -1,0 +1,301 @@
+"""Models named on the Hugging Face Hub (``ORG/NAME``, ``hf-hub:ORG/NAME[@REV]``), read from a hub
+cache that each test lays out itself in tmp_path exactly as huggingface_hub does (content-addressed
+blobs, a snapshot of links per commit, refs naming commits), from tiny models saved by the
+source's own code; HF_HUB_OFFLINE=1, as the test machines have no hub. Converted by name, they
+equal the source's forward (tests/parity.py), and the checkpoint records the repo and commit.
+
+Downloading is checked against ``LocalHub``, a stand-in for the hub's HTTP API on 127.0.0.1 (the
+few routes huggingface_hub's snapshot_download and model_info call), started and stopped by the
+test: huggingface_hub's own client downloads into the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+import torch
+from parity import check_parity
+from peers import import_open_clip, perturb
+from safetensors.torch import save_file
+from test_backbones import HF_CASES, OPEN_CLIP_CFG, TIMM_SHAPE, _hf, _pixels, timm
+from timm.models._hub import save_config_for_hf
+from vit22b.clients.cli import main
+from vit22b.model import checkpoint as ckpt
+from vit22b.model.convert import ConvertError, convert
+
+
+def cache_repo(cache: Path, repo: str, files: Path, ref: str = "main", commit: str = "") -> str:
+    """Lay ``files``' contents out as the hub cache keeps ``repo`` at ``commit`` (named by
+    ``ref``): blobs by content hash, snapshot entries linking to them. Returns the commit."""
+    commit = commit or hashlib.sha1(f"{repo}@{ref}".encode()).hexdigest()
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for file in sorted(files.iterdir()):
+        data = file.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    return commit
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def test_hf_model_by_name_from_the_cache(hub_cache, tmp_path, capsys):
+    """`--from hf --input ORG/NAME`: transformers' own loader reads the same cache to the same
+    model, and the conversion equals its forward; `source` is the repo at its commit."""
+    import transformers
+
+    cls_name, config_name, kw, outputs, normed, _ = HF_CASES["dinov2-registers"]
+    model = _hf(cls_name, config_name, seed=61, **kw)
+    model.save_pretrained(tmp_path / "saved")
+    commit = cache_repo(hub_cache, "acme/dinov2-reg-tiny", tmp_path / "saved")
+
+    peer = (
+        getattr(transformers, cls_name)
+        .from_pretrained("acme/dinov2-reg-tiny", cache_dir=hub_cache, local_files_only=True)
+        .eval()
+    )
+    converted = convert("hf", "acme/dinov2-reg-tiny")
+    assert converted.source == f"hf:acme/dinov2-reg-tiny@{commit}"
+    pixels = _pixels()
+    with torch.no_grad():
+        expected = {k: v.numpy() for k, v in outputs(model, pixels).items()}
+        got = {k: v.numpy() for k, v in outputs(peer, pixels).items()}
+    assert all((got[k] == expected[k]).all() for k in expected)  # the cache is the model
+    check_parity(
+        "hub-hf-dinov2-registers", f"hf {cls_name}", converted, pixels.numpy(), got, normed
+    )
+
+    out = tmp_path / "ckpt"
+    assert (
+        main(["convert", "--from", "hf", "--input", "acme/dinov2-reg-tiny", "--out", str(out)]) == 0
+    )
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["source"] == f"hf:acme/dinov2-reg-tiny@{commit}"
+    assert ckpt.read_metadata(out).source == summary["source"]
+
+
+def test_timm_hf_hub_name_reads_the_preferred_weights_at_a_revision(hub_cache, tmp_path):
+    """`hf-hub:ORG/NAME@REV`, as timm spells it: the revision is a ref or a commit; of the weight
+    files a timm repo keeps, model.safetensors is read (the .bin beside it is garbage here)."""
+    name = "vit_base_patch14_reg4_dinov2"
+    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, num_classes=0).eval()
+    perturb(model, seed=62)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    save_file(model.state_dict(), str(saved / "model.safetensors"))
+    save_config_for_hf(model, str(saved / "config.json"))
+    (saved / "pytorch_model.bin").write_bytes(b"not read")
+    main_commit = cache_repo(hub_cache, "timm/tiny-reg4", saved)
+    v1 = cache_repo(hub_cache, "timm/tiny-reg4", saved, ref="v1", commit="1" * 40)
+
+    pixels = _pixels()
+    with torch.no_grad():
+        tokens = model.forward_features(pixels)
+        peer = {
+            "pooled": model.forward_head(tokens, pre_logits=True).numpy(),
+            "patch_tokens": tokens[:, 5:].numpy(),
+            "register_tokens": tokens[:, 1:5].numpy(),
+        }
+    for spec, commit in (
+        ("hf-hub:timm/tiny-reg4", main_commit),
+        ("hf-hub:timm/tiny-reg4@v1", v1),
+        (f"hf-hub:timm/tiny-reg4@{v1}", v1),
+    ):
+        converted = convert("timm", spec)
+        assert converted.source == f"timm:hf-hub:timm/tiny-reg4@{commit}"
+        assert converted.config.num_registers == 4
+    check_parity("hub-timm-dinov2-reg4", f"timm {name}", converted, pixels.numpy(), peer, True)
+    assert converted.preprocess_from == "config.json pretrained_cfg"
+
+
+def test_open_clip_hf_hub_name(hub_cache, tmp_path):
+    open_clip = import_open_clip()
+    model = open_clip.model.CLIP(**OPEN_CLIP_CFG).eval()
+    perturb(model, seed=63)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    torch.save(model.state_dict(), saved / "open_clip_pytorch_model.bin")
+    config = {"model_cfg": OPEN_CLIP_CFG, "preprocess_cfg": {"mean": [0.4] * 3, "std": [0.3] * 3}}
+    (saved / "open_clip_config.json").write_text(json.dumps(config))
+    commit = cache_repo(hub_cache, "acme/clip-tiny", saved)
+    converted = convert("open_clip", "hf-hub:acme/clip-tiny")
+    assert converted.source == f"open_clip:hf-hub:acme/clip-tiny@{commit}"
+    assert converted.config.preprocess.mean == (0.4, 0.4, 0.4)
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {"pooled": model.encode_image(pixels).numpy()}
+    check_parity("hub-open_clip", "open_clip CLIP", converted, pixels.numpy(), peer, True)
+
+
+def test_a_model_neither_cached_nor_downloadable_names_the_repo_and_the_cache(hub_cache, tmp_path):
+    folder = hub_cache / "models--acme--absent"
+    with pytest.raises(ConvertError) as err:
+        convert("hf", "acme/absent")
+    assert str(err.value) == (
+        f"acme/absent: no such local path, and revision 'main' is not in the Hugging Face cache "
+        f"({folder}), and HF_HUB_OFFLINE forbids downloading it"
+    )
+    with pytest.raises(ConvertError, match=r"hf-hub:timm/absent: revision 'v2' is not in the"):
+        convert("timm", "hf-hub:timm/absent@v2")
+
+    # cached, but without any weight file the importer reads
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_text("{}")
+    cache_repo(hub_cache, "acme/config-only", saved)
+    with pytest.raises(
+        ConvertError,
+        match="its cached snapshot holds none of model.safetensors, pytorch_model.bin",
+    ):
+        convert("hf", "acme/config-only")
+
+    with pytest.raises(ConvertError, match="not a hub model name"):
+        convert("timm", "hf-hub:not a name")
+    with pytest.raises(ConvertError, match="hub models are read for --from hf, timm, open_clip"):
+        convert("big_vision", "hf-hub:google/some-npz")
+
+
+def test_an_existing_local_path_is_never_a_hub_name(hub_cache, tmp_path, monkeypatch):
+    cls_name, config_name, kw, *_ = HF_CASES["clip"]
+    _hf(cls_name, config_name, seed=64, **kw).save_pretrained(tmp_path / "acme" / "clip")
+    monkeypatch.chdir(tmp_path)
+    converted = convert("hf", "acme/clip")  # nothing of that name in the cache: read locally
+    assert converted.source == "hf:clip"
+
+
+class LocalHub:
+    """The hub's HTTP API for ``repos`` ({repo: (commit, folder)}) on 127.0.0.1: model info,
+    the file tree, and files by commit (HEAD and GET); ``requests`` logs every (method, path)."""
+
+    def __init__(self, repos: dict[str, tuple[str, Path]]):
+        self.repos = repos
+        self.requests: list[tuple[str, str]] = []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def __enter__(self) -> LocalHub:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def fetched(self) -> list[str]:
+        """The files downloaded (GET), by name."""
+        return sorted(
+            p.rsplit("/", 1)[-1] for m, p in self.requests if m == "GET" and "/resolve/" in p
+        )
+
+    def _answer(self, method: str, path: str) -> tuple[int, bytes, dict]:
+        self.requests.append((method, path))
+        if m := re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)$", path):
+            repo, kind, _ = m.groups()
+            if repo not in self.repos:
+                return 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}
+            commit, folder = self.repos[repo]
+            files = sorted(p.name for p in folder.iterdir())
+            if kind == "revision":
+                body = {"id": repo, "sha": commit, "siblings": [{"rfilename": f} for f in files]}
+            else:
+                body = [
+                    {"type": "file", "path": f, "size": (folder / f).stat().st_size, "oid": f}
+                    for f in files
+                ]
+            return 200, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        if m := re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path):
+            commit, folder = self.repos[m[1]]
+            data = (folder / m[3]).read_bytes()
+            etag = f'"{hashlib.sha256(data).hexdigest()}"'
+            return 200, data, {"X-Repo-Commit": commit, "ETag": etag}
+        return 404, b"", {}
+
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._reply(head=True)
+
+            def do_GET(self) -> None:
+                self._reply(head=False)
+
+            def _reply(self, head: bool) -> None:
+                code, body, headers = hub._answer(self.command, unquote(urlparse(self.path).path))
+                self.send_response(code)
+                for key, value in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+        return Handler
+
+
+def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch):
+    """Only the files the importer reads are fetched (config files and the preferred weights,
+    not the .bin beside them); the second conversion reads the cache, also with
+    HF_HUB_OFFLINE=1; an unknown repository and an unreachable hub are named."""
+    cls_name, config_name, kw, outputs, normed, _ = HF_CASES["siglip"]
+    model = _hf(cls_name, config_name, seed=65, **kw)
+    model.save_pretrained(tmp_path / "repo")
+    (tmp_path / "repo" / "pytorch_model.bin").write_bytes(b"the same weights, another format")
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    commit = "c" * 40
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {k: v.numpy() for k, v in outputs(model, pixels).items()}
+    with LocalHub({"acme/siglip-tiny": (commit, tmp_path / "repo")}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        converted = convert("hf", "acme/siglip-tiny")
+        assert hub.fetched() == ["config.json", "model.safetensors"]
+        assert converted.source == f"hf:acme/siglip-tiny@{commit}"
+        assert (cache / "models--acme--siglip-tiny" / "snapshots" / commit / "config.json").exists()
+        check_parity(
+            "hub-download-hf-siglip", f"hf {cls_name}", converted, pixels.numpy(), peer, normed
+        )
+
+        asked = len(hub.requests)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert convert("hf", "acme/siglip-tiny").source == converted.source
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        assert convert("hf", "acme/siglip-tiny").source == converted.source
+        assert len(hub.requests) == asked  # both from the cache
+
+        with pytest.raises(
+            ConvertError,
+            match=r"acme/absent: no such local path, and revision "
+            r"'main' is not in the Hugging Face cache \(.*models--acme--absent\), "
+            r"and downloading it failed: RepositoryNotFoundError",
+        ):
+            convert("hf", "acme/absent")
+    with pytest.raises(
+        ConvertError,
+        match=r"hf-hub:timm/gone: revision 'main' is not in the "
+        r"Hugging Face cache .* downloading it failed: ConnectError",
+    ):
+        convert("timm", "hf-hub:timm/gone")  # the hub has stopped
