@@ -308,6 +308,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     head = "cls" if class_token else "map" if "head.probe" in t else "gap"
     head_mlp = t.shape("head.mlp.fc1.weight")[0] if head == "map" else None
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
+    preprocess, size = _hf_preprocess(side.get("_preprocessor", {}), grid * patch)
     cfg = sizes.config(
         patch_bias=lay.patch + ".bias" in t,
         block="sequential",
@@ -321,6 +322,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         class_token=class_token,
         num_registers=t.shape(lay.registers)[1] if lay.registers and lay.registers in t else 0,
         posemb="rope" if lay.pos is None else "learn",
+        # interpolate_pos_encoding: bicubic; antialiased in Dinov2WithRegistersModel only
+        posemb_resample="bicubic_antialias" if name == "dinov2_with_registers" else "bicubic",
         rope_theta=float(side.get("rope_theta", 100.0)),
         posemb_covers_cls=covers_cls,
         pre_norm=lay.pre_norm is not None,
@@ -328,32 +331,53 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp=mlp,
         projection_dim=t.shape(_PROJECTION)[0] if _PROJECTION in t else 0,
         num_classes=t.shape("classifier.weight")[0] if "classifier.weight" in t else 0,
-        preprocess=_hf_preprocess(side.get("_preprocessor", {}), grid * patch),
+        preprocess=preprocess,
     )
+    if size != grid * patch:  # the processor's input is not the table's grid (DINOv2: 518 -> 224)
+        if size % patch:
+            raise ConvertError(
+                f"hf preprocessor_config.json gives {size}x{size} inputs, not a whole number of "
+                f"{patch}x{patch} patches"
+            )
+        fields = {"posemb_grid": grid} if cfg.posemb == "learn" else {}
+        cfg = cfg.replace(image_size=size, **fields)
     _check_side(side, cfg)
     return cfg
 
 
-def _hf_preprocess(proc: dict, image_size: int) -> Preprocess:
-    """The image processor's resize (shortest_edge, or a square size), resample and mean/std.
+def _hf_preprocess(proc: dict, image_size: int) -> tuple[Preprocess, int]:
+    """The image processor's geometry, resample and mean/std, and the input size it gives.
 
-    Defaults when there is no preprocessor_config.json: ViTImageProcessor's (resize to the model's
-    size, bilinear, mean/std 0.5).
+    ``shortest_edge`` + centre crop (CLIP, DINOv2's BitImageProcessor): the shorter side resized,
+    then the crop; a square ``size`` without a crop (ViT, SigLIP, DINOv3): both sides resized,
+    no crop. Defaults when there is no preprocessor_config.json: ViTImageProcessor's (both sides
+    to the model's size, bilinear, mean/std 0.5).
     """
     size = proc.get("size") or {}
-    resize = size.get("shortest_edge") or size.get("height") or image_size
     crop = proc.get("crop_size") or {}
-    if proc.get("do_center_crop") and crop and crop.get("height", image_size) != image_size:
-        raise ConvertError(
-            f"hf preprocessor_config.json crops to {crop}, but the position embedding is for "
-            f"{image_size}x{image_size} images"
-        )
-    return Preprocess(
-        resize=int(resize),
+    centre_crop = bool(proc.get("do_center_crop")) and bool(crop)
+    if "shortest_edge" in size:
+        if not centre_crop:
+            raise ConvertError(
+                f"hf preprocessor_config.json resizes the shortest edge to {size} without a "
+                "centre crop: its inputs are not square"
+            )
+        resize, squash = int(size["shortest_edge"]), False
+    else:
+        side = size.get("height", image_size)
+        if size.get("width", side) != side:
+            raise ConvertError(f"hf preprocessor_config.json resizes to a non-square {size}")
+        resize, squash = int(side), not centre_crop
+    if centre_crop and crop.get("height") != crop.get("width", crop.get("height")):
+        raise ConvertError(f"hf preprocessor_config.json crops to a non-square {crop}")
+    preprocess = Preprocess(
+        resize=resize,
         interpolation=_PIL_RESAMPLE.get(int(proc.get("resample", 2)), "bilinear"),
         mean=tuple(proc.get("image_mean", (0.5, 0.5, 0.5))),
         std=tuple(proc.get("image_std", (0.5, 0.5, 0.5))),
+        crop=not squash,
     )
+    return preprocess, int(crop["height"]) if centre_crop else resize
 
 
 def _mlp(t: SourceTensors, b: str, lay: Layout, cfg: ViTConfig) -> dict:
@@ -430,7 +454,7 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     if cfg.patch_bias:
         params["patch_bias"] = t.take(lay.patch + ".bias", (d,))
     if cfg.posemb == "learn":
-        n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
+        n_pos = cfg.table_grid[0] * cfg.table_grid[1] + int(cfg.posemb_covers_cls)
         shape = (n_pos, d) if lay.pos.endswith(".weight") else (1, n_pos, d)
         params["pos_embedding"] = t.take(lay.pos, shape).reshape(1, n_pos, d)
     if cfg.class_token:

@@ -211,11 +211,18 @@ def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):
     p = convert("hf", tmp_path / "m").config.preprocess
     assert p.resize == 16 and p.interpolation == "bicubic"
     assert p.mean == tuple(processor.image_mean) and p.std == tuple(processor.image_std)
-    wrong = transformers.CLIPImageProcessor(
+    # a crop other than the table's size: served at the crop, the 4x4 table kept (resampled)
+    other = transformers.CLIPImageProcessor(
         size={"shortest_edge": 20}, crop_size={"height": 20, "width": 20}
     )
-    wrong.save_pretrained(tmp_path / "m")
-    with pytest.raises(ConvertError, match="crops to .* but the position embedding is for 16x16"):
+    other.save_pretrained(tmp_path / "m")
+    cfg = convert("hf", tmp_path / "m").config
+    assert (cfg.image_size, cfg.posemb_grid, cfg.preprocess.resize) == (20, 4, 20)
+    odd = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 18}, crop_size={"height": 18, "width": 18}
+    )
+    odd.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConvertError, match="18x18 inputs, not a whole number of 4x4 patches"):
         convert("hf", tmp_path / "m")
 
 
