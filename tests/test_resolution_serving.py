@@ -118,3 +118,20 @@ def test_a_mixed_stream_is_batched_by_grid_within_the_patch_budget():
     # 8 images at 8x8 (64 patches each) cannot share one batch of 256 patches: 2 batches at least
     assert batches["8x8"] >= 2
     assert metric(samples, "vit22b_images_total", outcome="computed") == len(images)
+
+
+def test_the_sdk_chooses_the_geometry():
+    from vit22b.clients import FeatureClient
+
+    images = random_images(3, seed=11, size=(72, 96))
+    wide = random_images(1, seed=12, size=(40, 100))[0]
+    with _server() as server, FeatureClient(server.address) as client:
+        got = client.embed(images, outputs=["pooled", "patch_tokens"], resolution=96)
+        dense = list(client.iter_embed([images[0], wide], outputs=["patch_tokens"], dense=True))
+        with pytest.raises(ValueError, match="different patch grids"):
+            client.embed([images[0], wide], outputs=["patch_tokens"], dense=True)
+    want = in_process(engine(), images, OUTPUTS, resolutions=RESOLUTIONS, geometry=Geometry(96))
+    assert got.grid == (6, 6) and got.patch_tokens[-1].shape == (3, 36, 64)
+    assert_same_rows(got.pooled, want.pooled)
+    # 40x100 at 64: 4x10 patches, over the bound of 24: both sides x sqrt(24/40) -> 3x7
+    assert [d.grid for d in dense] == [(4, 5), (3, 7)]
