@@ -9,9 +9,8 @@ RESOURCE_EXHAUSTED. Never imports jax.
 
 from __future__ import annotations
 
-import json
-
 import itertools
+import json
 import os
 import random
 import threading

@@ -5,8 +5,10 @@ batched by grid within the patch budget (the server's metrics show it)."""
 from __future__ import annotations
 
 import functools
+import json
 
 import grpc
+import numpy as np
 import pytest
 from serving import MESH, assert_same_rows, in_process, metric, metrics, random_images, raw_image
 from serving import stub as make_stub
@@ -135,3 +137,34 @@ def test_the_sdk_chooses_the_geometry():
     assert_same_rows(got.pooled, want.pooled)
     # 40x100 at 64: 4x10 patches, over the bound of 24: both sides x sqrt(24/40) -> 3x7
     assert [d.grid for d in dense] == [(4, 5), (3, 7)]
+
+
+def test_a_job_records_its_geometry_and_refuses_to_mix(tmp_path):
+    from test_embed import write_images
+    from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+    from vit22b.clients.embed_remote import RemoteBackend
+    from vit22b.clients.outputs import open_outputs
+
+    write_images(tmp_path / "data", 5)
+    spec = OutputSpec(pooled=True, patch_layers=(-1,), resolution=96)
+    out = str(tmp_path / "out")
+    with _server() as server:
+        backend = RemoteBackend([server.address], spec, quiet=True)
+        try:
+            summary = run_job(JobConfig([str(tmp_path / "data")], out, spec, quiet=True), backend)
+        finally:
+            backend.close()
+        assert summary.complete and summary.embedded == 5
+        stored = open_outputs(out)
+        assert np.asarray(stored["patch_tokens.3"]).shape == (5, 36, 64)
+        identity = json.loads((tmp_path / "out" / "manifest.json").read_text())["identity"]
+        assert identity["resolution"] == 96 and identity["num_patches"] == 36
+        want = Preprocessor(engine().cfg, Geometry(96)).hash
+        assert identity["preprocess_hash"] == want
+        other = OutputSpec(pooled=True, patch_layers=(-1,), resolution=128)
+        backend = RemoteBackend([server.address], other, quiet=True)
+        try:
+            with pytest.raises(ValueError, match="refusing to mix"):
+                run_job(JobConfig([str(tmp_path / "data")], out, other, quiet=True), backend)
+        finally:
+            backend.close()
