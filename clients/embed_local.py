@@ -112,9 +112,11 @@ def features_in_process(
     params: dict | None = None,
     seed: int = 0,
     batch_size: int = 32,
+    resolution: int = 0,
 ) -> Features:
     """Features of uint8 images or encoded bytes through the facade, in process: the probes'
-    path without a server. Random weights from ``seed`` unless ``params`` are given."""
+    path without a server. Random weights from ``seed`` unless ``params`` are given;
+    ``resolution``: the square input size (0: the model's own)."""
     if params is None:
         engine = seeded_engine(cfg, seed, batch_size)
     else:
@@ -125,5 +127,7 @@ def features_in_process(
         engine = Engine(cfg, shard_params(cfg, params, mesh), mesh,
                         fingerprint=checkpoint.fingerprint(params), source="in-process",
                         max_batch_images=batch_size)
-    with LocalInfer(engine) as local:
-        return local.embed(list(images), engine.resolve(outputs)).features
+    size = resolution or cfg.image_size
+    with LocalInfer(engine, resolutions=(size,)) as local:
+        return local.embed(list(images), engine.resolve(outputs),
+                           geometry=Geometry(size)).features
