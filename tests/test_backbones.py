@@ -251,21 +251,18 @@ TIMM_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(TIMM_CASES))
-def test_timm_parity(case, tmp_path):
-    name, expected = TIMM_CASES[case]
-    extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
-    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **extra).eval()
-    perturb(model, seed=31 + len(case))
-    folder = tmp_path / case
+def timm_converted(name: str, folder, seed: int, **kw):
+    """A perturbed timm model saved as timm does (safetensors + config.json), and converted."""
+    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **kw).eval()
+    perturb(model, seed=seed)
     folder.mkdir()
     save_file(model.state_dict(), str(folder / "model.safetensors"))
     save_config_for_hf(model, str(folder / "config.json"))
-    converted = convert("timm", folder)
-    cfg = converted.config
-    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
-    assert {k: getattr(cfg, k) for k in expected} == expected
-    pixels = _pixels()
+    return model, convert("timm", folder)
+
+
+def timm_outputs(model, pixels) -> dict:
+    """timm's pooled (pre-logits), patch and register tokens as numpy."""
     with torch.no_grad():
         tokens = model.forward_features(pixels)
         prefix = model.num_prefix_tokens
@@ -273,9 +270,21 @@ def test_timm_parity(case, tmp_path):
             "pooled": model.forward_head(tokens, pre_logits=True),
             "patch_tokens": tokens[:, prefix:],
         }
-        if cfg.num_registers:
+        if prefix > int(model.cls_token is not None):
             peer["register_tokens"] = tokens[:, 1:prefix]
-    peer = {k: v.numpy() for k, v in peer.items()}
+    return {k: v.numpy() for k, v in peer.items()}
+
+
+@pytest.mark.parametrize("case", list(TIMM_CASES))
+def test_timm_parity(case, tmp_path):
+    name, expected = TIMM_CASES[case]
+    extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
+    model, converted = timm_converted(name, tmp_path / case, 31 + len(case), **extra)
+    cfg = converted.config
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    pixels = _pixels()
+    peer = timm_outputs(model, pixels)
     check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
 
 

@@ -14,16 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parity import check_parity
-from peers import import_timm, perturb
-from safetensors.torch import save_file
-from test_backbones import HF_CASES, TIMM_CASES, TIMM_SHAPE, _hf
+from peers import perturb
+from test_backbones import HF_CASES, TIMM_CASES, _hf, timm_converted, timm_outputs
 from vit22b.model import OutputRequest, apply, get_config, init_params
 from vit22b.model.config import ConfigError
 from vit22b.model.convert import convert
 from vit22b.model.posemb import resample_table, rope_tables, sincos2d
-
-timm = import_timm()
-from timm.models._hub import save_config_for_hf  # noqa: E402
 
 SIZES = [(24, 24), (12, 12), (16, 28)]  # 6x6 (up), 3x3 (down), 4x7 (non-square) patches
 
@@ -89,29 +85,13 @@ def test_hf_parity_at_other_grids(case, tmp_path):
 @pytest.mark.parametrize("case", ["dinov2", "dinov2-reg4"])
 def test_timm_dynamic_img_size_parity(case, tmp_path):
     name, _ = TIMM_CASES[case]
-    model = timm.create_model(name, pretrained=False, num_classes=0, dynamic_img_size=True,
-                              **TIMM_SHAPE).eval()
-    perturb(model, seed=71 + len(case))
-    folder = tmp_path / case
-    folder.mkdir()
-    save_file(model.state_dict(), str(folder / "model.safetensors"))
-    save_config_for_hf(model, str(folder / "config.json"))
-    converted = convert("timm", folder)
+    model, converted = timm_converted(name, tmp_path / case, 71 + len(case), num_classes=0,
+                                      dynamic_img_size=True)
     assert converted.config.posemb_resample == "bicubic_antialias"
     for size in SIZES:
         pixels = _pixels(size, seed=size[0])
-        with torch.no_grad():
-            tokens = model.forward_features(pixels)
-            prefix = model.num_prefix_tokens
-            peer = {
-                "pooled": model.forward_head(tokens, pre_logits=True),
-                "patch_tokens": tokens[:, prefix:],
-            }
-            if prefix > 1:
-                peer["register_tokens"] = tokens[:, 1:prefix]
-        peer = {k: v.numpy() for k, v in peer.items()}
         check_parity(f"timm-{case}-{size[0]}x{size[1]}", f"timm {name}", converted,
-                     pixels.numpy(), peer, True)
+                     pixels.numpy(), timm_outputs(model, pixels), True)
 
 
 def test_hf_dinov2_with_its_518_table_served_at_the_processors_224_crop(tmp_path):

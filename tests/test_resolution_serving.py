@@ -168,3 +168,21 @@ def test_a_job_records_its_geometry_and_refuses_to_mix(tmp_path):
                 run_job(JobConfig([str(tmp_path / "data")], out, other, quiet=True), backend)
         finally:
             backend.close()
+
+
+def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
+    from vit22b.model.outputs import POOLED
+    from vit22b.server.app import build_engine, check_geometries
+
+    config = ServeConfig(mesh=MESH, max_batch_images=2, resolutions=(64, 96),
+                         warm_resolutions=(96,), compile_cache="off")
+    warm = build_engine(config)
+    pooled = warm.resolve(POOLED)
+    assert all(warm.is_compiled(b, pooled, (6, 6)) for b in warm.plan.buckets_for((6, 6)))
+    assert not warm.is_compiled(warm.buckets[-1], pooled, (8, 8)) and warm.compilations == 0
+    with pytest.raises(ValueError, match="72 is not a multiple of the patch"):
+        check_geometries(ServeConfig(resolutions=(64, 72)), engine())
+    with pytest.raises(ValueError, match="512 .1024 patches. does not fit --max-batch-patches 256"):
+        check_geometries(ServeConfig(resolutions=(512,)), engine())
+    with pytest.raises(ValueError, match="not among --resolutions"):
+        ServeConfig(resolutions=(64,), warm_resolutions=(96,)).check()
