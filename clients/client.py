@@ -10,7 +10,6 @@ RESOURCE_EXHAUSTED. Never imports jax.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import threading
@@ -110,14 +109,6 @@ class EmbedOptions:
             dense=self.dense,
         )
 
-    def patches(self, info: pb.ModelInfo) -> int:
-        """Patches per image at these options' geometry (dense: at most the server's bound)."""
-        if self.dense:
-            return info.limits.max_dense_patches or info.num_patches
-        if not self.resolution:
-            return info.num_patches
-        patch = json.loads(info.config_json)["patch"] if info.config_json else 1
-        return (self.resolution // patch) ** 2
 
 
 def chunk_items(
@@ -132,7 +123,7 @@ def chunk_items(
     if options.dense:  # each image's own grid: one per request
         per_request = 1
     row = wire.row_bytes(info, options.kinds, options.patch_layers, options.dtype,
-                         options.patches(info))
+                         wire.patches_at(info, options.resolution, options.dense))
     budget = limits.max_message_bytes - wire.MESSAGE_SLACK
     chunk: list[Item] = []
     sent = answered = 0  # bytes of the chunk's request and of its response
