@@ -47,6 +47,9 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
     if quick:
         embed_ray += ["--images", "1024", "--small", "256", "--repeats", "1"]
     video = ["benchmarks/video.py"] + (["--clips", "8", "--repeats", "1"] if quick else [])
+    resolution = ["benchmarks/resolution.py"]
+    if quick:
+        resolution += ["--sizes", "224", "448", "--repeats", "1"]
     gpu_22b = ["benchmarks/gpu_22b.py"] if gpu else ["benchmarks/gpu_22b.py", "--dry-run"]
     return [
         ("forward", py + forward),
@@ -55,6 +58,7 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         ("serve_http_tiny", py + http_tiny),
         ("embed_ray", py + embed_ray),
         ("video", py + video),
+        ("resolution", py + resolution),
         ("gpu_22b", py + gpu_22b),
     ]
 
@@ -253,6 +257,27 @@ def video_section(r: dict) -> str:
     ])
 
 
+def resolution_section(r: dict) -> str:
+    rows = [[row["size"], row["tokens"], row["engine_images_per_s"], row["engine_ms_per_patch"],
+             row["torch_images_per_s"], row["torch_ms_per_patch"], row["ratio"],
+             row["pooled_rel_err"]] for row in r["rows"]]
+    timing = f"{r['_seconds']} s, " if "_seconds" in r else ""
+    before = f"{r['_load_before']} before, " if "_load_before" in r else ""
+    fit = "; ".join(f"{side}: {f['ms_per_token']} ms x T + {f['ms_per_token_squared']} ms x T^2"
+                    for side, f in r["fit"].items())
+    return "\n\n".join([
+        f"## Cost against resolution ({r['model']}, {r['compute_dtype']}, engine mesh "
+        f"{r['engine_mesh']})",
+        f"`{r['_command']}` ({timing}batch {r['batch']}, {r['repeats']} alternating "
+        f"repeats, medians; load average {before}{r['machine']['load_avg_1m']} at the end). "
+        "The peer is Hugging Face `ViTModel` with "
+        "`interpolate_pos_encoding=True` on the same weights; T is the tokens per image. "
+        f"Least-squares fit of ms per image: {fit}.",
+        table(["px", "T", "engine img/s", "engine ms/patch", "torch img/s", "torch ms/patch",
+               "engine / torch", "pooled rel. err."], rows),
+    ])
+
+
 def gpu_section(r: dict) -> str:
     head = "## ViT-22B/14 bf16 on one GPU (`benchmarks/gpu_22b.py`)"
     if r["dry_run"]:
@@ -317,6 +342,7 @@ def write_markdown(results: dict, started: str, quick: bool) -> str:
         http_section(results["serve_http_tiny"]),
         embed_ray_section(results["embed_ray"]),
         video_section(results["video"]),
+        resolution_section(results["resolution"]),
         gpu_section(results["gpu_22b"]),
         "## Commands\n\n" + "\n".join(f"    {r['_command']}" for r in results.values()),
     ]

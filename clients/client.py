@@ -73,9 +73,13 @@ class EmbedOptions:
     l2_normalize: bool = False
     normalize_patches: bool = False
     skip_invalid: bool = False
+    resolution: int = 0  # the square input size (0: the model's own)
+    dense: bool = False  # aspect ratio kept, no crop (one image per request: one grid each)
 
     def __post_init__(self) -> None:
         OutputRequest.of(self.outputs, self.layers)  # raises on an unknown kind
+        if self.resolution < 0:
+            raise ValueError(f"resolution must be >= 0, got {self.resolution}")
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
 
@@ -101,7 +105,10 @@ class EmbedOptions:
             l2_normalize=self.l2_normalize,
             normalize_patches=self.normalize_patches,
             skip_invalid_images=self.skip_invalid,
+            resolution=self.resolution,
+            dense=self.dense,
         )
+
 
 
 def chunk_items(
@@ -113,7 +120,10 @@ def chunk_items(
     """
     limits = info.limits
     per_request = min(batch_size or limits.max_batch_images, limits.max_request_images)
-    row = wire.row_bytes(info, options.kinds, options.patch_layers, options.dtype)
+    if options.dense:  # each image's own grid: one per request
+        per_request = 1
+    row = wire.row_bytes(info, options.kinds, options.patch_layers, options.dtype,
+                         wire.patches_at(info, options.resolution, options.dense))
     budget = limits.max_message_bytes - wire.MESSAGE_SLACK
     chunk: list[Item] = []
     sent = answered = 0  # bytes of the chunk's request and of its response
@@ -267,6 +277,8 @@ class FeatureClient(ClientBase):
         l2_normalize: bool = False,
         normalize_patches: bool = False,
         skip_invalid: bool = False,
+        resolution: int = 0,
+        dense: bool = False,
         ids: Iterable[str] | None = None,
         batch_size: int | None = None,
         timeout: float | None = None,
@@ -289,6 +301,8 @@ class FeatureClient(ClientBase):
             l2_normalize=l2_normalize,
             normalize_patches=normalize_patches,
             skip_invalid=skip_invalid,
+            resolution=resolution,
+            dense=dense,
         )
 
         def run(chunk: list[Item]) -> Embeddings:
@@ -320,8 +334,11 @@ class FeatureClient(ClientBase):
         register_tokens, pre_projection; what the model has: ``model_info().outputs``),
         ``layers`` (patch-token blocks; negative count from the end), ``dtype`` (float32,
         bfloat16, float16), ``l2_normalize`` (pooled), ``normalize_patches``, ``skip_invalid``
-        (report unreadable images in ``errors`` instead of raising), ``ids``, ``batch_size``
-        (images per request; default: the server's batch), ``timeout``, ``progress``.
+        (report unreadable images in ``errors`` instead of raising), ``resolution`` (a square
+        size the server allows: ``model_info().limits.resolutions``), ``dense`` (aspect ratio
+        kept; images of different grids: use ``iter_embed``, one result per image), ``ids``,
+        ``batch_size`` (images per request; default: the server's batch), ``timeout``,
+        ``progress``. ``grid`` is the (rows, cols) of the patch tokens' rows.
         """
         return merge(list(self.iter_embed(images, **kwargs)))
 

@@ -54,6 +54,7 @@ class OutputSpec:
     dtype: str = "float32"
     l2_normalize: bool = False  # pooled features only
     normalize_patches: bool = False  # the encoder's final norm on patch tokens
+    resolution: int = 0  # the square input size (0: the model's own)
 
     @property
     def request(self) -> OutputRequest:
@@ -267,6 +268,9 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         "shard_size": config.shard_size,
         "format": config.format,
         "inputs": {"count": len(items), "sha256": ids_digest(items)},
+        # a resumed job never mixes geometries (absent: the model's own, as before geometries)
+        **({"resolution": spec.resolution, "num_patches": model.num_patches}
+           if spec.resolution else {}),
     } | ({"video": config.video.describe()} if config.video is not None else {})
 
 

@@ -88,6 +88,12 @@ class EmbedSettings:
     format: str = setting(
         "npy", "npy (a file per output and shard; bfloat16 as float32), parquet (a table per "
         "shard) or safetensors (a file per shard, bfloat16 native)", check=_one_of(FORMAT_CHOICES))
+    resolution: int = setting(
+        0, "square input size, one the server allows (default: the model's own); recorded in "
+        "the manifest: a resumed job refuses another", check=lambda v: None if v >= 0 else
+        "must be >= 0")
+    dense: bool = setting(False, "aspect ratio kept (not for a job: its arrays have one shape "
+                          "per image; use the SDK's iter_embed(dense=True))")
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(
@@ -123,6 +129,11 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
     unknown = set(kinds) - set(OUTPUT_CHOICES)
     if unknown:
         raise ValueError(f"unknown output {sorted(unknown)[0]!r}; choose from {OUTPUT_CHOICES}")
+    if options.dense:
+        raise ValueError(
+            "--dense: dense features have a patch grid per image, and a job stores arrays of one "
+            "shape; use --resolution, or the SDK's iter_embed(dense=True)"
+        )
     asked = OutputRequest.of(kinds, options.layers or (), options.normalize_patches)
     return OutputSpec(
         pooled=asked.pooled,
@@ -131,6 +142,7 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
         dtype=options.dtype,
         l2_normalize=options.l2_normalize,
         normalize_patches=options.normalize_patches,
+        resolution=options.resolution,
     )
 
 

@@ -17,6 +17,7 @@ from vit22b.model.config import ViTConfig
 from vit22b.model.features import Features
 from vit22b.model.identity import seeded_source
 from vit22b.model.outputs import OutputRequest
+from vit22b.model.pixels import Geometry
 from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.infer import ImageInput, LocalInfer
 
@@ -44,6 +45,7 @@ class LocalWorker:
         result = self.local.embed(
             [ImageInput(image) for image in images], self.spec.request,
             l2_normalize=self.spec.l2_normalize, skip_invalid=True, solo=True,
+            geometry=Geometry(self.spec.resolution),
         )
         failed = sorted((e.index, e.reason) for e in result.errors)
         return BatchResult(list(result.indices), stored_arrays(result.features, self.spec), failed)
@@ -73,11 +75,15 @@ class LocalBackend:
         self.spec = spec
         self.request = self.engine.resolve(spec.request)
         self.concurrency = max(1, concurrency)
-        self.local = LocalInfer(self.engine)
+        size = spec.resolution or self.engine.cfg.image_size
+        if spec.resolution:
+            self.model = self.model.at(self.engine.cfg, Geometry(size))
+        self.grid = self.engine.cfg.grid_at(size, size)
+        self.local = LocalInfer(self.engine, resolutions=(size,))
 
     def warm_up(self) -> None:
         """Compile every batch bucket before the clock (and the progress bar) starts."""
-        self.engine.warm_up([self.request])
+        self.engine.warm_up([self.request], [self.grid])
 
     def workers(self) -> list[LocalWorker]:
         return [LocalWorker(self.local, self.spec, f"local-{i}") for i in range(self.concurrency)]
@@ -106,9 +112,11 @@ def features_in_process(
     params: dict | None = None,
     seed: int = 0,
     batch_size: int = 32,
+    resolution: int = 0,
 ) -> Features:
     """Features of uint8 images or encoded bytes through the facade, in process: the probes'
-    path without a server. Random weights from ``seed`` unless ``params`` are given."""
+    path without a server. Random weights from ``seed`` unless ``params`` are given;
+    ``resolution``: the square input size (0: the model's own)."""
     if params is None:
         engine = seeded_engine(cfg, seed, batch_size)
     else:
@@ -119,5 +127,7 @@ def features_in_process(
         engine = Engine(cfg, shard_params(cfg, params, mesh), mesh,
                         fingerprint=checkpoint.fingerprint(params), source="in-process",
                         max_batch_images=batch_size)
-    with LocalInfer(engine) as local:
-        return local.embed(list(images), engine.resolve(outputs)).features
+    size = resolution or cfg.image_size
+    with LocalInfer(engine, resolutions=(size,)) as local:
+        return local.embed(list(images), engine.resolve(outputs),
+                           geometry=Geometry(size)).features

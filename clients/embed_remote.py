@@ -10,14 +10,17 @@ servers. No jax here.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Sequence
 
 import grpc
 import numpy as np
+from vit22b.model.config import ViTConfig
 from vit22b.model.errors import InvalidImage
 from vit22b.model.identity import ModelIdentity
+from vit22b.model.pixels import Geometry
 from vit22b.v1 import wire
 
 from .client import FeatureClient, FeatureError, Retry
@@ -65,6 +68,7 @@ class RemoteWorker:
             l2_normalize=spec.l2_normalize,
             normalize_patches=spec.normalize_patches,
             skip_invalid=True,
+            resolution=spec.resolution,
         )
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
@@ -140,7 +144,11 @@ class RemoteBackend:
                     raise ValueError(f"server {address}: {err}") from None
                 unreachable.append(f"{address} ({err.code.name}: {err.details})")
                 continue
-            self.servers.append(_Server(address, client, wire.identity_of(info)))
+            model = wire.identity_of(info)
+            if spec.resolution:
+                cfg = ViTConfig.from_dict(json.loads(info.config_json))
+                model = model.at(cfg, Geometry(spec.resolution))
+            self.servers.append(_Server(address, client, model))
         if not self.servers:  # as if every server were lost at once: exit 1, rerun later
             raise JobFailed(
                 f"no server could be reached: {'; '.join(unreachable)}; rerun the same command "

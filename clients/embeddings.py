@@ -35,6 +35,7 @@ class Embeddings(Features):
     errors: list[ImageError] = field(default_factory=list)
     model: pb.ModelRef | None = None  # name, fingerprint, preprocessing hash, compute dtype
     timings: list[pb.Timings] = field(default_factory=list)  # one per request sent
+    grid: tuple[int, int] | None = None  # (rows, cols) of the patch tokens' rows
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -56,6 +57,7 @@ def from_response(response: pb.EmbedResponse, offset: int) -> Embeddings:
         errors=[ImageError(e.index + offset, e.id, e.reason) for e in response.errors],
         model=response.model,
         timings=[response.timings],
+        grid=(response.grid_rows, response.grid_cols) if response.grid_rows else None,
     )
     for name in wire.TENSOR_FIELDS:
         if response.HasField(name):
@@ -72,6 +74,12 @@ def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) 
             f"compute dtypes: {sorted(models)}; embeddings from them are not comparable"
         )
     with_rows = [p for p in parts if len(p)]
+    grids = {p.grid for p in with_rows}
+    if len(grids) > 1 and any(p.patch_tokens for p in with_rows):
+        raise ValueError(
+            f"these images give different patch grids ({sorted(grids)}): their patch tokens "
+            "do not stack; use iter_embed (one result per request) for dense images"
+        )
     arrays = Features.concat(with_rows) if with_rows else Features()
     return Embeddings(
         **{name: getattr(arrays, name) for name in FEATURE_FIELDS},
@@ -82,4 +90,5 @@ def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) 
         ),
         model=next((p.model for p in parts if p.model is not None), None),
         timings=[t for p in parts for t in p.timings],
+        grid=grids.pop() if len(grids) == 1 else None,
     )

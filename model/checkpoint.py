@@ -43,7 +43,7 @@ METADATA_FILE = "metadata.json"
 PARAMS_DIR = "params"
 HEAD_FILE = "head.npz"
 # Architecture fields that may differ between an expected config and a checkpoint's.
-_NOT_ARCHITECTURE = ("name", "compute_dtype", "preprocess")
+_NOT_ARCHITECTURE = ("name", "compute_dtype", "preprocess", "posemb_resample")
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]  # parameter path -> (shape, dtype name)
 

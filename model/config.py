@@ -17,6 +17,7 @@ NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
 HeadType = Literal["map", "cls", "gap", "none"]
 PosembType = Literal["learn", "sincos2d", "rope"]
 MlpType = Literal["gelu", "quick_gelu", "swiglu"]
+PosembResample = Literal["bicubic", "bicubic_antialias", "none"]
 DType = Literal["float32", "bfloat16"]
 INTERPOLATIONS = ("bicubic", "bilinear")  # the resamplings the pixel contract serves
 
@@ -26,6 +27,7 @@ _CHOICES = {
     "head": ("map", "cls", "gap", "none"),
     "posemb": ("learn", "sincos2d", "rope"),
     "mlp": ("gelu", "quick_gelu", "swiglu"),
+    "posemb_resample": ("bicubic", "bicubic_antialias", "none"),
     "param_dtype": ("float32", "bfloat16"),
     "compute_dtype": ("float32", "bfloat16"),
 }
@@ -50,9 +52,14 @@ class Preprocess:
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # False: both sides resized to the image size, no crop (the DINOv3 and SigLIP processors)
+    crop: bool = True
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.crop:  # the default is left out: contracts (and hashes) from before it stay
+            d.pop("crop")
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Preprocess:
@@ -61,6 +68,7 @@ class Preprocess:
             interpolation=d["interpolation"],
             mean=tuple(float(v) for v in d["mean"]),
             std=tuple(float(v) for v in d["std"]),
+            crop=bool(d.get("crop", True)),
         )
 
 
@@ -96,6 +104,13 @@ class ViTConfig:
     # learn / sincos2d: a table added to the embedded patches; rope: DINOv3's 2-D rotary
     # embedding on the patches' queries and keys (patch centres in [-1, 1], base rope_theta)
     posemb: PosembType = "learn"
+    # a learned table at another grid than the input's is resampled as its source does
+    # (model/posemb.py): bicubic (Hugging Face ViT, DINOv2), bicubic_antialias (timm's
+    # dynamic_img_size, Hugging Face DINOv2 with registers), none (its own grid only)
+    posemb_resample: PosembResample = "bicubic_antialias"
+    # the learned table's side when it is not image_size / patch (DINOv2: 37x37 at 518 px,
+    # served at the processor's 224 crop); 0: the model's grid
+    posemb_grid: int = 0
     rope_theta: float = 100.0
     # big_vision adds position embeddings to patches only, then prepends the class token;
     # timm and Hugging Face prepend first and embed the class token's position too.
@@ -132,6 +147,10 @@ class ViTConfig:
         if self.posemb == "rope" and self.head_dim % 4:
             raise ConfigError(
                 f"{self.name}: posemb='rope' needs head_dim divisible by 4, got {self.head_dim}"
+            )
+        if self.posemb_grid < 0 or (self.posemb_grid and self.posemb != "learn"):
+            raise ConfigError(
+                f"{self.name}: posemb_grid={self.posemb_grid} needs posemb='learn' and >= 0"
             )
         if self.posemb == "rope" and self.posemb_covers_cls:
             raise ConfigError(f"{self.name}: posemb='rope' has no table to cover the class token")
@@ -172,6 +191,25 @@ class ViTConfig:
         return self.grid * self.grid
 
     @property
+    def table_grid(self) -> tuple[int, int]:
+        """The grid of the learned position table as stored."""
+        side = self.posemb_grid or self.grid
+        return side, side
+
+    def grid_at(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid (rows, cols) of an input of height x width pixels."""
+        if height % self.patch or width % self.patch or height <= 0 or width <= 0:
+            raise ConfigError(
+                f"{self.name}: an input of {height}x{width} pixels is not a whole number of "
+                f"{self.patch}x{self.patch} patches"
+            )
+        return height // self.patch, width // self.patch
+
+    def tokens_at(self, grid: tuple[int, int]) -> int:
+        """Tokens of a sequence at ``grid``: the patches and the prefix tokens."""
+        return grid[0] * grid[1] + self.num_prefix_tokens
+
+    @property
     def num_prefix_tokens(self) -> int:
         """Tokens before the patches: the class token and the registers."""
         return int(self.class_token) + self.num_registers
@@ -209,12 +247,14 @@ class ViTConfig:
             d["preprocess"] = Preprocess.from_dict(d["preprocess"])
         return cls(**d)
 
-    def preprocess_hash(self) -> str:
-        """Fingerprint of everything that decides the pixels the model sees."""
+    def preprocess_hash(self, geometry: dict | None = None) -> str:
+        """Fingerprint of everything that decides the pixels the model sees; ``geometry``
+        (``pixels.Geometry.key()``) when it is not the model's own square input."""
         contract = {
             "image_size": self.image_size,
             **self.preprocess.to_dict(),
             "pixel_rules": PIXEL_RULES,
+            **({"geometry": geometry} if geometry else {}),
         }
         blob = json.dumps(contract, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -251,8 +291,8 @@ def _standard_vit(name: str, width: int, depth: int, heads: int, **kw) -> ViTCon
 
 # The public frozen-feature backbones. Preprocessing from the sources' own files: timm's
 # pretrained_cfg for DINOv2 (518 px, crop_pct 1.0, bicubic), Hugging Face preprocessor_config.json
-# for DINOv3 (224, bilinear), SigLIP (224, bicubic, 0.5) and CLIP (shorter side 224, centre crop,
-# bicubic, OpenAI's mean/std).
+# for DINOv3 (224x224, bilinear, no crop), SigLIP (224x224, bicubic, 0.5, no crop) and CLIP
+# (shorter side 224, centre crop, bicubic, OpenAI's mean/std).
 OPENAI_CLIP_PREPROCESS = Preprocess(
     resize=224, mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711)
 )
@@ -277,7 +317,7 @@ def _dinov3(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
         posemb="rope",
         posemb_covers_cls=False,
         num_registers=4,
-        preprocess=Preprocess(resize=224, interpolation="bilinear", **_IMAGENET),
+        preprocess=Preprocess(resize=224, interpolation="bilinear", crop=False, **_IMAGENET),
         **kw,
     )
 
@@ -293,7 +333,7 @@ def _siglip(name: str, width: int, depth: int, heads: int, **kw) -> ViTConfig:
         class_token=False,
         posemb_covers_cls=False,
         gelu_exact=False,
-        preprocess=Preprocess(resize=224),
+        preprocess=Preprocess(resize=224, crop=False),
         **kw,
     )
 

@@ -318,6 +318,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         class_token=class_token,
         num_registers=t.shape(lay.registers)[1] if lay.registers and lay.registers in t else 0,
         posemb="rope" if lay.pos is None else "learn",
+        # interpolate_pos_encoding: bicubic; antialiased in Dinov2WithRegistersModel only
+        posemb_resample="bicubic_antialias" if name == "dinov2_with_registers" else "bicubic",
         rope_theta=float(side.get("rope_theta", 100.0)),
         posemb_covers_cls=covers_cls,
         pre_norm=lay.pre_norm is not None,
@@ -334,24 +336,28 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
     """The image processor's geometry, resample and mean/std, as transformers reads them:
     ``size`` is a shortest edge, or a height x width every image is resized to (an int: a
     shortest edge when a centre crop follows, else a square); ``crop_size`` applies when
-    ``do_center_crop``. Without preprocessor_config.json: ViTImageProcessor's defaults at the
-    model's size (bilinear, mean/std 0.5)."""
+    ``do_center_crop``; a square without a crop is served squashed (both sides resized). Without
+    preprocessor_config.json: ViTImageProcessor's defaults (both sides to the model's size,
+    bilinear, mean/std 0.5)."""
     proc = side.get("_preprocessor") or {}
     half = (0.5, 0.5, 0.5)
     if not proc:
         where = "hf defaults (no preprocessor_config.json)"
-        return SourcePreprocess(where, False, image_size, image_size, "bilinear", half, half)
+        return SourcePreprocess(
+            where, False, image_size, image_size, "bilinear", half, half, squash=True
+        )
     where = "preprocessor_config.json"
     crops = bool(proc.get("do_center_crop", "crop_size" in proc))
     size = _size(proc.get("size"), square=not crops, what="size", where=where)
-    geometry = None
-    if "height" in size:
-        resize = size["height"]
-        geometry = f"resizes every image to {resize}x{resize} (size: the aspect ratio is not kept)"
+    geometry, squash = None, False
+    if "height" in size:  # a square: both sides resized (ViT, SigLIP, DINOv3)
+        resize, squash = size["height"], not crops
+        if crops:
+            geometry = f"resizes every image to {resize}x{resize}, then centre-crops"
     else:
         resize = size["shortest_edge"]
     crop = _size(proc["crop_size"], True, "crop_size", where)["height"] if crops else resize
-    if not crops and geometry is None:
+    if not crops and not squash:
         geometry = f"resizes the shorter side to {resize} and does not crop (a non-square input)"
     if not proc.get("do_resize", True):
         geometry = "does not resize (do_resize false)"
@@ -372,6 +378,7 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         mean=_per_channel(proc.get("image_mean", 0.5)) if normalise else (0.0, 0.0, 0.0),
         std=_per_channel(proc.get("image_std", 0.5)) if normalise else (1.0, 1.0, 1.0),
         geometry=geometry,
+        squash=squash,
     )
 
 
@@ -467,7 +474,7 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     if cfg.patch_bias:
         params["patch_bias"] = t.take(lay.patch + ".bias", (d,))
     if cfg.posemb == "learn":
-        n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
+        n_pos = cfg.table_grid[0] * cfg.table_grid[1] + int(cfg.posemb_covers_cls)
         shape = (n_pos, d) if lay.pos.endswith(".weight") else (1, n_pos, d)
         params["pos_embedding"] = t.take(lay.pos, shape).reshape(1, n_pos, d)
     if cfg.class_token:

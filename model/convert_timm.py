@@ -130,6 +130,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         class_token=class_token,
         num_registers=t.shape("reg_token")[1] if "reg_token" in t else 0,
         posemb_covers_cls=covers_cls,
+        posemb_resample="bicubic_antialias",  # resample_abs_pos_embed's defaults
         pre_norm="norm_pre.weight" in t,
         gelu_exact=True,
         mlp=mlp,

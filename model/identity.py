@@ -7,7 +7,7 @@ features differ beyond rounding). The sizes beside it tell a client what shapes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import ViTConfig
 from .outputs import supported_kinds
@@ -40,6 +40,17 @@ class ModelIdentity:
             num_patches=cfg.num_patches,
             outputs=supported_kinds(cfg),
         )
+
+    def at(self, cfg: ViTConfig, geometry) -> ModelIdentity:
+        """This identity for features at a square ``pixels.Geometry``: its contract's hash and
+        patch count."""
+        from .pixels import Preprocessor  # Pillow: only when a geometry is asked for
+
+        pre = Preprocessor(cfg, geometry)
+        if pre.geometry.dense:
+            raise ValueError("dense features have a grid per image, not one identity's shape")
+        side = pre.geometry.resolution // cfg.patch
+        return replace(self, preprocess_hash=pre.hash, num_patches=side * side)
 
     @property
     def key(self) -> tuple[str, str, str, str]:

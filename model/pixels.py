@@ -38,9 +38,10 @@ the full resize on smooth images; Pillow may order its two passes differently th
 from __future__ import annotations
 
 import io
+import math
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import ExifTags, Image
@@ -263,44 +264,138 @@ def _over_background(colour: np.ndarray, alpha: np.ndarray, premultiplied: bool)
     return np.minimum((weighted + background + 127) // 255, 255).astype(np.uint8)
 
 
-# ---- resize, crop, normalise ------------------------------------------------------------------
+# ---- geometry, resize, crop, normalise -------------------------------------------------------
+@dataclass(frozen=True)
+class Geometry:
+    """What an image is resized to (a request chooses it; the contract's hash covers it).
+
+    Square (``dense`` False): a ``resolution`` x ``resolution`` input made by the model's own
+    rule: the shorter side resized (scaled by the preset's resize / crop ratio) and the centre
+    crop, or, for a contract without a crop (``Preprocess.crop`` False), both sides resized.
+    Dense: the aspect ratio kept, no crop: the shorter side to about ``resolution``, each side
+    rounded to a whole number of patches (at least one), then both shrunk together while the
+    grid holds more than ``max_patches`` patches (0: no bound).
+    ``resolution`` 0 means the model's image size.
+    """
+
+    resolution: int = 0
+    dense: bool = False
+    max_patches: int = 0
+
+    def resolved(self, cfg: ViTConfig) -> Geometry:
+        return replace(self, resolution=self.resolution or cfg.image_size)
+
+    def key(self, cfg: ViTConfig) -> dict | None:
+        """What the preprocessing hash adds for this geometry: None for the model's own input
+        (hashes from before geometries existed stay)."""
+        g = self.resolved(cfg)
+        if not g.dense and g.resolution == cfg.image_size:
+            return None
+        return {"resolution": g.resolution, "dense": g.dense, "max_patches": g.max_patches}
+
+    def label(self, cfg: ViTConfig) -> str:
+        g = self.resolved(cfg)
+        bound = f", at most {g.max_patches} patches" if g.max_patches else ""
+        return f"dense {g.resolution}{bound}" if g.dense else f"{g.resolution}x{g.resolution}"
+
+    def size(self, cfg: ViTConfig, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) in pixels the model sees for a height x width image."""
+        g = self.resolved(cfg)
+        if not g.dense:
+            return g.resolution, g.resolution
+        p, short = cfg.patch, min(height, width)
+        rows = max(1, round(height * g.resolution / short / p))
+        cols = max(1, round(width * g.resolution / short / p))
+        if g.max_patches and rows * cols > g.max_patches:
+            factor = math.sqrt(g.max_patches / (rows * cols))
+            rows, cols = max(1, math.floor(rows * factor)), max(1, math.floor(cols * factor))
+            while rows * cols > g.max_patches:  # a side held at one patch
+                rows, cols = (rows - 1, cols) if rows > cols else (rows, cols - 1)
+        return rows * p, cols * p
+
+
+OWN_GEOMETRY = Geometry()  # the model's own square input
+
+
 @dataclass(frozen=True)
 class Preprocessor:
-    """uint8 RGB pixels -> float32 [S, S, 3]: resize shorter side, centre crop, normalise."""
+    """uint8 RGB pixels -> float32 [H, W, 3] at the geometry: resize (and centre crop),
+    normalise."""
 
     cfg: ViTConfig
+    geometry: Geometry = OWN_GEOMETRY
 
     def __post_init__(self) -> None:
-        if self.cfg.preprocess.resize < self.cfg.image_size:
+        if self.cfg.preprocess.resize < self.cfg.image_size and self.cfg.preprocess.crop:
             raise ValueError(
                 f"{self.cfg.name}: preprocess.resize={self.cfg.preprocess.resize} is smaller "
                 f"than image_size={self.cfg.image_size}; the centre crop would not fit"
             )
+        object.__setattr__(self, "geometry", self.geometry.resolved(self.cfg))
+        if self.geometry.resolution % self.cfg.patch and not self.geometry.dense:
+            raise ValueError(
+                f"{self.cfg.name}: resolution {self.geometry.resolution} is not a multiple of "
+                f"the patch ({self.cfg.patch})"
+            )
 
     @property
     def hash(self) -> str:
-        return self.cfg.preprocess_hash()
+        return self.cfg.preprocess_hash(self.geometry.key(self.cfg))
+
+    @property
+    def resize(self) -> int:
+        """The shorter side before the centre crop at this resolution (the preset's ratio)."""
+        p, size = self.cfg.preprocess, self.geometry.resolution
+        if size == self.cfg.image_size:
+            return p.resize
+        return int(round(p.resize * size / self.cfg.image_size))
 
     def describe(self) -> str:
-        p, size = self.cfg.preprocess, self.cfg.image_size
+        p, g = self.cfg.preprocess, self.geometry
+        if g.dense:
+            bound = f", shrunk to at most {g.max_patches} patches" if g.max_patches else ""
+            geometry = (
+                f"dense: aspect ratio kept, no crop; the shorter side to about {g.resolution}, "
+                f"each side rounded to a whole number of {self.cfg.patch}-pixel patches{bound} "
+                f"({p.interpolation}, PIL, antialiased)"
+            )
+            out = "float32 [height, width, 3] (the grid in the response)"
+        elif not p.crop:
+            geometry = (
+                f"resize both sides to {g.resolution}x{g.resolution} ({p.interpolation}, PIL, "
+                "antialiased; no crop)"
+            )
+            out = f"float32 [{g.resolution}, {g.resolution}, 3]"
+        else:
+            size = g.resolution
+            geometry = (
+                f"resize the shorter side to {self.resize} ({p.interpolation}, PIL, "
+                f"antialiased; longer side floor-scaled; past {FULL_RESIZE_CROPS} crops' worth "
+                f"of pixels only the crop's source box is resampled); centre crop {size}x{size}"
+            )
+            out = f"float32 [{size}, {size}, 3]"
         return (
             f"pixel rules v{PIXEL_RULES}: decode ({FORMAT_NAMES.replace(' or', ',')}; first "
             f"frame; EXIF orientation applied; 16-bit grey scaled by 255/65535; transparency "
             f"over RGB {BACKGROUND}; modes I, F and LAB refused) -> RGB; raw uint8 pixels "
-            f"as given; resize the shorter side to {p.resize} ({p.interpolation}, PIL, "
-            f"antialiased; longer side floor-scaled; past {FULL_RESIZE_CROPS} crops' worth of "
-            f"pixels only the crop's source box is resampled); centre crop {size}x{size}; "
-            f"x/255; (x - mean) / std per channel with mean={list(p.mean)} "
-            f"std={list(p.std)}; float32 [{size}, {size}, 3]"
+            f"as given; {geometry}; x/255; (x - mean) / std per channel with "
+            f"mean={list(p.mean)} std={list(p.std)}; {out}"
         )
 
     def crop(self, pixels: np.ndarray) -> np.ndarray:
-        """Resize and centre-crop: uint8 [H, W, 3] -> uint8 [S, S, 3]."""
-        p, size = self.cfg.preprocess, self.cfg.image_size
+        """Resize (and centre-crop): uint8 [H, W, 3] -> uint8 at the geometry's size."""
+        p, g = self.cfg.preprocess, self.geometry
         height, width = pixels.shape[:2]
+        if g.dense or not p.crop:
+            out_h, out_w = g.size(self.cfg, height, width) if g.dense else (g.resolution,) * 2
+            if (out_h, out_w) == (height, width):
+                return pixels
+            image = Image.fromarray(pixels)
+            return np.asarray(image.resize((out_w, out_h), _RESAMPLE[p.interpolation]))
+        size, resize = g.resolution, self.resize
         short = min(height, width)
-        new_h = p.resize if height == short else int(p.resize * height / short)
-        new_w = p.resize if width == short else int(p.resize * width / short)
+        new_h = resize if height == short else int(resize * height / short)
+        new_w = resize if width == short else int(resize * width / short)
         top = int(round((new_h - size) / 2.0))
         left = int(round((new_w - size) / 2.0))
         if (new_h, new_w) == (height, width):

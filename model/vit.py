@@ -19,10 +19,10 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .config import ViTConfig
 from .outputs import POOLED, OutputRequest
+from .posemb import Grid, resample_weights, rope_tables, sincos2d
 
 Array = jax.Array
 F32 = jnp.float32
@@ -54,21 +54,6 @@ def activation(x: Array, cfg: ViTConfig) -> Array:
     return gelu(x, cfg.gelu_exact)
 
 
-def rope_tables(grid: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """DINOv3's 2-D rotary embedding: cos and sin [grid*grid, head_dim] for the patches.
-
-    Patch centres at ((i + 0.5) / grid) * 2 - 1 per axis; ``head_dim / 4`` frequencies
-    ``theta ** -(4k / head_dim)``; angles 2 pi (y | x) f, repeated twice along the head dim (the
-    rotate-half pairing).
-    """
-    centres = (np.arange(grid, dtype=np.float32) + 0.5) / grid * 2.0 - 1.0
-    yx = np.stack(np.meshgrid(centres, centres, indexing="ij"), -1).reshape(-1, 2)
-    inv_freq = 1.0 / theta ** np.arange(0, 1, 4 / head_dim, dtype=np.float32)
-    angles = (2 * np.pi * yx[:, :, None] * inv_freq[None, None]).reshape(len(yx), -1)
-    angles = np.tile(angles.astype(np.float32), 2)
-    return np.cos(angles), np.sin(angles)
-
-
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     """Rotate the last ``len(cos)`` tokens of x [B, T, H, hd]; the prefix tokens stay as is."""
     n = cos.shape[0]
@@ -79,10 +64,12 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return jnp.concatenate([prefix, patches], axis=1)
 
 
-def _rope(cfg: ViTConfig, q: Array, k: Array) -> tuple[Array, Array]:
+def _rope(cfg: ViTConfig, grid: Grid | None, q: Array, k: Array) -> tuple[Array, Array]:
+    """RoPE on the patches' queries and keys at ``grid`` (None: the model's own)."""
     if cfg.posemb != "rope":
         return q, k
-    cos, sin = (jnp.asarray(t) for t in rope_tables(cfg.grid, cfg.head_dim, cfg.rope_theta))
+    grid = grid or (cfg.grid, cfg.grid)
+    cos, sin = (jnp.asarray(t) for t in rope_tables(*grid, cfg.head_dim, cfg.rope_theta))
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
@@ -155,7 +142,7 @@ class ParallelBlock(nn.Module):
     cfg: ViTConfig
 
     @nn.compact
-    def __call__(self, x: Array, stats: bool):
+    def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
         cfg = self.cfg
         d, h, hd = cfg.width, cfg.heads, cfg.head_dim
         m = cfg.mlp_dim // h  # MLP hidden units per head group
@@ -174,7 +161,7 @@ class ParallelBlock(nn.Module):
         if cfg.qk_norm:
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
-        q, k = _rope(cfg, q, k)
+        q, k = _rope(cfg, grid, q, k)
         o, st = attend(q, k, v, cfg.compute_dtype, stats)
         u = activation(u, cfg)
         out = dot("bthf,hfd->btd", jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype)
@@ -189,7 +176,7 @@ class SequentialBlock(nn.Module):
     cfg: ViTConfig
 
     @nn.compact
-    def __call__(self, x: Array, stats: bool):
+    def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
         cfg = self.cfg
         d, h, hd, mlp = cfg.width, cfg.heads, cfg.head_dim, cfg.mlp_dim
         pdt, cdt = cfg.param_dtype, cfg.compute_dtype
@@ -202,7 +189,7 @@ class SequentialBlock(nn.Module):
         if cfg.qk_norm:
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
-        q, k = _rope(cfg, q, k)
+        q, k = _rope(cfg, grid, q, k)
         o, st = attend(q, k, v, cdt, stats)
         o = dot("bthf,hfd->btd", o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
         if cfg.out_bias:
@@ -258,52 +245,48 @@ class MAPHead(nn.Module):
         return (y + z)[:, 0]
 
 
-def sincos2d(grid: int, width: int, temperature: float = 10_000.0) -> np.ndarray:
-    """Fixed 2-D sine-cosine position embedding [grid*grid, width] (MoCo v3 / big_vision)."""
-    if width % 4:
-        raise ValueError(f"sincos2d position embedding needs width divisible by 4, got {width}")
-    y, x = np.mgrid[:grid, :grid]
-    omega = 1.0 / temperature ** (np.arange(width // 4) / (width // 4 - 1 or 1))
-    y = y.reshape(-1)[:, None] * omega[None]
-    x = x.reshape(-1)[:, None] * omega[None]
-    return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1).astype(np.float32)
-
-
 # ------------------------------------------------------------------------------------------
 # the backbone
 # ------------------------------------------------------------------------------------------
 
 
 class ViT(nn.Module):
-    """Images [B, H, W, C] (already normalised) -> dict of the requested outputs.
+    """Images [B, H, W, C] (already normalised; H and W multiples of the patch) -> dict of the
+    requested outputs, at the images' grid (rows, cols) = (H / patch, W / patch).
 
     Keys: ``pooled`` [B, d] ([B, projection_dim] with a projection); ``pre_projection`` [B, d];
-    ``class_token`` [B, d]; ``register_tokens`` [B, R, d]; ``patch_tokens`` {layer: [B, N, d]};
-    ``attention_entropy`` and ``attention_max_logit`` [B, depth, heads]; ``logits`` [B, classes].
+    ``class_token`` [B, d]; ``register_tokens`` [B, R, d]; ``patch_tokens`` {layer: [B, N, d]}
+    (N = rows * cols, row-major); ``attention_entropy`` and ``attention_max_logit``
+    [B, depth, heads]; ``logits`` [B, classes].
+
+    ``pos``: the learned position table at the images' grid ([1, N (+1), d],
+    ``position_table``); without it the stored table is used, which must be at that grid.
     """
 
     cfg: ViTConfig
 
     @nn.compact
-    def __call__(self, images: Array, request: OutputRequest = POOLED) -> dict:
+    def __call__(
+        self, images: Array, request: OutputRequest = POOLED, pos: Array | None = None
+    ) -> dict:
         cfg = self.cfg
         pdt, cdt = cfg.param_dtype, cfg.compute_dtype
-        b, p, g = images.shape[0], cfg.patch, cfg.grid
-        if images.shape[1:] != (cfg.image_size, cfg.image_size, cfg.channels):
+        b, p = images.shape[0], cfg.patch
+        if images.ndim != 4 or images.shape[3] != cfg.channels:
             raise ValueError(
-                f"images of shape {images.shape[1:]} do not match the model's input "
-                f"{(cfg.image_size, cfg.image_size, cfg.channels)}"
+                f"images of shape {images.shape[1:]} are not [height, width, {cfg.channels}]"
             )
+        grid = rows, cols = cfg.grid_at(images.shape[1], images.shape[2])
         # Patchify as a matmul (faster than a conv on CPU); flattening order (ph, pw, c) is the
         # HWIO conv kernel's, so conv weights reshape into it directly.
-        x = images.reshape(b, g, p, g, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
-        x = x.reshape(b, g * g, p * p * cfg.channels)
+        x = images.reshape(b, rows, p, cols, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
+        x = x.reshape(b, rows * cols, p * p * cfg.channels)
         kernel = self.param("patch_embed", _lecun((0,)), (p * p * cfg.channels, cfg.width), pdt)
         x = dot("bnk,kd->bnd", x, kernel, cdt)
         if cfg.patch_bias:
             x = x + self.param("patch_bias", _zeros, (cfg.width,), pdt).astype(F32)
 
-        x = self._embed_positions(x)
+        x = self._embed_positions(x, grid, pos)
         if cfg.pre_norm:
             x = _norm(cfg, "pre_norm")(x)
 
@@ -324,7 +307,7 @@ class ViT(nn.Module):
         out: dict = {}
         patches, entropies, max_logits = {}, [], []
         for i in range(last + 1):
-            x, st = block_cls(cfg, name=f"block_{i}")(x, request.attention_stats)
+            x, st = block_cls(cfg, name=f"block_{i}")(x, request.attention_stats, grid)
             if st is not None:
                 entropies.append(st[0])
                 max_logits.append(st[1])
@@ -375,17 +358,26 @@ class ViT(nn.Module):
                 out["logits"] = dot("bd,dc->bc", pooled, w, cdt) + bias.astype(F32)
         return out
 
-    def _embed_positions(self, x: Array) -> Array:
+    def _embed_positions(self, x: Array, grid: Grid, pos: Array | None) -> Array:
         """Embedded patches [B, N, d] -> tokens [B, T, d]: class token, registers, patches, with
         the position table added (rope: none here; it rotates queries and keys in the blocks)."""
         cfg = self.cfg
         b, d, pdt = x.shape[0], cfg.width, cfg.param_dtype
         if cfg.posemb == "learn":
-            n_pos = cfg.num_patches + int(cfg.posemb_covers_cls)
-            pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, n_pos, d), pdt)
+            n_pos = table_rows(cfg, cfg.table_grid)
+            table = self.param("pos_embedding", nn.initializers.normal(0.02), (1, n_pos, d), pdt)
+            if pos is None:
+                if grid != cfg.table_grid:
+                    raise ValueError(
+                        f"the position table is for a {cfg.table_grid} grid, the images give "
+                        f"{grid}: pass pos=position_table(cfg, params, grid)"
+                    )
+                pos = table
+            if pos.shape != (1, table_rows(cfg, grid), d):
+                raise ValueError(f"pos of shape {pos.shape} is not the table for grid {grid}")
             pos = pos.astype(F32)
         elif cfg.posemb == "sincos2d":
-            pos = jnp.asarray(sincos2d(cfg.grid, d))[None]
+            pos = jnp.asarray(sincos2d(*grid, d))[None]
         else:  # rope
             pos = 0.0
         if cfg.class_token:
@@ -406,9 +398,44 @@ class ViT(nn.Module):
         return x
 
 
+def table_rows(cfg: ViTConfig, grid: Grid) -> int:
+    """Rows of the learned position table at ``grid`` (plus the class token's, if it covers it)."""
+    return grid[0] * grid[1] + int(cfg.posemb_covers_cls)
+
+
+def position_table(cfg: ViTConfig, params: dict, grid: Grid) -> Array | None:
+    """The learned table at ``grid`` [1, N (+1), d], resampled as the checkpoint's source does
+    (``cfg.posemb_resample``, model/posemb.py): in float32, cast back to the parameter dtype
+    (timm and DINOv2 do the same); the class token's row untouched. None for sin-cos and RoPE
+    (computed for the grid inside the forward). The stored table itself at its own grid.
+
+    Works on concrete arrays (the engine calls it once per grid) and inside a trace."""
+    if cfg.posemb != "learn":
+        return None
+    table = params["pos_embedding"]
+    old = cfg.table_grid
+    if tuple(grid) == old:
+        return table
+    if cfg.posemb_resample == "none":
+        raise ValueError(
+            f"{cfg.name}: its position table is for a {old[0]}x{old[1]} grid only "
+            f"(posemb_resample='none'); a {grid[0]}x{grid[1]} grid was asked for"
+        )
+    n_cls, d = int(cfg.posemb_covers_cls), cfg.width
+    patches = table[0, n_cls:].astype(F32).reshape(*old, d)
+    wy, wx = (resample_weights(o, n, cfg.posemb_resample) for o, n in zip(old, grid))
+    hi = jax.lax.Precision.HIGHEST
+    patches = jnp.einsum("xj,ijd->ixd", wx, patches, precision=hi)  # torch: the width pass,
+    patches = jnp.einsum("yi,ixd->yxd", wy, patches, precision=hi)  # then the height pass
+    patches = patches.reshape(1, grid[0] * grid[1], d).astype(table.dtype)
+    return jnp.concatenate([table[:, :n_cls], patches], axis=1)
+
+
 def init_params(cfg: ViTConfig, rng: Array) -> dict:
-    """All parameters of the model (every head the config has)."""
-    dummy = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.channels), F32)
+    """All parameters of the model (every head the config has); the position table at its own
+    grid (``cfg.table_grid``)."""
+    side = cfg.table_grid[0] * cfg.patch
+    dummy = jnp.zeros((1, side, side, cfg.channels), F32)
     return ViT(cfg).init(rng, dummy, _init_request(cfg))["params"]
 
 
@@ -428,5 +455,11 @@ def abstract_params(cfg: ViTConfig) -> dict:
     return jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
 
 
-def apply(cfg: ViTConfig, params: dict, images: Array, request: OutputRequest) -> dict:
-    return ViT(cfg).apply({"params": params}, images, request)
+def apply(
+    cfg: ViTConfig, params: dict, images: Array, request: OutputRequest, pos: Array | None = None
+) -> dict:
+    """The forward at the images' grid; ``pos``: ``position_table`` at that grid, computed here
+    when not given (the engine passes the one it computed once for the grid)."""
+    if pos is None:
+        pos = position_table(cfg, params, cfg.grid_at(images.shape[1], images.shape[2]))
+    return ViT(cfg).apply({"params": params}, images, request, pos)

@@ -107,10 +107,15 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         "--frames", type=int, default=9, metavar="K",
         help="video: frames sampled per video, at the centres of K equal segments (default 9)",
     )
+    src.add_argument("--world-size", type=int, help="shapes-world image side in pixels "
+                     "(default: --resolution, else 64)")
 
     feat = parser.add_argument_group("features of the images")
     feat.add_argument("--server", metavar="ADDR", help="a running `vit22b serve` (host:port)")
     feat.add_argument("--token", help="bearer token for the server")
+    feat.add_argument("--resolution", type=int, default=0,
+                      help="square input size of the features (one the server allows; default: "
+                      "the model's own): depth and segmentation at resolution")
     feat.add_argument(
         "--model",
         help="without --server: the preset run in-process with random "
@@ -171,7 +176,8 @@ def _embed(args, images, kind: str):
 
         kwargs = {"token": args.token} if args.token else {}
         return features_from_server(
-            args.server, images, patch_layers=layers, attention_stats=stats, **kwargs
+            args.server, images, patch_layers=layers, attention_stats=stats,
+            resolution=args.resolution, **kwargs
         )
     from .features import features_from_model
 
@@ -181,6 +187,7 @@ def _embed(args, images, kind: str):
         seed=args.seed,
         patch_layers=layers,
         attention_stats=stats,
+        resolution=args.resolution,
     )
 
 
@@ -215,13 +222,15 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
         features, paths = features_from_embed_folder(args.features)
         return ProbeData(features=features, **_targets_of_paths(args, kind, paths)), extra
     if args.shapes_world:
+        size = args.world_size or args.resolution or 64
         if kind == "shape-bias":
-            train = shapes_world(args.shapes_world, seed=args.world_seed, texture="matched")
+            train = shapes_world(args.shapes_world, seed=args.world_seed, texture="matched",
+                                 size=size)
             n = args.conflict or max(args.shapes_world // 3, 1)
-            test = shapes_world(n, seed=args.world_seed + 1, texture="conflict")
+            test = shapes_world(n, seed=args.world_seed + 1, texture="conflict", size=size)
             extra["train"] = probe_data_from_shapes_world(train, _embed(args, train.images, kind))
             return probe_data_from_shapes_world(test, _embed(args, test.images, kind)), extra
-        world = shapes_world(args.shapes_world, seed=args.world_seed)
+        world = shapes_world(args.shapes_world, seed=args.world_seed, size=size)
         return probe_data_from_shapes_world(world, _embed(args, world.images, kind)), extra
     if args.digits:
         return _image_data(args, kind, load_digits_images()), extra

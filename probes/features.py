@@ -144,14 +144,17 @@ def features_from_model(
     attention_stats: bool = False,
     logits: bool = False,
     batch_size: int = 64,
+    resolution: int = 0,
 ) -> Features:
     """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]):
     ``model`` a preset name or a ViTConfig (default: the served default), random weights from
     ``seed`` unless ``params`` are given; ``patch_layers`` block indices or "auto" (4 evenly
-    spaced). For tests, demos and users without a server."""
+    spaced); ``resolution`` the square input size (0: the model's own). For tests, demos and
+    users without a server."""
     from vit22b.clients.embed_local import features_in_process
     from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
     from vit22b.model.errors import InvalidImage
+    from vit22b.model.pixels import Geometry, Preprocessor
 
     cfg = model if isinstance(model, ViTConfig) else get_config(model or DEFAULT_MODEL)
     request = OutputRequest(
@@ -163,13 +166,15 @@ def features_from_model(
     pixels = [np.asarray(image) for image in images]
     try:  # the server's own path: the same pixels, batching and finishing as served
         features = features_in_process(cfg, pixels, request, params=params, seed=seed,
-                                       batch_size=batch_size)
+                                       batch_size=batch_size, resolution=resolution)
     except InvalidImage as err:
         raise DataError(str(err)) from None
+    size = resolution or cfg.image_size
     meta = {
         "model": cfg.name,
-        "preprocess_hash": cfg.preprocess_hash(),
-        "num_tokens": cfg.num_tokens,
+        "preprocess_hash": Preprocessor(cfg, Geometry(size)).hash,
+        "num_tokens": cfg.tokens_at(cfg.grid_at(size, size)),
+        "resolution": size,
         "source": f"in-process {cfg.name} (seed {seed})" if params is None else "in-process",
     }
     return features_from_outputs(features.as_tree(), meta)
@@ -182,13 +187,15 @@ def features_from_server(
     attention_stats: bool = False,
     logits: bool = False,
     batch_size: int | None = None,
+    resolution: int = 0,
     **client_kwargs,
 ) -> Features:
     """Features of ``images`` (paths, bytes, PIL images or uint8 arrays) from a running server,
     through the SDK's ``FeatureClient`` (``client_kwargs``: token, tls, timeout, ...).
 
     ``patch_layers`` may count from the end (-1 is the last block), or be "auto" (4 evenly
-    spaced); the returned patch tokens are keyed by the layers as requested.
+    spaced); the returned patch tokens are keyed by the layers as requested; ``resolution``
+    a square size the server allows (0: the model's own).
     """
     import json
 
@@ -198,14 +205,17 @@ def features_from_server(
     with FeatureClient(address, **client_kwargs) as client:
         info = client.model_info()
         layers = _layers(patch_layers, info.depth)
-        result = client.embed(list(images), outputs=outputs, layers=layers, batch_size=batch_size)
+        result = client.embed(list(images), outputs=outputs, layers=layers, batch_size=batch_size,
+                              resolution=resolution)
     config = json.loads(info.config_json or "{}")
     meta = {
         "source": address,
         "model": result.model.name if result.model else info.model.name,
         "checkpoint_fingerprint": info.model.fingerprint,
-        "preprocess_hash": info.model.preprocess_hash,
-        "num_tokens": info.num_patches + int(bool(config.get("class_token"))),
+        "preprocess_hash": result.model.preprocess_hash if result.model else "",
+        "num_tokens": (result.grid[0] * result.grid[1] if result.grid else info.num_patches)
+        + int(bool(config.get("class_token"))),
+        "resolution": resolution or info.preprocessing.image_size,
         "depth": info.depth,
     }
     return features_from_outputs(result.as_dict(), meta)

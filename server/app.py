@@ -41,14 +41,41 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
         seed=config.seed,
         compute_dtype=config.compute_dtype,
         max_batch_images=config.max_batch_images,
+        max_batch_patches=config.max_batch_patches,
         max_compiled=config.max_compiled,
         chunk_images=config.chunk_images,
         executor=executor,
     )
     log.info("%s", engine.plan.table())
-    seconds = engine.warm_up(config.warm_outputs)
-    log.info("compiled buckets %s in %.1fs", engine.buckets, seconds)
+    check_geometries(config, engine)
+    grids = [engine.grid] + [
+        (size // engine.cfg.patch,) * 2 for size in config.warm_resolutions
+        if size != engine.cfg.image_size
+    ]
+    seconds = engine.warm_up(config.warm_outputs, grids)
+    log.info("compiled buckets %s at grids %s in %.1fs", engine.buckets, grids, seconds)
     return engine
+
+
+def check_geometries(config: ServeConfig, engine: Engine) -> None:
+    """Every allowed geometry must be servable: whole patches, one image within the batch
+    budget (its activations are what the budget bounds; docs/architecture.md)."""
+    cfg = engine.cfg
+    for size in config.resolutions or (cfg.image_size,):
+        if size % cfg.patch:
+            raise ValueError(f"--resolutions: {size} is not a multiple of the patch ({cfg.patch})")
+        if not engine.max_images((size // cfg.patch,) * 2):
+            raise ValueError(
+                f"--resolutions: {size} ({(size // cfg.patch) ** 2} patches) does not fit "
+                f"--max-batch-patches {engine.plan.max_batch_patches} even at batch "
+                f"{engine.buckets[0]}"
+            )
+    dense = config.max_dense_patches
+    if dense and not engine.max_images((1, dense)):
+        raise ValueError(
+            f"--max-dense-patches {dense} does not fit --max-batch-patches "
+            f"{engine.plan.max_batch_patches} even at batch {engine.buckets[0]}"
+        )
 
 
 class FeatureServer:
@@ -84,7 +111,10 @@ class FeatureServer:
             max_request_images=config.max_request_images,
             max_message_bytes=int(config.max_message_mb * (1 << 20)),
             max_image_pixels=config.max_image_pixels,
+            resolutions=config.resolutions,
+            max_dense_patches=config.max_dense_patches,
         )
+        check_geometries(config, self.engine)
         self.infer = Infer(
             self.engine, self.batcher, self.metrics, limits, config.preprocess_threads,
             self.tracing,

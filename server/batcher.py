@@ -3,9 +3,11 @@
 Admission is bounded in images: ``admit(n)`` reserves room for a call's images before they are
 decoded, or raises ``QueueFull`` at once (the facade retries it for a stream: backpressure).
 Preprocessed jobs are queued; one compute thread packs rows of jobs with
-the same output set, in arrival order, up to ``max_batch_images`` or until the oldest job has
-waited ``max_delay_s``, splitting jobs larger than a batch. A ``solo`` job is never packed with
-others (its batches are the same whatever else is queued: the batch job's bit-exact resumes).
+the same output set and the same patch grid, in arrival order, up to the grid's batch limit
+(``max_batch_images``, and ``Engine.max_images(grid)``: the patch budget) or until the oldest
+job has waited ``max_delay_s``, splitting jobs larger than a batch. A ``solo`` job is never
+packed with others (its batches are the same whatever else is queued: the batch job's
+bit-exact resumes).
 The compute thread never compiles: a batch whose forward is not compiled yet is handed to the
 engine's compile thread and waits while batches of other output sets run. A job whose caller has
 gone or whose deadline has passed is dropped before its rows are computed.
@@ -51,8 +53,9 @@ class BatchRecord:
 
 @dataclass(eq=False)
 class Job:
-    images: np.ndarray  # preprocessed float32 [n, S, S, 3]
+    images: np.ndarray  # preprocessed float32 [n, H, W, 3]
     outputs: OutputRequest  # resolved
+    grid: tuple[int, int]  # the images' patch grid (rows, cols)
     deadline: float | None  # time.monotonic() deadline, or None
     solo: bool = False  # never packed with other jobs
     submitted: float = field(default_factory=time.monotonic)
@@ -69,6 +72,11 @@ class Job:
     @property
     def size(self) -> int:
         return self.images.shape[0]
+
+    @property
+    def key(self) -> tuple[OutputRequest, tuple[int, int]]:
+        """What jobs packed into one batch share: the output set and the grid."""
+        return self.outputs, self.grid
 
     def cancel(self) -> None:
         """Called from any thread when the caller is gone; the batcher drops the rest."""
@@ -134,7 +142,8 @@ class Batcher:
         solo: bool = False,
     ) -> Job:
         """Queue admitted, preprocessed images; the job's future gets a ``Result``."""
-        job = Job(images, outputs, deadline, solo)
+        grid = self.engine.cfg.grid_at(images.shape[1], images.shape[2])
+        job = Job(images, outputs, grid, deadline, solo)
         with self._cond:
             self._queue.append(job)
             self._cond.notify()
@@ -180,41 +189,45 @@ class Batcher:
                 for head in self._heads():
                     ready = self._ready_rows(head)
                     due = head.submitted + self.max_delay_s - now
-                    if not (ready >= self.max_batch_images or due <= 0 or self._flush
-                            or self._stopping):
+                    limit = self._limit(head)
+                    if not (ready >= limit or due <= 0 or self._flush or self._stopping):
                         wait = due if wait is None else min(wait, due)
                         continue
-                    bucket = self.engine.bucket(min(ready, self.max_batch_images))
-                    if self._compiled(bucket, head.outputs):
+                    bucket = self.engine.bucket(min(ready, limit))
+                    if self._compiled(bucket, head):
                         return self._take(head)
                 self._cond.wait(wait)
 
+    def _limit(self, head: Job) -> int:
+        """Rows in one batch of the head's grid: the image limit within the patch budget."""
+        return max(1, min(self.max_batch_images, self.engine.max_images(head.grid)))
+
     def _heads(self) -> list[Job]:
-        """The first job of each output set (and every solo job), in arrival order."""
+        """The first job of each (output set, grid) (and every solo job), in arrival order."""
         heads, seen = [], set()
         for job in self._queue:
-            if job.solo or job.outputs not in seen:
+            if job.solo or job.key not in seen:
                 heads.append(job)
                 if not job.solo:
-                    seen.add(job.outputs)
+                    seen.add(job.key)
         return heads
 
     def _ready_rows(self, head: Job) -> int:
         if head.solo:
             return head.size - head.next_row
-        return sum(
-            j.size - j.next_row for j in self._queue if j.outputs == head.outputs and not j.solo
-        )
+        return sum(j.size - j.next_row for j in self._queue if j.key == head.key and not j.solo)
 
-    def _compiled(self, bucket: int, outputs: OutputRequest) -> bool:
+    def _compiled(self, bucket: int, head: Job) -> bool:
         """True when the forward is ready; else it compiles off this thread (lock held)."""
-        if self.engine.is_compiled(bucket, outputs):
+        outputs, grid = head.key
+        if self.engine.is_compiled(bucket, outputs, grid):
             return True
-        future = self.engine.compile_async(bucket, outputs, self._wake)
+        future = self.engine.compile_async(bucket, outputs, grid, self._wake)
         if future.done() and future.exception() is not None:  # fail its jobs, keep serving
             err = future.exception()
-            log.error("compiling %s for bucket %d failed: %s", outputs, bucket, err)
-            for job in [j for j in self._queue if j.outputs == outputs]:
+            log.error("compiling %s for bucket %d at grid %s failed: %s", outputs, bucket, grid,
+                      err)
+            for job in [j for j in self._queue if j.key == head.key]:
                 self._queue.remove(job)
                 self._pending -= job.size - job.next_row
                 _fail(job.future, err)
@@ -226,11 +239,11 @@ class Batcher:
             self._cond.notify()
 
     def _take(self, head: Job) -> list[tuple[Job, int, int]]:
-        batch, room = [], self.max_batch_images
+        batch, room = [], self._limit(head)
         for job in [head] if head.solo else list(self._queue):
             if room == 0:
                 break
-            if job.outputs != head.outputs or (job.solo and job is not head):
+            if job.key != head.key or (job.solo and job is not head):
                 continue
             rows = min(room, job.size - job.next_row)
             batch.append((job, job.next_row, rows))
@@ -283,6 +296,7 @@ class Batcher:
             job.batches.append(BatchRecord(start_ns, end_ns, n, bucket, rows))
         self.metrics.compute_seconds.observe(elapsed)
         self.metrics.batch_images.observe(n)
+        self.metrics.batches.labels("{}x{}".format(*batch[0][0].grid)).inc()
         self.metrics.padding_images.inc(bucket - n)
         self.metrics.compilations.set(self.engine.compilations)
         with self._cond:

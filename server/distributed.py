@@ -132,7 +132,8 @@ class GroupExecutor:
     def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
         """Process 0: the batch through every process; returns the host outputs."""
         self.check()
-        engine.compiled(bucket, outputs)  # a compile error here leaves the group in step
+        grid = engine.cfg.grid_at(*pixels.shape[1:3])
+        engine.compiled(bucket, outputs, grid)  # a compile error here leaves the group in step
         step = self._collectives.submit(self._lead_step, engine, "run", bucket, outputs, pixels)
         while True:
             try:
@@ -165,12 +166,15 @@ class GroupExecutor:
                         raise
             if header["command"] == "stop":
                 return
-            self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None)
+            grid = tuple(header["grid"])
+            self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None, grid)
 
     def _lead_step(self, engine: Engine, command: str, bucket: int, outputs, pixels):
         self._batches += 1
         key = _KEY.format("batch", self._batches)
-        header = {"command": command, "bucket": bucket, "outputs": dataclasses.asdict(outputs)}
+        header = {"command": command, "bucket": bucket, "outputs": dataclasses.asdict(outputs),
+                  "grid": list(engine.grid if pixels is None else
+                               engine.cfg.grid_at(*pixels.shape[1:3]))}
         self.client.key_value_set(key, json.dumps(header))
         if command == "stop":
             return None
@@ -178,16 +182,17 @@ class GroupExecutor:
         self.client.key_value_delete(key)  # every worker has taken it: they ran the batch
         return result
 
-    def _step(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels):
+    def _step(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels, grid=None):
         """One batch in step with the group: the pixels' broadcast, the forward, the gather."""
         if pixels is None:  # workers contribute zeros to the broadcast
-            cfg = engine.cfg
-            pixels = np.zeros((bucket, cfg.image_size, cfg.image_size, cfg.channels), np.float32)
+            cfg, (rows, cols) = engine.cfg, grid or engine.grid
+            shape = (bucket, rows * cfg.patch, cols * cfg.patch, cfg.channels)
+            pixels = np.zeros(shape, np.float32)
         pixels = multihost_utils.broadcast_one_to_all(pixels)
         batch = jax.make_array_from_callback(
             pixels.shape, engine.batch_sharding, lambda index: pixels[index]
         )
-        result = engine.compiled(bucket, outputs)(engine.params, batch)
+        result = engine.call(bucket, outputs, engine.placement(engine.plan.data), batch)
         return jax.tree.map(np.asarray, multihost_utils.process_allgather(result, tiled=True))
 
 
@@ -290,7 +295,9 @@ def settings(config: ServeConfig, group: Group) -> dict:
         "mesh": config.mesh,
         "compute_dtype": config.compute_dtype,
         "max_batch_images": config.max_batch_images,
+        "max_batch_patches": config.max_batch_patches,
         "warm_outputs": [repr(o) for o in config.warm_outputs],
+        "warm_resolutions": list(config.warm_resolutions),
         "num_processes": group.num_processes,
         "vit22b": version("vit22b"),
         "jax": jax.__version__,
@@ -426,6 +433,8 @@ def decode_spec(text: str) -> tuple[ServeConfig, Group, str]:
     spec = json.loads(text)
     config = spec["config"]
     config["warm_outputs"] = tuple(outputs_from_dict(o) for o in config["warm_outputs"])
+    for name in ("resolutions", "warm_resolutions"):
+        config[name] = tuple(config[name])
     return ServeConfig(**config), Group(**spec["group"]), spec["log_level"]
 
 

@@ -37,6 +37,7 @@ from vit22b.model.forward import cast_matmul_kernels, chunked_apply
 from vit22b.model.identity import ModelIdentity, seeded_source
 from vit22b.model.info import count
 from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.model.posemb import Grid
 from vit22b.model.sharding import (
     batch_sharding,
     check_mesh_fits,
@@ -45,6 +46,7 @@ from vit22b.model.sharding import (
     mesh_spec,
     param_shardings,
 )
+from vit22b.model.vit import position_table
 
 from .plan import Plan, auto_data_devices
 
@@ -109,7 +111,7 @@ class LocalExecutor:
     def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
         place = engine.placement(bucket)
         batch = jax.device_put(pixels, place.batch_sharding)
-        return jax.tree.map(np.asarray, engine.compiled(bucket, outputs)(place.params, batch))
+        return jax.tree.map(np.asarray, engine.call(bucket, outputs, place, batch))
 
 
 class Engine:
@@ -122,14 +124,16 @@ class Engine:
         fingerprint: str,
         source: str,
         max_batch_images: int = 32,
+        max_batch_patches: int = 0,
         max_compiled: int = 64,
         chunk_images: int | None = None,
         precast: bool = True,
         small_buckets: bool | None = None,
         executor: Executor | None = None,
     ):
-        """``chunk_images`` / ``small_buckets``: see ``Plan.make``. ``precast=False`` keeps the
-        parameters as given (kernels then cast on every forward: for measurements only)."""
+        """``chunk_images`` / ``small_buckets`` / ``max_batch_patches``: see ``Plan.make``.
+        ``precast=False`` keeps the parameters as given (kernels then cast on every forward:
+        for measurements only)."""
         check_mesh_fits(cfg, mesh)
         self.cfg, self.mesh = cfg, mesh
         self.platform = mesh.devices.flat[0].platform
@@ -139,6 +143,7 @@ class Engine:
             data=mesh.shape["data"],
             process_count=jax.process_count(),
             max_batch_images=max_batch_images,
+            max_batch_patches=max_batch_patches,
             chunk_images=chunk_images,
             small_buckets=small_buckets,
         )
@@ -155,12 +160,14 @@ class Engine:
                                           self.batch_sharding)
         }
         self._max_compiled = max_compiled
-        self._compiled: OrderedDict[tuple[int, OutputRequest], jax.stages.Compiled] = OrderedDict()
+        # compiled forwards by (bucket, output set, grid)
+        self._compiled: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
         self._used: dict[OutputRequest, float] = {}  # on-demand output set -> last use
-        self._warm: dict[tuple[int, OutputRequest], jax.stages.Compiled] = {}
+        self._warm: dict[tuple, jax.stages.Compiled] = {}
+        self._positions: dict[tuple[Grid, int], jax.Array | None] = {}  # (grid, rows) -> table
         self._lock = threading.Lock()
-        self._pending: dict[tuple[int, OutputRequest], Future] = {}
-        self._failed: dict[tuple[int, OutputRequest], Exception] = {}
+        self._pending: dict[tuple, Future] = {}
+        self._failed: dict[tuple, Exception] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="vit22b-compile")
         self.compilations = 0  # on-demand compilations after warm-up (for metrics and tests)
 
@@ -216,13 +223,22 @@ class Engine:
     def bucket(self, n: int) -> int:
         return self.plan.bucket(n)
 
+    @property
+    def grid(self) -> Grid:
+        """The model's own grid (its square input)."""
+        return self.cfg.grid, self.cfg.grid
+
+    def max_images(self, grid: Grid) -> int:
+        """Images of ``grid`` one batch may hold (``Plan.max_images``; 0: none fit)."""
+        return self.plan.max_images(grid)
+
     def resolve(self, outputs: OutputRequest) -> OutputRequest:
         """The canonical output set for this model (see ``OutputRequest.resolve``)."""
         return outputs.resolve(self.cfg)
 
     # ---- compiled forwards -----------------------------------------------------------------
-    def is_compiled(self, bucket: int, outputs: OutputRequest) -> bool:
-        key = (bucket, outputs)
+    def is_compiled(self, bucket: int, outputs: OutputRequest, grid: Grid | None = None) -> bool:
+        key = (bucket, outputs, grid or self.grid)
         with self._lock:
             return key in self._warm or key in self._compiled
 
@@ -255,10 +271,14 @@ class Engine:
         return max(1, self._max_compiled // len(self.plan.buckets))
 
     def compile_async(
-        self, bucket: int, outputs: OutputRequest, done: Callable[[], None] | None = None
+        self,
+        bucket: int,
+        outputs: OutputRequest,
+        grid: Grid | None = None,
+        done: Callable[[], None] | None = None,
     ) -> Future:
         """Compile on the compile thread (at most one compile at a time); ``done`` after."""
-        key = (bucket, outputs)
+        key = (bucket, outputs, grid or self.grid)
         with self._lock:
             future = self._pending.get(key)
             failed = self._failed.pop(key, None)
@@ -272,7 +292,7 @@ class Engine:
             future.add_done_callback(lambda _: done())
         return future
 
-    def _compile_pending(self, key: tuple[int, OutputRequest]) -> None:
+    def _compile_pending(self, key: tuple) -> None:
         try:
             self.compiled(*key)
         except Exception as err:
@@ -283,9 +303,14 @@ class Engine:
             with self._lock:
                 self._pending.pop(key, None)
 
-    def compiled(self, bucket: int, outputs: OutputRequest, warm: bool = False):
-        """The compiled forward (compiled here, in this thread, when it is not cached yet)."""
-        key = (bucket, outputs)
+    def compiled(
+        self, bucket: int, outputs: OutputRequest, grid: Grid | None = None, warm: bool = False
+    ):
+        """The compiled forward for images of ``grid`` (default: the model's own), compiled
+        here, in this thread, when it is not cached yet; it takes (params, position table at
+        the grid, images)."""
+        grid = tuple(grid or self.grid)
+        key = (bucket, outputs, grid)
         with self._lock:
             fn = self._warm.get(key) or self._compiled.get(key)
             if fn is not None:
@@ -293,7 +318,7 @@ class Engine:
                     self._compiled.move_to_end(key)
                 return fn
         start = time.perf_counter()
-        fn = self._compile(bucket, outputs)
+        fn = self._compile(bucket, outputs, grid)
         with self._lock:
             if warm:
                 self._warm[key] = fn
@@ -302,12 +327,13 @@ class Engine:
                 self._compiled[key] = fn
                 self._used.setdefault(outputs, time.monotonic())
                 while len(self._compiled) > self._max_compiled:
-                    (_, evicted), _ = self._compiled.popitem(last=False)
+                    (_, evicted, _), _ = self._compiled.popitem(last=False)
                     if not any(k[1] == evicted for k in self._compiled):
                         self._used.pop(evicted, None)
         log.info(
-            "compiled forward for bucket %d (chunks of %d per shard), %s in %.2fs%s",
-            bucket, self.plan.chunk_images(bucket), outputs, time.perf_counter() - start,
+            "compiled forward for bucket %d at grid %dx%d (chunks of %d per shard), %s in "
+            "%.2fs%s", bucket, *grid, self.plan.chunk_images(bucket, grid), outputs,
+            time.perf_counter() - start,
             "" if warm else " (on demand)",
         )
         return fn
@@ -329,29 +355,64 @@ class Engine:
                 self._placements[rows] = Placement(mesh, params, shardings, batch_sharding(mesh))
             return self._placements[rows]
 
-    def _compile(self, bucket: int, outputs: OutputRequest):
-        cfg, place, chunk = self.cfg, self.placement(bucket), self.plan.chunk_images(bucket)
-        shards = place.mesh.shape["data"]
-        fn = jax.jit(
-            lambda params, images: chunked_apply(cfg, params, images, outputs, chunk, shards),
-            in_shardings=(place.param_shardings, place.batch_sharding),
-        )
-        shape = (bucket, cfg.image_size, cfg.image_size, cfg.channels)
-        images = jax.ShapeDtypeStruct(shape, np.float32, sharding=place.batch_sharding)
-        return fn.lower(place.params, images).compile()
+    def position(self, grid: Grid, place: Placement) -> jax.Array | None:
+        """The learned position table at ``grid`` on ``place``'s mesh, resampled once per grid
+        (``position_table``) and kept; None for sin-cos and RoPE (computed in the forward)."""
+        rows = place.mesh.shape["data"]
+        with self._lock:
+            if (grid, rows) in self._positions:
+                return self._positions[(grid, rows)]
+        table = None
+        if self.cfg.posemb == "learn":
+            sharding = place.param_shardings["pos_embedding"]
+            table = jax.jit(
+                lambda t: position_table(self.cfg, {"pos_embedding": t}, grid),
+                out_shardings=sharding,
+            )(place.params["pos_embedding"])
+        with self._lock:
+            return self._positions.setdefault((grid, rows), table)
 
-    def warm_up(self, output_sets: Sequence[OutputRequest] = (POOLED,)) -> float:
-        """Compile every bucket for each output set; returns the seconds it took."""
+    def call(self, bucket: int, outputs: OutputRequest, place: Placement, batch: jax.Array):
+        """The compiled forward on a placed batch (its grid from its shape)."""
+        grid = self.cfg.grid_at(batch.shape[1], batch.shape[2])
+        return self.compiled(bucket, outputs, grid)(place.params, self.position(grid, place),
+                                                    batch)
+
+    def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid):
+        cfg, place = self.cfg, self.placement(bucket)
+        chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
+        pos = self.position(grid, place)
+        fn = jax.jit(
+            lambda params, pos, images: chunked_apply(
+                cfg, params, images, outputs, chunk, shards, pos
+            ),
+            in_shardings=(
+                place.param_shardings,
+                None if pos is None else place.param_shardings["pos_embedding"],
+                place.batch_sharding,
+            ),
+        )
+        shape = (bucket, grid[0] * cfg.patch, grid[1] * cfg.patch, cfg.channels)
+        images = jax.ShapeDtypeStruct(shape, np.float32, sharding=place.batch_sharding)
+        return fn.lower(place.params, pos, images).compile()
+
+    def warm_up(
+        self, output_sets: Sequence[OutputRequest] = (POOLED,), grids: Sequence[Grid] = ()
+    ) -> float:
+        """Compile every bucket a grid allows for each output set at each grid (default: the
+        model's own); returns the seconds it took."""
         start = time.perf_counter()
-        for outputs in output_sets:
-            resolved = self.resolve(outputs)
-            for size in self.plan.buckets:
-                self.compiled(size, resolved, warm=True)
+        for grid in grids or (self.grid,):
+            for outputs in output_sets:
+                resolved = self.resolve(outputs)
+                for size in self.plan.buckets_for(grid):
+                    self.compiled(size, resolved, grid, warm=True)
         return time.perf_counter() - start
 
     # ---- running ---------------------------------------------------------------------------
     def forward(self, images: np.ndarray, outputs: OutputRequest) -> Features:
-        """Normalised float32 [n, S, S, 3] (n <= max batch) -> host float32 outputs for n rows.
+        """Normalised float32 [n, H, W, 3] (H, W multiples of the patch; n <= the grid's
+        ``max_images``) -> host float32 outputs for n rows.
 
         ``outputs`` must be resolved (see ``resolve``).
         """

@@ -30,7 +30,14 @@ from vit22b.model.errors import (
 )
 from vit22b.model.features import Features
 from vit22b.model.outputs import POOLED, OutputRequest
-from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS, Preprocessor, check_pixels, decode
+from vit22b.model.pixels import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    OWN_GEOMETRY,
+    Geometry,
+    Preprocessor,
+    check_pixels,
+    decode,
+)
 
 from .batcher import Batcher
 from .engine import Engine
@@ -50,6 +57,8 @@ class Limits:
     max_request_images: int = 256
     max_message_bytes: int = 64 << 20
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    resolutions: tuple[int, ...] = ()  # square sizes served (empty: the model's own)
+    max_dense_patches: int = 0  # dense requests' patch bound (0: dense mode off)
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class EmbedCall:
     deadline: float | None = None  # time.monotonic()
     wait_for_room: bool = False  # wait for queue room (a stream) instead of QueueFull
     solo: bool = False  # batches of this call alone (bit-exact batch jobs)
+    geometry: Geometry = OWN_GEOMETRY  # the square size, or dense (model/pixels.py)
 
 
 @dataclass
@@ -93,6 +103,8 @@ class EmbedResult:
     indices: list[int] = field(default_factory=list)
     errors: list[InvalidImage] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
+    grid: tuple[int, int] = (0, 0)  # the images' patch grid (rows, cols)
+    preprocess_hash: str = ""  # the contract at the call's geometry
 
 
 @dataclass
@@ -123,6 +135,7 @@ class Infer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = asyncio.Event()
+        self._preprocessors: dict[Geometry, Preprocessor] = {}
 
     # ---- lifecycle (shared by every door) ------------------------------------------------
     def enter(self) -> None:
@@ -167,6 +180,7 @@ class Infer:
             raise InvalidRequest(
                 f"unknown output dtype {call.dtype!r}; known: {', '.join(OUTPUT_DTYPES)}"
             )
+        self.preprocessor(call.geometry)  # the geometry must be one this server serves
         outputs = self.engine.resolve(call.outputs)
         if call.l2_normalize and not outputs.pooled:
             raise InvalidRequest(
@@ -174,6 +188,31 @@ class Infer:
             )
         self.engine.admit_outputs(outputs)
         return outputs
+
+    @property
+    def resolutions(self) -> tuple[int, ...]:
+        return self.limits.resolutions or (self.engine.cfg.image_size,)
+
+    def preprocessor(self, geometry: Geometry) -> Preprocessor:
+        """The pixel contract at an allowed geometry; InvalidRequest naming what is allowed."""
+        cfg = self.engine.cfg
+        resolution = geometry.resolution or cfg.image_size
+        allowed = ", ".join(map(str, self.resolutions))
+        if resolution not in self.resolutions:
+            raise InvalidRequest(
+                f"resolution {resolution} is not served; allowed: {allowed} (the server's "
+                "--resolutions)"
+            )
+        if geometry.dense and not self.limits.max_dense_patches:
+            raise InvalidRequest(
+                f"dense mode is off on this server (--max-dense-patches 0); square resolutions "
+                f"allowed: {allowed}"
+            )
+        key = Geometry(resolution, geometry.dense,
+                       self.limits.max_dense_patches if geometry.dense else 0)
+        if key not in self._preprocessors:
+            self._preprocessors[key] = Preprocessor(cfg, key)
+        return self._preprocessors[key]
 
     async def admit(self, call: EmbedCall, outputs: OutputRequest) -> Admitted:
         """Room in the queue for the call's images: at once, or (``wait_for_room``) as it
@@ -205,8 +244,9 @@ class Infer:
         """Decode, batch, compute and finish an admitted call."""
         call, start = admitted.call, admitted.start
         try:
+            pre = self.preprocessor(call.geometry)
             with self.tracing.step("preprocess", images=len(call.images)):
-                pixels, indices, errors = await self._preprocess(call)
+                pixels, indices, errors = await self._preprocess(call, pre)
             preprocessed = time.monotonic()
             self.metrics.preprocess_seconds.observe(preprocessed - start)
             self.batcher.release(admitted.held - len(indices))
@@ -238,6 +278,9 @@ class Infer:
                 admitted.held = 0
         result.ids = [call.images[i].id for i in indices]
         result.indices = indices
+        result.preprocess_hash = pre.hash
+        if pixels is not None:
+            result.grid = self.engine.cfg.grid_at(*pixels.shape[1:3])
         result.timings.preprocess_s = preprocessed - start
         self._finish(call, result)
         result.timings.total_s = time.monotonic() - start
@@ -259,10 +302,10 @@ class Infer:
         return dict(features.arrays()), patches
 
     # ---- steps -----------------------------------------------------------------------------
-    async def _preprocess(self, call: EmbedCall):
+    async def _preprocess(self, call: EmbedCall, pre: Preprocessor):
         loop = asyncio.get_running_loop()
         tasks = [
-            loop.run_in_executor(self._pool, self._load, i, image)
+            loop.run_in_executor(self._pool, self._load, i, image, pre)
             for i, image in enumerate(call.images)
         ]
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -281,9 +324,18 @@ class Infer:
                 first = errors[0]
                 more = f" (and {len(errors) - 1} more invalid images)" if len(errors) > 1 else ""
                 raise InvalidImage(first.reason + more, first.index, first.image_id)
+        sizes = {image.shape[:2] for image in good}
+        if len(sizes) > 1:
+            p = self.engine.cfg.patch
+            grids = ", ".join(f"image {i}: {h // p}x{w // p}" for i, (h, w) in
+                              zip(indices, (image.shape[:2] for image in good)))
+            raise InvalidRequest(
+                f"dense mode gives these images different patch grids ({grids}); a request "
+                "holds one grid: send images of one aspect ratio together, or one per request"
+            )
         return (np.stack(good) if good else None), indices, errors
 
-    def _load(self, index: int, image: ImageInput) -> np.ndarray:
+    def _load(self, index: int, image: ImageInput, pre: Preprocessor) -> np.ndarray:
         """One image -> model input; runs in the preprocessing pool."""
         try:
             if image.error:
@@ -294,7 +346,7 @@ class Infer:
                 pixels = check_pixels(image.data, self.limits.max_image_pixels)
             else:
                 raise InvalidImage("no image data: send encoded file bytes or raw pixels")
-            return self.preprocess(pixels)
+            return pre(pixels)
         except InvalidImage as err:
             raise err.at(index, image.id) from None
 
@@ -337,13 +389,17 @@ class LocalInfer:
         *,
         preprocess_threads: int = 2,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        resolutions: tuple[int, ...] = (),
+        max_dense_patches: int = 0,
     ):
+        """``resolutions`` / ``max_dense_patches``: the geometries served (see ``Limits``)."""
         self.engine = engine
         self.metrics = Metrics()
         self.batcher = Batcher(engine, self.metrics, max_delay_s=0.0,
                                max_queue_images=4 * engine.max_batch_images)
         limits = Limits(max_request_images=engine.max_batch_images,
-                        max_image_pixels=max_image_pixels)
+                        max_image_pixels=max_image_pixels, resolutions=tuple(resolutions),
+                        max_dense_patches=max_dense_patches)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="vit22b-local-infer")
@@ -366,6 +422,7 @@ class LocalInfer:
         l2_normalize: bool = False,
         skip_invalid: bool = False,
         solo: bool = False,
+        geometry: Geometry = OWN_GEOMETRY,
     ) -> EmbedResult:
         """Encoded bytes or raw uint8 [H, W, 3] images -> features, in order (float32 default).
 
@@ -374,7 +431,7 @@ class LocalInfer:
         step = self.engine.max_batch_images
         calls = [
             EmbedCall(inputs[i : i + step], outputs, dtype, l2_normalize, skip_invalid,
-                      wait_for_room=True, solo=solo)
+                      wait_for_room=True, solo=solo, geometry=geometry)
             for i in range(0, len(inputs), step)
         ]
         return _merge(self._call(self._embed_all(calls)), step)
@@ -404,7 +461,8 @@ class LocalInfer:
 
 def _merge(parts: list[EmbedResult], step: int) -> EmbedResult:
     """Per-batch results -> one, with indices and errors in the caller's positions."""
-    merged = EmbedResult(parts[0].outputs, Features())
+    merged = EmbedResult(parts[0].outputs, Features(),
+                         preprocess_hash=parts[0].preprocess_hash)
     with_rows = [p.features for p in parts if p.indices]
     if with_rows:
         merged.features = Features.concat(with_rows)
@@ -413,6 +471,13 @@ def _merge(parts: list[EmbedResult], step: int) -> EmbedResult:
         merged.ids += part.ids
         merged.indices += [offset + i for i in part.indices]
         merged.errors += [e.at(offset + e.index, e.image_id) for e in part.errors]
+        if part.indices:
+            if merged.grid not in ((0, 0), part.grid):
+                raise InvalidRequest(
+                    f"dense mode gives these images different patch grids ({merged.grid} and "
+                    f"{part.grid}); embed images of one aspect ratio together"
+                )
+            merged.grid = part.grid
         for name in ("preprocess_s", "queue_s", "compute_s", "total_s"):
             setattr(merged.timings, name,
                     getattr(merged.timings, name) + getattr(part.timings, name))

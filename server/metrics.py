@@ -28,6 +28,9 @@ class Metrics:
         self.batch_images = Histogram(
             "vit22b_batch_images", "Real images per computed batch", buckets=_IMAGES, registry=r
         )
+        self.batches = Counter(
+            "vit22b_batches", "Computed batches by patch grid (rows x cols)", ["grid"], registry=r
+        )
         self.padding_images = Counter(
             "vit22b_padding_images", "Zero images added to fill batch buckets", registry=r
         )

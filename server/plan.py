@@ -43,10 +43,13 @@ def batch_buckets(max_batch_images: int, data_size: int) -> tuple[int, ...]:
     return (*buckets, top)
 
 
-def step_bytes_per_image(cfg: ViTConfig) -> int:
-    """Bytes of the widest f32 activation of one image in a block (what a chunk bounds)."""
+def step_bytes_per_image(cfg: ViTConfig, grid: tuple[int, int] | None = None) -> int:
+    """Bytes of the widest f32 activation of one image in a block (what a chunk bounds), at
+    ``grid`` (default: the model's own) with T tokens: the MLP's hidden (and a parallel block's
+    q/k/v) T x (mlp_dim (+ 3 width)), or the attention logits heads x T x T, the larger."""
+    tokens = cfg.tokens_at(grid or (cfg.grid, cfg.grid))
     width = cfg.mlp_dim + (3 * cfg.width if cfg.block == "parallel" else 0)
-    return 4 * cfg.num_tokens * width
+    return 4 * max(tokens * width, cfg.heads * tokens * tokens)
 
 
 def largest_divisor(n: int, limit: int) -> int:
@@ -71,6 +74,7 @@ class Plan:
     single_host_cpu: bool  # one process on CPU devices: small buckets, chunked steps
     buckets: tuple[int, ...]
     chunk_override: int | None = None
+    max_batch_patches: int = 0  # a batch's padded patches (0: images alone bound it)
 
     @classmethod
     def make(
@@ -81,6 +85,7 @@ class Plan:
         data: int,
         process_count: int,
         max_batch_images: int,
+        max_batch_patches: int = 0,
         chunk_images: int | None = None,
         small_buckets: bool | None = None,
     ) -> Plan:
@@ -90,7 +95,9 @@ class Plan:
         small = single if small_buckets is None else small_buckets
         below = tuple(1 << k for k in range(data.bit_length()) if 1 << k < data) if small else ()
         buckets = below + batch_buckets(max_batch_images, data)
-        return cls(cfg, platform, data, single, buckets, chunk_images)
+        if max_batch_patches < 0:
+            raise ValueError(f"max_batch_patches must be >= 0, got {max_batch_patches}")
+        return cls(cfg, platform, data, single, buckets, chunk_images, max_batch_patches)
 
     @property
     def max_batch_images(self) -> int:
@@ -103,11 +110,22 @@ class Plan:
                 return size
         raise ValueError(f"batch of {n} images exceeds the largest bucket {self.buckets[-1]}")
 
+    def buckets_for(self, grid: tuple[int, int]) -> tuple[int, ...]:
+        """The buckets whose padded batch of ``grid`` images fits ``max_batch_patches``."""
+        if not self.max_batch_patches:
+            return self.buckets
+        return tuple(b for b in self.buckets if b * grid[0] * grid[1] <= self.max_batch_patches)
+
+    def max_images(self, grid: tuple[int, int]) -> int:
+        """The most images of ``grid`` in one batch (0: not one fits the patch budget)."""
+        fits = self.buckets_for(grid)
+        return fits[-1] if fits else 0
+
     def rows(self, bucket: int) -> int:
         """Data rows of the mesh a bucket runs on (fewer than all for small buckets)."""
         return min(bucket, self.data)
 
-    def chunk_images(self, bucket: int) -> int:
+    def chunk_images(self, bucket: int, grid: tuple[int, int] | None = None) -> int:
         """Images per data shard in each sequential step of this bucket's forward."""
         local = bucket // self.rows(bucket)
         if self.chunk_override is not None:
@@ -115,7 +133,7 @@ class Plan:
             return local if override == 0 else largest_divisor(local, override)
         if self.platform != "cpu":
             return local
-        return largest_divisor(local, CPU_CHUNK_BYTES // step_bytes_per_image(self.cfg))
+        return largest_divisor(local, CPU_CHUNK_BYTES // step_bytes_per_image(self.cfg, grid))
 
     def table(self) -> str:
         """The plan as text: one line per bucket."""

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from vit22b.model.errors import Draining, InvalidRequest, TooLarge
 from vit22b.model.outputs import OutputRequest
+from vit22b.model.pixels import Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -62,7 +63,14 @@ def to_call(request: pb.EmbedRequest, context, wait_for_room: bool = False) -> E
         skip_invalid=request.skip_invalid_images,
         deadline=None if remaining is None else time.monotonic() + remaining,
         wait_for_room=wait_for_room,
+        geometry=_geometry(request),
     )
+
+
+def _geometry(request: pb.EmbedRequest) -> Geometry:
+    if request.resolution < 0:
+        raise InvalidRequest(f"resolution {request.resolution} is negative")
+    return Geometry(request.resolution, request.dense)
 
 
 def image_input(image: pb.Image) -> ImageInput:
@@ -127,6 +135,9 @@ def model_info(infer: Infer) -> pb.ModelInfo:
             max_request_images=limits.max_request_images,
             max_message_bytes=limits.max_message_bytes,
             max_image_pixels=limits.max_image_pixels,
+            max_batch_patches=engine.plan.max_batch_patches,
+            resolutions=infer.resolutions,
+            max_dense_patches=limits.max_dense_patches,
         ),
         server_version=server_version(),
         pooled_dim=cfg.pooled_dim,
@@ -275,8 +286,11 @@ class FeatureService:
 
     def _response(self, call: EmbedCall, result: EmbedResult) -> pb.EmbedResponse:
         t = result.timings
+        model = pb.ModelRef()
+        model.CopyFrom(self.info.model)
+        model.preprocess_hash = result.preprocess_hash or model.preprocess_hash
         response = pb.EmbedResponse(
-            model=self.info.model,
+            model=model,
             ids=result.ids,
             indices=result.indices,
             errors=[pb.ImageError(index=e.index, id=e.image_id, reason=e.reason)
@@ -285,6 +299,8 @@ class FeatureService:
                                compute_ms=t.compute_s * 1e3, total_ms=t.total_s * 1e3),
         )
         arrays, patches = self.infer.tensors(call, result)
+        if result.indices:
+            response.grid_rows, response.grid_cols = result.grid
         for name, array in arrays.items():
             getattr(response, name).CopyFrom(wire.to_tensor(array))
         for layer, tokens in patches.items():
@@ -297,7 +313,9 @@ def check_response_size(
 ) -> None:
     """``TooLarge`` when the call's response would not fit the message limit."""
     layers = list(call.outputs.patch_layers)
-    row = wire.row_bytes(info, list(outputs.kinds), layers, call.dtype)
+    g = call.geometry
+    patches = wire.patches_at(info, g.resolution, g.dense)
+    row = wire.row_bytes(info, list(outputs.kinds), layers, call.dtype, patches)
     size = wire.response_bytes(row, [image.id for image in call.images])
     if size > limit:
         raise TooLarge(

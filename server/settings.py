@@ -43,6 +43,17 @@ def _optional_int(text: str) -> int | None:
     return None if text in ("", "none", "None") else int(text)
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``224,448,518`` -> (224, 448, 518); empty: none."""
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad list of sizes {text!r} (e.g. 224,448)") from None
+    if any(v <= 0 for v in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return sizes
+
+
 def _dtype(text: str) -> str | None:
     if text in ("", "none", "None"):
         return None
@@ -80,6 +91,19 @@ class ServeConfig:
     tls_key: str | None = setting(None, "PEM private key")
     max_batch_images: int = setting(32, "largest batch (rounded up to the data axis)",
                                     check=positive)
+    max_batch_patches: int = setting(
+        0, "largest batch in patches, padding included (TEI's --max-batch-tokens): images of "
+        "larger grids run in smaller batches; 0: --max-batch-images alone", check=non_negative)
+    resolutions: tuple[int, ...] = setting(
+        (), "square input sizes requests may choose, e.g. 224,448,518 (default: the model's "
+        "own); each must be a multiple of the patch and fit --max-batch-patches",
+        parse=parse_sizes)
+    max_dense_patches: int = setting(
+        0, "patches of one dense-mode image (aspect ratio kept, no crop); 0: dense mode off",
+        check=non_negative)
+    warm_resolutions: tuple[int, ...] = setting(
+        (), "resolutions (of --resolutions) whose forwards compile before SERVING for every "
+        "--warm-outputs set, besides the model's own size", parse=parse_sizes)
     max_delay_ms: float = setting(5.0, "longest wait for a fuller batch", check=non_negative)
     max_queue_images: int = setting(
         1024, "admitted images not yet computed; beyond: RESOURCE_EXHAUSTED (streams wait)",
@@ -114,6 +138,11 @@ class ServeConfig:
         check(self)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        unserved = sorted(set(self.warm_resolutions) - set(self.resolutions))
+        if unserved and self.resolutions:
+            raise ValueError(
+                f"--warm-resolutions {unserved} are not among --resolutions {self.resolutions}"
+            )
         if self.max_request_images > self.max_queue_images:
             raise ValueError(
                 f"--max-request-images ({self.max_request_images}) cannot exceed "

@@ -47,9 +47,17 @@ def shared_engine() -> Engine:
     return engine
 
 
-def in_process(engine: Engine, images, outputs: OutputRequest = POOLED, **options) -> Features:
-    """The in-process path (the facade on a private loop): what served features must equal."""
-    with LocalInfer(engine) as local:
+def in_process(
+    engine: Engine,
+    images,
+    outputs: OutputRequest = POOLED,
+    resolutions: tuple[int, ...] = (),
+    max_dense_patches: int = 0,
+    **options,
+) -> Features:
+    """The in-process path (the facade on a private loop): what served features must equal
+    (``resolutions`` / ``max_dense_patches``: the geometries it serves, as the server's)."""
+    with LocalInfer(engine, resolutions=resolutions, max_dense_patches=max_dense_patches) as local:
         return local.embed(images, outputs, **options).features
 
 

@@ -211,12 +211,18 @@ def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):
     p = convert("hf", tmp_path / "m").config.preprocess
     assert p.resize == 16 and p.interpolation == "bicubic"
     assert p.mean == tuple(processor.image_mean) and p.std == tuple(processor.image_std)
-    wrong = transformers.CLIPImageProcessor(
+    # a crop other than the table's size: served at the crop, the 4x4 table kept (resampled)
+    other = transformers.CLIPImageProcessor(
         size={"shortest_edge": 20}, crop_size={"height": 20, "width": 20}
     )
-    wrong.save_pretrained(tmp_path / "m")
-    with pytest.raises(ConvertError, match=r"crop 20x20 \(preprocessor_config.json\), but the "
-                       "position embedding is for 16x16"):
+    other.save_pretrained(tmp_path / "m")
+    cfg = convert("hf", tmp_path / "m").config
+    assert (cfg.image_size, cfg.posemb_grid, cfg.preprocess.resize) == (20, 4, 20)
+    odd = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 18}, crop_size={"height": 18, "width": 18}
+    )
+    odd.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConvertError, match="18x18 inputs, not a whole number of 4x4 patches"):
         convert("hf", tmp_path / "m")
 
 
@@ -245,21 +251,18 @@ TIMM_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(TIMM_CASES))
-def test_timm_parity(case, tmp_path):
-    name, expected = TIMM_CASES[case]
-    extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
-    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **extra).eval()
-    perturb(model, seed=31 + len(case))
-    folder = tmp_path / case
+def timm_converted(name: str, folder, seed: int, **kw):
+    """A perturbed timm model saved as timm does (safetensors + config.json), and converted."""
+    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **kw).eval()
+    perturb(model, seed=seed)
     folder.mkdir()
     save_file(model.state_dict(), str(folder / "model.safetensors"))
     save_config_for_hf(model, str(folder / "config.json"))
-    converted = convert("timm", folder)
-    cfg = converted.config
-    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
-    assert {k: getattr(cfg, k) for k in expected} == expected
-    pixels = _pixels()
+    return model, convert("timm", folder)
+
+
+def timm_outputs(model, pixels) -> dict:
+    """timm's pooled (pre-logits), patch and register tokens as numpy."""
     with torch.no_grad():
         tokens = model.forward_features(pixels)
         prefix = model.num_prefix_tokens
@@ -267,9 +270,21 @@ def test_timm_parity(case, tmp_path):
             "pooled": model.forward_head(tokens, pre_logits=True),
             "patch_tokens": tokens[:, prefix:],
         }
-        if cfg.num_registers:
+        if prefix > int(model.cls_token is not None):
             peer["register_tokens"] = tokens[:, 1:prefix]
-    peer = {k: v.numpy() for k, v in peer.items()}
+    return {k: v.numpy() for k, v in peer.items()}
+
+
+@pytest.mark.parametrize("case", list(TIMM_CASES))
+def test_timm_parity(case, tmp_path):
+    name, expected = TIMM_CASES[case]
+    extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
+    model, converted = timm_converted(name, tmp_path / case, 31 + len(case), **extra)
+    cfg = converted.config
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    pixels = _pixels()
+    peer = timm_outputs(model, pixels)
     check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
 
 

@@ -158,3 +158,14 @@ def test_probes_read_an_embed_output_folder(server, tmp_path):
     assert main(["probe", "segmentation", "--features", str(embedded), "--masks", masks,
                  "--steps", "20", "--out", str(tmp_path)]) == 0  # fmt: skip
     assert _report(tmp_path, "segmentation")["layers"] == [3]
+
+
+def test_dense_probes_at_a_resolution(tmp_path):
+    """--resolution 96 on the 64-px default model: the shapes world is generated at 96 px and
+    the probes read 6x6 patch grids."""
+    common = ["--shapes-world", "24", "--resolution", "96", "--steps", "10", "--out", str(tmp_path)]
+    for kind, extra in (("depth", ["--decoders", "linear"]), ("segmentation", [])):
+        assert main(["probe", kind, *common, *extra]) == 0
+        report = _report(tmp_path, kind)
+        assert report["features"]["resolution"] == 96, report["features"]
+        assert report["features"]["num_tokens"] == 36

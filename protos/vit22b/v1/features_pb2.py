@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18vit22b/v1/features.proto\x12\tvit22b.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.vit22b.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"U\n\x05Image\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\x07\x65ncoded\x18\x02 \x01(\x0cH\x00\x12#\n\x06pixels\x18\x03 \x01(\x0b\x32\x11.vit22b.v1.TensorH\x00\x42\x08\n\x06source\"\xdd\x01\n\x0c\x45mbedRequest\x12 \n\x06images\x18\x01 \x03(\x0b\x32\x10.vit22b.v1.Image\x12&\n\x07outputs\x18\x02 \x03(\x0e\x32\x15.vit22b.v1.OutputKind\x12\x14\n\x0cpatch_layers\x18\x03 \x03(\x05\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.vit22b.v1.DType\x12\x14\n\x0cl2_normalize\x18\x05 \x01(\x08\x12\x19\n\x11normalize_patches\x18\x06 \x01(\x08\x12\x1b\n\x13skip_invalid_images\x18\x07 \x01(\x08\"7\n\nImageError\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"]\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x17\n\x0fpreprocess_hash\x18\x03 \x01(\t\x12\x15\n\rcompute_dtype\x18\x04 \x01(\t\"X\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xc8\x04\n\rEmbedResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.vit22b.v1.ModelRef\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\x0f\n\x07indices\x18\x03 \x03(\x05\x12!\n\x06pooled\x18\x04 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12&\n\x0b\x63lass_token\x18\x05 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12?\n\x0cpatch_tokens\x18\x06 \x03(\x0b\x32).vit22b.v1.EmbedResponse.PatchTokensEntry\x12,\n\x11\x61ttention_entropy\x18\x07 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12.\n\x13\x61ttention_max_logit\x18\x08 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12!\n\x06logits\x18\t \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12%\n\x06\x65rrors\x18\n \x03(\x0b\x32\x15.vit22b.v1.ImageError\x12#\n\x07timings\x18\x0b \x01(\x0b\x32\x12.vit22b.v1.Timings\x12*\n\x0fregister_tokens\x18\x0c \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12)\n\x0epre_projection\x18\r \x01(\x0b\x32\x11.vit22b.v1.Tensor\x1a\x45\n\x10PatchTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.vit22b.v1.Tensor:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\rPreprocessing\x12\x12\n\nimage_size\x18\x01 \x01(\x05\x12\x0e\n\x06resize\x18\x02 \x01(\x05\x12\x15\n\rinterpolation\x18\x03 \x01(\t\x12\x0c\n\x04mean\x18\x04 \x03(\x02\x12\x0b\n\x03std\x18\x05 \x03(\x02\x12\x0c\n\x04hash\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\"\x91\x01\n\x04Mesh\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\'\n\x04\x61xes\x18\x02 \x03(\x0b\x32\x19.vit22b.v1.Mesh.AxesEntry\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x1a+\n\tAxesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xba\x01\n\x06Limits\x12\x18\n\x10max_batch_images\x18\x01 \x01(\x05\x12\x15\n\rbatch_buckets\x18\x02 \x03(\x05\x12\x14\n\x0cmax_delay_ms\x18\x03 \x01(\x01\x12\x18\n\x10max_queue_images\x18\x04 \x01(\x05\x12\x1a\n\x12max_request_images\x18\x05 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x03\x12\x18\n\x10max_image_pixels\x18\x07 \x01(\x03\"\xc4\x03\n\tModelInfo\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.vit22b.v1.ModelRef\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x17\n\x0fparameter_count\x18\x04 \x01(\x03\x12\r\n\x05width\x18\x05 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x06 \x01(\x05\x12\r\n\x05heads\x18\x07 \x01(\x05\x12\x13\n\x0bnum_patches\x18\x08 \x01(\x05\x12\x13\n\x0bnum_classes\x18\t \x01(\x05\x12&\n\x07outputs\x18\n \x03(\x0e\x32\x15.vit22b.v1.OutputKind\x12 \n\x06\x64types\x18\x0b \x03(\x0e\x32\x10.vit22b.v1.DType\x12/\n\rpreprocessing\x18\x0c \x01(\x0b\x32\x18.vit22b.v1.Preprocessing\x12\x1d\n\x04mesh\x18\r \x01(\x0b\x32\x0f.vit22b.v1.Mesh\x12!\n\x06limits\x18\x0e \x01(\x0b\x32\x11.vit22b.v1.Limits\x12\x16\n\x0eserver_version\x18\x0f \x01(\t\x12\x12\n\npooled_dim\x18\x10 \x01(\x05\x12\x15\n\rnum_registers\x18\x11 \x01(\x05*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04*\xf6\x01\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12OUTPUT_KIND_POOLED\x10\x01\x12\x1b\n\x17OUTPUT_KIND_CLASS_TOKEN\x10\x02\x12\x1c\n\x18OUTPUT_KIND_PATCH_TOKENS\x10\x03\x12\x1f\n\x1bOUTPUT_KIND_ATTENTION_STATS\x10\x04\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x05\x12\x1f\n\x1bOUTPUT_KIND_REGISTER_TOKENS\x10\x06\x12\x1e\n\x1aOUTPUT_KIND_PRE_PROJECTION\x10\x07\x32\xd8\x01\n\x0e\x46\x65\x61tureService\x12:\n\x05\x45mbed\x12\x17.vit22b.v1.EmbedRequest\x1a\x18.vit22b.v1.EmbedResponse\x12\x44\n\x0b\x45mbedStream\x12\x17.vit22b.v1.EmbedRequest\x1a\x18.vit22b.v1.EmbedResponse(\x01\x30\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.vit22b.v1.GetModelInfoRequest\x1a\x14.vit22b.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18vit22b/v1/features.proto\x12\tvit22b.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.vit22b.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"U\n\x05Image\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\x07\x65ncoded\x18\x02 \x01(\x0cH\x00\x12#\n\x06pixels\x18\x03 \x01(\x0b\x32\x11.vit22b.v1.TensorH\x00\x42\x08\n\x06source\"\x80\x02\n\x0c\x45mbedRequest\x12 \n\x06images\x18\x01 \x03(\x0b\x32\x10.vit22b.v1.Image\x12&\n\x07outputs\x18\x02 \x03(\x0e\x32\x15.vit22b.v1.OutputKind\x12\x14\n\x0cpatch_layers\x18\x03 \x03(\x05\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.vit22b.v1.DType\x12\x14\n\x0cl2_normalize\x18\x05 \x01(\x08\x12\x19\n\x11normalize_patches\x18\x06 \x01(\x08\x12\x1b\n\x13skip_invalid_images\x18\x07 \x01(\x08\x12\x12\n\nresolution\x18\x08 \x01(\x05\x12\r\n\x05\x64\x65nse\x18\t \x01(\x08\"7\n\nImageError\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"]\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x17\n\x0fpreprocess_hash\x18\x03 \x01(\t\x12\x15\n\rcompute_dtype\x18\x04 \x01(\t\"X\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xee\x04\n\rEmbedResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.vit22b.v1.ModelRef\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\x0f\n\x07indices\x18\x03 \x03(\x05\x12!\n\x06pooled\x18\x04 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12&\n\x0b\x63lass_token\x18\x05 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12?\n\x0cpatch_tokens\x18\x06 \x03(\x0b\x32).vit22b.v1.EmbedResponse.PatchTokensEntry\x12,\n\x11\x61ttention_entropy\x18\x07 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12.\n\x13\x61ttention_max_logit\x18\x08 \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12!\n\x06logits\x18\t \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12%\n\x06\x65rrors\x18\n \x03(\x0b\x32\x15.vit22b.v1.ImageError\x12#\n\x07timings\x18\x0b \x01(\x0b\x32\x12.vit22b.v1.Timings\x12*\n\x0fregister_tokens\x18\x0c \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12)\n\x0epre_projection\x18\r \x01(\x0b\x32\x11.vit22b.v1.Tensor\x12\x11\n\tgrid_rows\x18\x0e \x01(\x05\x12\x11\n\tgrid_cols\x18\x0f \x01(\x05\x1a\x45\n\x10PatchTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.vit22b.v1.Tensor:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\rPreprocessing\x12\x12\n\nimage_size\x18\x01 \x01(\x05\x12\x0e\n\x06resize\x18\x02 \x01(\x05\x12\x15\n\rinterpolation\x18\x03 \x01(\t\x12\x0c\n\x04mean\x18\x04 \x03(\x02\x12\x0b\n\x03std\x18\x05 \x03(\x02\x12\x0c\n\x04hash\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\"\x91\x01\n\x04Mesh\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\'\n\x04\x61xes\x18\x02 \x03(\x0b\x32\x19.vit22b.v1.Mesh.AxesEntry\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x1a+\n\tAxesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x85\x02\n\x06Limits\x12\x18\n\x10max_batch_images\x18\x01 \x01(\x05\x12\x15\n\rbatch_buckets\x18\x02 \x03(\x05\x12\x14\n\x0cmax_delay_ms\x18\x03 \x01(\x01\x12\x18\n\x10max_queue_images\x18\x04 \x01(\x05\x12\x1a\n\x12max_request_images\x18\x05 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x03\x12\x18\n\x10max_image_pixels\x18\x07 \x01(\x03\x12\x19\n\x11max_batch_patches\x18\x08 \x01(\x03\x12\x13\n\x0bresolutions\x18\t \x03(\x05\x12\x19\n\x11max_dense_patches\x18\n \x01(\x05\"\xc4\x03\n\tModelInfo\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.vit22b.v1.ModelRef\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x17\n\x0fparameter_count\x18\x04 \x01(\x03\x12\r\n\x05width\x18\x05 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x06 \x01(\x05\x12\r\n\x05heads\x18\x07 \x01(\x05\x12\x13\n\x0bnum_patches\x18\x08 \x01(\x05\x12\x13\n\x0bnum_classes\x18\t \x01(\x05\x12&\n\x07outputs\x18\n \x03(\x0e\x32\x15.vit22b.v1.OutputKind\x12 \n\x06\x64types\x18\x0b \x03(\x0e\x32\x10.vit22b.v1.DType\x12/\n\rpreprocessing\x18\x0c \x01(\x0b\x32\x18.vit22b.v1.Preprocessing\x12\x1d\n\x04mesh\x18\r \x01(\x0b\x32\x0f.vit22b.v1.Mesh\x12!\n\x06limits\x18\x0e \x01(\x0b\x32\x11.vit22b.v1.Limits\x12\x16\n\x0eserver_version\x18\x0f \x01(\t\x12\x12\n\npooled_dim\x18\x10 \x01(\x05\x12\x15\n\rnum_registers\x18\x11 \x01(\x05*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04*\xf6\x01\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12OUTPUT_KIND_POOLED\x10\x01\x12\x1b\n\x17OUTPUT_KIND_CLASS_TOKEN\x10\x02\x12\x1c\n\x18OUTPUT_KIND_PATCH_TOKENS\x10\x03\x12\x1f\n\x1bOUTPUT_KIND_ATTENTION_STATS\x10\x04\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x05\x12\x1f\n\x1bOUTPUT_KIND_REGISTER_TOKENS\x10\x06\x12\x1e\n\x1aOUTPUT_KIND_PRE_PROJECTION\x10\x07\x32\xd8\x01\n\x0e\x46\x65\x61tureService\x12:\n\x05\x45mbed\x12\x17.vit22b.v1.EmbedRequest\x1a\x18.vit22b.v1.EmbedResponse\x12\x44\n\x0b\x45mbedStream\x12\x17.vit22b.v1.EmbedRequest\x1a\x18.vit22b.v1.EmbedResponse(\x01\x30\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.vit22b.v1.GetModelInfoRequest\x1a\x14.vit22b.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,38 +35,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDRESPONSE_PATCHTOKENSENTRY']._serialized_options = b'8\001'
   _globals['_MESH_AXESENTRY']._loaded_options = None
   _globals['_MESH_AXESENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2205
-  _globals['_DTYPE']._serialized_end=2310
-  _globals['_OUTPUTKIND']._serialized_start=2313
-  _globals['_OUTPUTKIND']._serialized_end=2559
+  _globals['_DTYPE']._serialized_start=2353
+  _globals['_DTYPE']._serialized_end=2458
+  _globals['_OUTPUTKIND']._serialized_start=2461
+  _globals['_OUTPUTKIND']._serialized_end=2707
   _globals['_TENSOR']._serialized_start=39
   _globals['_TENSOR']._serialized_end=109
   _globals['_IMAGE']._serialized_start=111
   _globals['_IMAGE']._serialized_end=196
   _globals['_EMBEDREQUEST']._serialized_start=199
-  _globals['_EMBEDREQUEST']._serialized_end=420
-  _globals['_IMAGEERROR']._serialized_start=422
-  _globals['_IMAGEERROR']._serialized_end=477
-  _globals['_MODELREF']._serialized_start=479
-  _globals['_MODELREF']._serialized_end=572
-  _globals['_TIMINGS']._serialized_start=574
-  _globals['_TIMINGS']._serialized_end=662
-  _globals['_EMBEDRESPONSE']._serialized_start=665
-  _globals['_EMBEDRESPONSE']._serialized_end=1249
-  _globals['_EMBEDRESPONSE_PATCHTOKENSENTRY']._serialized_start=1180
-  _globals['_EMBEDRESPONSE_PATCHTOKENSENTRY']._serialized_end=1249
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1251
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1272
-  _globals['_PREPROCESSING']._serialized_start=1275
-  _globals['_PREPROCESSING']._serialized_end=1411
-  _globals['_MESH']._serialized_start=1414
-  _globals['_MESH']._serialized_end=1559
-  _globals['_MESH_AXESENTRY']._serialized_start=1516
-  _globals['_MESH_AXESENTRY']._serialized_end=1559
-  _globals['_LIMITS']._serialized_start=1562
-  _globals['_LIMITS']._serialized_end=1748
-  _globals['_MODELINFO']._serialized_start=1751
-  _globals['_MODELINFO']._serialized_end=2203
-  _globals['_FEATURESERVICE']._serialized_start=2562
-  _globals['_FEATURESERVICE']._serialized_end=2778
+  _globals['_EMBEDREQUEST']._serialized_end=455
+  _globals['_IMAGEERROR']._serialized_start=457
+  _globals['_IMAGEERROR']._serialized_end=512
+  _globals['_MODELREF']._serialized_start=514
+  _globals['_MODELREF']._serialized_end=607
+  _globals['_TIMINGS']._serialized_start=609
+  _globals['_TIMINGS']._serialized_end=697
+  _globals['_EMBEDRESPONSE']._serialized_start=700
+  _globals['_EMBEDRESPONSE']._serialized_end=1322
+  _globals['_EMBEDRESPONSE_PATCHTOKENSENTRY']._serialized_start=1253
+  _globals['_EMBEDRESPONSE_PATCHTOKENSENTRY']._serialized_end=1322
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1324
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1345
+  _globals['_PREPROCESSING']._serialized_start=1348
+  _globals['_PREPROCESSING']._serialized_end=1484
+  _globals['_MESH']._serialized_start=1487
+  _globals['_MESH']._serialized_end=1632
+  _globals['_MESH_AXESENTRY']._serialized_start=1589
+  _globals['_MESH_AXESENTRY']._serialized_end=1632
+  _globals['_LIMITS']._serialized_start=1635
+  _globals['_LIMITS']._serialized_end=1896
+  _globals['_MODELINFO']._serialized_start=1899
+  _globals['_MODELINFO']._serialized_end=2351
+  _globals['_FEATURESERVICE']._serialized_start=2710
+  _globals['_FEATURESERVICE']._serialized_end=2926
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class Image(_message.Message):
     def __init__(self, id: _Optional[str] = ..., encoded: _Optional[bytes] = ..., pixels: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("images", "outputs", "patch_layers", "dtype", "l2_normalize", "normalize_patches", "skip_invalid_images")
+    __slots__ = ("images", "outputs", "patch_layers", "dtype", "l2_normalize", "normalize_patches", "skip_invalid_images", "resolution", "dense")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PATCH_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class EmbedRequest(_message.Message):
     L2_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_PATCHES_FIELD_NUMBER: _ClassVar[int]
     SKIP_INVALID_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTION_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[Image]
     outputs: _containers.RepeatedScalarFieldContainer[OutputKind]
     patch_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +77,9 @@ class EmbedRequest(_message.Message):
     l2_normalize: bool
     normalize_patches: bool
     skip_invalid_images: bool
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputKind, str]]] = ..., patch_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., l2_normalize: _Optional[bool] = ..., normalize_patches: _Optional[bool] = ..., skip_invalid_images: _Optional[bool] = ...) -> None: ...
+    resolution: int
+    dense: bool
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputKind, str]]] = ..., patch_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., l2_normalize: _Optional[bool] = ..., normalize_patches: _Optional[bool] = ..., skip_invalid_images: _Optional[bool] = ..., resolution: _Optional[int] = ..., dense: _Optional[bool] = ...) -> None: ...
 
 class ImageError(_message.Message):
     __slots__ = ("index", "id", "reason")
@@ -112,7 +116,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("model", "ids", "indices", "pooled", "class_token", "patch_tokens", "attention_entropy", "attention_max_logit", "logits", "errors", "timings", "register_tokens", "pre_projection")
+    __slots__ = ("model", "ids", "indices", "pooled", "class_token", "patch_tokens", "attention_entropy", "attention_max_logit", "logits", "errors", "timings", "register_tokens", "pre_projection", "grid_rows", "grid_cols")
     class PatchTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +137,8 @@ class EmbedResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRE_PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    GRID_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRID_COLS_FIELD_NUMBER: _ClassVar[int]
     model: ModelRef
     ids: _containers.RepeatedScalarFieldContainer[str]
     indices: _containers.RepeatedScalarFieldContainer[int]
@@ -146,7 +152,9 @@ class EmbedResponse(_message.Message):
     timings: Timings
     register_tokens: Tensor
     pre_projection: Tensor
-    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., ids: _Optional[_Iterable[str]] = ..., indices: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., class_token: _Optional[_Union[Tensor, _Mapping]] = ..., patch_tokens: _Optional[_Mapping[int, Tensor]] = ..., attention_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., attention_max_logit: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ImageError, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., register_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., pre_projection: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    grid_rows: int
+    grid_cols: int
+    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., ids: _Optional[_Iterable[str]] = ..., indices: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., class_token: _Optional[_Union[Tensor, _Mapping]] = ..., patch_tokens: _Optional[_Mapping[int, Tensor]] = ..., attention_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., attention_max_logit: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ImageError, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., register_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., pre_projection: _Optional[_Union[Tensor, _Mapping]] = ..., grid_rows: _Optional[int] = ..., grid_cols: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -190,7 +198,7 @@ class Mesh(_message.Message):
     def __init__(self, spec: _Optional[str] = ..., axes: _Optional[_Mapping[str, int]] = ..., platform: _Optional[str] = ..., num_devices: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_batch_images", "batch_buckets", "max_delay_ms", "max_queue_images", "max_request_images", "max_message_bytes", "max_image_pixels")
+    __slots__ = ("max_batch_images", "batch_buckets", "max_delay_ms", "max_queue_images", "max_request_images", "max_message_bytes", "max_image_pixels", "max_batch_patches", "resolutions", "max_dense_patches")
     MAX_BATCH_IMAGES_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +206,9 @@ class Limits(_message.Message):
     MAX_REQUEST_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DENSE_PATCHES_FIELD_NUMBER: _ClassVar[int]
     max_batch_images: int
     batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     max_delay_ms: float
@@ -205,7 +216,10 @@ class Limits(_message.Message):
     max_request_images: int
     max_message_bytes: int
     max_image_pixels: int
-    def __init__(self, max_batch_images: _Optional[int] = ..., batch_buckets: _Optional[_Iterable[int]] = ..., max_delay_ms: _Optional[float] = ..., max_queue_images: _Optional[int] = ..., max_request_images: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
+    max_batch_patches: int
+    resolutions: _containers.RepeatedScalarFieldContainer[int]
+    max_dense_patches: int
+    def __init__(self, max_batch_images: _Optional[int] = ..., batch_buckets: _Optional[_Iterable[int]] = ..., max_delay_ms: _Optional[float] = ..., max_queue_images: _Optional[int] = ..., max_request_images: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_batch_patches: _Optional[int] = ..., resolutions: _Optional[_Iterable[int]] = ..., max_dense_patches: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "source", "config_json", "parameter_count", "width", "depth", "heads", "num_patches", "num_classes", "outputs", "dtypes", "preprocessing", "mesh", "limits", "server_version", "pooled_dim", "num_registers")

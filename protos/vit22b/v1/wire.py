@@ -7,6 +7,7 @@ C-order little-endian bytes + dtype + shape (features.proto); bfloat16 arrays ar
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -124,8 +125,11 @@ def from_tensor(tensor: pb.Tensor, copy: bool = True) -> np.ndarray:
     return array.copy() if copy else array
 
 
-def row_shapes(info: pb.ModelInfo, kinds: list[str], layers: list[int]) -> dict[str, tuple]:
-    """Per-image shape of every tensor a request returns, from the model's info."""
+def row_shapes(
+    info: pb.ModelInfo, kinds: list[str], layers: list[int], num_patches: int = 0
+) -> dict[str, tuple]:
+    """Per-image shape of every tensor a request returns, from the model's info
+    (``num_patches``: the request geometry's, or at most that; 0: the model's own)."""
     shapes: dict[str, tuple] = {}
     if "pooled" in kinds:
         shapes["pooled"] = (info.pooled_dim or info.width,)
@@ -140,14 +144,27 @@ def row_shapes(info: pb.ModelInfo, kinds: list[str], layers: list[int]) -> dict[
     if "logits" in kinds:
         shapes["logits"] = (info.num_classes,)
     for layer in layers:
-        shapes[f"patch_tokens[{layer}]"] = (info.num_patches, info.width)
+        shapes[f"patch_tokens[{layer}]"] = (num_patches or info.num_patches, info.width)
     return shapes
 
 
-def row_bytes(info: pb.ModelInfo, kinds: list[str], layers: list[int], dtype: str) -> int:
+def patches_at(info: pb.ModelInfo, resolution: int = 0, dense: bool = False) -> int:
+    """Patches per image at a request's geometry (dense: at most the server's bound)."""
+    if dense:
+        return info.limits.max_dense_patches or info.num_patches
+    if not resolution or resolution == info.preprocessing.image_size:
+        return info.num_patches
+    patch = json.loads(info.config_json)["patch"] if info.config_json else 1
+    return (resolution // patch) ** 2
+
+
+def row_bytes(
+    info: pb.ModelInfo, kinds: list[str], layers: list[int], dtype: str, num_patches: int = 0
+) -> int:
     """Bytes of one image's outputs in a response (tensor payload only)."""
     itemsize = _NUMPY[dtype_code(dtype)].itemsize
-    return sum(math.prod(s) for s in row_shapes(info, kinds, layers).values()) * itemsize
+    shapes = row_shapes(info, kinds, layers, num_patches)
+    return sum(math.prod(s) for s in shapes.values()) * itemsize
 
 
 # Message-size accounting, the same on both sides so the client's requests always fit the

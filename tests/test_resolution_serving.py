@@ -1,0 +1,188 @@
+"""Served geometry: a request chooses the square size or the dense mode; equal to the in-process
+forward at each allowed geometry; unallowed ones refused naming what is allowed; a mixed stream
+batched by grid within the patch budget (the server's metrics show it)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import grpc
+import numpy as np
+import pytest
+from serving import MESH, assert_same_rows, in_process, metric, metrics, random_images, raw_image
+from serving import stub as make_stub
+from vit22b.model import OutputRequest
+from vit22b.model.pixels import Geometry, Preprocessor
+from vit22b.server.app import BackgroundServer
+from vit22b.server.engine import Engine
+from vit22b.server.settings import ServeConfig
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
+
+RESOLUTIONS = (64, 96, 128)  # the tiny default model: 16-pixel patches, its own size 64
+DENSE = 24  # patches of one dense image
+BUDGET = 256  # patches per batch: 8 images at 4x4, 4 at 6x6 (36) or 8x8 (64)
+OUTPUTS = OutputRequest(pooled=True, patch_layers=(-1,))
+
+
+@functools.cache
+def engine() -> Engine:
+    return Engine.load(mesh=MESH, max_batch_images=8, max_batch_patches=BUDGET)
+
+
+def _server(**overrides) -> BackgroundServer:
+    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8,
+                         max_batch_patches=BUDGET, resolutions=RESOLUTIONS,
+                         max_dense_patches=DENSE, max_delay_ms=50.0)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return BackgroundServer(config, engine=engine())
+
+
+def _request(images, resolution=0, dense=False) -> pb.EmbedRequest:
+    return pb.EmbedRequest(
+        images=[raw_image(im, f"im{i}") for i, im in enumerate(images)],
+        outputs=[pb.OUTPUT_KIND_POOLED, pb.OUTPUT_KIND_PATCH_TOKENS],
+        patch_layers=[-1], resolution=resolution, dense=dense,
+    )
+
+
+def test_plan_budgets_batches_in_patches():
+    plan = engine().plan
+    assert [plan.max_images(g) for g in [(4, 4), (6, 6), (8, 8), (16, 16)]] == [8, 4, 4, 1]
+    assert plan.max_images((17, 16)) == 0  # one image over the budget: refused at start
+
+
+@pytest.mark.parametrize("geometry", [Geometry(64), Geometry(96), Geometry(128),
+                                      Geometry(64, dense=True)])
+def test_served_geometry_equals_the_in_process_forward(geometry):
+    images = random_images(3, seed=7, size=(72, 96))  # 3:4: dense gives 4x5 patches (20 <= 24)
+    want_pre = Preprocessor(engine().cfg, Geometry(geometry.resolution, geometry.dense,
+                                                   DENSE if geometry.dense else 0))
+    want = in_process(engine(), images, OUTPUTS, resolutions=RESOLUTIONS,
+                      max_dense_patches=DENSE, geometry=geometry)
+    with _server() as server:
+        response = make_stub(server.address).Embed(
+            _request(images, geometry.resolution, geometry.dense)
+        )
+    rows, cols = (4, 5) if geometry.dense else (geometry.resolution // 16,) * 2
+    assert (response.grid_rows, response.grid_cols) == (rows, cols)
+    tokens = wire.from_tensor(response.patch_tokens[-1])
+    assert tokens.shape == (3, rows * cols, 64)
+    assert want.patch_tokens[3].shape == tokens.shape
+    assert_same_rows(wire.from_tensor(response.pooled), want.pooled)
+    assert_same_rows(tokens.reshape(3, -1), want.patch_tokens[3].reshape(3, -1))
+    assert response.model.preprocess_hash == want_pre.hash
+    default = geometry == Geometry(64)
+    assert (want_pre.hash == engine().cfg.preprocess_hash()) == default
+
+
+def test_unallowed_geometries_are_refused_naming_what_is_allowed():
+    images = random_images(2, seed=8)
+    with _server(max_dense_patches=0) as server:
+        stub = make_stub(server.address)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert list(info.limits.resolutions) == list(RESOLUTIONS)
+        assert info.limits.max_batch_patches == BUDGET and info.limits.max_dense_patches == 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(_request(images, resolution=80))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "resolution 80 is not served; allowed: 64, 96, 128" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(_request(images, dense=True))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dense mode is off" in err.value.details()
+    with _server() as server:
+        # 4x16 patches at 64 px, over the 24 of the bound: both sides shrunk to 2x9 (18)
+        wide = random_images(1, seed=9, size=(40, 160))[0]
+        tall = random_images(1, size=(160, 40))[0]
+        with pytest.raises(grpc.RpcError) as err:
+            make_stub(server.address).Embed(_request([wide, tall], dense=True))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "different patch grids (image 0: 2x9, image 1: 9x2)" in err.value.details()
+
+
+def test_a_mixed_stream_is_batched_by_grid_within_the_patch_budget():
+    sizes = [64, 128, 96, 64, 128, 96, 128, 128]
+    images = random_images(len(sizes) * 2, seed=10)
+    with _server() as server:
+        requests = [_request(images[2 * i : 2 * i + 2], size) for i, size in enumerate(sizes)]
+        responses = list(make_stub(server.address).EmbedStream(iter(requests)))
+        samples = metrics(server)
+    assert [r.grid_rows for r in responses] == [s // 16 for s in sizes]
+    for r, size, i in zip(responses, sizes, range(len(sizes))):
+        want = in_process(engine(), images[2 * i : 2 * i + 2], resolutions=RESOLUTIONS,
+                          geometry=Geometry(size))
+        assert_same_rows(wire.from_tensor(r.pooled), want.pooled)
+    batches = {g: metric(samples, "vit22b_batches_total", grid=g) for g in ("4x4", "6x6", "8x8")}
+    assert all(batches.values()), batches
+    # 8 images at 8x8 (64 patches each) cannot share one batch of 256 patches: 2 batches at least
+    assert batches["8x8"] >= 2
+    assert metric(samples, "vit22b_images_total", outcome="computed") == len(images)
+
+
+def test_the_sdk_chooses_the_geometry():
+    from vit22b.clients import FeatureClient
+
+    images = random_images(3, seed=11, size=(72, 96))
+    wide = random_images(1, seed=12, size=(40, 100))[0]
+    with _server() as server, FeatureClient(server.address) as client:
+        got = client.embed(images, outputs=["pooled", "patch_tokens"], resolution=96)
+        dense = list(client.iter_embed([images[0], wide], outputs=["patch_tokens"], dense=True))
+        with pytest.raises(ValueError, match="different patch grids"):
+            client.embed([images[0], wide], outputs=["patch_tokens"], dense=True)
+    want = in_process(engine(), images, OUTPUTS, resolutions=RESOLUTIONS, geometry=Geometry(96))
+    assert got.grid == (6, 6) and got.patch_tokens[-1].shape == (3, 36, 64)
+    assert_same_rows(got.pooled, want.pooled)
+    # 40x100 at 64: 4x10 patches, over the bound of 24: both sides x sqrt(24/40) -> 3x7
+    assert [d.grid for d in dense] == [(4, 5), (3, 7)]
+
+
+def test_a_job_records_its_geometry_and_refuses_to_mix(tmp_path):
+    from test_embed import write_images
+    from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+    from vit22b.clients.embed_remote import RemoteBackend
+    from vit22b.clients.outputs import open_outputs
+
+    write_images(tmp_path / "data", 5)
+    spec = OutputSpec(pooled=True, patch_layers=(-1,), resolution=96)
+    out = str(tmp_path / "out")
+    with _server() as server:
+        backend = RemoteBackend([server.address], spec, quiet=True)
+        try:
+            summary = run_job(JobConfig([str(tmp_path / "data")], out, spec, quiet=True), backend)
+        finally:
+            backend.close()
+        assert summary.complete and summary.embedded == 5
+        stored = open_outputs(out)
+        assert np.asarray(stored["patch_tokens.3"]).shape == (5, 36, 64)
+        identity = json.loads((tmp_path / "out" / "manifest.json").read_text())["identity"]
+        assert identity["resolution"] == 96 and identity["num_patches"] == 36
+        want = Preprocessor(engine().cfg, Geometry(96)).hash
+        assert identity["preprocess_hash"] == want
+        other = OutputSpec(pooled=True, patch_layers=(-1,), resolution=128)
+        backend = RemoteBackend([server.address], other, quiet=True)
+        try:
+            with pytest.raises(ValueError, match="refusing to mix"):
+                run_job(JobConfig([str(tmp_path / "data")], out, other, quiet=True), backend)
+        finally:
+            backend.close()
+
+
+def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
+    from vit22b.model.outputs import POOLED
+    from vit22b.server.app import build_engine, check_geometries
+
+    config = ServeConfig(mesh=MESH, max_batch_images=2, resolutions=(64, 96),
+                         warm_resolutions=(96,), compile_cache="off")
+    warm = build_engine(config)
+    pooled = warm.resolve(POOLED)
+    assert all(warm.is_compiled(b, pooled, (6, 6)) for b in warm.plan.buckets_for((6, 6)))
+    assert not warm.is_compiled(warm.buckets[-1], pooled, (8, 8)) and warm.compilations == 0
+    with pytest.raises(ValueError, match="72 is not a multiple of the patch"):
+        check_geometries(ServeConfig(resolutions=(64, 72)), engine())
+    with pytest.raises(ValueError, match="512 .1024 patches. does not fit --max-batch-patches 256"):
+        check_geometries(ServeConfig(resolutions=(512,)), engine())
+    with pytest.raises(ValueError, match="not among --resolutions"):
+        ServeConfig(resolutions=(64,), warm_resolutions=(96,)).check()
