@@ -172,7 +172,8 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     group.add_argument("--std", **channels, help="per-channel std (positive)")
     group.add_argument("--resize", type=int, help="the shorter side is resized to this")
     group.add_argument(
-        "--crop", type=int, help="centre crop: the model's input size (its position embedding)"
+        "--crop", type=int, help="centre crop: the served input size (a learned position table "
+        "of another size is resampled as its source does)"
     )
     group.add_argument("--interpolation", choices=INTERPOLATIONS, help="resampling of the resize")
     return _guarded(_convert)

@@ -145,15 +145,18 @@ def convert(
     cfg = cfg.replace(param_dtype=hints.dtype or t.float_dtype())
     if hints.preset is not None:
         cfg = _with_preset(cfg, hints.preset, notes)
-    params = importer.build_params(t, cfg)
-    t.finish()
     said = importer.preprocessing(side, cfg.image_size)
     if hints.preset is not None and not said.from_files:  # the files say nothing: the preset's
         preset = hints.preset
         said = SourcePreprocess.of_preset(preset.name, preset.preprocess, cfg.image_size)
-    served, origin, more = resolve(said, preprocess or PreprocessFlags(), cfg.image_size)
+    served, size, origin, more = resolve(said, preprocess or PreprocessFlags(), cfg)
+    if size != cfg.image_size:  # served at the crop, its table resampled (DINOv2: 518 -> 224)
+        fields = {"posemb_grid": cfg.grid} if cfg.posemb == "learn" else {}
+        cfg = cfg.replace(image_size=size, **fields)
     cfg = cfg.replace(preprocess=served)
     notes += [*more, f"preprocessing from {origin}"]
+    params = importer.build_params(t, cfg)
+    t.finish()
     dtype = ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else np.float32
     params = unflatten({k: np.asarray(v, dtype) for k, v in flatten(params).items()})
     problems = shape_problems(expected_shapes(cfg), shapes_of(params), cfg.name, "the import")

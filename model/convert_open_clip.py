@@ -162,8 +162,9 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         if len(set(size)) != 1:
             raise ConvertError(f"open_clip {where}: size {size} is not square")
         size = size[0]
+    mode = cfg.get("resize_mode", "shortest")
     kinds = {"shortest": "shortest", "squash": "squash", "longest": "longest"}
-    geometry = unservable("resize_mode", cfg.get("resize_mode", "shortest"), size, kinds)
+    geometry = None if mode == "squash" else unservable("resize_mode", mode, size, kinds)
     return SourcePreprocess(
         where,
         bool(cfg),
@@ -173,6 +174,7 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         mean=tuple(cfg.get("mean", OPENAI_MEAN)),
         std=tuple(cfg.get("std", OPENAI_STD)),
         geometry=geometry,
+        squash=mode == "squash",
     )
 
 

@@ -3,10 +3,11 @@ defaults, or a named preset's, where they say nothing), then ``vit22b convert``'
 (``--mean``, ``--std``, ``--resize``, ``--crop``, ``--interpolation``) over any of it.
 
 Each value is checked where it is served, naming where it came from: three finite means and
-three positive stds, a known interpolation, a crop that is the model's input size (its position
-embedding) and no larger than the resize. A source geometry the contract cannot serve (a resize
-to a fixed square, ignoring the aspect ratio) is refused unless ``--resize`` chooses the
-contract's shorter-side resize and centre crop instead.
+three positive stds, a known interpolation, a crop (the model's input size) of whole patches, no
+larger than the resize, and other than the position table's only where the table is resampled.
+A square resize without a crop (the ViT, SigLIP and DINOv3 processors) is served as such
+(``Preprocess.crop`` False) unless ``--resize`` chooses the shorter-side resize and centre crop;
+a geometry the contract cannot serve is refused unless ``--resize`` does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import INTERPOLATIONS, Preprocess
+from .config import INTERPOLATIONS, Preprocess, ViTConfig
 from .convert_common import ConvertError
 
 FIELDS = ("resize", "crop", "interpolation", "mean", "std")
@@ -34,10 +35,14 @@ class SourcePreprocess:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     geometry: str | None = None  # a resize the contract cannot serve, in the source's words
+    squash: bool = False  # both sides resized to ``crop``, no crop
 
     @classmethod
     def of_preset(cls, name: str, p: Preprocess, image_size: int) -> SourcePreprocess:
-        return cls(f"preset {name}", False, p.resize, image_size, p.interpolation, p.mean, p.std)
+        where = f"preset {name}"
+        return cls(
+            where, False, p.resize, image_size, p.interpolation, p.mean, p.std, None, not p.crop
+        )
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,9 @@ def _check(name: str, value, origin: str) -> None:
 
 
 def resolve(
-    said: SourcePreprocess, flags: PreprocessFlags, image_size: int
-) -> tuple[Preprocess, str, list[str]]:
-    """The served contract, where it came from (for the summary), and notes."""
+    said: SourcePreprocess, flags: PreprocessFlags, cfg: ViTConfig
+) -> tuple[Preprocess, int, str, list[str]]:
+    """The served contract, its input size, where it came from (for the summary), and notes."""
     values = {
         name: getattr(flags, name) if getattr(flags, name) is not None else getattr(said, name)
         for name in FIELDS
@@ -114,22 +119,21 @@ def resolve(
         return f"--{name}" if getattr(flags, name) is not None else said.where
 
     notes = []
-    if said.geometry:
+    squash = said.squash and flags.resize is None
+    if said.geometry or said.squash and not squash:
+        what = said.geometry or f"resizes every image to {said.crop}x{said.crop}"
         if flags.resize is None:
             raise ConvertError(
-                f"{said.where}: {said.geometry}, which the pixel contract (the shorter side "
-                f"resized, then a centre crop) cannot serve; pass --resize N (N >= {image_size}) "
-                "to serve that instead"
+                f"{said.where}: {what}, which the pixel contract cannot serve; pass --resize N "
+                "to serve the shorter side resized to N and a centre crop instead"
             )
-        notes.append(f"{said.where}: {said.geometry}; served: --resize {flags.resize}, centre crop")
+        notes.append(f"{said.where}: {what}; served: --resize {flags.resize}, centre crop")
     for name in FIELDS:
         _check(name, values[name], origin(name))
     crop, resize = values["crop"], values["resize"]
-    if crop != image_size:
-        raise ConvertError(
-            f"crop {crop}x{crop} ({origin('crop')}), but the position embedding is for "
-            f"{image_size}x{image_size} images: the crop is the model's input"
-        )
+    if squash:  # both sides to the input size
+        resize = crop
+    _check_input(crop, origin("crop"), cfg)
     if resize < crop:
         raise ConvertError(
             f"resize {resize} ({origin('resize')}) is smaller than the crop {crop} "
@@ -140,6 +144,7 @@ def resolve(
         interpolation=values["interpolation"],
         mean=tuple(float(v) for v in values["mean"]),
         std=tuple(float(v) for v in values["std"]),
+        crop=not squash,
     )
     given = flags.given()
     if not given:
@@ -148,4 +153,19 @@ def resolve(
         where = "flags"
     else:
         where = f"flags ({', '.join(given)}) over {said.where}"
-    return served, where, notes
+    return served, crop, where, notes
+
+
+def _check_input(size: int, origin: str, cfg: ViTConfig) -> None:
+    """The served input (``size`` square) must be whole patches, and other than the learned
+    table's only where the table is resampled."""
+    if size % cfg.patch:
+        raise ConvertError(
+            f"{origin} gives {size}x{size} inputs, not a whole number of {cfg.patch}x{cfg.patch} "
+            "patches"
+        )
+    if size != cfg.image_size and cfg.posemb == "learn" and cfg.posemb_resample == "none":
+        raise ConvertError(
+            f"{origin} gives {size}x{size} inputs, but the position table is for "
+            f"{cfg.image_size}x{cfg.image_size} and this model does not resample it"
+        )

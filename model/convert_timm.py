@@ -190,8 +190,10 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
             "contract cannot serve"
         )
     resize = math.floor(height / float(cfg.get("crop_pct") or 0.875))
+    mode = cfg.get("crop_mode") or "center"
+    squash = mode == "squash" and resize == height  # crop_pct 1: both sides to the input size
     kinds = {"center": "shortest", "squash": "squash", "border": "longest"}
-    geometry = unservable("crop_mode", cfg.get("crop_mode") or "center", resize, kinds)
+    geometry = None if squash else unservable("crop_mode", mode, resize, kinds)
     return SourcePreprocess(
         where,
         True,
@@ -201,6 +203,7 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         mean=tuple(cfg.get("mean") or IMAGENET_MEAN),
         std=tuple(cfg.get("std") or IMAGENET_STD),
         geometry=geometry,
+        squash=squash,
     )
 
 

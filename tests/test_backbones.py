@@ -251,14 +251,15 @@ TIMM_CASES = {
 }
 
 
-def timm_converted(name: str, folder, seed: int, **kw):
-    """A perturbed timm model saved as timm does (safetensors + config.json), and converted."""
+def timm_converted(name: str, folder, seed: int, preprocess=None, **kw):
+    """A perturbed timm model saved as timm does (safetensors + config.json), and converted
+    (``preprocess``: PreprocessFlags over what its pretrained_cfg says)."""
     model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **kw).eval()
     perturb(model, seed=seed)
     folder.mkdir()
     save_file(model.state_dict(), str(folder / "model.safetensors"))
     save_config_for_hf(model, str(folder / "config.json"))
-    return model, convert("timm", folder)
+    return model, convert("timm", folder, preprocess=preprocess)
 
 
 def timm_outputs(model, pixels) -> dict:

@@ -52,7 +52,7 @@ def test_the_processor_file_decides_and_its_absence_gives_the_sources_defaults(t
 
     bare = convert("hf", _clip_folder(tmp_path / "b"))
     assert bare.preprocess_from == "hf defaults (no preprocessor_config.json)"
-    assert bare.config.preprocess == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3)
+    assert bare.config.preprocess == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3, crop=False)
     supplied = convert("hf", tmp_path / "b", preprocess=PreprocessFlags(mean=(0.1, 0.2, 0.3)))
     assert (
         supplied.preprocess_from == "flags (--mean) over hf defaults (no preprocessor_config.json)"
@@ -91,7 +91,11 @@ def test_flags_override_the_files_and_are_recorded_in_the_checkpoint(tmp_path, c
         (dict(mean=(0.1, 0.2)), "mean (0.1, 0.2) (--mean): needs 3 finite numbers"),
         (dict(resize=0), "resize 0 (--resize): needs a positive whole number"),
         (dict(interpolation="lanczos"), "interpolation 'lanczos' (--interpolation) is not one"),
-        (dict(crop=20), "crop 20x20 (--crop), but the position embedding is for 16x16 images"),
+        (dict(crop=18), "--crop gives 18x18 inputs, not a whole number of 4x4 patches"),
+        (
+            dict(crop=20),
+            "resize 18 (preprocessor_config.json) is smaller than the crop 20 (--crop)",
+        ),
         (dict(resize=12), "resize 12 (--resize) is smaller than the crop 16 (preprocessor_config"),
         (dict(resize=15, crop=16), "resize 15 (--resize) is smaller than the crop 16 (--crop)"),
     ],
@@ -124,8 +128,8 @@ def test_a_bad_flag_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys)
     [
         (dict(resample=1), "interpolation 'lanczos' (preprocessor_config.json)", "--interpolation"),
         (
-            dict(crop_size={"height": 20, "width": 20}, size={"shortest_edge": 20}),
-            "crop 20x20 (preprocessor_config.json), but the position embedding is for 16x16",
+            dict(crop_size={"height": 18, "width": 18}),
+            "preprocessor_config.json gives 18x18 inputs, not a whole number of 4x4 patches",
             "--crop",
         ),
         (
@@ -150,23 +154,18 @@ def test_what_a_file_says_and_cannot_be_served_is_refused_unless_a_flag_replaces
     assert converted.preprocess_from == f"flags ({rescue}) over preprocessor_config.json"
 
 
-def test_a_square_resize_is_refused_unless_resize_chooses_the_contracts_geometry(tmp_path):
-    """ViTImageProcessor / SigLIP resize every image to HxW, ignoring the aspect ratio; the
-    contract resizes the shorter side and centre-crops, the same only for square images."""
+def test_a_square_resize_is_served_squashed_unless_resize_chooses_a_centre_crop(tmp_path):
+    """ViTImageProcessor / SigLIP resize every image to HxW, ignoring the aspect ratio: served so
+    (Preprocess.crop False); --resize serves the shorter side resized and a centre crop."""
     import transformers
 
     processor = transformers.ViTImageProcessor(size={"height": 16, "width": 16})
     folder = _clip_folder(tmp_path / "m", processor)
-    with pytest.raises(ConvertError) as err:
-        convert("hf", folder)
-    assert str(err.value) == (
-        "preprocessor_config.json: resizes every image to 16x16 (size: the aspect ratio is not "
-        "kept), which the pixel contract (the shorter side resized, then a centre crop) cannot "
-        "serve; pass --resize N (N >= 16) to serve that instead"
-    )
-    converted = convert("hf", folder, preprocess=PreprocessFlags(resize=16))
-    assert converted.config.preprocess == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3)
-    assert any("served: --resize 16, centre crop" in note for note in converted.notes)
+    squashed = convert("hf", folder).config.preprocess
+    assert squashed == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3, crop=False)
+    converted = convert("hf", folder, preprocess=PreprocessFlags(resize=18))
+    assert converted.config.preprocess == Preprocess(18, "bilinear", (0.5,) * 3, (0.5,) * 3)
+    assert any("served: --resize 18, centre crop" in note for note in converted.notes)
 
 
 def _timm_folder(path, name="vit_base_patch16_224", **kw):
@@ -186,7 +185,7 @@ def _edit_json(file, edit) -> None:
     file.write_text(json.dumps(data))
 
 
-def test_timm_squash_and_open_clip_squash_are_refused_without_resize(tmp_path):
+def test_timm_squash_before_a_crop_is_refused_and_open_clip_squash_served(tmp_path):
     folder = _timm_folder(tmp_path / "t", num_classes=0)
     _edit_json(folder / "config.json", lambda c: c["pretrained_cfg"].update(crop_mode="squash"))
     with pytest.raises(ConvertError, match="crop_mode 'squash' resizes every image to 17x17"):
@@ -202,12 +201,8 @@ def test_timm_squash_and_open_clip_squash_are_refused_without_resize(tmp_path):
     )
     config = {"model_cfg": OPEN_CLIP_CFG, "preprocess_cfg": {"resize_mode": "squash"}}
     (oc / "open_clip_config.json").write_text(json.dumps(config))
-    with pytest.raises(ConvertError, match="resize_mode 'squash' resizes every image to 16x16"):
-        convert("open_clip", oc)
-    assert (
-        convert("open_clip", oc, preprocess=PreprocessFlags(resize=16)).config.preprocess.resize
-        == 16
-    )
+    assert not convert("open_clip", oc).config.preprocess.crop  # squash: both sides resized
+    assert convert("open_clip", oc, preprocess=PreprocessFlags(resize=16)).config.preprocess.crop
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ timm's transforms and open_clip's are torchvision's, which does not load beside 
 ``PreprocessCfg`` resolve with the served contract, and run the transforms only where a real
 torchvision loads.
 
-Where the contract cannot express the source's geometry yet, the case is marked
+Where the contract cannot express the source's geometry, the case is marked
 ``xfail(strict=True)`` with the reason, so that it fails loudly once the contract can.
 """
 
@@ -42,10 +42,6 @@ IMAGES = {
     "1280x720.jpg": (1280, 720),
     "500x333.png": (500, 333),
 }
-SQUARE = (
-    "the processor resizes every image to 224x224 (the aspect ratio is not kept); the pixel "
-    "contract has no square-resize mode yet, so the conversion is refused without --resize"
-)
 CROP_OFFSET = (
     "transformers' centre crop floors the offset ((455 - 224) // 2 = 115 columns) where "
     "torchvision, timm and open_clip round it (116), as the contract does: one column apart "
@@ -91,8 +87,6 @@ TORCHVISION_ONLY = ("dinov3",)  # transformers has no PIL backend for its proces
 
 
 def _marks(case: str, image: str) -> list:
-    if case in ("siglip", "vit", "dinov3"):
-        return [pytest.mark.xfail(strict=True, reason=SQUARE, raises=ConvertError)]
     if case == "dinov2" and image == "1280x720.jpg":
         return [pytest.mark.xfail(strict=True, reason=CROP_OFFSET, raises=AssertionError)]
     return []
@@ -187,12 +181,11 @@ def test_hf_image_processor_on_image_files(case, image, hf_folder, image_files):
     assert diff <= TOL_PIXELS, f"{case} on {image}: served pixels differ by up to {diff:.3g}"
 
 
-@pytest.mark.xfail(strict=True, reason=SQUARE, raises=ConvertError)
 def test_dinov3_processor_values(hf_folder):
     """DINOv3's processor (torchvision only) by its preprocessor_config.json: the served
-    contract must be its square 224 resize, bilinear, ImageNet mean/std."""
+    contract must be its square 224 resize (no crop), bilinear, ImageNet mean/std."""
     served = convert("hf", hf_folder("dinov3")).config.preprocess
-    assert (served.resize, served.interpolation) == (224, "bilinear")
+    assert (served.resize, served.interpolation, served.crop) == (224, "bilinear", False)
     assert list(served.mean) == IMAGENET["image_mean"] and list(served.std) == IMAGENET["image_std"]
 
 

@@ -19,6 +19,7 @@ from test_backbones import HF_CASES, TIMM_CASES, _hf, timm_converted, timm_outpu
 from vit22b.model import OutputRequest, apply, get_config, init_params
 from vit22b.model.config import ConfigError
 from vit22b.model.convert import convert
+from vit22b.model.convert_preprocess import PreprocessFlags
 from vit22b.model.posemb import resample_table, rope_tables, sincos2d
 
 SIZES = [(24, 24), (12, 12), (16, 28)]  # 6x6 (up), 3x3 (down), 4x7 (non-square) patches
@@ -85,8 +86,11 @@ def test_hf_parity_at_other_grids(case, tmp_path):
 @pytest.mark.parametrize("case", ["dinov2", "dinov2-reg4"])
 def test_timm_dynamic_img_size_parity(case, tmp_path):
     name, _ = TIMM_CASES[case]
+    # its pretrained_cfg keeps the 518 px of the default tag (not whole 4 px patches): the
+    # model's own 16 px, by flags
     model, converted = timm_converted(name, tmp_path / case, 71 + len(case), num_classes=0,
-                                      dynamic_img_size=True)
+                                      dynamic_img_size=True,
+                                      preprocess=PreprocessFlags(resize=16, crop=16))
     assert converted.config.posemb_resample == "bicubic_antialias"
     for size in SIZES:
         pixels = _pixels(size, seed=size[0])
