@@ -289,7 +289,8 @@ class Infer:
             if image.error:
                 raise InvalidImage(image.error)
             if isinstance(image.data, (bytes, bytearray, memoryview)):
-                pixels = decode(bytes(image.data), self.limits.max_image_pixels)
+                pixels = decode(bytes(image.data), self.limits.max_image_pixels,
+                                self.preprocess.min_side)
             elif isinstance(image.data, np.ndarray):
                 pixels = check_pixels(image.data, self.limits.max_image_pixels)
             else:
