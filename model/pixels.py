@@ -26,10 +26,11 @@ Untrusted bytes (``decode``):
   decoded at 1/2, 1/4 or 1/8 of its size by libjpeg's DCT scaling (Pillow's ``draft``): the
   largest scale that divides both sides (no partial pixel) and keeps both at least
   ``DRAFT_MARGIN`` times ``min_side`` (``draft_scale``), so the resize that follows always
-  reduces by at least that factor and never upsamples. A 12 MP
-  photo for a 224 input decodes at 1/4 (1000x750), about 5x faster; the model input differs from
-  full decoding's by about 1 level of 255 on average (benchmarks/decode.py; tests/test_pixels.py
-  holds it within ``DRAFT_TOLERANCE``). Other formats decode in full.
+  reduces by at least that factor and never upsamples. A 4000x3000
+  photo for ViT-B/16 (resize 248) decodes at 1/4 (1000x750). On photo-like JPEGs the resized
+  crop stays within 1 level of 255 of full decoding's on average and 10 levels at the 99.9th
+  percentile (tests/test_pixels.py; speed and differences: benchmarks/decode.py). Other formats,
+  and JPEGs whose sides no scale divides, decode in full.
 - Every decoder failure (truncated files, corrupt data) becomes an ``InvalidImage`` with the
   decoder's reason; a known format that cannot be used (zero width or height, an unsupported
   variant) says so.
