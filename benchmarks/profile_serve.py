@@ -112,8 +112,8 @@ def thread_group(name: str) -> str:
         return "gRPC core threads"
     if name.startswith(("Thread-", "ThreadPoolExec")):
         return "Python threads (client calls, pools)"
-    if name == "python":  # native threads that never named themselves: XLA's runtime here
-        return "unnamed native threads (XLA runtime)"
+    if name == "python":  # native threads that never named themselves
+        return "unnamed native threads (XLA's runtime in the server, gRPC's in the client)"
     return f"native: {name.rstrip('0123456789-_')}" if name else "other"
 
 
