@@ -377,7 +377,7 @@ def summary_section(results: dict) -> str:
     f = results.get("forward")
     if f:
         for row in f["rows"]:
-            if row["batch"] in (8, 32):
+            if row["batch"] in (8, 32) and row["ratio"] is not None:  # None: every peer skipped
                 label = f"{f['model']} {row['dtype']} batch {row['batch']}"
                 rows.append([f"engine / best runtime ({row['peer']}), {label}",
                              met(row["ratio"], TARGETS["forward ratio"])])
