@@ -36,6 +36,8 @@ protos: $(STAMP)
 		--grpc_python_out=protos protos/vit22b/v1/features.proto
 
 bench: $(STAMP)
+	# the runtimes the forward benchmark compares with, and the serving profiler
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:

@@ -52,16 +52,77 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str]:
     """The matmul-relevant ISA extensions of this CPU (AVX-512 BF16, AMX, VNNI)."""
+    wanted = ("amx", "avx512_bf16", "avx512f", "avx_vnni")
+    return sorted(f for f in _all_flags() if f.startswith(wanted))
+
+
+def cpu_clock_ghz() -> float:
+    """The clock /proc/cpuinfo reports (the highest over cores), in GHz; 0.0 if it says none.
+
+    Under a hypervisor this is the nominal (TSC) clock: cores may boost above it."""
+    mhz = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":", 1)[1]) for line in f if line.startswith("cpu MHz")]
+    except (OSError, ValueError):
+        pass
+    return round(max(mhz) / 1e3, 3) if mhz else 0.0
+
+
+def cpu_family() -> tuple[str, int]:
+    """(vendor id, CPU family) from /proc/cpuinfo."""
+    vendor, family = "", 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key.strip() == "cpu family" and not family:
+                    family = int(value)
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
+def theoretical_peak(cores: int | None = None, clock_ghz: float | None = None) -> dict:
+    """The CPU's theoretical GEMM peak: cores x FLOP/cycle x clock, with the assumptions stated.
+
+    FLOP per cycle and core = FMA units x f32 lanes x 2 (an FMA is two FLOPs). Assumed: 2 FMA
+    units per core (every AVX-512 server core of Intel since Skylake-SP and AMD's Zen 4 / 5);
+    lanes from the ISA flags: 16 with avx512f, 8 with AVX2 + FMA; AMD family 25 (Zen 4) runs
+    512-bit operations on 256-bit units (8 lanes per unit); bf16 with avx512_bf16 twice the f32
+    rate (VDPBF16PS: pairs of products per f32 lane). AMX is not modelled.
+    """
+    flags = _all_flags()
+    vendor, family = cpu_family()
+    cores = cores or os.cpu_count() or 1
+    clock = cpu_clock_ghz() if clock_ghz is None else clock_ghz
+    lanes = 16 if "avx512f" in flags else 8 if "fma" in flags else 4
+    if lanes == 16 and vendor == "AuthenticAMD" and family == 25:
+        lanes = 8  # Zen 4: 512-bit instructions double-pumped on 256-bit units
+    units = 2
+    f32 = cores * units * lanes * 2 * clock
+    bf16 = f32 * (2 if "avx512_bf16" in flags else 1)
+    return {
+        "cores": cores, "clock_ghz": clock, "fma_units": units, "f32_lanes": lanes,
+        "vendor": vendor, "family": family,
+        "peak_float32": round(f32, 1), "peak_bfloat16": round(bf16, 1),
+        "assumption": f"{cores} cores x {units} FMA units x {lanes} f32 lanes x 2 FLOP x "
+        f"{clock} GHz (clock as /proc/cpuinfo reports it); bf16 "
+        f"{'2x f32 (avx512_bf16 pairs)' if bf16 > f32 else 'as f32 (no avx512_bf16)'}",
+    }
+
+
+def _all_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    wanted = ("amx", "avx512_bf16", "avx512f", "avx_vnni")
-                    return sorted(f for f in flags if f.startswith(wanted))
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return []
+    return set()
 
 
 def versions() -> dict[str, str]:

@@ -1,26 +1,28 @@
-"""Engine forward against the PyTorch peer (Hugging Face ViTModel), same weights, same run.
+"""Engine forward against the CPU runtimes a user would pick for the same model, same run.
 
 The peer is a transformers ``ViTModel`` (ViT-B/16 at 224 by default, seeded init); its weights
-go through this project's importer (``model.convert``), so both sides compute the same numbers
+go through this project's importer (``model.convert``), so every side computes the same numbers
 (checked: the pooled features must agree). The engine side is ``Engine.forward`` itself (pad to
 the bucket, put on the mesh, the compiled forward, back to the host) with the execution plan it
 chooses on its own (``mesh="auto"``, pre-cast kernels, chunks), unless overridden below.
 
-- float32: engine with f32 compute against torch f32 eager;
-- bfloat16: the engine's bf16 policy (bf16 matmul inputs, f32 accumulation and activations)
-  against the faster of two torch configurations per batch size: weights (and inputs) in bf16,
-  or f32 weights under ``torch.autocast(bfloat16)``.
-Each repeat runs every side once, in turn (engine, then the peers), after warm-up; medians are
-compared. MFU is achieved FLOP/s (``model.info.flops_per_image``) over the best GEMM GFLOP/s
-measured in this run (JAX or torch, same dtype; ``benchlib.CPU_GEMMS``: cubes and ViT-B/16's
-MLP GEMMs).
+The peers (``runtimes.py``; each optional, skipped with a note when not installed):
+torch eager, torch.compile (Inductor, freezing), ONNX Runtime (the peer's graph exported once),
+OpenVINO; f32 and bf16 (the engine's bf16 policy: bf16 matmul inputs, f32 accumulation and
+activations; torch as bf16 weights and under ``torch.autocast``; OpenVINO's bf16 inference
+precision). Each repeat runs every side once, in turn (engine, then the peers), after warm-up;
+medians are compared, and the ratio is the engine's over the BEST peer of that dtype and batch.
+MFU is achieved FLOP/s (``model.info.flops_per_image``) over (a) the best GEMM GFLOP/s measured
+in this run (JAX or torch, same dtype; ``benchlib.CPU_GEMMS``) and (b) the CPU's theoretical
+peak (``benchlib.theoretical_peak``: cores x FMA units x lanes x 2 x clock, assumptions stated).
 
     python benchmarks/forward.py                                   # batches 1 8 32, f32 and bf16
     python benchmarks/forward.py --dtypes bfloat16 --batches 32 --chunk-images 0   # a lever off
-    python benchmarks/forward.py --dtypes float32 --devices 1                      # another
+    python benchmarks/forward.py --peers "torch eager" onnxruntime                  # some peers
+    python benchmarks/forward.py --model vit-ti/16 --batches 2 --repeats 1          # plumbing
 
-The last line of stdout is one JSON object; ``ratio_<dtype>_b<batch>`` (engine / peer images/s)
-are the figures.
+The last line of stdout is one JSON object; ``ratio_<dtype>_b<batch>`` (engine / best peer
+images/s) are the figures.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from benchlib import alternate, emit, log, machine, matmul_peaks, median
+from benchlib import alternate, emit, log, machine, matmul_peaks, median, theoretical_peak
+from runtimes import runners
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from peers import rel_err  # noqa: E402  (the parity tests' measure of agreement)
@@ -40,6 +44,8 @@ PEER_SIZES = {  # transformers.ViTConfig fields of the presets benchmarked here
                      intermediate_size=3072, patch_size=16, image_size=224),
     "vit-s/16": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
                      intermediate_size=1536, patch_size=16, image_size=224),
+    "vit-ti/16": dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3,
+                      intermediate_size=768, patch_size=16, image_size=224),
 }
 
 
@@ -62,46 +68,36 @@ def imported(peer, model: str):
     return converted.config.replace(name=model), converted.params, converted.source
 
 
-def peer_runners(peer, dtype: str) -> dict:
-    """name -> fn(NCHW float32 tensor) -> pooled numpy; the torch configurations compared."""
-    import copy
-
-    import torch
-
-    def run(model, cast=None, autocast=False):
-        def fn(x):
-            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                out = model(pixel_values=x if cast is None else x.to(cast)).last_hidden_state
-            return out[:, 0].float().numpy()
-
-        return fn
-
-    if dtype == "float32":
-        return {"torch f32": run(peer)}
-    bf16 = copy.deepcopy(peer).to(torch.bfloat16)
-    return {
-        "torch bf16 weights": run(bf16, torch.bfloat16),
-        "torch autocast": run(peer, None, True),
-    }
-
-
 def compare(engine, peers: dict, batch: int, repeats: int, rng) -> dict:
-    """One batch size: warm-up, agreement of the pooled features, alternating timed runs."""
+    """One batch size: warm-up (a peer failing there is dropped, with its reason), agreement of
+    the pooled features, alternating timed runs."""
     import numpy as np
-    import torch
     from vit22b.model.outputs import POOLED
 
     cfg, outputs = engine.cfg, engine.resolve(POOLED)
     x = rng.standard_normal((batch, cfg.image_size, cfg.image_size, 3), np.float32)
-    x_torch = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     sides = {"engine": lambda: engine.forward(x, outputs)["pooled"]}
-    sides.update({name: (lambda fn=fn: fn(x_torch)) for name, fn in peers.items()})
-    results = {name: fn() for name, fn in sides.items()}  # warm-up (and compile)
-    for fn in sides.values():
-        fn()
+    sides.update({name: (lambda fn=fn: fn(x_nchw)) for name, fn in peers.items()})
+    results, failed, warm_s = {}, {}, {}
+    for name, fn in sides.items():  # warm-up (and compile), twice
+        start = time.perf_counter()
+        try:
+            results[name] = fn()
+            fn()
+        except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported
+            if name == "engine":
+                raise
+            failed[name] = f"failed at batch {batch}: {type(err).__name__}: {str(err)[:200]}"
+        warm_s[name] = round(time.perf_counter() - start, 1)
+    sides = {name: fn for name, fn in sides.items() if name not in failed}
     agreement = {n: rel_err(results["engine"], out) for n, out in results.items() if n != "engine"}
     ips = {name: batch / median(t) for name, t in alternate(sides, repeats).items()}
-    return {"images_per_s": ips, "agreement": agreement}
+    return {"images_per_s": ips, "agreement": agreement, "failed": failed, "warm_up_s": warm_s}
+
+
+def mfu(images_per_s: float, flops: float, peak_gflops: float | None) -> float | None:
+    return round(images_per_s * flops / 1e9 / peak_gflops, 3) if peak_gflops else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-images", type=int, default=None,
                         help="engine override: images per device and step (0: no chunks)")
     parser.add_argument("--no-precast", action="store_true", help="engine override (ablation)")
-    parser.add_argument("--no-peak", action="store_true", help="skip the GEMM peak (no MFU)")
+    parser.add_argument("--no-peak", action="store_true",
+                        help="skip the measured GEMM peak (MFU against the theoretical only)")
+    parser.add_argument("--peers", nargs="+", default=None,
+                        help="only these peers (names as in the table); default: every one")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -139,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     peaks = {} if args.no_peak else matmul_peaks()
     if peaks:
         log("GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in peaks.items()))
+    theory = theoretical_peak()
+    log(f"theoretical peak: {theory['assumption']} = {theory['peak_float32']} / "
+        f"{theory['peak_bfloat16']} GFLOP/s (f32 / bf16)")
 
     rng = np.random.default_rng(args.seed)
-    rows, figures = [], {}
+    rows, figures, skipped = [], {}, {}
+    folder = tempfile.TemporaryDirectory(prefix="vit22b-onnx-")
     for dtype in args.dtypes:
         cfg_d = cfg.replace(compute_dtype=dtype)
         mesh = (auto_mesh(cfg_d) if args.devices is None
@@ -149,12 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(cfg_d, shard_params(cfg_d, params, mesh), mesh, fingerprint="bench",
                         source=source, max_batch_images=max(args.batches),
                         chunk_images=args.chunk_images, precast=not args.no_precast)
-        peers = peer_runners(peer, dtype)
+        peers, skipped[dtype] = runners(peer, dtype, cfg.image_size, folder.name)
+        if args.peers is not None:
+            peers = {n: fn for n, fn in peers.items() if n in args.peers}
+        for name, why in skipped[dtype].items():
+            log(f"{dtype}: peer {name} skipped: {why}")
         for batch in args.batches:
             measured = compare(engine, peers, batch, args.repeats, rng)
             ips, agreement = measured["images_per_s"], measured["agreement"]
-            best = max((n for n in ips if n != "engine"), key=ips.get)
-            ratio = ips["engine"] / ips[best]
+            skipped[dtype].update(measured["failed"])
+            peers = {n: fn for n, fn in peers.items() if n not in measured["failed"]}
+            best = max((n for n in ips if n != "engine"), key=ips.get, default=None)
+            ratio = ips["engine"] / ips[best] if best else None
             peak = peaks.get(f"peak_{dtype}")
             bucket = engine.bucket(batch)
             row = {
@@ -165,19 +174,25 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_chunk_images": engine.plan.chunk_images(bucket),
                 "engine_images_per_s": round(ips["engine"], 2),
                 "peer": best,
-                "peer_images_per_s": round(ips[best], 2),
+                "peer_images_per_s": round(ips[best], 2) if best else None,
                 "peers_images_per_s": {n: round(v, 2) for n, v in ips.items() if n != "engine"},
-                "ratio": round(ratio, 3),
-                "engine_mfu": round(ips["engine"] * flops / 1e9 / peak, 3) if peak else None,
-                "peer_mfu": round(ips[best] * flops / 1e9 / peak, 3) if peak else None,
+                "ratio": round(ratio, 3) if ratio else None,
+                "engine_mfu": mfu(ips["engine"], flops, peak),
+                "peer_mfu": mfu(ips[best], flops, peak) if best else None,
+                "engine_mfu_theoretical": mfu(ips["engine"], flops, theory[f"peak_{dtype}"]),
+                "peer_mfu_theoretical": (mfu(ips[best], flops, theory[f"peak_{dtype}"])
+                                         if best else None),
                 "pooled_rel_err": {n: float(f"{e:.2g}") for n, e in agreement.items()},
+                "warm_up_s": measured["warm_up_s"],
             }
             rows.append(row)
             figures[f"ratio_{dtype}_b{batch}"] = row["ratio"]
             log(f"{dtype:8s} b={batch:<3d} engine {ips['engine']:6.2f} img/s "
                 f"[{engine.mesh_spec}, chunk {row['engine_chunk_images']}]  "
                 + "  ".join(f"{n} {v:6.2f}" for n, v in ips.items() if n != "engine")
-                + f"  ratio {ratio:.3f}  rel err {row['pooled_rel_err']}")
+                + f"  ratio {row['ratio']} (vs {best})  rel err {row['pooled_rel_err']}")
+        engine.close()
+    folder.cleanup()
     emit({
         "benchmark": "forward",
         "model": args.model,
@@ -186,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": {"devices": args.devices, "chunk_images": args.chunk_images,
                       "precast": not args.no_precast},
         "matmul_gflops": peaks,
+        "theoretical_peak": theory,
+        "skipped_peers": skipped,
         "rows": rows,
         **figures,
         "machine": machine(),

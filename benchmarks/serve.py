@@ -132,24 +132,33 @@ def scrape_batches(metrics_url: str) -> tuple[float, float]:
     return values.get("vit22b_batch_images_sum", 0.0), values.get("vit22b_batch_images_count", 0.0)
 
 
-def run_phase(args, address: str, metrics_url: str, clients: int) -> dict:
+def run_phase(args, address: str, metrics_url: str, clients: int, on_ready=None,
+              on_done=None) -> dict:
+    """``serve.py``'s client process for ``clients`` (see ``run_client_process``)."""
     command = [
         sys.executable, __file__, "--drive", address, "--clients", str(clients),
         "--images", str(args.images), "--size", str(args.size), "--batch", str(args.batch),
     ]
-    return run_client_process(command, metrics_url, clients)
+    return run_client_process(command, metrics_url, clients, on_ready, on_done)
 
 
-def run_client_process(command: list[str], metrics_url: str, clients: int) -> dict:
-    """One client process; returns its figures plus the server's average batch in the phase."""
+def run_client_process(command: list[str], metrics_url: str, clients: int, on_ready=None,
+                       on_done=None) -> dict:
+    """One client process; returns its figures plus the server's average batch in the phase.
+    ``on_ready(pid)``: called once the clients are connected and warm, before the clock starts;
+    ``on_done()`` as soon as they are done (the profiler's hooks)."""
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"client process for {clients} clients did not start")
+        if on_ready is not None:
+            on_ready(proc.pid)
         before = scrape_batches(metrics_url)
         proc.stdin.write("go\n")
         proc.stdin.flush()
         result = json.loads(proc.stdout.readline())
+        if on_done is not None:
+            on_done()
         after = scrape_batches(metrics_url)
     finally:
         proc.stdin.close()
@@ -259,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drive:
         result = drive(args.drive, args.clients, jpegs(args.images, args.size), args.batch)
         print(json.dumps(result), flush=True)
+        sys.stdin.read()  # alive until the parent is done with it (a profiler reads its CPU)
         return 0
     return serve_main(args)
 

@@ -11,7 +11,6 @@ asks), timed until it prints SERVING, then stopped with SIGTERM. Ends with one J
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import log, median
+from benchlib import emit, log, machine, median
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["vit-22b-tiny/16", "vit-22b-base/14"])
     parser.add_argument("--repeats", type=int, default=2, help="warm starts per model")
     args = parser.parse_args(argv)
-    out: dict = {"models": {}}
+    out: dict = {"benchmark": "startup", "repeats": args.repeats, "models": {}}
     for model in args.models:
         with tempfile.TemporaryDirectory(prefix="vit22b-cache-") as cache:
             cold, _ = time_to_serving(model, cache)
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                "ratio_warm_to_cold": round(median(warm) / cold, 3), "cache_entries": entries}
         log(f"{model}: cold {cold:.1f}s, warm {median(warm):.1f}s ({entries} cache entries)")
         out["models"][model] = row
-    print(json.dumps(out))
+    emit({**out, "machine": machine()})
     return 0
 
 

@@ -312,6 +312,20 @@ class FeatureClient(ClientBase):
             response = self._call("Embed", request, timeout, chunk[0].index, len(chunk))
             return chunk_result(response, sent, local_errors)
 
+        first = next(chunks, None)
+        second = next(chunks, None) if first is not None else None
+        if second is None:  # a single request: sent from this thread (no pool thread per call)
+            try:
+                if first is not None:
+                    result = run(first)
+                    if bar is not None:
+                        bar.update(len(first))
+                    yield result
+            finally:
+                if bar is not None:
+                    bar.close()
+            return
+        chunks = itertools.chain((first, second), chunks)
         with ThreadPoolExecutor(self.concurrency) as pool:
             window: deque = deque()
             try:

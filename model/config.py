@@ -37,7 +37,8 @@ _CHOICES = {
 # colour modes, transparency, the resampled window). Part of the preprocessing hash: bump it with
 # any change that can change the pixels the model sees. 2: EXIF orientation, BMP/GIF/TIFF,
 # 16-bit grey scaled, transparency over white, I/F/LAB refused, bounded resampling window.
-PIXEL_RULES = 2
+# 3: JPEG reduced-size decoding (DCT scaling) down to twice the resize's shorter side.
+PIXEL_RULES = 3
 
 
 class ConfigError(ValueError):

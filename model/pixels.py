@@ -22,6 +22,15 @@ Untrusted bytes (``decode``):
   go through Pillow's conversions; transparency (alpha channels, PNG tRNS, GIF transparency) is
   composited over ``BACKGROUND``. 32-bit integer (``I``) and float (``F``) pixels carry no range
   (which values are black and white), and Pillow has no faithful CIELab conversion: refused.
+- Reduced-size decoding: given the shorter side the resize needs (``min_side``), a JPEG is
+  decoded at 1/2, 1/4 or 1/8 of its size by libjpeg's DCT scaling (Pillow's ``draft``): the
+  largest scale that divides both sides (no partial pixel) and keeps both at least
+  ``DRAFT_MARGIN`` times ``min_side`` (``draft_scale``), so the resize that follows always
+  reduces by at least that factor and never upsamples. A 4000x3000
+  photo for ViT-B/16 (resize 248) decodes at 1/4 (1000x750). On photo-like JPEGs the resized
+  crop stays within 1 level of 255 of full decoding's on average and 10 levels at the 99.9th
+  percentile (tests/test_pixels.py; speed and differences: benchmarks/decode.py). Other formats,
+  and JPEGs whose sides no scale divides, decode in full.
 - Every decoder failure (truncated files, corrupt data) becomes an ``InvalidImage`` with the
   decoder's reason; a known format that cannot be used (zero width or height, an unsupported
   variant) says so.
@@ -54,6 +63,7 @@ FORMAT_NAMES = "JPEG, PNG, WebP, BMP, GIF or TIFF"
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # about 7.3k x 5.5k; far beyond any model input
 BACKGROUND = (255, 255, 255)  # what transparent pixels show: white, as image viewers do
 FULL_RESIZE_CROPS = 64  # the full shorter-side resize up to this many crops' worth of pixels
+DRAFT_MARGIN = 2  # JPEG DCT scaling keeps both sides >= this x the side the resize needs
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 _EXPANDED = ("1", "L", "P", "RGBX", "CMYK", "YCbCr", "HSV")  # Pillow's convert("RGB") is right
@@ -78,8 +88,12 @@ Image.init()  # register every plugin once: refused formats are named by their s
 _PILLOW_GUARD = threading.Lock()
 
 
-def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Encoded image bytes -> uint8 [H, W, 3] RGB, upright (the rules in the module docstring)."""
+def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, min_side: int = 0
+           ) -> np.ndarray:
+    """Encoded image bytes -> uint8 [H, W, 3] RGB, upright (the rules in the module docstring).
+
+    ``min_side``: the shorter side the resize that follows needs; a JPEG then decodes at a
+    reduced size that keeps both sides >= ``DRAFT_MARGIN`` x ``min_side`` (0: full size)."""
     if not data:
         raise InvalidImage("empty image bytes")
     _allow_in_pillow(max_pixels)
@@ -87,6 +101,10 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarra
     name = _name(image.format)
     check_size(image.height, image.width, max_pixels, f"declared size of the {name}")
     _check_mode(image.mode, name)  # before any pixel is decoded
+    if min_side > 0 and image.format in ("JPEG", "MPO"):
+        scale = draft_scale(image.width, image.height, min_side)
+        if scale > 1:  # Pillow picks the largest scale whose size stays >= the one asked for
+            image.draft(None, (image.width // scale, image.height // scale))  # mode unchanged
     try:
         image.load()  # decodes every pixel: truncated or corrupt data fails here
     except Image.DecompressionBombError as err:
@@ -96,6 +114,19 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarra
     except Exception as err:  # noqa: BLE001 - a decoder error means bad input, not a bug
         raise InvalidImage(f"cannot decode {name} image: {type(err).__name__}: {err}") from None
     return to_rgb(image)
+
+
+def draft_scale(width: int, height: int, min_side: int) -> int:
+    """The JPEG DCT scale (8, 4, 2 or 1) for a width x height picture whose resize needs a
+    shorter side of ``min_side``: the largest that divides both sides (the reduced pixels then
+    cover the picture exactly: no partial pixel shifts the geometry) and keeps both
+    >= ``DRAFT_MARGIN`` x ``min_side``."""
+    for scale in (8, 4, 2):
+        if not (width % scale or height % scale) and (
+            min(width, height) >= scale * DRAFT_MARGIN * min_side
+        ):
+            return scale
+    return 1
 
 
 def to_rgb(image: Image.Image) -> np.ndarray:
@@ -350,6 +381,13 @@ class Preprocessor:
             return p.resize
         return int(round(p.resize * size / self.cfg.image_size))
 
+    @property
+    def min_side(self) -> int:
+        """The shorter side a decoded image needs so that the resize never upsamples it (the
+        crop mode's resize; the resolution for squash and dense)."""
+        g = self.geometry
+        return g.resolution if g.dense or not self.cfg.preprocess.crop else self.resize
+
     def describe(self) -> str:
         p, g = self.cfg.preprocess, self.geometry
         if g.dense:
@@ -377,9 +415,11 @@ class Preprocessor:
         return (
             f"pixel rules v{PIXEL_RULES}: decode ({FORMAT_NAMES.replace(' or', ',')}; first "
             f"frame; EXIF orientation applied; 16-bit grey scaled by 255/65535; transparency "
-            f"over RGB {BACKGROUND}; modes I, F and LAB refused) -> RGB; raw uint8 pixels "
-            f"as given; {geometry}; x/255; (x - mean) / std per channel with "
-            f"mean={list(p.mean)} std={list(p.std)}; {out}"
+            f"over RGB {BACKGROUND}; modes I, F and LAB refused; JPEG decoded at the largest "
+            f"DCT scale of 1/2, 1/4, 1/8 that divides both sides and keeps both >= "
+            f"{DRAFT_MARGIN} x {self.min_side}) -> RGB; raw uint8 pixels as given; {geometry}; "
+            f"x/255; (x - mean) / std per channel with mean={list(p.mean)} std={list(p.std)}; "
+            f"{out}"
         )
 
     def crop(self, pixels: np.ndarray) -> np.ndarray:
@@ -418,8 +458,11 @@ class Preprocessor:
     def __call__(self, pixels: np.ndarray) -> np.ndarray:
         return self.normalise(self.crop(pixels))
 
-    def load(self, image: bytes | np.ndarray, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-        """Encoded bytes or raw uint8 pixels -> the model input."""
+    def load(self, image: bytes | np.ndarray, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+             draft: bool = True):
+        """Encoded bytes or raw uint8 pixels -> the model input (``draft`` False: a JPEG
+        decoded at full size, outside the contract: for measuring what reduced-size decoding
+        changes)."""
         if isinstance(image, (bytes, bytearray, memoryview)):
-            return self(decode(bytes(image), max_pixels))
+            return self(decode(bytes(image), max_pixels, self.min_side if draft else 0))
         return self(check_pixels(np.asarray(image), max_pixels))

@@ -341,7 +341,8 @@ class Infer:
             if image.error:
                 raise InvalidImage(image.error)
             if isinstance(image.data, (bytes, bytearray, memoryview)):
-                pixels = decode(bytes(image.data), self.limits.max_image_pixels)
+                pixels = decode(bytes(image.data), self.limits.max_image_pixels,
+                                pre.min_side)
             elif isinstance(image.data, np.ndarray):
                 pixels = check_pixels(image.data, self.limits.max_image_pixels)
             else:

@@ -14,11 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from photos import photo, photo_jpeg
 from PIL import Image
 from vit22b.model import get_config
-from vit22b.model.config import ViTConfig
+from vit22b.model.config import PIXEL_RULES, ViTConfig
 from vit22b.model.errors import InvalidImage
-from vit22b.model.pixels import BACKGROUND, FULL_RESIZE_CROPS, Preprocessor, decode
+from vit22b.model.pixels import (
+    BACKGROUND,
+    DRAFT_MARGIN,
+    FULL_RESIZE_CROPS,
+    Preprocessor,
+    decode,
+    draft_scale,
+)
 
 RNG = np.random.default_rng(0)
 WHITE = np.asarray(BACKGROUND, np.float64)
@@ -450,3 +458,51 @@ def test_to_rgb_applies_the_same_rules_to_a_pil_image():
                                   over_white(colour, alpha))
     with pytest.raises(InvalidImage, match="image in mode F: 32-bit floating-point"):
         to_rgb(Image.fromarray(np.zeros((2, 2), np.float32)))
+
+
+# ---- reduced-size JPEG decoding (DCT scaling) ------------------------------------------------
+# The stated tolerance (model/pixels.py): on photo-like JPEGs the resized crop differs from full
+# decoding's by at most 1 level of 255 on average and 10 levels at the 99.9th percentile (the
+# few pixels beyond sit on hard coloured edges).
+DRAFT_MEAN_LEVELS, DRAFT_P999_LEVELS = 1.0, 10.0
+
+
+@pytest.mark.parametrize("name", ["vit-22b-tiny/16", "vit-b/16"])
+@pytest.mark.parametrize("width, height", [(4000, 3000), (2000, 1500), (816, 612), (1024, 768)])
+def test_reduced_size_decoding_stays_within_the_stated_tolerance(name, width, height):
+    pre = Preprocessor(get_config(name))
+    data = photo_jpeg(width, height, seed=width)
+    full, reduced = decode(data), decode(data, min_side=pre.min_side)
+    scale = draft_scale(width, height, pre.min_side)
+    assert reduced.shape == (height // scale, width // scale, 3)
+    assert min(reduced.shape[:2]) >= DRAFT_MARGIN * pre.min_side  # never upsampled after
+    diff = np.abs(pre.crop(full).astype(np.float64) - pre.crop(reduced))
+    assert diff.mean() <= DRAFT_MEAN_LEVELS, diff.mean()
+    assert np.percentile(diff, 99.9) <= DRAFT_P999_LEVELS, np.percentile(diff, 99.9)
+    np.testing.assert_array_equal(pre.load(data), pre(reduced))  # the contract's own path
+
+
+def test_the_draft_scale_divides_both_sides_and_keeps_the_margin():
+    assert draft_scale(4000, 3000, 64) == 8  # 500x375 >= 2 x 64
+    assert draft_scale(4000, 3000, 224) == 4  # 1000x750; 1/8 would give 375 < 448
+    assert draft_scale(2000, 1500, 248) == 2  # 1/4 would give 375 < 496
+    assert draft_scale(2000, 1502, 64) == 2  # 1502 is not a multiple of 4 or 8
+    assert draft_scale(2001, 1500, 64) == 1  # an odd side: no exact reduction
+    assert draft_scale(256, 256, 64) == 2 and draft_scale(255, 256, 64) == 1
+    assert draft_scale(200, 200, 64) == 1  # 1/2 would give 100 < 128
+
+
+def test_only_jpeg_is_decoded_at_reduced_size():
+    pixels = np.asarray(photo(512, 384))
+    for fmt in ("PNG", "WEBP"):
+        data = encode(Image.fromarray(pixels), fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+        np.testing.assert_array_equal(decode(data, min_side=64), pixels)
+    jpeg = encode(Image.fromarray(pixels), "JPEG", quality=90)
+    assert decode(jpeg, min_side=64).shape == (192, 256, 3)  # 1/2: 192 >= 2 x 64; 1/4 < 128
+    assert decode(jpeg).shape == (384, 512, 3)  # no min_side: full size
+
+
+def test_reduced_size_decoding_is_part_of_the_contract_and_its_hash():
+    pre = Preprocessor(get_config("vit-b/16"))
+    assert PIXEL_RULES >= 3  # the version that introduced it: the hash changed with it
+    assert f"keeps both >= {DRAFT_MARGIN} x {pre.min_side}" in pre.describe()
