@@ -47,6 +47,7 @@ from vit22b.model.errors import (
 )
 from vit22b.model.features import ARRAYS
 from vit22b.model.outputs import KINDS, POOLED, OutputRequest
+from vit22b.model.pixels import Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -93,6 +94,10 @@ class FeaturesRequest(_Body):
     normalize_patches: bool = Field(False, description="apply the final norm to patch tokens")
     skip_invalid: bool = Field(False, description="invalid images become errors beside the "
                                "others' features instead of failing the call")
+    resolution: int = Field(0, ge=0, description="square input size (0: the model's own; "
+                            "the allowed sizes: GET /v1/models, limits.resolutions)")
+    dense: bool = Field(False, description="keep the aspect ratio: whole patches, no crop "
+                        "(the grid comes back as `grid`)")
 
 
 class EmbeddingsRequest(BaseModel):
@@ -137,6 +142,7 @@ class FeaturesResponse(BaseModel):
     ids: list[str]
     indices: list[int] = Field(description="the positions in the request of the returned rows")
     errors: list[ImageError]
+    grid: list[int] = Field(description="[rows, cols] of the patch grid the images ran at")
     timings: dict[str, float]
     outputs: dict[str, Tensor | dict[str, Tensor]] = Field(
         description=f"{', '.join(ARRAYS)}: each a tensor, when asked; "
@@ -371,15 +377,18 @@ class HttpDoor:
             l2_normalize=body.l2_normalize,
             skip_invalid=body.skip_invalid,
             deadline=_deadline(request),
+            geometry=Geometry(body.resolution, body.dense),
         )
         result = await self._run(request, call)
         arrays, patches = self.infer.tensors(call, result)
         ref = json_format.MessageToDict(self.info.model, preserving_proto_field_name=True)
+        ref["preprocess_hash"] = result.preprocess_hash or ref["preprocess_hash"]
         t = result.timings
         meta = {
             "model": ref,
             "ids": result.ids,
             "indices": result.indices,
+            "grid": list(result.grid),
             "errors": [{"index": e.index, "id": e.image_id, "reason": e.reason}
                        for e in result.errors],
             "timings": {"queue_ms": t.queue_s * 1e3, "preprocess_ms": t.preprocess_s * 1e3,

@@ -186,3 +186,29 @@ def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
         check_geometries(ServeConfig(resolutions=(512,)), engine())
     with pytest.raises(ValueError, match="not among --resolutions"):
         ServeConfig(resolutions=(64,), warm_resolutions=(96,)).check()
+
+
+@pytest.mark.parametrize("geometry", [Geometry(96), Geometry(64, dense=True)])
+def test_http_features_take_the_geometry_and_equal_grpc(geometry):
+    import httpx
+    from serving import png
+    from test_http import b64, tensor
+
+    images = random_images(3, seed=8, size=(72, 96))
+    body = {"images": [b64(png(p)) for p in images], "outputs": ["pooled", "patch_tokens"],
+            "layers": [-1], "resolution": geometry.resolution, "dense": geometry.dense}
+    with _server(http_port=0) as server:
+        got = httpx.post(server.http_url + "/v1/features", json=body, timeout=120).json()
+        bad = httpx.post(server.http_url + "/v1/features", json={**body, "resolution": 80,
+                                                                 "dense": False}, timeout=60)
+        grpc_response = make_stub(server.address).Embed(pb.EmbedRequest(
+            images=[pb.Image(encoded=png(p)) for p in images],
+            outputs=[pb.OUTPUT_KIND_POOLED, pb.OUTPUT_KIND_PATCH_TOKENS], patch_layers=[-1],
+            resolution=geometry.resolution, dense=geometry.dense))
+    assert got["grid"] == [grpc_response.grid_rows, grpc_response.grid_cols]
+    assert got["model"]["preprocess_hash"] == grpc_response.model.preprocess_hash
+    np.testing.assert_array_equal(tensor(got["outputs"]["pooled"]),
+                                  wire.from_tensor(grpc_response.pooled))
+    np.testing.assert_array_equal(tensor(got["outputs"]["patch_tokens"]["-1"]),
+                                  wire.from_tensor(grpc_response.patch_tokens[-1]))
+    assert bad.status_code == 400 and "allowed: 64, 96, 128" in bad.text
