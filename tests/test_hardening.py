@@ -140,10 +140,10 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded():
     compiling, release = threading.Event(), threading.Event()
     original = engine._compile
 
-    def held_compile(bucket, outputs):  # an on-demand compile that lasts until released
+    def held_compile(*key):  # an on-demand compile that lasts until released
         compiling.set()
         release.wait(60)
-        return original(bucket, outputs)
+        return original(*key)
 
     with BackgroundServer(config, engine=engine) as srv:
         client = stub(srv.address)
