@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo lint protos bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch only for the tests that compare against PyTorch peers; 2.13.0 is the CPU wheel on disk.
 	$(PY) -m pip install -q torch==2.13.0
 	# all includes video (PyAV: a binary wheel, no compiler)
-	$(PY) -m pip install -q -e '.[all,video,dev,compare]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[all,video,dev,compare]'
 	# timm's own model code for the import parity tests. --no-deps: its torchvision does not load
 	# beside this torch; tests/peers.py runs timm without it.
 	$(PY) -m pip install -q --no-deps timm==1.0.31
@@ -37,7 +37,7 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	# the runtimes the forward benchmark compares with, and the serving profiler
-	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
