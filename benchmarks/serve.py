@@ -223,14 +223,7 @@ def serve_main(args) -> int:
     summary = {name: summarize(name, runs, args.images) for name, runs in phases.items()}
     one, many = summary["clients_1"], summary[f"clients_{CLIENTS[-1]}"]
     emit({
-        "benchmark": "serve",
-        "model": engine.cfg.name,
-        "mesh": engine.mesh_spec,
-        "images": args.images,
-        "jpeg_side": args.size,
-        "max_batch_images": args.batch,
-        "max_delay_ms": args.max_delay_ms,
-        "repeats": args.repeats,
+        **run_header("serve", engine, args),
         "engine_images_per_s": round(engine_ips, 2),
         "engine_batch1_ms": round(b1_ms, 1),
         **summary,
@@ -245,6 +238,20 @@ def serve_main(args) -> int:
         "machine": machine(),
     })
     return 0
+
+
+def run_header(benchmark: str, engine, args) -> dict:
+    """What a serving benchmark's JSON line starts with: the model, mesh and settings."""
+    return {
+        "benchmark": benchmark,
+        "model": engine.cfg.name,
+        "mesh": engine.mesh_spec,
+        "images": args.images,
+        "jpeg_side": args.size,
+        "max_batch_images": args.batch,
+        "max_delay_ms": args.max_delay_ms,
+        "repeats": args.repeats,
+    }
 
 
 def serving_parser(description: str) -> argparse.ArgumentParser:

@@ -27,7 +27,14 @@ import sys
 
 import numpy as np
 from benchlib import emit, log, machine
-from serve import jpegs, run_client_process, run_clients, serving_parser, summarize
+from serve import (
+    jpegs,
+    run_client_process,
+    run_clients,
+    run_header,
+    serving_parser,
+    summarize,
+)
 
 CLIENTS = (1, 32)
 DOORS = ("grpc", "http")
@@ -92,14 +99,7 @@ def serve_main(args) -> int:
         return round(http["images_per_s"] / grpc["images_per_s"], 3)
 
     emit({
-        "benchmark": "serve_http",
-        "model": engine.cfg.name,
-        "mesh": engine.mesh_spec,
-        "images": args.images,
-        "jpeg_side": args.size,
-        "max_batch_images": args.batch,
-        "max_delay_ms": args.max_delay_ms,
-        "repeats": args.repeats,
+        **run_header("serve_http", engine, args),
         **summary,
         "ratio_http_to_grpc_1": ratio(1),
         "ratio_http_to_grpc_32": ratio(32),
