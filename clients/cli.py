@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -62,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"vit22b {name}", description=help_)
     handler = module.add_arguments(name, parser)
     args = parser.parse_args(argv[1:])
-    return int(handler(args) or 0)
+    try:
+        return int(handler(args) or 0)
+    except BrokenPipeError:  # `vit22b models | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint
+        return 0
 
 
 if __name__ == "__main__":
