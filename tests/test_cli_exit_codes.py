@@ -66,4 +66,3 @@ def test_info_refuses_a_mesh_that_cuts_through_heads():
     assert served.returncode == 0, served.stderr
     info = json.loads(served.stdout)
     assert info["mesh"] == {"data": 1, "model": 8} and info["bytes_per_device"] > 0
-
