@@ -223,15 +223,18 @@ class Batcher:
         if self.engine.is_compiled(bucket, outputs, grid):
             return True
         future = self.engine.compile_async(bucket, outputs, grid, self._wake)
-        if future.done() and future.exception() is not None:  # fail its jobs, keep serving
-            err = future.exception()
-            log.error("compiling %s for bucket %d at grid %s failed: %s", outputs, bucket, grid,
-                      err)
-            for job in [j for j in self._queue if j.key == head.key]:
-                self._queue.remove(job)
-                self._pending -= job.size - job.next_row
-                _fail(job.future, err)
-            self.metrics.queue_images.set(self._pending)
+        if not future.done():
+            return False  # its callback wakes this thread (it needs the lock we hold)
+        err = future.exception()
+        if err is None:  # compiled since the check: its wake-up already went by
+            return True
+        # the compile failed: fail its jobs, keep serving the others
+        log.error("compiling %s for bucket %d at grid %s failed: %s", outputs, bucket, grid, err)
+        for job in [j for j in self._queue if j.key == head.key]:
+            self._queue.remove(job)
+            self._pending -= job.size - job.next_row
+            _fail(job.future, err)
+        self.metrics.queue_images.set(self._pending)
         return False
 
     def _wake(self) -> None:

@@ -258,7 +258,12 @@ class Engine:
                     "later, or ask for an output set the server has compiled already"
                 )
             idle = [o for o, last in self._used.items() if now - last > CACHE_IDLE_S]
-            if len(self._used) >= self._max_output_sets and not idle:
+            if len(self._used) >= self._max_output_sets and idle:  # make room: the stalest
+                stalest = min(idle, key=self._used.__getitem__)
+                del self._used[stalest]
+                for key in [k for k in self._compiled if k[1] == stalest]:
+                    del self._compiled[key]
+            elif len(self._used) >= self._max_output_sets:
                 raise CompileLimit(
                     f"the server holds compiled forwards for {len(self._used)} on-demand output "
                     f"sets, its limit, all used within {CACHE_IDLE_S:.0f}s; this request needs "

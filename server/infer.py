@@ -128,7 +128,6 @@ class Infer:
         tracing: Tracing | None = None,
     ):
         self.engine, self.batcher, self.metrics, self.limits = engine, batcher, metrics, limits
-        self.preprocess = Preprocessor(engine.cfg)  # the pixel contract of this model
         self.tracing = tracing or Tracing()
         self._pool = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="vit22b-preprocess")
         self._inflight = 0
@@ -429,6 +428,8 @@ class LocalInfer:
 
         Invalid images raise ``InvalidImage`` naming the image, unless ``skip_invalid``."""
         inputs = [im if isinstance(im, ImageInput) else ImageInput(im) for im in images]
+        if not inputs:
+            raise InvalidRequest("no images to embed")
         step = self.engine.max_batch_images
         calls = [
             EmbedCall(inputs[i : i + step], outputs, dtype, l2_normalize, skip_invalid,

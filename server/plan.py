@@ -71,7 +71,6 @@ class Plan:
     cfg: ViTConfig
     platform: str
     data: int  # the mesh's data axis
-    single_host_cpu: bool  # one process on CPU devices: small buckets, chunked steps
     buckets: tuple[int, ...]
     chunk_override: int | None = None
     max_batch_patches: int = 0  # a batch's padded patches (0: images alone bound it)
@@ -91,13 +90,13 @@ class Plan:
     ) -> Plan:
         if chunk_images is not None and chunk_images < 0:
             raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
-        single = platform == "cpu" and process_count == 1
-        small = single if small_buckets is None else small_buckets
+        single_host_cpu = platform == "cpu" and process_count == 1
+        small = single_host_cpu if small_buckets is None else small_buckets
         below = tuple(1 << k for k in range(data.bit_length()) if 1 << k < data) if small else ()
         buckets = below + batch_buckets(max_batch_images, data)
         if max_batch_patches < 0:
             raise ValueError(f"max_batch_patches must be >= 0, got {max_batch_patches}")
-        return cls(cfg, platform, data, single, buckets, chunk_images, max_batch_patches)
+        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches)
 
     @property
     def max_batch_images(self) -> int:

@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from vit22b.model.errors import Draining, InvalidRequest, TooLarge
 from vit22b.model.outputs import OutputRequest
-from vit22b.model.pixels import Geometry
+from vit22b.model.pixels import OWN_GEOMETRY, Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -119,7 +119,7 @@ def model_info(infer: Infer) -> pb.ModelInfo:
             mean=p.mean,
             std=p.std,
             hash=ident.preprocess_hash,
-            description=infer.preprocess.describe(),
+            description=infer.preprocessor(OWN_GEOMETRY).describe(),
         ),
         mesh=pb.Mesh(
             spec=engine.mesh_spec,

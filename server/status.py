@@ -54,8 +54,3 @@ def status_of(err: BaseException) -> Status:
         if cls in STATUSES:
             return STATUSES[cls]
     return INTERNAL
-
-
-def status_code(err: BaseException) -> grpc.StatusCode:
-    """The gRPC code of a failure."""
-    return status_of(err).grpc

@@ -16,6 +16,7 @@ from serving import MESH, metric, metrics, png, random_images, start_server, stu
 from tiny_models import random_params
 from vit22b.model import get_config
 from vit22b.model.sharding import make_mesh, shard_params
+from vit22b.server import engine as engine_module
 from vit22b.server.app import BackgroundServer
 from vit22b.server.engine import Engine
 from vit22b.server.settings import ServeConfig
@@ -130,7 +131,7 @@ def test_a_stream_whose_deadline_cannot_be_met_gets_resource_exhausted():
         srv.stop()
 
 
-def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded():
+def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypatch):
     cfg = get_config("vit-22b-tiny/16")
     mesh = make_mesh(MESH)
     engine = Engine(cfg, shard_params(cfg, random_params(cfg, 5), mesh), mesh, fingerprint="f",
@@ -168,6 +169,10 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded():
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "output sets" in err.value.details()
         client.Embed(embed_request(1, patch_layers=[1]), timeout=60)  # the cached one still works
+        # once the cached set has been idle long enough it makes room for a new one (no growth)
+        monkeypatch.setattr(engine_module, "CACHE_IDLE_S", 0.0)
+        client.Embed(embed_request(1, patch_layers=[2]), timeout=60)
+        assert len(engine._used) == 1 and all(k[1].patch_layers == (2,) for k in engine._compiled)
 
 
 def test_non_finite_outputs_are_refused_and_counted():
