@@ -80,7 +80,10 @@ class Features:
         return out
 
     def astype(self, dtype) -> Features:
-        return replace(self, **self._map(lambda a: a.astype(dtype)))
+        """A copy in ``dtype``; values beyond its range become Inf (``non_finite_rows`` finds
+        them), without numpy's overflow warning."""
+        with np.errstate(over="ignore"):
+            return replace(self, **self._map(lambda a: a.astype(dtype)))
 
     def take(self, rows) -> Features:
         """The given rows (a slice or an index array), in that order."""

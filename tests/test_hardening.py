@@ -175,15 +175,21 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypa
         assert len(engine._used) == 1 and all(k[1].patch_layers == (2,) for k in engine._compiled)
 
 
-def test_non_finite_outputs_are_refused_and_counted():
+def _server_with_norm_scale(scale: float) -> BackgroundServer:
+    """A server whose final norm scale is ``scale`` everywhere (NaN: every output NaN; large:
+    patch tokens beyond float16's range)."""
     cfg = get_config("vit-22b-tiny/16")
     mesh = make_mesh(MESH)
     params = random_params(cfg, 6)
-    params["encoder_norm"]["scale"] = np.full_like(params["encoder_norm"]["scale"], np.nan)
-    engine = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="nan",
+    params["encoder_norm"]["scale"] = np.full_like(params["encoder_norm"]["scale"], scale)
+    engine = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint=f"x{scale}",
                     source="s", max_batch_images=8)
     config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
-    with BackgroundServer(config, engine=engine) as srv:
+    return BackgroundServer(config, engine=engine)
+
+
+def test_non_finite_outputs_are_refused_and_counted():
+    with _server_with_norm_scale(np.nan) as srv:
         request = embed_request(2, patch_layers=[-1], normalize_patches=True)
         with pytest.raises(grpc.RpcError) as err:
             stub(srv.address).Embed(request, timeout=60)
@@ -195,10 +201,16 @@ def test_non_finite_outputs_are_refused_and_counted():
         assert metric(metrics(srv), "vit22b_images_total", outcome="non_finite") == 4
 
 
-def test_float16_overflow_is_refused_not_returned_as_inf(server):
-    big = pb.EmbedRequest(images=embed_request(1).images, dtype=pb.DTYPE_FLOAT16)
-    response = stub(server.address).Embed(big, timeout=30)  # ordinary features fit in float16
-    assert np.isfinite(wire.from_tensor(response.pooled).astype(np.float32)).all()
+def test_float16_overflow_is_refused_not_returned_as_inf():
+    with _server_with_norm_scale(1e6) as srv:  # normed patch tokens of about 1e6
+        request = embed_request(1, patch_layers=[-1], normalize_patches=True)
+        fine = stub(srv.address).Embed(request, timeout=60)  # float32 holds them
+        assert np.abs(wire.from_tensor(fine.patch_tokens[-1])).max() > 65504
+        request.dtype = pb.DTYPE_FLOAT16
+        with pytest.raises(grpc.RpcError) as err:
+            stub(srv.address).Embed(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "float16 overflows beyond 65504" in err.value.details()
 
 
 def test_refused_stream_calls_log_one_line_each(server, caplog):
