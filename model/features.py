@@ -62,6 +62,12 @@ class Features:
             raise KeyError(name)
         return getattr(self, name)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.arrays()) + sum(
+            a.nbytes for a in self.patch_tokens.values()
+        )
+
     def __len__(self) -> int:
         for _, value in self.arrays():
             return len(value)
