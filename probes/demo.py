@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out: Path = args.out
     start = time.perf_counter()
+    # the demo's embeddings are its own: start them afresh, so a run after an upgrade (another
+    # output format or pixel contract) is not refused as a resume of another job
+    shutil.rmtree(out / "embeddings", ignore_errors=True)
 
     print(f"demo: `vit22b serve` (embedded default) on {DEVICES} emulated CPU devices, {MESH}")
     layers = "0,1,2,3"  # every block of the 4-deep default: the dense probes pick among them
