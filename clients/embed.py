@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 from vit22b.model.identity import ModelIdentity
 from vit22b.model.outputs import OutputRequest
+from vit22b.model.pixels import Geometry
 
 from .embed_formats import FORMATS
 from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
@@ -40,6 +41,7 @@ from .storage import read_bytes
 from .video import Sampling
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
+GRID = "grid"  # a dense job's array of each image's patch grid (rows, cols)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 FORMAT_CHOICES = tuple(FORMATS)
 
@@ -54,7 +56,13 @@ class OutputSpec:
     dtype: str = "float32"
     l2_normalize: bool = False  # pooled features only
     normalize_patches: bool = False  # the encoder's final norm on patch tokens
-    resolution: int = 0  # the square input size (0: the model's own)
+    resolution: int = 0  # the square input size, or dense's shorter side (0: the model's own)
+    dense: bool = False  # aspect ratio kept: each image its own grid, stored padded (GRID)
+    max_dense_patches: int = 0  # local dense bound (0: dense_bound's default); servers set theirs
+
+    def geometry(self, max_patches: int = 0) -> Geometry:
+        """The job's geometry (``model/pixels.py``); dense at ``max_patches`` at most."""
+        return Geometry(self.resolution, self.dense, max_patches if self.dense else 0)
 
     @property
     def request(self) -> OutputRequest:
@@ -74,17 +82,45 @@ class OutputSpec:
         return names + [array_name("patch_tokens", layer) for layer in self.layers(depth)]
 
 
+def dense_bound(cfg, spec: OutputSpec) -> int:
+    """A local dense job's patch bound: ``max_dense_patches``, or twice the square grid at the
+    job's resolution (aspect ratios up to 2:1 keep their size; longer images shrink)."""
+    side = (spec.resolution or cfg.image_size) // cfg.patch
+    return spec.max_dense_patches or 2 * side * side
+
+
 def array_specs(model: ModelIdentity, spec: OutputSpec) -> dict[str, dict]:
-    """Stored array name -> {"dtype", "shape"} (shape of one image's row)."""
+    """Stored array name -> {"dtype", "shape"} (shape of one image's row).
+
+    Dense jobs: patch tokens are ``[model.num_patches, width]`` (the bound), an image's
+    ``rows * cols`` tokens first (row-major), zeros after; ``GRID`` holds (rows, cols)."""
     for kind in spec.request.kinds:
         if kind not in model.outputs:
             raise ValueError(f"model {model.name} has no {kind} output (its outputs: "
                              f"{', '.join(model.outputs)})")
     shapes = {"pooled": [model.pooled_dim or model.width], "class_token": [model.width]}
-    return {
+    specs = {
         name: {"dtype": spec.dtype, "shape": shapes.get(name, [model.num_patches, model.width])}
         for name in spec.names(model.depth)
     }
+    if spec.dense:
+        specs[GRID] = {"dtype": "int64", "shape": [2]}
+    return specs
+
+
+def dense_rows(arrays: dict[str, np.ndarray], grid: tuple[int, int],
+               max_patches: int) -> dict[str, np.ndarray]:
+    """Rows of one grid in a dense job's stored shapes: patch tokens zero-padded to
+    ``max_patches``, and each row's grid in ``GRID``."""
+    out = {}
+    for name, array in arrays.items():
+        if name.startswith("patch_tokens"):  # [n, rows * cols, width]
+            pad = max_patches - array.shape[1]
+            array = np.pad(array, ((0, 0), (0, pad), (0, 0))) if pad else array
+        out[name] = array
+    rows = len(next(iter(arrays.values())))
+    out[GRID] = np.tile(np.asarray(grid, np.int64), (rows, 1))
+    return out
 
 
 @dataclass
@@ -92,6 +128,18 @@ class BatchResult:
     rows: list[int]  # positions within the batch that were embedded, ascending
     arrays: dict[str, np.ndarray]  # array name -> [len(rows), ...] in the stored dtype
     failed: list[tuple[int, str]]  # (position within the batch, reason)
+
+    @classmethod
+    def joined(cls, parts: Sequence[BatchResult]) -> BatchResult:
+        """Parts of one batch (rows in the batch's positions, e.g. one per grid) -> one,
+        rows ascending."""
+        rows = [row for part in parts for row in part.rows]
+        order = np.argsort(rows, kind="stable")
+        with_rows = [part for part in parts if part.rows]
+        arrays = {name: np.concatenate([p.arrays[name] for p in with_rows])[order]
+                  for name in (with_rows[0].arrays if with_rows else {})}
+        failed = sorted(f for part in parts for f in part.failed)
+        return cls([rows[i] for i in order], arrays, failed)
 
 
 class WorkerLost(Exception):
@@ -270,7 +318,8 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         "inputs": {"count": len(items), "sha256": ids_digest(items)},
         # a resumed job never mixes geometries (absent: the model's own, as before geometries)
         **({"resolution": spec.resolution, "num_patches": model.num_patches}
-           if spec.resolution else {}),
+           if spec.resolution or spec.dense else {}),
+        **({"dense": True} if spec.dense else {}),
     } | ({"video": config.video.describe()} if config.video is not None else {})
 
 

@@ -92,8 +92,14 @@ class EmbedSettings:
         0, "square input size, one the server allows (default: the model's own); recorded in "
         "the manifest: a resumed job refuses another", check=lambda v: None if v >= 0 else
         "must be >= 0")
-    dense: bool = setting(False, "aspect ratio kept (not for a job: its arrays have one shape "
-                          "per image; use the SDK's iter_embed(dense=True))")
+    dense: bool = setting(
+        False, "aspect ratio kept, no crop: the shorter side to about --resolution, each image "
+        "its own patch grid; patch tokens stored zero-padded to the dense bound, the grid in "
+        "the 'grid' array (a server needs --max-dense-patches)")
+    max_dense_patches: int = setting(
+        0, "local --dense: patches per image at most (default: twice the square grid at "
+        "--resolution); a server states its own", check=lambda v: None if v >= 0 else
+        "must be >= 0")
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(
@@ -129,11 +135,11 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
     unknown = set(kinds) - set(OUTPUT_CHOICES)
     if unknown:
         raise ValueError(f"unknown output {sorted(unknown)[0]!r}; choose from {OUTPUT_CHOICES}")
-    if options.dense:
-        raise ValueError(
-            "--dense: dense features have a patch grid per image, and a job stores arrays of one "
-            "shape; use --resolution, or the SDK's iter_embed(dense=True)"
-        )
+    if options.dense and (options.frames or options.stride_seconds):
+        raise ValueError("--dense is for images: a video job stores frames of one grid")
+    if options.max_dense_patches and (options.server or not options.dense):
+        raise ValueError("--max-dense-patches is the local --dense bound (a server states its "
+                         "own)")
     asked = OutputRequest.of(kinds, options.layers or (), options.normalize_patches)
     return OutputSpec(
         pooled=asked.pooled,
@@ -143,6 +149,8 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
         l2_normalize=options.l2_normalize,
         normalize_patches=options.normalize_patches,
         resolution=options.resolution,
+        dense=options.dense,
+        max_dense_patches=options.max_dense_patches,
     )
 
 

@@ -10,18 +10,20 @@ do not depend on which worker ran a batch.
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 from vit22b.model.config import ViTConfig
+from vit22b.model.errors import InvalidImage
 from vit22b.model.features import Features
 from vit22b.model.identity import seeded_source
 from vit22b.model.outputs import OutputRequest
-from vit22b.model.pixels import Geometry
+from vit22b.model.pixels import Geometry, check_pixels, decode
 from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.infer import ImageInput, LocalInfer
 
-from .embed import BatchResult, OutputSpec, embed_files, to_stored
+from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored
 from .embed_inputs import InputItem
 from .outputs import array_name
 
@@ -35,20 +37,49 @@ def stored_arrays(features: Features, spec: OutputSpec) -> dict[str, np.ndarray]
 
 
 class LocalWorker:
-    def __init__(self, local: LocalInfer, spec: OutputSpec, name: str):
-        self.local, self.spec, self.name = local, spec, name
+    def __init__(self, local: LocalInfer, spec: OutputSpec, geometry: Geometry, name: str):
+        self.local, self.spec, self.geometry, self.name = local, spec, geometry, name
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
         return embed_files(self, items)
 
     def embed_images(self, images: Sequence[bytes | np.ndarray]) -> BatchResult:
+        if self.geometry.dense:
+            return self._embed_dense(images)
+        return self._embed(images, list(range(len(images))))
+
+    def _embed(self, images: Sequence[bytes | np.ndarray | ImageInput],
+               positions: list[int]) -> BatchResult:
+        """One solo call (its batches are its own: bit-exact resumes); rows at ``positions``."""
         result = self.local.embed(
-            [ImageInput(image) for image in images], self.spec.request,
-            l2_normalize=self.spec.l2_normalize, skip_invalid=True, solo=True,
-            geometry=Geometry(self.spec.resolution),
+            [im if isinstance(im, ImageInput) else ImageInput(im) for im in images],
+            self.spec.request, l2_normalize=self.spec.l2_normalize, skip_invalid=True,
+            solo=True, geometry=self.geometry,
         )
-        failed = sorted((e.index, e.reason) for e in result.errors)
-        return BatchResult(list(result.indices), stored_arrays(result.features, self.spec), failed)
+        arrays = stored_arrays(result.features, self.spec)
+        if self.geometry.dense and result.indices:
+            arrays = dense_rows(arrays, result.grid, self.geometry.max_patches)
+        failed = sorted((positions[e.index], e.reason) for e in result.errors)
+        return BatchResult([positions[i] for i in result.indices], arrays, failed)
+
+    def _embed_dense(self, images: Sequence[bytes | np.ndarray]) -> BatchResult:
+        """Decoded here by the contract's own decoder, grouped by patch grid, a solo call per
+        grid: the facade then sees raw pixels of one grid, exactly what it would decode."""
+        infer = self.local.infer
+        pre, limit = infer.preprocessor(self.geometry), infer.limits.max_image_pixels
+        groups, failed = defaultdict(list), []
+        for position, image in enumerate(images):
+            try:
+                pixels = (check_pixels(image, limit) if isinstance(image, np.ndarray) else
+                          decode(bytes(image), limit, pre.min_side))
+            except InvalidImage as err:
+                failed.append((position, err.reason))
+                continue
+            size = self.geometry.size(self.local.engine.cfg, *pixels.shape[:2])
+            groups[size].append((position, pixels))
+        parts = [self._embed([ImageInput(px) for _, px in group], [p for p, _ in group])
+                 for group in groups.values()]
+        return BatchResult.joined([*parts, BatchResult([], {}, failed)])
 
 
 class LocalBackend:
@@ -75,18 +106,24 @@ class LocalBackend:
         self.spec = spec
         self.request = self.engine.resolve(spec.request)
         self.concurrency = max(1, concurrency)
-        size = spec.resolution or self.engine.cfg.image_size
-        if spec.resolution:
-            self.model = self.model.at(self.engine.cfg, Geometry(size))
-        self.grid = self.engine.cfg.grid_at(size, size)
-        self.local = LocalInfer(self.engine, resolutions=(size,))
+        cfg = self.engine.cfg
+        size = spec.resolution or cfg.image_size
+        self.geometry = spec.geometry(dense_bound(cfg, spec))
+        if spec.resolution or spec.dense:
+            self.model = self.model.at(cfg, self.geometry)
+        self.local = LocalInfer(self.engine, resolutions=(size,),
+                                max_dense_patches=self.geometry.max_patches)
 
     def warm_up(self) -> None:
-        """Compile every batch bucket before the clock (and the progress bar) starts."""
-        self.engine.warm_up([self.request], [self.grid])
+        """Compile every batch bucket before the clock (and the progress bar) starts (dense:
+        each grid compiles when it first comes)."""
+        if not self.geometry.dense:
+            size = self.geometry.resolution or self.engine.cfg.image_size
+            self.engine.warm_up([self.request], [self.engine.cfg.grid_at(size, size)])
 
     def workers(self) -> list[LocalWorker]:
-        return [LocalWorker(self.local, self.spec, f"local-{i}") for i in range(self.concurrency)]
+        return [LocalWorker(self.local, self.spec, self.geometry, f"local-{i}")
+                for i in range(self.concurrency)]
 
     def close(self) -> None:
         self.local.close()

@@ -14,13 +14,13 @@ import json
 import sys
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 from vit22b.model.config import ViTConfig
 from vit22b.model.errors import InvalidImage
 from vit22b.model.identity import ModelIdentity
-from vit22b.model.pixels import Geometry
 from vit22b.v1 import wire
 
 from .client import FeatureClient, FeatureError, Retry
@@ -29,6 +29,7 @@ from .embed import (
     JobFailed,
     OutputSpec,
     WorkerLost,
+    dense_rows,
     embed_files,
     to_stored,
 )
@@ -69,16 +70,28 @@ class RemoteWorker:
             normalize_patches=spec.normalize_patches,
             skip_invalid=True,
             resolution=spec.resolution,
+            dense=spec.dense,
         )
 
     def embed(self, items: Sequence[InputItem]) -> BatchResult:
         return embed_files(self, items)
 
     def embed_images(self, images: Sequence[bytes | np.ndarray]) -> BatchResult:
+        if not self.spec.dense:
+            return self._embed(list(images), list(range(len(images))))
+        # each image its own grid, so its own request; many in flight, so that the server's
+        # batcher packs those of equal grids
+        with ThreadPoolExecutor(max(1, len(images)), thread_name_prefix="embed-dense") as pool:
+            parts = list(pool.map(lambda p: self._embed([images[p]], [p]), range(len(images))))
+        return BatchResult.joined(parts)
+
+    def _embed(self, blobs: list, positions: list[int]) -> BatchResult:
+        """One request for ``blobs`` (at ``positions`` of the batch), less those the SDK
+        refuses to send."""
         server = self.server
         if server.lost:
             raise WorkerLost(server.lost)
-        blobs, positions, failed = list(images), list(range(len(images))), []
+        failed = []
         while blobs:
             try:
                 # no ids on the wire: file names need not be UTF-8; rows map back by index
@@ -110,6 +123,8 @@ class RemoteWorker:
             arrays[array_name("patch_tokens", layer)] = to_stored(
                 result.patch_tokens[layer], self.spec.dtype
             )
+        if self.spec.dense:
+            arrays = dense_rows(arrays, result.grid, server.model.num_patches)
         return BatchResult(rows, arrays, sorted(failed))
 
 
@@ -145,9 +160,13 @@ class RemoteBackend:
                 unreachable.append(f"{address} ({err.code.name}: {err.details})")
                 continue
             model = wire.identity_of(info)
-            if spec.resolution:
+            if spec.dense and not info.limits.max_dense_patches:
+                client.close()
+                raise ValueError(f"server {address}: its dense mode is off (it was started "
+                                 "without --max-dense-patches); --dense needs it")
+            if spec.resolution or spec.dense:
                 cfg = ViTConfig.from_dict(json.loads(info.config_json))
-                model = model.at(cfg, Geometry(spec.resolution))
+                model = model.at(cfg, spec.geometry(info.limits.max_dense_patches))
             self.servers.append(_Server(address, client, model))
         if not self.servers:  # as if every server were lost at once: exit 1, rerun later
             raise JobFailed(

@@ -10,6 +10,8 @@ file is written whole)::
     DIR/shards/00000.pooled.npy        [n, d]      rows in the order of "ids"
     DIR/shards/00000.class_token.npy   [n, d]      (models with a class token)
     DIR/shards/00000.patch_tokens.3.npy [n, N, d]  patch tokens after block 3 (index >= 0)
+    DIR/shards/00000.grid.npy          [n, 2]      --dense: each image's (rows, cols), int64;
+                                                   its rows*cols tokens first, zeros up to N
     --format parquet / safetensors:
     DIR/shards/00000.parquet           id, path and a column per output (see embed_formats.py)
     DIR/shards/00000.safetensors       a tensor per output

@@ -42,13 +42,15 @@ class ModelIdentity:
         )
 
     def at(self, cfg: ViTConfig, geometry) -> ModelIdentity:
-        """This identity for features at a square ``pixels.Geometry``: its contract's hash and
-        patch count."""
+        """This identity for features at a ``pixels.Geometry``: its contract's hash and patch
+        count (dense: the geometry's bound, which a dense job pads every image's rows to)."""
         from .pixels import Preprocessor  # Pillow: only when a geometry is asked for
 
         pre = Preprocessor(cfg, geometry)
         if pre.geometry.dense:
-            raise ValueError("dense features have a grid per image, not one identity's shape")
+            if not pre.geometry.max_patches:
+                raise ValueError("dense features without a patch bound have no one shape")
+            return replace(self, preprocess_hash=pre.hash, num_patches=pre.geometry.max_patches)
         side = pre.geometry.resolution // cfg.patch
         return replace(self, preprocess_hash=pre.hash, num_patches=side * side)
 

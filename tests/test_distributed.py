@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import in_process, random_images, raw_image, stub
 from vit22b.model import OutputRequest, get_config
 from vit22b.model import checkpoint as ckpt
+from vit22b.model.pixels import Geometry
 from vit22b.model.sharding import init_sharded, make_mesh
 from vit22b.server import cli as serve_cli
 from vit22b.server.distributed_cli import group_from_args
@@ -131,17 +132,19 @@ def checkpoint_dir(tmp_path_factory) -> Path:
     return path
 
 
-def request(images, layers=()) -> pb.EmbedRequest:
+def request(images, layers=(), **geometry) -> pb.EmbedRequest:
     kinds = ["pooled"] + (["patch_tokens"] if layers else [])
     return pb.EmbedRequest(
         images=[raw_image(p) for p in images],
         outputs=[wire.kind_code(k) for k in kinds],
         patch_layers=list(layers),
+        **geometry,
     )
 
 
 def test_group_serves_the_features_of_one_process_then_stops_cleanly(checkpoint_dir, tmp_path):
-    with running(tmp_path, "--checkpoint", str(checkpoint_dir)) as members:
+    geometries = ("--resolutions", "64,96", "--max-dense-patches", "24")
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir), *geometries) as members:
         reference = Engine.load(checkpoint_dir=str(checkpoint_dir), mesh=MESH,
                                 max_batch_images=MAX_BATCH)  # compiles while the group does
         address = serving_address(members[0], members)
@@ -161,6 +164,19 @@ def test_group_serves_the_features_of_one_process_then_stops_cleanly(checkpoint_
             np.testing.assert_allclose(got, want["patch_tokens"][index], **close)
         pooled = s.Embed(request(images[:2]), timeout=60)  # a warm forward, smaller bucket
         np.testing.assert_allclose(wire.from_tensor(pooled.pooled), want["pooled"][:2], **close)
+
+        # other grids: every process compiles and runs the same one (6x6, and dense 4x5)
+        wide = random_images(2, seed=4, size=(72, 96))
+        for batch, geometry, grid in ((images[:3], Geometry(96), (6, 6)),
+                                      (wide, Geometry(64, dense=True), (4, 5))):
+            response = s.Embed(request(batch, layers=(-1,), resolution=geometry.resolution,
+                                       dense=geometry.dense), timeout=120)
+            assert (response.grid_rows, response.grid_cols) == grid
+            want = in_process(reference, batch, OutputRequest(patch_layers=(-1,)),
+                              resolutions=(64, 96), max_dense_patches=24, geometry=geometry)
+            np.testing.assert_allclose(wire.from_tensor(response.pooled), want["pooled"], **close)
+            np.testing.assert_allclose(wire.from_tensor(response.patch_tokens[-1]),
+                                       want["patch_tokens"][3], **close)
 
         members[0].kill(signal.SIGTERM)  # process 0 drains, then stops the workers
         assert members[0].wait(60) == 0, members[0].text()

@@ -212,3 +212,93 @@ def test_http_features_take_the_geometry_and_equal_grpc(geometry):
     np.testing.assert_array_equal(tensor(got["outputs"]["patch_tokens"]["-1"]),
                                   wire.from_tensor(grpc_response.patch_tokens[-1]))
     assert bad.status_code == 400 and "allowed: 64, 96, 128" in bad.text
+
+
+def _dense_folder(root) -> tuple[list[str], dict[str, tuple[int, int]]]:
+    """Photos of several aspect ratios (and one corrupt file); id -> the dense grid each gets
+    at the tiny model's 64 px and the bound of 24 patches."""
+    from PIL import Image
+
+    root.mkdir()
+    sizes = {"a.png": (72, 96), "b.png": (96, 72), "c.jpg": (40, 100), "d.png": (64, 64),
+             "e.png": (72, 96), "f.jpg": (100, 30), "g.png": (50, 51)}
+    grids = {}
+    for i, (name, (h, w)) in enumerate(sizes.items()):
+        Image.fromarray(random_images(1, seed=20 + i, size=(h, w))[0]).save(root / name)
+        grid = Geometry(64, True, DENSE).size(engine().cfg, h, w)
+        grids[name] = (grid[0] // 16, grid[1] // 16)
+    (root / "z.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    return sorted(sizes), grids
+
+
+def test_a_dense_job_stores_each_images_grid_and_padded_tokens(tmp_path, capsys):
+    from test_embed import read_dir
+    from vit22b.clients.cli import main
+    from vit22b.clients.embed import GRID, JobConfig, OutputSpec, run_job
+    from vit22b.clients.embed_local import LocalBackend
+    from vit22b.clients.embed_remote import RemoteBackend
+    from vit22b.clients.outputs import open_outputs
+
+    ids, grids = _dense_folder(tmp_path / "data")
+    assert len(set(grids.values())) >= 4  # several grids in one job
+    spec = OutputSpec(pooled=True, patch_layers=(-1,), dense=True)
+    data = str(tmp_path / "data")
+
+    def job(backend, out, **kw):
+        try:
+            return run_job(JobConfig([data], str(tmp_path / out), spec, quiet=True,
+                                     **{"batch_size": 4, "shard_size": 5, **kw}), backend)
+        finally:
+            backend.close()
+
+    with _server() as server:
+        remote = job(RemoteBackend([server.address], spec, quiet=True), "remote")
+        with _server(max_dense_patches=0) as off:
+            with pytest.raises(ValueError, match="dense mode is off"):
+                RemoteBackend([off.address], spec, quiet=True)
+    local_spec = OutputSpec(pooled=True, patch_layers=(-1,), dense=True, max_dense_patches=DENSE)
+    local = job(LocalBackend(local_spec, engine=engine()), "local")
+    for summary in (remote, local):
+        assert (summary.embedded, summary.failed, summary.complete) == (len(ids), 1, True)
+
+    stored = {name: open_outputs(str(tmp_path / name)) for name in ("remote", "local")}
+    for result in stored.values():
+        assert result.ids == ids and [f["id"] for f in result.failed] == ["z.jpg"]
+        assert result.names == ["pooled", "patch_tokens.3", GRID]
+        assert [tuple(g) for g in np.asarray(result[GRID])] == [grids[i] for i in ids]
+        assert result["patch_tokens.3"].shape == (len(ids), DENSE, 64)
+        identity = result.manifest["identity"]
+        assert identity["dense"] is True and identity["num_patches"] == DENSE
+        want_hash = Preprocessor(engine().cfg, Geometry(64, True, DENSE)).hash
+        assert identity["preprocess_hash"] == want_hash
+    # each image equals the in-process dense forward of its file; padding rows are zeros
+    for row, name in enumerate(ids):
+        blob = (tmp_path / "data" / name).read_bytes()
+        want = in_process(engine(), [blob], OUTPUTS, resolutions=(64,), max_dense_patches=DENSE,
+                          geometry=Geometry(64, dense=True))
+        n = grids[name][0] * grids[name][1]
+        for result in stored.values():
+            tokens = np.asarray(result["patch_tokens.3"][row])
+            assert_same_rows(tokens[:n], want.patch_tokens[3][0])
+            assert not tokens[n:].any()
+            assert_same_rows(np.asarray(result["pooled"][row])[None], want.pooled)
+    # the local job computes each grid's images in solo batches: a rerun is bit-identical
+    again = job(LocalBackend(local_spec, engine=engine()), "again")
+    assert again.complete
+    assert read_dir(tmp_path / "again") == read_dir(tmp_path / "local")
+
+    # the CLI: --dense locally (Parquet: the grid column beside the tokens); misuse refused
+    out = tmp_path / "cli"
+    rc = main(["embed", data, "--output", str(out), "--local", "--mesh", MESH, "--dense",
+               "--max-dense-patches", str(DENSE), "--outputs", "pooled,patch_tokens",
+               "--format", "parquet", "--batch-size", "4", "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(next((out / "shards").glob("*.parquet")))
+    assert table.column(GRID).to_pylist()[:2] == [list(grids[i]) for i in ids[:2]]
+    for flags, message in ((["--server", "127.0.0.1:1", "--max-dense-patches", "8"],
+                            "the local --dense bound"),
+                           (["--frames", "2"], "--dense is for images")):
+        rc = main(["embed", data, "--output", str(tmp_path / "x"), "--dense", *flags])
+        assert rc == 2 and message in capsys.readouterr().err
