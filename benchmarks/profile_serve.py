@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=64, help="side of the JPEG files")
     parser.add_argument("--batch", type=int, default=32, help="max_batch_images")
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
+    parser.add_argument("--batch-wait", default="decoding", help="the server's --batch-wait")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--keep", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     args = parser.parse_args(argv)
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.warm_up()
     jpegs(1, args.size)
     config = ServeConfig(mesh="auto", port=0, metrics_port=0, max_batch_images=args.batch,
-                         max_request_images=args.batch, max_delay_ms=args.max_delay_ms)
+                         max_request_images=args.batch, max_delay_ms=args.max_delay_ms,
+                         batch_wait=args.batch_wait)
     phases = {}
     with BackgroundServer(config, engine=engine) as server, \
             tempfile.TemporaryDirectory() as scratch:
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 for stage, v in phase[side]["sampled"]["stages"].items():
                     log(f"    {v['percent']:5.1f}%  {stage}")
     emit({"benchmark": "profile_serve", "model": args.model, "images": args.images,
-          "jpeg_side": args.size, "max_delay_ms": args.max_delay_ms, "rate": args.rate,
+          "jpeg_side": args.size, "max_delay_ms": args.max_delay_ms,
+          "batch_wait": args.batch_wait, "rate": args.rate,
           **phases, "machine": machine()})
     return 0
 

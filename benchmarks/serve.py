@@ -200,6 +200,7 @@ def serve_main(args) -> int:
     config = ServeConfig(
         mesh=args.mesh, port=0, metrics_port=0, max_batch_images=args.batch,
         max_request_images=args.batch, max_delay_ms=args.max_delay_ms,
+        batch_wait=args.batch_wait,
     )
     engine_s, engine_b1_s = [], []
     phases: dict[str, list[dict]] = {f"clients_{c}": [] for c in CLIENTS}
@@ -250,6 +251,7 @@ def run_header(benchmark: str, engine, args) -> dict:
         "jpeg_side": args.size,
         "max_batch_images": args.batch,
         "max_delay_ms": args.max_delay_ms,
+        "batch_wait": args.batch_wait,
         "repeats": args.repeats,
     }
 
@@ -263,6 +265,7 @@ def serving_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--size", type=int, default=256, help="side of the JPEG files")
     parser.add_argument("--batch", type=int, default=32, help="max_batch_images")
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
+    parser.add_argument("--batch-wait", default="decoding", help="the server's --batch-wait")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
     return parser

@@ -77,6 +77,7 @@ def serve_main(args) -> int:
     config = ServeConfig(
         mesh=args.mesh, port=0, http_port=0, metrics_port=0, max_batch_images=args.batch,
         max_request_images=args.batch, max_delay_ms=args.max_delay_ms,
+        batch_wait=args.batch_wait,
     )
     phases: dict[str, list[dict]] = {f"{d}_clients_{c}": [] for c in CLIENTS for d in DOORS}
     with BackgroundServer(config, engine=engine) as server:

@@ -4,10 +4,15 @@ Admission is bounded in images: ``admit(n)`` reserves room for a call's images b
 decoded, or raises ``QueueFull`` at once (the facade retries it for a stream: backpressure).
 Preprocessed jobs are queued; one compute thread packs rows of jobs with
 the same output set and the same patch grid, in arrival order, up to the grid's batch limit
-(``max_batch_images``, and ``Engine.max_images(grid)``: the patch budget) or until the oldest
-job has waited ``max_delay_s``, splitting jobs larger than a batch. A ``solo`` job is never
-packed with others (its batches are the same whatever else is queued: the batch job's
-bit-exact resumes).
+(``max_batch_images``, and ``Engine.max_images(grid)``: the patch budget), splitting jobs larger
+than a batch. When a batch is not full, ``wait`` decides: ``"decoding"`` (the default) runs the
+queued rows as soon as the compute thread is free and no admitted image is still being decoded
+(none can join: TEI's policy), and otherwise waits for those images until the oldest job has
+waited ``max_delay_s``; ``"delay"`` always waits ``max_delay_s`` for a fuller batch (Triton's
+``max_queue_delay``). The images being decoded are counted over every output set and grid (their
+grid is known only once decoded). A ``solo`` job is never packed with others (its batches are
+the same whatever else is queued: the batch job's bit-exact resumes); under ``"decoding"`` it
+never waits, since no company can join it.
 The compute thread never compiles: a batch whose forward is not compiled yet is handed to the
 engine's compile thread and waits while batches of other output sets run. A job whose caller has
 gone or whose deadline has passed is dropped before its rows are computed.
@@ -29,6 +34,7 @@ from vit22b.model.outputs import OutputRequest
 
 from .engine import Engine
 from .metrics import Metrics
+from .settings import BATCH_WAITS
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +98,12 @@ class Batcher:
         max_batch_images: int | None = None,
         max_delay_s: float = 0.005,
         max_queue_images: int = 1024,
+        wait: str = "decoding",
     ):
+        if wait not in BATCH_WAITS:
+            raise ValueError(f"batch wait must be one of {', '.join(BATCH_WAITS)}, got {wait!r}")
         self.engine, self.metrics = engine, metrics
+        self.wait = wait
         self.max_batch_images = min(
             max_batch_images or engine.max_batch_images, engine.max_batch_images
         )
@@ -102,6 +112,7 @@ class Batcher:
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._pending = 0  # admitted images not yet computed or dropped (includes preprocessing)
+        self._decoding = 0  # admitted images not yet submitted or released
         self._closed = False  # no new admissions (stopped)
         self._flush = False  # no waiting for fuller batches (draining)
         self._stopping = False
@@ -116,6 +127,7 @@ class Batcher:
             if self._pending + n > self.max_queue_images:
                 return False
             self._pending += n
+            self._decoding += n
             self.metrics.queue_images.set(self._pending)
             return True
 
@@ -130,9 +142,14 @@ class Batcher:
 
     def release(self, n: int) -> None:
         """Give back admitted room whose images will not be submitted (invalid, caller gone)."""
+        if not n:
+            return
         with self._cond:
             self._pending -= n
+            self._decoding -= n
             self.metrics.queue_images.set(self._pending)
+            if not self._decoding:  # queued rows need wait no longer for them
+                self._cond.notify()
 
     def submit(
         self,
@@ -146,6 +163,7 @@ class Batcher:
         job = Job(images, outputs, grid, deadline, solo)
         with self._cond:
             self._queue.append(job)
+            self._decoding -= job.size
             self._cond.notify()
         return job
 
@@ -186,11 +204,14 @@ class Batcher:
                     self._cond.wait()
                     continue
                 now, wait = time.monotonic(), None
+                eager = self.wait == "decoding"
+                alone = eager and not self._decoding  # no image on its way to join
                 for head in self._heads():
                     ready = self._ready_rows(head)
                     due = head.submitted + self.max_delay_s - now
                     limit = self._limit(head)
-                    if not (ready >= limit or due <= 0 or self._flush or self._stopping):
+                    go = alone or (eager and head.solo) or self._flush or self._stopping
+                    if not (go or ready >= limit or due <= 0):
                         wait = due if wait is None else min(wait, due)
                         continue
                     bucket = self.engine.bucket(min(ready, limit))

@@ -29,6 +29,14 @@ def parse_outputs(spec: str) -> OutputRequest:
     return OutputRequest(**fields)
 
 
+BATCH_WAITS = ("decoding", "delay")  # the batcher's wait policies (server/batcher.py)
+
+
+def _batch_wait(value: str) -> str | None:
+    return None if value in BATCH_WAITS else (
+        f"must be one of {', '.join(BATCH_WAITS)}, got {value!r}")
+
+
 def default_compile_cache() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
     return os.path.join(base, "vit22b", "xla")
@@ -105,6 +113,10 @@ class ServeConfig:
         (), "resolutions (of --resolutions) whose forwards compile before SERVING for every "
         "--warm-outputs set, besides the model's own size", parse=parse_sizes)
     max_delay_ms: float = setting(5.0, "longest wait for a fuller batch", check=non_negative)
+    batch_wait: str = setting(
+        "decoding", "when a batch that is not full waits for company: 'decoding' only while "
+        "admitted images are still being decoded (else it runs as soon as the model is free), "
+        "'delay' always until its oldest job waited --max-delay-ms", check=_batch_wait)
     max_queue_images: int = setting(
         1024, "admitted images not yet computed; beyond: RESOURCE_EXHAUSTED (streams wait)",
         check=positive)

@@ -43,8 +43,9 @@ def done_shards(out: Path) -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    # a short batching delay makes every request take a little while: kills land mid-job
-    srv = start_server(max_delay_ms=25)
+    # a short batching delay, always waited out, makes every request take a little while: kills
+    # land mid-job
+    srv = start_server(max_delay_ms=25, batch_wait="delay")
     yield srv
     srv.stop()
 
@@ -101,7 +102,7 @@ def victim():
     proc = subprocess.Popen(
         [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0", "--metrics-port",
          "-1", "--mesh", MESH, "--max-batch-images", "8", "--max-delay-ms", "25",
-         "--log-level", "WARNING"],
+         "--batch-wait", "delay", "--log-level", "WARNING"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

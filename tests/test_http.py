@@ -36,7 +36,7 @@ from serving import (
     wait_for,
 )
 from test_server import BAD_INPUTS, GOOD, IMAGE_LEVEL, MAX_REQUEST
-from test_server_ops import DELAY_MS, QUEUE, queued, wait_for_images
+from test_server_ops import DELAY_MS, QUEUE, WAIT, queued, wait_for_images
 from vit22b.model import OutputRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
@@ -409,8 +409,8 @@ def test_tls_and_token_shared_with_grpc(secure):
 
 @pytest.fixture(scope="module")
 def slow():
-    srv = start_server(http_port=0, max_delay_ms=DELAY_MS, max_queue_images=QUEUE,
-                       max_request_images=QUEUE)
+    srv = start_server(http_port=0, max_delay_ms=DELAY_MS, batch_wait=WAIT,
+                       max_queue_images=QUEUE, max_request_images=QUEUE)
     yield srv
     srv.stop()
 
@@ -469,7 +469,7 @@ def test_a_client_that_disconnects_is_not_computed(slow):
 
 
 def test_drain_finishes_accepted_calls_on_both_doors_then_refuses():
-    srv = start_server(http_port=0, max_delay_ms=DELAY_MS * 4)
+    srv = start_server(http_port=0, max_delay_ms=DELAY_MS * 4, batch_wait=WAIT)
     url = srv.http_url
     accepted: list = []
     thread = _post_in_thread(url + "/v1/features", {"images": pngs(random_images(2, 7))},

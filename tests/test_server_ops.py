@@ -31,6 +31,7 @@ from vit22b.v1 import wire
 
 SERVICE = "vit22b.v1.FeatureService"
 DELAY_MS = 1500  # a long batching delay keeps admitted requests waiting in the queue
+WAIT = "delay"  # ... with the policy that always waits it out (not only for decoding images)
 QUEUE = 6
 
 
@@ -52,7 +53,8 @@ def queued(server) -> float:
 
 @pytest.fixture(scope="module")
 def slow():
-    srv = start_server(max_delay_ms=DELAY_MS, max_queue_images=QUEUE, max_request_images=QUEUE)
+    srv = start_server(max_delay_ms=DELAY_MS, batch_wait=WAIT, max_queue_images=QUEUE,
+                       max_request_images=QUEUE)
     yield srv
     srv.stop()
 
@@ -180,7 +182,7 @@ def test_health_stays_open_and_plaintext_is_refused(secure):
 
 
 def test_drain_goes_not_serving_and_finishes_accepted_calls():
-    srv = start_server(max_delay_ms=DELAY_MS * 4)
+    srv = start_server(max_delay_ms=DELAY_MS * 4, batch_wait=WAIT)
     s = stub(srv.address)
     accepted = s.Embed.future(request(2, seed=3), timeout=60)
     wait_for(lambda: queued(srv) == 2)
