@@ -1,6 +1,11 @@
 """Two server settings side by side in one run: single-image clients against each, alternating.
 
     python benchmarks/serve_ab.py --side decoding:batch_wait=decoding --side delay:batch_wait=delay
+    python benchmarks/serve_ab.py --side on: --side off:batcher.lazy_wake=False
+
+A side names ``ServeConfig`` fields, or attributes of the running server's parts
+(``infer.NAME``, ``batcher.NAME``: a lever's switch) set after it started, or
+``loop=uvloop`` (the server's event loop).
 
 One engine (the tiny model by default, compiled once) serves behind one server per side, each
 with its ``ServeConfig`` overrides; every round runs each phase (1, 8, 32 clients: ``serve.py``'s
@@ -13,7 +18,10 @@ to the first (and their range). The last line of stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
+import ast
+import asyncio
 import dataclasses
+import importlib
 import sys
 
 from benchlib import emit, log, machine, median, percentile
@@ -31,7 +39,7 @@ def parse_side(text: str) -> tuple[str, dict[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", action="append", required=True, type=parse_side,
-                        help="NAME:setting=value,... (ServeConfig field names)")
+                        help="NAME:setting=value,... (ServeConfig fields, or part.attribute)")
     parser.add_argument("--model", default="vit-22b-tiny/16")
     parser.add_argument("--images", type=int, default=512, help="images per phase")
     parser.add_argument("--size", type=int, default=64, help="side of the JPEG files")
@@ -55,11 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     for name, overrides in args.side:
         config = ServeConfig(mesh="auto", port=0, metrics_port=0, max_batch_images=args.batch,
                              max_request_images=args.batch, max_delay_ms=args.max_delay_ms)
+        loop = asyncio.new_event_loop
         for key, value in overrides.items():
+            if key == "loop":  # the server's event loop: asyncio's or uvloop's
+                loop = asyncio.new_event_loop if value == "asyncio" else \
+                    importlib.import_module(value).new_event_loop
+                continue
+            if "." in key:
+                continue
             kind = types[key] if isinstance(types[key], str) else types[key].__name__
             setattr(config, key, float(value) if kind.startswith("float") else
                     int(value) if kind.startswith("int") else value)
-        servers[name] = BackgroundServer(config, engine=engine).start()
+        servers[name] = BackgroundServer(config, engine=engine, loop_factory=loop).start()
+        for key, value in overrides.items():  # a lever's switch: `part.attribute=literal`
+            if "." in key:
+                part, attribute = key.split(".", 1)
+                target = getattr(servers[name].server, part)
+                getattr(target, attribute)  # an existing attribute only
+                setattr(target, attribute, ast.literal_eval(value))
     runs: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.clients} for n in servers}
     try:
         for side in servers.values():  # warm: connections, first calls

@@ -46,6 +46,7 @@ the full resize on smooth images; Pillow may order its two passes differently th
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import re
@@ -369,7 +370,7 @@ class Preprocessor:
                 f"the patch ({self.cfg.patch})"
             )
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
         return self.cfg.preprocess_hash(self.geometry.key(self.cfg))
 

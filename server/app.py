@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
 from .engine import Engine, Executor, enable_compile_cache
-from .infer import Infer, Limits
+from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
 from .service import SERVICE_NAME, FeatureService
 from .settings import ServeConfig
@@ -239,10 +239,11 @@ class BackgroundServer:
     """A FeatureServer on its own event-loop thread: for tests, notebooks and in-process use."""
 
     def __init__(
-        self, config: ServeConfig, engine: Engine | None = None, tracing: Tracing | None = None
+        self, config: ServeConfig, engine: Engine | None = None, tracing: Tracing | None = None,
+        loop_factory=new_event_loop,
     ):
         self.server = FeatureServer(config, engine, tracing)
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="vit22b-server"
         )

@@ -7,7 +7,6 @@ fixed seed, labelled ``init:seed=0`` in GetModelInfo) on all local devices, on 1
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -19,6 +18,7 @@ from vit22b.clients import settings  # noqa: E402
 
 from .app import serve_until_signal  # noqa: E402
 from .distributed_cli import add_group_arguments, group_from_args, supervise  # noqa: E402
+from .infer import run_loop  # noqa: E402
 from .settings import ServeConfig  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         if group is not None:
             config.check()  # here: before the JAX process starts
             return supervise(config, group, args.log_level)
-        return asyncio.run(serve_until_signal(config))  # FeatureServer checks the settings
+        return run_loop(serve_until_signal(config))  # FeatureServer checks the settings
     except (ValueError, OSError) as err:  # bad flags, mesh, model, checkpoint or port
         print(f"vit22b serve: {err}", file=sys.stderr)
         return 2

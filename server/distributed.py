@@ -50,6 +50,7 @@ from vit22b.model.outputs import POOLED, OutputRequest
 
 from .app import FeatureServer, build_engine, serve_started
 from .engine import Engine
+from .infer import run_loop
 from .service import SERVICE_NAME
 from .settings import ServeConfig
 
@@ -336,7 +337,7 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
                 f"the workers hold other weights: fingerprints {wrong}, process 0 has "
                 f"{engine.identity.fingerprint}; give every process the same checkpoint"
             )
-        return asyncio.run(_lead(config, group, engine, watch, report))
+        return run_loop(_lead(config, group, engine, watch, report))
     start_heartbeat(client, group.process_id)
     try:
         leader = json.loads(

@@ -84,27 +84,23 @@ def test_requests_queued_behind_a_running_batch_pack_into_one(server):
 
 
 def test_a_queued_request_waits_for_images_still_being_decoded(server):
-    infer, release, decoded = server.server.infer, threading.Event(), threading.Event()
+    infer, release = server.server.infer, threading.Event()
     original = infer._load
 
     def load(index, image, pre):  # the image named "slow" is still decoding while "fast" queues
         if image.id == "slow":
             release.wait(30)
-        pixels = original(index, image, pre)
-        if image.id == "fast":
-            decoded.set()
-        return pixels
+        return original(index, image, pre)
 
-    pixels = random_images(2, seed=3, size=(64, 64))
+    pixels = random_images(3, seed=3, size=(64, 64))
     before = batches(server)
-    infer._load = load
+    infer._load = load  # the pool's step (a call of several images)
     try:
-        slow = stub(server.address).Embed.future(
-            pb.EmbedRequest(images=[raw_image(pixels[0], "slow")]), timeout=60)
-        wait_for(lambda: server.server.batcher._decoding == 1)
+        slow = stub(server.address).Embed.future(pb.EmbedRequest(
+            images=[raw_image(pixels[0], "slow"), raw_image(pixels[1], "other")]), timeout=60)
+        wait_for(lambda: server.server.batcher._decoding == 2)
         fast = stub(server.address).Embed.future(
-            pb.EmbedRequest(images=[raw_image(pixels[1], "fast")]), timeout=60)
-        assert decoded.wait(30)
+            pb.EmbedRequest(images=[raw_image(pixels[2], "fast")]), timeout=60)
         wait_for(lambda: len(server.server.batcher._queue) == 1)  # "fast" waits in the queue
         release.set()
         responses = [slow.result(), fast.result()]
@@ -112,8 +108,8 @@ def test_a_queued_request_waits_for_images_still_being_decoded(server):
         release.set()
         del infer._load
     after = batches(server)
-    assert after[1] - before[1] == 2 and after[0] - before[0] == 1  # one batch of both
-    assert [r.ids[0] for r in responses] == ["slow", "fast"]
+    assert after[1] - before[1] == 3 and after[0] - before[0] == 1  # one batch of all three
+    assert [list(r.ids) for r in responses] == [["slow", "other"], ["fast"]]
 
 
 def test_the_wait_policy_is_a_declared_setting():

@@ -382,3 +382,8 @@ def test_reflection_lists_the_services_and_describes_the_contract(server):
     service = DescriptorPool(database).FindServiceByName("vit22b.v1.FeatureService")
     assert [m.name for m in service.methods] == ["Embed", "EmbedStream", "GetModelInfo"]
     channel.close()
+
+
+def test_the_doors_run_on_uvloop_where_installed(server):
+    uvloop = pytest.importorskip("uvloop")
+    assert isinstance(server._loop, uvloop.Loop)
