@@ -183,7 +183,7 @@ SERVE_NOTES = {
     "model itself gains from batching on this CPU (the row below it), far from 3x: "
     "single-image calls already run it at most of its batched speed.",
     "serve_tiny": "The tiny model costs under a millisecond: these figures are the serving "
-    "path's own per-call cost (gRPC, the SDK, decoding, the batcher's wait), not the model's.",
+    "path's own per-call cost (gRPC, the SDK, decoding, batching), not the model's.",
 }
 
 
@@ -214,8 +214,9 @@ def serve_section(r: dict, note: str = "", clients_target: str = "ratio_clients3
         f"## Serving path: gRPC end to end vs the engine ({r['model']}, mesh {r['mesh']})",
         f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} alternating repeats of "
         f"{r['images']} JPEGs of {r['jpeg_side']}x{r['jpeg_side']}, medians; max_delay_ms "
-        f"{r['max_delay_ms']}; {_load(r)}). Clients run in a separate process, one channel "
-        "each; average batch from the server's `vit22b_batch_images` metric.",
+        f"{r['max_delay_ms']}, batch wait {r.get('batch_wait', 'delay')}; {_load(r)}). Clients "
+        "run in a separate process, one channel each; average batch from the server's "
+        "`vit22b_batch_images` metric.",
         table(["side", "img/s", "p50 ms", "p99 ms", "avg batch", ""], rows),
         table(["ratio", "value (target)"], ratios),
         note,
