@@ -106,7 +106,7 @@ class FeatureServer:
             max_batch_images=config.max_batch_images,
             max_delay_s=config.max_delay_ms / 1e3,
             max_queue_images=config.max_queue_images,
-            wait=config.batch_wait,
+            batch_wait=config.batch_wait,
         )
         limits = Limits(
             max_request_images=config.max_request_images,

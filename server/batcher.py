@@ -5,14 +5,14 @@ decoded, or raises ``QueueFull`` at once (the facade retries it for a stream: ba
 Preprocessed jobs are queued; one compute thread packs rows of jobs with
 the same output set and the same patch grid, in arrival order, up to the grid's batch limit
 (``max_batch_images``, and ``Engine.max_images(grid)``: the patch budget), splitting jobs larger
-than a batch. When a batch is not full, ``wait`` decides: ``"decoding"`` (the default) runs the
-queued rows as soon as the compute thread is free and no admitted image is still being decoded
-(none can join: TEI's policy), and otherwise waits for those images until the oldest job has
-waited ``max_delay_s``; ``"delay"`` always waits ``max_delay_s`` for a fuller batch (Triton's
-``max_queue_delay``). The images being decoded are counted over every output set and grid (their
-grid is known only once decoded). A ``solo`` job is never packed with others (its batches are
-the same whatever else is queued: the batch job's bit-exact resumes); under ``"decoding"`` it
-never waits, since no company can join it.
+than a batch. When a batch is not full, ``batch_wait`` decides: ``"decoding"`` (the default)
+runs the queued rows as soon as the compute thread is free and no admitted image is still being
+decoded (none can join: TEI's policy), and otherwise waits for those images until the oldest job
+has waited ``max_delay_s``; ``"delay"`` always waits ``max_delay_s`` for a fuller batch
+(Triton's ``max_queue_delay``). The images being decoded are counted over every output set and
+grid (their grid is known only once decoded). A ``solo`` job is never packed with others (its
+batches are the same whatever else is queued: the batch job's bit-exact resumes); under
+``"decoding"`` it never waits, since no company can join it.
 The compute thread never compiles: a batch whose forward is not compiled yet is handed to the
 engine's compile thread and waits while batches of other output sets run. A job whose caller has
 gone or whose deadline has passed is dropped before its rows are computed.
@@ -98,12 +98,13 @@ class Batcher:
         max_batch_images: int | None = None,
         max_delay_s: float = 0.005,
         max_queue_images: int = 1024,
-        wait: str = "decoding",
+        batch_wait: str = "decoding",
     ):
-        if wait not in BATCH_WAITS:
-            raise ValueError(f"batch wait must be one of {', '.join(BATCH_WAITS)}, got {wait!r}")
+        if batch_wait not in BATCH_WAITS:
+            raise ValueError(
+                f"batch wait must be one of {', '.join(BATCH_WAITS)}, got {batch_wait!r}")
         self.engine, self.metrics = engine, metrics
-        self.wait = wait
+        self.batch_wait = batch_wait
         self.max_batch_images = min(
             max_batch_images or engine.max_batch_images, engine.max_batch_images
         )
@@ -204,7 +205,7 @@ class Batcher:
                     self._cond.wait()
                     continue
                 now, wait = time.monotonic(), None
-                eager = self.wait == "decoding"
+                eager = self.batch_wait == "decoding"
                 alone = eager and not self._decoding  # no image on its way to join
                 for head in self._heads():
                     ready = self._ready_rows(head)

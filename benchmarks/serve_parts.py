@@ -1,0 +1,112 @@
+"""The serving path's parts alone, one thread, no clients: what each step of a call costs.
+
+    python benchmarks/serve_parts.py            # the tiny model, 64x64 noise JPEGs
+
+Decoding one JPEG (``pixels.decode``, at the contract's reduced size), the resize / crop and the
+normalisation, the whole load; a round trip from an event loop to a thread pool and back
+(``run_in_executor`` of a no-op, asyncio's loop and uvloop's); the preprocessing hash; and
+``Engine.forward`` (pooled, the engine's own plan) per batch size, wall and process CPU. Medians
+of timed loops, in microseconds. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from benchlib import emit, log, machine
+from serve import jpegs
+
+BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def per_call_us(fn, calls: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return round((time.perf_counter() - start) / calls * 1e6, 1)
+
+
+def pool_round_trip_us(loop_factory, calls: int) -> float:
+    pool = ThreadPoolExecutor(2)
+
+    async def trips() -> float:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(pool, int)
+        start = time.perf_counter()
+        for _ in range(calls):
+            await loop.run_in_executor(pool, int)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    loop = loop_factory()
+    try:
+        return round(loop.run_until_complete(trips()), 1)
+    finally:
+        loop.close()
+        pool.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit-22b-tiny/16")
+    parser.add_argument("--size", type=int, default=64, help="side of the JPEG files")
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args(argv)
+
+    from vit22b.server.cpu_devices import emulate_cpu_devices
+
+    emulate_cpu_devices()
+    from vit22b.model.outputs import POOLED
+    from vit22b.model.pixels import OWN_GEOMETRY, Preprocessor, decode
+    from vit22b.server.engine import Engine
+
+    engine = Engine.load(args.model, mesh="auto", max_batch_images=max(BATCHES))
+    engine.warm_up()
+    pre = Preprocessor(engine.cfg, OWN_GEOMETRY)
+    data = jpegs(1, args.size)[0]
+    pixels = decode(data, min_side=pre.min_side)
+    result: dict = {
+        "decode_us": per_call_us(lambda: decode(data, min_side=pre.min_side), args.calls),
+        "crop_us": per_call_us(lambda: pre.crop(pixels), args.calls),
+        "normalise_us": per_call_us(lambda: pre.normalise(pixels), args.calls),
+        "load_us": per_call_us(lambda: pre(decode(data, min_side=pre.min_side)), args.calls),
+        "hash_uncached_us": per_call_us(
+            lambda: engine.cfg.preprocess_hash(pre.geometry.key(engine.cfg)), args.calls),
+        "pool_round_trip_us": {"asyncio": pool_round_trip_us(asyncio.new_event_loop,
+                                                             args.calls)},
+    }
+    try:
+        import uvloop
+
+        result["pool_round_trip_us"]["uvloop"] = pool_round_trip_us(uvloop.new_event_loop,
+                                                                    args.calls)
+    except ImportError:
+        log("uvloop not installed")
+    outputs, forward = engine.resolve(POOLED), {}
+    for n in BATCHES:
+        images = np.random.default_rng(n).random((n, *pixels.shape), np.float32)
+        for _ in range(10):
+            engine.forward(images, outputs)
+        calls = max(20, args.calls // (10 * n))
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            engine.forward(images, outputs)
+        wall = (time.perf_counter() - wall) / calls * 1e6
+        cpu = (time.process_time() - cpu) / calls * 1e6
+        forward[n] = {"wall_us": round(wall), "cpu_us": round(cpu),
+                      "cpu_us_per_image": round(cpu / n)}
+    result["forward"] = forward
+    for key, value in result.items():
+        log(f"{key}: {value}")
+    emit({"benchmark": "serve_parts", "model": args.model, "jpeg_side": args.size, **result,
+          "machine": machine()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
