@@ -28,6 +28,7 @@ from .embed import (
     run_job,
 )
 from .embed_inputs import InputListError, enumerate_inputs
+from .embed_ray import MAX_RETRIES
 from .embed_store import JobMismatch
 from .embed_video import video_arrays
 from .outputs import OutputsError
@@ -109,6 +110,10 @@ class EmbedSettings:
                           "(pip install 'vit22b[ray]')", check=_one_of(("threads", "ray")))
     ray_address: str | None = setting(
         None, "Ray cluster to join (default: RAY_ADDRESS, or a new local instance)")
+    ray_max_retries: int = setting(
+        MAX_RETRIES, "--runner ray: runs of a shard again after its worker process died; then "
+        "the job ends naming it (completed shards are kept)",
+        check=lambda v: None if v >= 0 else "must be >= 0")
     ext: tuple[str, ...] = setting(
         (), "only files with these extensions, e.g. jpg,png (default: every file; with "
         "--frames: .mp4 .webm .mkv .mov .avi)", parse=lambda text: tuple(_csv(text)))
@@ -194,7 +199,8 @@ def ray_runner(args: EmbedSettings):
     else:
         actors = EngineActors(model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
                               seed=args.seed, compute_dtype=args.compute_dtype)
-    return RayRunner(actors, concurrency=args.concurrency, address=args.ray_address)
+    return RayRunner(actors, concurrency=args.concurrency, address=args.ray_address,
+                     max_retries=args.ray_max_retries)
 
 
 def run(args: argparse.Namespace) -> int:

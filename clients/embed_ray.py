@@ -18,11 +18,15 @@ Two kinds of actors (``actors=``):
 - :class:`EngineActors`: each actor holds a local engine (``LocalBackend``), on one GPU each
   when the cluster has GPUs: for models that fit one device.
 
-Failures. An actor whose process dies is restarted by Ray and its shard is run again (Ray
-Data's defaults for actor pools: ``max_restarts=-1``, ``max_task_retries=-1``, so a shard that
-kills its process every time holds the job up; Ray's worker logs say which). A shard's files
-depend on its slice alone and each is written whole, so a shard run twice leaves the same files,
-and the manifest holds each index once: every image is in the output exactly once. Unreadable or
+Failures. An actor whose process dies is restarted by Ray and its shards in flight are run
+again, each at most ``max_retries`` times (``max_task_retries``; the actor itself restarts
+without bound, so sporadic deaths over a long job cost nothing but the shards they hit). A
+shard that kills its process every time is given up after that: the other shards go on, and
+the job then ends with JobFailed naming it (Ray Data's ``max_errored_blocks`` is unbounded for
+this dataset: such system failures are the only errors a shard's task can end with, since the
+job's own errors come back as the shard's row and end the job at once). A shard's files depend
+on its slice alone and each is written whole, so a shard run twice leaves the same files, and
+the manifest holds each index once: every image is in the output exactly once. Unreadable or
 undecodable images are failures with their reason (errors.jsonl), never dropped. A driver that
 dies loses only the shards in flight: rerun, and completed shards are skipped.
 
@@ -44,6 +48,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +71,8 @@ from .embed import (
 from .embed_inputs import InputItem
 from .embed_store import JobMismatch, ShardWriter
 from .outputs import OutputsError
+
+MAX_RETRIES = 3  # runs of a shard after the first whose worker process died (--ray-max-retries)
 
 
 @dataclass(frozen=True)
@@ -157,18 +165,28 @@ class EmbedShards:
         self.turn = os.getpid()  # actors start on different servers
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        out: dict[str, list] = {"index": [], "entry": [], "failed": []}
+        """Per shard its manifest entry and failures, or the error that ends the job (pickled:
+        the driver raises it; a raised one would be an errored block, see Failures)."""
+        out: dict[str, list] = {"index": [], "entry": [], "failed": [], "error": []}
         for index, listing in zip(batch["index"], batch["items"]):
-            items = [InputItem(i, p) for i, p in json.loads(listing)]
-            positions = range(len(items))
-            results = {b: self._embed(items[r.start : r.stop])
-                       for b, r in enumerate(batch_ranges(positions, self.batch_size))}
-            rows = shard_rows(items, positions, self.batch_size, results, self.writer)
-            entry = self.writer.write(int(index), *rows)
+            entry, failed, error = {}, [], b""
+            try:
+                entry, failed = self._shard(int(index), json.loads(listing))
+            except Exception as err:  # noqa: BLE001 - any error ends the job, in the driver
+                error = pickle.dumps(_picklable(err))
             out["index"].append(int(index))
             out["entry"].append(json.dumps(entry))
-            out["failed"].append(json.dumps(rows[-1]))
+            out["failed"].append(json.dumps(failed))
+            out["error"].append(error)
         return out
+
+    def _shard(self, index: int, listing: list) -> tuple[dict, list[dict]]:
+        items = [InputItem(i, p) for i, p in listing]
+        positions = range(len(items))
+        results = {b: self._embed(items[r.start : r.stop])
+                   for b, r in enumerate(batch_ranges(positions, self.batch_size))}
+        rows = shard_rows(items, positions, self.batch_size, results, self.writer)
+        return self.writer.write(index, *rows), rows[-1]
 
     def _embed(self, items: Sequence[InputItem]) -> BatchResult:
         """One batch, through the next server still up (remote); the engine (local)."""
@@ -222,6 +240,15 @@ def _check_room(actors, concurrency: int) -> dict:
     return need
 
 
+def _picklable(err: Exception) -> Exception:
+    """``err`` if it survives pickling, else the job's error with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001 - an exception type that does not pickle
+        return JobFailed(f"{type(err).__name__}: {err}")
+
+
 def _cause(err: BaseException) -> BaseException:
     """The job's own error inside Ray's wrappers (RayTaskError, UserCodeException)."""
     seen = err
@@ -247,11 +274,13 @@ def embed_with_ray(
     concurrency: int = 2,
     address: str | None = None,
     items: list[InputItem] | None = None,
+    max_retries: int = MAX_RETRIES,
 ) -> Summary:
     """Embed every input not yet in ``config.output`` on a Ray cluster; returns the summary.
 
     ``concurrency`` actors of the given kind; ``address`` as for ``ray.init`` (used only when
-    this process has not joined a cluster yet). Raises what the threads runner raises
+    this process has not joined a cluster yet); ``max_retries``: how often a shard is run again
+    after its worker process died (see Failures). Raises what the threads runner raises
     (JobMismatch, JobFailed, ValueError)."""
     try:
         import ray
@@ -261,29 +290,37 @@ def embed_with_ray(
 
     if concurrency < 1:
         raise ValueError("--concurrency must be at least 1")
+    if max_retries < 0:
+        raise ValueError("--ray-max-retries must be at least 0")
     joined = connect(address)
     try:
         resources = _check_room(actors, concurrency)
         model = actors.identity(config.spec, config.batch_size)
 
         def run_pending(items, slices, pending, store, summary) -> None:
-            context = ray.data.DataContext.get_current()
-            context.enable_progress_bars = False  # the job's own bar counts images
             logging.getLogger("ray.data").setLevel(logging.WARNING)
             shards = ray.data.from_items(_shard_rows_of(items, slices, pending),
                                          override_num_blocks=len(pending))
-            done = shards.map_batches(
-                EmbedShards,
-                batch_size=1,
-                compute=ray.data.ActorPoolStrategy(size=concurrency),
-                fn_constructor_kwargs=dict(actors=actors, spec=config.spec,
-                                           batch_size=config.batch_size, writer=store.writer,
-                                           expected=model.key, video=config.video),
-                **resources,
-            )
+            shards.context.enable_progress_bars = False  # the job's own bar counts images
+            shards.context.max_errored_blocks = -1  # a shard given up: named below
+            with warnings.catch_warnings():  # Ray 2.60 deprecates these remote arguments (and
+                # names no replacement for them): pyproject keeps ray below 2.64, which drops them
+                warnings.filterwarnings("ignore", "`ray_remote_args` is deprecated")
+                done = shards.map_batches(
+                    EmbedShards,
+                    batch_size=1,
+                    compute=ray.data.ActorPoolStrategy(size=concurrency),
+                    fn_constructor_kwargs=dict(actors=actors, spec=config.spec,
+                                               batch_size=config.batch_size, writer=store.writer,
+                                               expected=model.key, video=config.video),
+                    max_restarts=-1, max_task_retries=max_retries,
+                    **resources,
+                )
             bar = progress_bar(sum(len(slices[k]) for k in pending), config.quiet)
             try:
                 for row in _results(done):
+                    if row["error"]:
+                        raise _cause(pickle.loads(row["error"]))
                     entry = json.loads(row["entry"])
                     store.record(entry, json.loads(row["failed"]))
                     summary.add(entry)
@@ -292,11 +329,24 @@ def embed_with_ray(
                         config.on_shard(entry["index"])
             finally:
                 bar.close()
+            lost = [k for k in pending if k not in store.done]
+            if lost:
+                raise JobFailed(_given_up(lost, slices, items, max_retries, len(store.done)))
 
         return run_plan(config, model, items, run_pending)
     finally:
         if joined:
             ray.shutdown()
+
+
+def _given_up(lost: list[int], slices: list[range], items: list[InputItem], retries: int,
+              done: int) -> str:
+    named = ", ".join(f"shard {k} (inputs {items[slices[k][0]].id} .. "
+                      f"{items[slices[k][-1]].id})" for k in lost[:5])
+    more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+    return (f"{named}{more}: given up after {retries + 1} tries, the worker process died "
+            f"each time (Ray's worker logs say why; --ray-max-retries sets the retries); the "
+            f"{done} completed shards are kept: rerun the same command to resume")
 
 
 @dataclass
@@ -306,10 +356,11 @@ class RayRunner:
     actors: ServerActors | EngineActors
     concurrency: int = 2
     address: str | None = None
+    max_retries: int = MAX_RETRIES
 
     def run(self, config: JobConfig, items: list[InputItem] | None = None) -> Summary:
         return embed_with_ray(config, self.actors, concurrency=self.concurrency,
-                              address=self.address, items=items)
+                              address=self.address, items=items, max_retries=self.max_retries)
 
     def close(self) -> None:
         pass

@@ -2,8 +2,10 @@
 
 Both kinds of actors against the threads runner on the same folder (bit for bit: one request in
 flight on each side), a worker process SIGKILLed mid-job (Ray restarts it; every image ends up
-in the output exactly once), a rerun that skips everything, corrupt files reported, inputs and
-Parquet outputs on a real S3-compatible server on loopback, and the CLI joining the instance.
+in the output exactly once), a shard whose worker is killed every time it reads one input (given
+up after the retries, named, the rest kept), a rerun that skips everything, corrupt files
+reported, inputs and Parquet outputs on a real S3-compatible server on loopback, and the CLI
+joining the instance.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,8 @@ import pytest
 from serving import MESH, shared_engine
 from test_embed import read_dir
 from test_embed_remote import dataset, server  # noqa: F401 - the fixtures: 30 + 3 bad files
-from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+from vit22b.clients.embed import JobConfig, JobFailed, OutputSpec, run_job
+from vit22b.clients.embed_inputs import InputItem, enumerate_inputs
 from vit22b.clients.embed_local import LocalBackend
 from vit22b.clients.embed_ray import EngineActors, ServerActors, embed_with_ray
 from vit22b.clients.embed_remote import RemoteBackend
@@ -128,6 +132,67 @@ def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, serve
                                    rtol=1e-2, atol=1e-2)
     assert (tmp_path / "out" / "errors.jsonl").read_bytes() == \
         (tmp_path / "alone" / "errors.jsonl").read_bytes()
+
+
+class KillWhoeverReads:
+    """A FIFO among the inputs: each time an actor opens it, that actor's process is SIGKILLed
+    (before a byte is written: the read never returns), until ``stop()``."""
+
+    def __init__(self, path: Path):
+        self.path, self.kills, self.stopped = path, [], False
+        os.mkfifo(path)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped:
+            with open(self.path, "wb"):  # returns once a reader opened it
+                reader = self._reader()
+                if reader is None:
+                    continue  # stop(), or the last victim not quite gone yet
+                os.kill(reader, signal.SIGKILL)
+                self.kills.append(reader)
+                psutil.Process(reader).wait(timeout=30)  # closed only now: never an EOF
+
+    def _reader(self) -> int | None:
+        for _ in range(200):
+            for pid in actor_pids():
+                try:
+                    fds = os.listdir(f"/proc/{pid}/fd")
+                    if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(self.path) for fd in fds):
+                        return pid
+                except OSError:  # gone, or an fd closed meanwhile
+                    pass
+        return None
+
+    def stop(self) -> None:
+        self.stopped = True
+        with open(self.path, "rb"):  # unblocks the open for writing
+            pass
+        self.thread.join(timeout=30)
+
+
+def test_a_shard_that_kills_its_worker_every_time_is_given_up_and_named(cluster, server,
+                                                                         dataset, tmp_path):
+    data, good, _ = dataset
+    poison = KillWhoeverReads(tmp_path / "poison.jpg")
+    items = [*enumerate_inputs([str(data)]), InputItem("zz.jpg", str(poison.path))]
+    job = config(data, tmp_path / "out")  # shards of 5: zz.jpg, last, is in shard 6 of 0..6
+    try:
+        with pytest.raises(JobFailed) as failed:
+            embed_with_ray(job, ServerActors((server.address,)), concurrency=2, items=items,
+                           max_retries=1)
+    finally:
+        poison.stop()
+    message = str(failed.value)
+    assert "shard 6 (inputs " in message and "zz.jpg)" in message, message
+    assert "given up after 2 tries" in message and "6 completed shards are kept" in message
+    assert len(poison.kills) == 2  # the first try and one retry, each in its own process
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert sorted(s["index"] for s in manifest["shards"]) == list(range(6))
+    ids = [i for s in manifest["shards"]
+           for i in json.loads((tmp_path / "out" / s["files"]["ids"]["file"]).read_text())["ids"]]
+    assert ids == [item.id for item in items[:30] if item.id in good]  # whole and once
 
 
 def test_s3_inputs_and_parquet_outputs(cluster, server, dataset, s3, tmp_path):
