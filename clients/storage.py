@@ -1,7 +1,7 @@
 """Where the batch job reads and writes: local paths, or URLs of any fsspec filesystem.
 
 ``s3://bucket/key``, ``gs://bucket/key``, ``memory://...`` and the other fsspec protocols go
-through fsspec (``pip install 'vit22b[storage]'`` brings fsspec and s3fs; gs:// needs gcsfs),
+through fsspec (``pip install 'vit22b[storage]'`` brings fsspec, s3fs and gcsfs),
 with credentials from the usual environment of each (for S3: ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3`` ...; for GCS: application
 default credentials). ``file://`` URLs and plain paths are the local disk, through ``os``.

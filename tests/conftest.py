@@ -1,5 +1,8 @@
-"""Test setup: 8 emulated CPU devices, set before jax is imported anywhere; an S3 server."""
+"""Test setup: 8 emulated CPU devices, set before jax is imported anywhere; S3 and GCS servers."""
 
+import contextlib
+import importlib.util
+import itertools
 import logging
 import os
 import socket
@@ -12,42 +15,94 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-@pytest.fixture(scope="session")
-def s3():
-    """A real S3-compatible server (moto's server mode) on a free loopback port; the AWS
-    variables point every S3 client of this process (and of processes it starts) at it.
-    Yields ``bucket(name, files)``: a fresh bucket holding ``files`` ({key: bytes}); its URL."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` in os.environ (so also in processes started meanwhile), restored afterwards."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    buckets = []
-
-    def bucket(name: str, files: dict[str, bytes] | None = None) -> str:
-        import fsspec
-
-        name = f"{name}-{len(buckets)}"
-        fs = fsspec.filesystem("s3")
-        fs.mkdir(name)
-        buckets.append(name)
-        for key, blob in (files or {}).items():
-            fs.pipe(f"{name}/{key}", blob)
-        return f"s3://{name}"
-
     try:
-        yield bucket
+        yield
     finally:
-        server.stop()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _buckets(protocol: str):
+    """``bucket(name, files)``: a fresh bucket holding ``files`` ({key: bytes}); its URL."""
+    count = itertools.count()
+
+    def bucket(name: str, files: dict[str, bytes] | None = None) -> str:
+        import fsspec
+
+        name = f"{name}-{next(count)}"
+        fs = fsspec.filesystem(protocol)
+        fs.mkdir(name)
+        for key, blob in (files or {}).items():
+            fs.pipe(f"{name}/{key}", blob)
+        return f"{protocol}://{name}"
+
+    return bucket
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto's server mode) on a free loopback port; the AWS
+    variables point every S3 client of this process (and of processes it starts) at it.
+    Yields ``bucket(name, files)`` (see _buckets)."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}
+    try:
+        with _environment(env):
+            yield _buckets("s3")
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A real GCS-compatible server (gcp-storage-emulator, in memory) on a free loopback port;
+    ``STORAGE_EMULATOR_HOST`` points gcsfs at it, anonymously (``FSSPEC_GS_TOKEN``, and the
+    same in fsspec's config here: it read the environment when imported). gcsfs's default
+    filesystem asks GCS's gRPC control API what kind each bucket is, which no emulator serves
+    (60 s of retries per bucket): ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` takes the plain
+    JSON-API one, read when gcsfs is imported (so not imported before this). Yields
+    ``bucket(name, files)`` (see _buckets)."""
+    for module in ("gcsfs", "gcp_storage_emulator"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"gs:// tests need {module}")
+    import fsspec.config
+
+    port = _free_port()
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "FSSPEC_GS_TOKEN": "anon"}
+    with _environment(env):
+        from gcp_storage_emulator.server import create_server
+
+        logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+        server = create_server("127.0.0.1", port, in_memory=True)
+        server.start()
+        saved = fsspec.config.conf.get("gs")
+        fsspec.config.conf["gs"] = {**(saved or {}), "token": "anon"}
+        try:
+            yield _buckets("gs")
+        finally:
+            server.stop()
+            if saved is None:
+                fsspec.config.conf.pop("gs", None)
+            else:
+                fsspec.config.conf["gs"] = saved

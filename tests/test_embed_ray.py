@@ -4,8 +4,8 @@ Both kinds of actors against the threads runner on the same folder (bit for bit:
 flight on each side), a worker process SIGKILLed mid-job (Ray restarts it; every image ends up
 in the output exactly once), a shard whose worker is killed every time it reads one input (given
 up after the retries, named, the rest kept), a rerun that skips everything, corrupt files
-reported, inputs and Parquet outputs on a real S3-compatible server on loopback, and the CLI
-joining the instance.
+reported, inputs and Parquet outputs on real S3- and GCS-compatible servers on loopback, and the
+CLI joining the instance.
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ SPEC = OutputSpec(pooled=True, patch_layers=(-1,), dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
-def cluster(s3):
-    # after the S3 server: Ray's workers inherit this process's environment at init
+def cluster(s3, request):
+    # after the S3 and GCS servers: Ray's workers inherit this process's environment at init
+    try:
+        request.getfixturevalue("gcs")
+    except pytest.skip.Exception:  # no gcsfs here: the gs:// case skips, the others run
+        pass
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
              logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
@@ -195,14 +199,17 @@ def test_a_shard_that_kills_its_worker_every_time_is_given_up_and_named(cluster,
     assert ids == [item.id for item in items[:30] if item.id in good]  # whole and once
 
 
-def test_s3_inputs_and_parquet_outputs(cluster, server, dataset, s3, tmp_path):
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_object_store_inputs_and_parquet_outputs(cluster, server, dataset, store, request,
+                                                 tmp_path):
     import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data, good, bad = dataset
-    bucket = s3("ray", {f"photos/{rel}": (data / rel).read_bytes() for rel in [*good, *bad]})
-    fs = fsspec.filesystem("s3")
+    bucket = request.getfixturevalue(store)(
+        "ray", {f"photos/{rel}": (data / rel).read_bytes() for rel in [*good, *bad]})
+    fs = fsspec.filesystem(bucket.split("://")[0])
     out = f"{bucket}/emb"
     job = JobConfig([f"{bucket}/photos/"], out, SPEC, batch_size=4, shard_size=5, quiet=True,
                     format="parquet")

@@ -2,7 +2,8 @@
 
 Parquet and safetensors shards are read back with pyarrow / pandas / safetensors alone and must
 equal the .npy shards of the same job (bfloat16 compared as bfloat16). Remote storage: fsspec's
-memory:// and a real S3-compatible server on loopback (moto's server mode, the ``s3`` fixture).
+memory://, a real S3-compatible server on loopback (moto's server mode, the ``s3`` fixture) and a
+real GCS-compatible one (gcp-storage-emulator, the ``gcs`` fixture).
 """
 
 from __future__ import annotations
@@ -180,6 +181,23 @@ def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):
     assert listed.embedded == 1
     assert [(f["id"], f["reason"]) for f in failed] == [
         (f"{bucket}/photos/missing.jpg", "cannot read file: No such file or directory")]
+
+
+def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
+    root, good, bad = data
+    bucket = gcs("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
+    out = f"{bucket}/emb"
+    summary = local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3, format="parquet")
+    assert summary.complete and (summary.embedded, summary.failed) == (7, 3)
+    result = open_outputs(out, verify=True)
+    reference = open_outputs(str(npy))
+    assert result.ids == reference.ids
+    for name in reference.names:
+        np.testing.assert_array_equal(np.asarray(result[name]), np.asarray(reference[name]))
+    assert sorted(f["id"] for f in result.failed) == sorted(bad)
+    assert result.failed[0]["path"] == f"{bucket}/photos/{result.failed[0]['id']}"
+    assert local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3,
+                     format="parquet").skipped == 10
 
 
 def test_local_file_urls(engine, data, npy, tmp_path):
