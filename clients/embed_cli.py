@@ -111,8 +111,8 @@ class EmbedSettings:
     ray_address: str | None = setting(
         None, "Ray cluster to join (default: RAY_ADDRESS, or a new local instance)")
     ray_max_retries: int = setting(
-        MAX_RETRIES, "--runner ray: runs of a shard again after its worker process died; then "
-        "the job ends naming it (completed shards are kept)",
+        MAX_RETRIES, "--runner ray: how often a shard runs again after its worker process "
+        "died; then the job ends naming it (completed shards are kept)",
         check=lambda v: None if v >= 0 else "must be >= 0")
     ext: tuple[str, ...] = setting(
         (), "only files with these extensions, e.g. jpg,png (default: every file; with "
