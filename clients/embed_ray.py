@@ -317,8 +317,9 @@ def embed_with_ray(
                     **resources,
                 )
             bar = progress_bar(sum(len(slices[k]) for k in pending), config.quiet)
+            rows = _results(done)
             try:
-                for row in _results(done):
+                for row in rows:
                     if row["error"]:
                         raise _cause(pickle.loads(row["error"]))
                     entry = json.loads(row["entry"])
@@ -328,6 +329,7 @@ def embed_with_ray(
                     if config.on_shard is not None:
                         config.on_shard(entry["index"])
             finally:
+                rows.close()  # a job's error raised here: Ray Data stops the pool now
                 bar.close()
             lost = [k for k in pending if k not in store.done]
             if lost:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from serving import MESH, shared_engine
+from serving import MESH, shared_engine, start_server
 from test_embed import read_dir
 from test_embed_remote import dataset, server  # noqa: F401 - the fixtures: 30 + 3 bad files
 from vit22b.clients.embed import JobConfig, JobFailed, OutputSpec, run_job
@@ -197,6 +197,28 @@ def test_a_shard_that_kills_its_worker_every_time_is_given_up_and_named(cluster,
     ids = [i for s in manifest["shards"]
            for i in json.loads((tmp_path / "out" / s["files"]["ids"]["file"]).read_text())["ids"]]
     assert ids == [item.id for item in items[:30] if item.id in good]  # whole and once
+
+
+def test_a_lost_server_ends_the_job_with_its_reason_and_a_rerun_resumes(cluster, server,
+                                                                         dataset, tmp_path):
+    data, good, _ = dataset
+    lone = start_server(max_delay_ms=25)  # its own server, stopped once a shard is recorded
+    stopped = []
+
+    def stop_it(shard: int) -> None:
+        if not stopped:
+            lone.stop()
+            stopped.append(shard)
+
+    job = config(data, tmp_path / "out", batch_size=1, shard_size=2, on_shard=stop_it)
+    with pytest.raises(JobFailed, match="every server is lost") as failed:  # an actor's error,
+        embed_with_ray(job, ServerActors((lone.address,)), concurrency=1)  # raised here
+    assert lone.address in str(failed.value)
+    again = embed_with_ray(config(data, tmp_path / "out", batch_size=1, shard_size=2),
+                           ServerActors((server.address,)), concurrency=2)
+    assert again.complete and again.skipped >= 2 and again.skipped + again.embedded + \
+        again.failed == 33
+    assert open_outputs(str(tmp_path / "out"), verify=True).ids == good
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])
