@@ -7,7 +7,10 @@ directory, after one warm-up job. Timestamps (one clock: the machine's) from the
 last rows, recording shards) and from the actors (a subclass of EmbedShards that logs its
 process's start, its constructor, and each call, to a file), printed relative to the job's
 start. The difference between consecutive marks is the phase's cost; a threads-runner job of
-the same size is timed beside it.
+the same size is timed beside it. Also the CPU each side spends per image, by process: this
+one (the driver, or the threads runner), the server, the actors, and Ray's own processes
+(raylet, GCS, idle workers), from /proc before and after each job (an actor logs its own CPU
+at every call's end, since it exits with the job).
 
     python benchmarks/embed_ray_phases.py --images 1024 --repeats 3
 """
@@ -50,8 +53,43 @@ class TimedShards(embed_ray.EmbedShards):
     def __call__(self, batch):
         note("call_start")
         out = super().__call__(batch)
-        note("call_end")
+        note("call_end", cpu=own_cpu(psutil.Process()))
         return out
+
+
+def own_cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def cpu_snapshot(server_pid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (its group, CPU seconds so far) for this process and every process below it."""
+    me = psutil.Process()
+    out = {}
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            line = " ".join(process.cmdline())
+            if process.pid == me.pid:
+                group = "driver"
+            elif process.pid == server_pid:
+                group = "server"
+            else:
+                group = "actors" if "MapWorker" in line else "ray_system"
+            out[process.pid] = (group, own_cpu(process))
+        except psutil.Error:  # gone meanwhile
+            pass
+    return out
+
+
+def cpu_used(before: dict, after: dict, actors_end: dict[int, float]) -> dict[str, float]:
+    """CPU seconds per group between two snapshots; actors that exited, from their own log."""
+    used = dict.fromkeys(("driver", "server", "actors", "ray_system"), 0.0)
+    for pid, (group, cpu) in after.items():
+        used[group] += cpu - before.get(pid, (group, 0.0))[1]
+    for pid, cpu in actors_end.items():
+        if pid not in after:
+            used["actors"] += cpu - before.get(pid, ("", 0.0))[1]
+    return used
 
 
 def instrument(marks: list[tuple[float, str]]) -> None:
@@ -121,27 +159,35 @@ def main(argv: list[str] | None = None) -> int:
                          batch_size=args.batch_size, shard_size=args.shard_size, quiet=True,
                          on_shard=lambda k: marks.append((time.time(), "row")))
 
+    cpu: dict[str, list[dict[str, float]]] = {"threads": [], "ray": []}
+
     def on_ray() -> dict[str, float]:
         marks.clear()
         open(TRACE, "w").close()
+        before = cpu_snapshot(server.pid)
         start = time.time()
         summary = embed_ray.embed_with_ray(config(), embed_ray.ServerActors((address,)),
                                            concurrency=args.concurrency)
         end = time.time()
         assert summary.complete and summary.embedded == args.images, summary
         events = [json.loads(line) for line in open(TRACE)]
+        actors_end = {e["pid"]: e["cpu"] for e in events if e["event"] == "call_end"}
+        cpu["ray"].append(cpu_used(before, cpu_snapshot(server.pid), actors_end))
         return timeline(start, end, marks, events)
 
     def threads() -> float:
         backend = RemoteBackend([address], spec, batch_size=args.batch_size,
                                 concurrency=args.concurrency, quiet=True)
+        before = cpu_snapshot(server.pid)
         start = time.perf_counter()
         try:
             summary = run_job(config(), backend)
         finally:
             backend.close()
         assert summary.complete
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        cpu["threads"].append(cpu_used(before, cpu_snapshot(server.pid), {}))
+        return seconds
 
     try:
         on_ray(), threads()  # warm-up
@@ -165,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads_s": round(median(threads_s), 3),
         "ray_phases_s": phases,
+        "cpu_ms_per_image": {  # the warm-up's excluded; medians over the repeats
+            side: {group: round(1e3 * median([r[group] for r in runs[1:]]) / args.images, 3)
+                   for group in runs[0]}
+            for side, runs in cpu.items()},
         "ray": ray.__version__,
         "load_average_before": load_before,
         "load_average_after": load_average(),
