@@ -259,6 +259,7 @@ def test_cli_joins_the_cluster(cluster, server, dataset, tmp_path):
     data, good, _ = dataset
     args = [sys.executable, "-m", "vit22b.clients.cli", "embed", str(data), "--server",
             server.address, "--runner", "ray", "--ray-address", cluster, "--concurrency", "2",
+            "--ray-max-retries", "2",
             "--format", "safetensors", "--dtype", "bfloat16", "-o", str(tmp_path / "out"), "-q"]
     job = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr
