@@ -8,6 +8,7 @@ its CPU dry run checks it and the file says so.
     python benchmarks/run_all.py              # the full run (about 25 minutes on 2 cores)
     python benchmarks/run_all.py --quick      # fewer repeats and batches: checks the plumbing
     python benchmarks/run_all.py --only decode startup      # these two; their sections to stdout
+    python benchmarks/run_all.py --resume     # after a cut-short run: the finished ones kept
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         serve_tiny += ["--repeats", "1"]
         http_tiny += ["--repeats", "1"]
     embed_ray = ["benchmarks/embed_ray.py"]
+    # a job of the size Ray is for: its fixed start (about a second) weighs little there
+    embed_ray_large = embed_ray + ["--images", "49152", "--repeats", "2"]
     if quick:
         embed_ray += ["--images", "1024", "--small", "256", "--repeats", "1"]
     video = ["benchmarks/video.py"] + (["--clips", "8", "--repeats", "1"] if quick else [])
@@ -69,6 +72,7 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         ("profile_serve", py + profile),
         ("serve_http_tiny", py + http_tiny),
         ("embed_ray", py + embed_ray),
+        *([] if quick else [("embed_ray_large", py + embed_ray_large)]),
         ("video", py + video),
         ("resolution", py + resolution),
         ("decode", py + decode),
@@ -423,6 +427,11 @@ def summary_section(results: dict) -> str:
         rows.append([f"ratio_p50_to_engine_b1_plus_delay ({t['model']})",
                      met(t["ratio_p50_to_engine_b1_plus_delay"],
                          TARGETS["ratio_p50_to_engine_b1_plus_delay"])])
+    for key in ("embed_ray", "embed_ray_large"):
+        r = results.get(key)
+        if r:
+            rows.append([f"Ray runner / threads runner, end to end at {r['images']} images",
+                         met(r["ratio_ray_to_threads"], (">=", r["target_ratio"]))])
     return "## Targets, this run\n\n" + table(["figure", "value"], rows)
 
 
@@ -434,6 +443,7 @@ SECTIONS = {
     "profile_serve": profile_section,
     "serve_http_tiny": http_section,
     "embed_ray": embed_ray_section,
+    "embed_ray_large": embed_ray_section,
     "video": video_section,
     "decode": decode_section,
     "startup": startup_section,
@@ -442,7 +452,7 @@ SECTIONS = {
 }
 
 
-def write_markdown(results: dict, started: str, quick: bool) -> str:
+def write_markdown(results: dict, started: str, quick: bool, kept: list[str] = ()) -> str:
     m = results["forward"]["machine"]
     isa = cpu_flags()
     amx = "" if any(flag.startswith("amx") for flag in isa) else " (no AMX)"
@@ -453,7 +463,9 @@ def write_markdown(results: dict, started: str, quick: bool) -> str:
         f"Written by `make bench` (`python benchmarks/run_all.py{' --quick' if quick else ''}`)"
         f" on {started}. Every figure below comes from this one run; ratios compare sides "
         "measured in the same process, alternating, after warm-up. Notes on every attempt "
-        "behind these figures: [benchmarks/NOTES.md](benchmarks/NOTES.md).",
+        "behind these figures: [benchmarks/NOTES.md](benchmarks/NOTES.md)."
+        + (f" Resumed (`--resume`): {', '.join(kept)} kept from the run this one continues."
+           if kept else ""),
         "## Machine",
         table(["", ""], [
             ["CPU", f"{cpu_model()}, {m['cores']} cores, ISA: {', '.join(isa)}{amx}"],
@@ -473,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--save", default=str(ROOT / "build" / "bench"),
+                        help="each benchmark's result (JSON) is kept here as it finishes")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the results kept in --save instead of running them again")
     parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS),
                         help="run these benchmarks and print their sections (and JSON lines) "
                         "instead of writing BENCHMARKS.md")
@@ -494,8 +510,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result), file=sys.stderr, flush=True)
                 print(SECTIONS[name](result) + "\n", flush=True)
         return 0
-    results = {name: run(name, command) for name, command in benchmarks(args.quick, has_gpu())}
-    Path(args.out).write_text(write_markdown(results, started, args.quick))
+    saved = Path(args.save)
+    saved.mkdir(parents=True, exist_ok=True)
+    results, kept = {}, []
+    for name, command in benchmarks(args.quick, has_gpu()):
+        path = saved / f"{name}.json"
+        if args.resume and path.exists():  # a run cut short goes on where it stopped
+            results[name] = json.loads(path.read_text())
+            kept.append(name)
+            log(f"== {name}: kept from {path}")
+            continue
+        results[name] = run(name, command)
+        path.write_text(json.dumps(results[name]))
+    Path(args.out).write_text(write_markdown(results, started, args.quick, kept))
     log(f"wrote {args.out}")
     return 0
 
