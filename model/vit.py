@@ -87,9 +87,12 @@ def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool):
     queries and the maximum logit, each [B, H].
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
-    logits = dot("bqhd,bkhd->bhqk", q, k, compute_dtype) * scale
+    # Heads moved next to the batch first: XLA:CPU then runs both products as contiguous
+    # batched GEMMs; on [B, T, H, hd] it took 5.8x longer in f32 (benchmarks/NOTES.md).
+    q, k, v = (jnp.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+    logits = dot("bhqd,bhkd->bhqk", q, k, compute_dtype) * scale
     probs = jax.nn.softmax(logits, axis=-1)
-    out = dot("bhqk,bkhd->bqhd", probs, v, compute_dtype)
+    out = jnp.transpose(dot("bhqk,bhkd->bhqd", probs, v, compute_dtype), (0, 2, 1, 3))
     if not stats:
         return out, None
     entropy = attention_entropy(logits).mean(axis=-1)
