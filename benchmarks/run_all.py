@@ -239,7 +239,8 @@ def embed_ray_section(r: dict) -> str:
          r["break_even_images"] or "never, at these rates"],
     ]
     return "\n\n".join([
-        f"## Batch job: `vit22b embed --runner ray` vs the threads runner ({r['model']} model)",
+        f"## Batch job: `vit22b embed --runner ray` vs the threads runner ({r['model']} model, "
+        f"{r['images']} images)",
         f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} alternating repeats, medians; "
         f"{r['images']} and {r['small_images']} JPEGs of {r['image_size'][0]}x"
         f"{r['image_size'][1]} through one `vit22b serve`, batch {r['batch_size']}, shards of "
