@@ -160,6 +160,11 @@ class RemoteBackend:
                 unreachable.append(f"{address} ({err.code.name}: {err.details})")
                 continue
             model = wire.identity_of(info)
+            allowed = list(info.limits.resolutions) or [info.preprocessing.image_size]
+            if spec.resolution and spec.resolution not in allowed:
+                client.close()
+                raise ValueError(f"server {address} does not serve --resolution "
+                                 f"{spec.resolution}; it allows {', '.join(map(str, allowed))}")
             if spec.dense and not info.limits.max_dense_patches:
                 client.close()
                 raise ValueError(f"server {address}: its dense mode is off (it was started "

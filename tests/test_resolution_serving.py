@@ -256,6 +256,9 @@ def test_a_dense_job_stores_each_images_grid_and_padded_tokens(tmp_path, capsys)
         with _server(max_dense_patches=0) as off:
             with pytest.raises(ValueError, match="dense mode is off"):
                 RemoteBackend([off.address], spec, quiet=True)
+        # a size the server does not serve: refused at the start, naming what it allows
+        with pytest.raises(ValueError, match="does not serve --resolution 80; it allows 64, 96"):
+            RemoteBackend([server.address], OutputSpec(resolution=80), quiet=True)
     local_spec = OutputSpec(pooled=True, patch_layers=(-1,), dense=True, max_dense_patches=DENSE)
     local = job(LocalBackend(local_spec, engine=engine()), "local")
     for summary in (remote, local):
