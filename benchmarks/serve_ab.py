@@ -1,7 +1,7 @@
 """Two server settings side by side in one run: single-image clients against each, alternating.
 
     python benchmarks/serve_ab.py --side decoding:batch_wait=decoding --side delay:batch_wait=delay
-    python benchmarks/serve_ab.py --side on: --side off:batcher.lazy_wake=False
+    python benchmarks/serve_ab.py --side asyncio: --side uvloop:loop=uvloop
 
 A side names ``ServeConfig`` fields, or attributes of the running server's parts
 (``infer.NAME``, ``batcher.NAME``: a lever's switch) set after it started, or

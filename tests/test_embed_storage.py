@@ -155,37 +155,9 @@ def test_memory_filesystem_inputs_outputs_and_resume(engine, data, npy):
         open_outputs(out, verify=True)
 
 
-def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):
-    root, good, bad = data
-    bucket = s3("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
-    fs = fsspec.filesystem("s3")
-    listing = tmp_path / "list.txt"  # a local list file naming objects, one of them missing
-    listing.write_text(f"{bucket}/photos/{good[0]}\n{bucket}/photos/missing.jpg\n")
-
-    out = f"{bucket}/emb"
-    summary = local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3, format="parquet")
-    assert summary.complete and (summary.embedded, summary.failed) == (7, 3)
-    result = open_outputs(out, verify=True)
-    reference = open_outputs(str(npy))
-    assert result.ids == reference.ids
-    for name in reference.names:
-        np.testing.assert_array_equal(np.asarray(result[name]), np.asarray(reference[name]))
-    errors = [json.loads(line) for line in fs.cat_file(f"{out}/errors.jsonl").splitlines()]
-    assert sorted(e["id"] for e in errors) == sorted(bad)
-    assert errors[0]["path"] == f"{bucket}/photos/{errors[0]['id']}"
-    assert local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3,
-                     format="parquet").skipped == 10
-
-    listed = local_job(engine, listing, tmp_path / "listed")
-    failed = open_outputs(str(tmp_path / "listed")).failed
-    assert listed.embedded == 1
-    assert [(f["id"], f["reason"]) for f in failed] == [
-        (f"{bucket}/photos/missing.jpg", "cannot read file: No such file or directory")]
-
-
-def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
-    root, good, bad = data
-    bucket = gcs("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
+def _parquet_job_in_the_store(engine, bucket: str, npy, bad) -> str:
+    """A job from ``bucket/photos/`` into Parquet at ``bucket/emb``: equal to the npy reference,
+    the bad files listed with their URLs, a rerun skipping everything; returns the output URL."""
     out = f"{bucket}/emb"
     summary = local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3, format="parquet")
     assert summary.complete and (summary.embedded, summary.failed) == (7, 3)
@@ -198,6 +170,32 @@ def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
     assert result.failed[0]["path"] == f"{bucket}/photos/{result.failed[0]['id']}"
     assert local_job(engine, f"{bucket}/photos/", out, SPEC, shard_size=3,
                      format="parquet").skipped == 10
+    return out
+
+
+def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):
+    root, good, bad = data
+    bucket = s3("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
+    fs = fsspec.filesystem("s3")
+    listing = tmp_path / "list.txt"  # a local list file naming objects, one of them missing
+    listing.write_text(f"{bucket}/photos/{good[0]}\n{bucket}/photos/missing.jpg\n")
+
+    out = _parquet_job_in_the_store(engine, bucket, npy, bad)
+    errors = [json.loads(line) for line in fs.cat_file(f"{out}/errors.jsonl").splitlines()]
+    assert sorted(e["id"] for e in errors) == sorted(bad)
+    assert errors[0]["path"] == f"{bucket}/photos/{errors[0]['id']}"
+
+    listed = local_job(engine, listing, tmp_path / "listed")
+    failed = open_outputs(str(tmp_path / "listed")).failed
+    assert listed.embedded == 1
+    assert [(f["id"], f["reason"]) for f in failed] == [
+        (f"{bucket}/photos/missing.jpg", "cannot read file: No such file or directory")]
+
+
+def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
+    root, good, bad = data
+    bucket = gcs("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})
+    _parquet_job_in_the_store(engine, bucket, npy, bad)
 
 
 def test_local_file_urls(engine, data, npy, tmp_path):
