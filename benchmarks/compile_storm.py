@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="warm client calls per phase")
     args = parser.parse_args(argv)
 
-    from vit22b.server.cpu_devices import emulate_cpu_devices
+    from vit22b.server.cpu_devices import prepare_xla_cpu
 
-    emulate_cpu_devices()
+    prepare_xla_cpu()
     import grpc
     from vit22b.server.app import BackgroundServer
     from vit22b.server.settings import ServeConfig

@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     args = parser.parse_args(argv)
 
-    from vit22b.server.cpu_devices import emulate_cpu_devices
+    from vit22b.server.cpu_devices import prepare_xla_cpu
 
-    emulate_cpu_devices()
+    prepare_xla_cpu()
     from vit22b.server.app import BackgroundServer
     from vit22b.server.engine import Engine
     from vit22b.server.settings import ServeConfig

@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from vit22b.server.cpu_devices import emulate_cpu_devices
+    from vit22b.server.cpu_devices import prepare_xla_cpu
 
-    emulate_cpu_devices()  # what `vit22b serve` does before jax starts
+    prepare_xla_cpu()  # what `vit22b serve` does before jax starts
     import numpy as np
     import torch
     from vit22b.model.outputs import POOLED

@@ -63,9 +63,9 @@ def drive(door: str, address: str, clients: int, images: list[bytes]) -> dict:
 
 
 def serve_main(args) -> int:
-    from vit22b.server.cpu_devices import emulate_cpu_devices
+    from vit22b.server.cpu_devices import prepare_xla_cpu
 
-    emulate_cpu_devices()  # what `vit22b serve` does before jax starts
+    prepare_xla_cpu()  # what `vit22b serve` does before jax starts
     from vit22b.server.app import BackgroundServer
     from vit22b.server.engine import Engine
     from vit22b.server.settings import ServeConfig

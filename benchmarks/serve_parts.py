@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args(argv)
 
-    from vit22b.server.cpu_devices import emulate_cpu_devices
+    from vit22b.server.cpu_devices import prepare_xla_cpu
 
-    emulate_cpu_devices()
+    prepare_xla_cpu()
     from vit22b.model.outputs import POOLED
     from vit22b.model.pixels import OWN_GEOMETRY, Preprocessor, decode
     from vit22b.server.engine import Engine

@@ -13,19 +13,23 @@ import functools
 from collections import defaultdict
 from collections.abc import Sequence
 
-import numpy as np
-from vit22b.model.config import ViTConfig
-from vit22b.model.errors import InvalidImage
-from vit22b.model.features import Features
-from vit22b.model.identity import seeded_source
-from vit22b.model.outputs import OutputRequest
-from vit22b.model.pixels import Geometry, check_pixels, decode
-from vit22b.server.engine import Engine, auto_mesh
-from vit22b.server.infer import ImageInput, LocalInfer
+from vit22b.server.cpu_devices import prefer_wide_vectors
 
-from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored
-from .embed_inputs import InputItem
-from .outputs import array_name
+prefer_wide_vectors()  # the server's XLA:CPU codegen setting, before jax starts (if not already)
+
+import numpy as np  # noqa: E402
+from vit22b.model.config import ViTConfig  # noqa: E402
+from vit22b.model.errors import InvalidImage  # noqa: E402
+from vit22b.model.features import Features  # noqa: E402
+from vit22b.model.identity import seeded_source  # noqa: E402
+from vit22b.model.outputs import OutputRequest  # noqa: E402
+from vit22b.model.pixels import Geometry, check_pixels, decode  # noqa: E402
+from vit22b.server.engine import Engine, auto_mesh  # noqa: E402
+from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
+
+from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored  # noqa: E402
+from .embed_inputs import InputItem  # noqa: E402
+from .outputs import array_name  # noqa: E402
 
 
 def stored_arrays(features: Features, spec: OutputSpec) -> dict[str, np.ndarray]:

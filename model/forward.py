@@ -71,12 +71,14 @@ def chunked_apply(
     chunk: int,
     shards: int = 1,
     pos: jax.Array | None = None,
+    fold_heads: bool = False,
 ) -> dict:
     """``apply`` over ``images`` [B, ...] in ``B / (shards * chunk)`` sequential steps.
 
     ``shards`` is the number of contiguous blocks the batch is split into (the data axis of its
     sharding); ``chunk`` images are taken from each block per step. Both must divide B.
-    ``pos``: the position table at the images' grid (``vit.position_table``).
+    ``pos``: the position table at the images' grid (``vit.position_table``); ``fold_heads``:
+    as ``apply``'s.
     """
     b = images.shape[0]
     if chunk <= 0 or b % (shards * chunk):
@@ -86,7 +88,7 @@ def chunked_apply(
         )
     steps = b // (shards * chunk)
     if steps == 1:
-        return apply(cfg, params, images, request, pos)
+        return apply(cfg, params, images, request, pos, fold_heads)
 
     def to_steps(x):  # [B, ...] -> [steps, shards * chunk, ...]
         x = x.reshape(shards, steps, chunk, *x.shape[1:]).swapaxes(0, 1)
@@ -96,5 +98,5 @@ def chunked_apply(
         y = y.reshape(steps, shards, chunk, *y.shape[2:]).swapaxes(0, 1)
         return y.reshape(b, *y.shape[3:])
 
-    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos), to_steps(images))
+    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos, fold_heads), to_steps(images))
     return jax.tree.map(from_steps, out)

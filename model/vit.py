@@ -42,9 +42,40 @@ def dot(equation: str, x: Array, w: Array, compute_dtype: str) -> Array:
     )
 
 
+def dot_heads(x: Array, w: Array, compute_dtype: str) -> Array:
+    """``bthf,hfd->btd``: the heads and their features contracted as one axis, in that order.
+
+    As an einsum, XLA:CPU contracted (f, h) and transposed both the activations and the
+    kernel to match before every call (benchmarks/NOTES.md); the reshapes are free.
+    """
+    b, t, h, f = x.shape
+    return dot("btk,kd->btd", x.reshape(b, t, h * f), w.reshape(h * f, w.shape[-1]), compute_dtype)
+
+
+# erf(x) ~ x P(x^2) / Q(x^2) on [-4, 4]: our rational fit (benchmarks/erf_fit.py prints it and
+# its error: 4e-7 at most in float32, as jax.lax.erf's 3e-7). jax's exact GELU goes through erfc
+# with exponentials and branches, which XLA:CPU ran 2.8x slower (2.2x as a bf16 matmul input).
+ERF_P = (1.12837918, 0.184710302, 0.0543325185, 0.00383951786, 0.000382689074, 4.78045544e-06,
+         -1.36663393e-08)
+ERF_Q = (1.0, 0.497028789, 0.113826226, 0.0154534824, 0.00130957251, 6.40084768e-05)
+
+
+def erf(x: Array) -> Array:
+    x = jnp.clip(x, -4.0, 4.0)  # erf(4) is 1 to float32's precision
+    s = x * x
+    p = q = 0.0
+    for c in reversed(ERF_P):
+        p = p * s + c
+    for c in reversed(ERF_Q):
+        q = q * s + c
+    return x * p / q
+
+
 def gelu(x: Array, exact: bool) -> Array:
-    # jax.nn.gelu defaults to the tanh approximation; PyTorch's default is exact (erf).
-    return jax.nn.gelu(x, approximate=not exact)
+    """Exact GELU ``x (1 + erf(x / sqrt 2)) / 2`` (PyTorch's default, its formula), or tanh's."""
+    if not exact:
+        return jax.nn.gelu(x, approximate=True)  # jax.nn.gelu's default
+    return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
 
 
 def activation(x: Array, cfg: ViTConfig) -> Array:
@@ -80,21 +111,32 @@ def attention_entropy(logits: Array) -> Array:
     return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
 
 
-def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool):
+def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool, fold_heads: bool):
     """Scaled dot-product attention on [B, T, H, hd] tensors.
 
     Returns the output [B, Tq, H, hd] (f32) and, if ``stats``, per head the mean entropy over
     queries and the maximum logit, each [B, H].
+
+    The heads go next to the batch first, so that XLA:CPU runs both products as contiguous
+    batched GEMMs; with ``fold_heads`` they become one batch axis ([B * H, T, hd]), which it
+    runs 1.6x faster in bf16 again, but which a mesh sharding both B and H cannot split (the
+    engine folds when its model axis is 1). The softmax's normalisation comes after the second
+    product: Tq x hd divisions instead of Tq x Tk. All measured in benchmarks/NOTES.md.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    # Heads moved next to the batch first: XLA:CPU then runs both products as contiguous
-    # batched GEMMs; on [B, T, H, hd] it took 5.8x longer in f32 (benchmarks/NOTES.md).
+    b, tq, h, hd = q.shape
+    q = q * (1.0 / math.sqrt(hd))
     q, k, v = (jnp.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
-    logits = dot("bhqd,bhkd->bhqk", q, k, compute_dtype) * scale
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.transpose(dot("bhqk,bhkd->bhqd", probs, v, compute_dtype), (0, 2, 1, 3))
+    if fold_heads:
+        q, k, v = (t.reshape(b * h, *t.shape[2:]) for t in (q, k, v))
+    batch = "n" if fold_heads else "bh"
+    logits = dot(f"{batch}qd,{batch}kd->{batch}qk", q, k, compute_dtype)
+    weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    out = dot(f"{batch}qk,{batch}kd->{batch}qd", weights, v, compute_dtype)
+    out = (out / weights.sum(axis=-1, keepdims=True)).reshape(b, h, tq, hd)
+    out = jnp.transpose(out, (0, 2, 1, 3))
     if not stats:
         return out, None
+    logits = logits.reshape(b, h, tq, -1)
     entropy = attention_entropy(logits).mean(axis=-1)
     max_logit = logits.max(axis=(-2, -1))
     return out, (entropy, max_logit)
@@ -143,6 +185,7 @@ class ParallelBlock(nn.Module):
     """``y = x + Attn(N(x)) + MLP(N(x))`` with head-grouped fused projections."""
 
     cfg: ViTConfig
+    fold_heads: bool = False  # attend's
 
     @nn.compact
     def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
@@ -165,9 +208,9 @@ class ParallelBlock(nn.Module):
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
         q, k = _rope(cfg, grid, q, k)
-        o, st = attend(q, k, v, cfg.compute_dtype, stats)
+        o, st = attend(q, k, v, cfg.compute_dtype, stats, self.fold_heads)
         u = activation(u, cfg)
-        out = dot("bthf,hfd->btd", jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype)
+        out = dot_heads(jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype)
         if cfg.out_bias or cfg.mlp_bias:  # attention and MLP out-biases add up into one
             out = out + self.param("b_out", _zeros, (d,), pdt).astype(F32)
         return x + out, st
@@ -177,6 +220,7 @@ class SequentialBlock(nn.Module):
     """Pre-norm ``x = x + Attn(N1(x)); x = x + MLP(N2(x))`` (the original ViT)."""
 
     cfg: ViTConfig
+    fold_heads: bool = False  # attend's
 
     @nn.compact
     def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
@@ -193,8 +237,8 @@ class SequentialBlock(nn.Module):
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
         q, k = _rope(cfg, grid, q, k)
-        o, st = attend(q, k, v, cdt, stats)
-        o = dot("bthf,hfd->btd", o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
+        o, st = attend(q, k, v, cdt, stats, self.fold_heads)
+        o = dot_heads(o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
         if cfg.out_bias:
             o = o + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         x = x + o
@@ -223,6 +267,7 @@ class MAPHead(nn.Module):
     """Multi-head attention pooling: a learned probe attends over the tokens, then an MLP."""
 
     cfg: ViTConfig
+    fold_heads: bool = False  # attend's
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -235,8 +280,8 @@ class MAPHead(nn.Module):
         q = q + self.param("b_q", _zeros, (h, hd), pdt).astype(F32)
         kv = kv + self.param("b_kv", _zeros, (h, 2 * hd), pdt).astype(F32)
         k, v = jnp.split(kv, 2, axis=-1)
-        o, _ = attend(q, k, v, cdt, stats=False)
-        y = dot("bthf,hfd->btd", o, self.param("w_o", _xavier(), (h, hd, d), pdt), cdt)
+        o, _ = attend(q, k, v, cdt, False, self.fold_heads)
+        y = dot_heads(o, self.param("w_o", _xavier(), (h, hd, d), pdt), cdt)
         y = y + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         z = _norm(cfg, "norm")(y)
         z = dot("btd,df->btf", z, self.param("w_fc1", _xavier(), (d, cfg.map_mlp_dim), pdt), cdt)
@@ -267,6 +312,7 @@ class ViT(nn.Module):
     """
 
     cfg: ViTConfig
+    fold_heads: bool = False  # in attention: a speed-up where the heads are not sharded
 
     @nn.compact
     def __call__(
@@ -310,7 +356,8 @@ class ViT(nn.Module):
         out: dict = {}
         patches, entropies, max_logits = {}, [], []
         for i in range(last + 1):
-            x, st = block_cls(cfg, name=f"block_{i}")(x, request.attention_stats, grid)
+            block = block_cls(cfg, self.fold_heads, name=f"block_{i}")
+            x, st = block(x, request.attention_stats, grid)
             if st is not None:
                 entropies.append(st[0])
                 max_logits.append(st[1])
@@ -338,7 +385,7 @@ class ViT(nn.Module):
             if cfg.head == "none":
                 raise ValueError(f"model {cfg.name} has no pooling head (head='none')")
             if cfg.head == "map":
-                pooled = MAPHead(cfg, name="map_head")(x[:, n_prefix:])
+                pooled = MAPHead(cfg, self.fold_heads, name="map_head")(x[:, n_prefix:])
             elif cfg.head == "cls":
                 pooled = x[:, 0]
             else:
@@ -459,10 +506,17 @@ def abstract_params(cfg: ViTConfig) -> dict:
 
 
 def apply(
-    cfg: ViTConfig, params: dict, images: Array, request: OutputRequest, pos: Array | None = None
+    cfg: ViTConfig,
+    params: dict,
+    images: Array,
+    request: OutputRequest,
+    pos: Array | None = None,
+    fold_heads: bool = False,
 ) -> dict:
     """The forward at the images' grid; ``pos``: ``position_table`` at that grid, computed here
-    when not given (the engine passes the one it computed once for the grid)."""
+    when not given (the engine passes the one it computed once for the grid). ``fold_heads``:
+    attention's heads folded into its batch axis, faster on XLA:CPU and the same numbers, but
+    only for a mesh that does not shard the heads (``attend``)."""
     if pos is None:
         pos = position_table(cfg, params, cfg.grid_at(images.shape[1], images.shape[2]))
-    return ViT(cfg).apply({"params": params}, images, request, pos)
+    return ViT(cfg, fold_heads).apply({"params": params}, images, request, pos)

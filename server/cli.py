@@ -10,9 +10,9 @@ import argparse
 import logging
 import sys
 
-from .cpu_devices import emulate_cpu_devices
+from .cpu_devices import prepare_xla_cpu
 
-emulate_cpu_devices()  # before jax is imported (below): the device count is fixed at its start
+prepare_xla_cpu()  # before jax is imported (below): the device count is fixed at its start
 
 from vit22b.clients import settings  # noqa: E402
 

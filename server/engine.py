@@ -387,9 +387,10 @@ class Engine:
         cfg, place = self.cfg, self.placement(bucket)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
+        fold = place.mesh.shape["model"] == 1  # heads not sharded (vit.attend)
         fn = jax.jit(
             lambda params, pos, images: chunked_apply(
-                cfg, params, images, outputs, chunk, shards, pos
+                cfg, params, images, outputs, chunk, shards, pos, fold
             ),
             in_shardings=(
                 place.param_shardings,

@@ -117,6 +117,38 @@ def test_chunks_that_do_not_divide_the_batch_are_refused():
         chunked_apply(PARALLEL, random_params(PARALLEL), pixels, REQUEST, chunk=2, shards=2)
 
 
+# ---- attention's heads folded into its batch axis ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_folded_heads_give_the_outputs_of_the_unfolded_attention(cfg, dtype):
+    cfg = cfg.replace(compute_dtype=dtype)
+    params, pixels = random_params(cfg, seed=5), images(cfg, n=4)
+    folded = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, fold_heads=True))(params, pixels)
+    # the same GEMMs per head, the same order of sums: equal up to f32 rounding in both dtypes
+    _assert_same(folded, _forward(cfg)(params, pixels), 1e-6)
+
+
+def _attention_batch_dims(hlo: str) -> set[str]:
+    """The batch dimensions of the compiled forward's batched products (attention's)."""
+    return set(re.findall(r"lhs_batch_dims=\{([\d,]+)\}", hlo))
+
+
+@pytest.mark.parametrize("spec, folded", [("data=8,model=1", True), ("data=2,model=4", False)])
+def test_the_engine_folds_the_heads_only_where_its_mesh_does_not_shard_them(spec, folded):
+    """Folding [B, H] into one axis is free on a data-only mesh; with the heads sharded too the
+    merged axis cannot be split, and GSPMD would gather q, k and v on every block instead."""
+    cfg = PARALLEL
+    mesh = make_mesh(spec)
+    engine = Engine(cfg, shard_params(cfg, random_params(cfg), mesh), mesh, fingerprint="f",
+                    source="s", max_batch_images=8, small_buckets=False)
+    hlo = engine.compiled(8, engine.resolve(REQUEST)).as_text()
+    assert _attention_batch_dims(hlo) == ({"0"} if folded else {"0,1"})
+    assert "all-gather" not in _collectives(hlo), _collectives(hlo)
+    engine.close()
+
+
 def _collectives(hlo: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     pattern = r"=\s*\S+\s+(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
@@ -243,18 +275,30 @@ def test_negative_chunk_override_is_refused():
 # ---- emulated CPU devices (the server's command line, before jax starts) -------------------------
 
 
-def _cpu_devices_after_cli_import(xla_flags: str | None) -> int:
+def _after_cli_import(xla_flags: str | None) -> tuple[int, str]:
+    """(CPU devices, XLA_FLAGS) in a fresh process once the server's command line is imported."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
-    code = "import vit22b.server.cli, jax; print(jax.device_count('cpu'))"
+    code = ("import os, vit22b.server.cli, jax; print(jax.device_count('cpu')); "
+            "print(os.environ['XLA_FLAGS'])")
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    return int(out.stdout.strip().splitlines()[-1])
+    count, flags = out.stdout.strip().splitlines()[-2:]
+    return int(count), flags
 
 
 def test_server_cli_asks_for_emulated_cpu_devices_unless_the_user_chose():
-    assert _cpu_devices_after_cli_import(None) == min(os.cpu_count() or 1, 2)
-    assert _cpu_devices_after_cli_import("--xla_force_host_platform_device_count=3") == 3
+    assert _after_cli_import(None)[0] == min(os.cpu_count() or 1, 2)
+    assert _after_cli_import("--xla_force_host_platform_device_count=3")[0] == 3
+
+
+def test_server_cli_asks_for_wide_vectors_only_on_avx512_and_unless_the_user_chose():
+    with open("/proc/cpuinfo") as f:
+        avx512 = any(line.startswith("flags") and " avx512f" in line for line in f)
+    flags = _after_cli_import(None)[1]
+    assert ("--xla_cpu_prefer_vector_width=512" in flags) == avx512, flags
+    flags = _after_cli_import("--xla_cpu_prefer_vector_width=128")[1]
+    assert "--xla_cpu_prefer_vector_width=128" in flags and "=512" not in flags, flags

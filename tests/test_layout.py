@@ -10,10 +10,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("model", "server", "clients", "probes")
-# The one allowed edge from clients/ or probes/ into server/: the job's --local backend and the
-# probes' in-process features run the server's own facade (LocalInfer).
+# The allowed edges from clients/ or probes/ into server/: the job's --local backend and the
+# probes' in-process features run the server's own facade (LocalInfer), in a process given the
+# server's XLA:CPU settings before jax starts (cpu_devices, jax-free).
 ALLOWED_INTO_SERVER = {("clients/embed_local.py", "vit22b.server.engine"),
-                       ("clients/embed_local.py", "vit22b.server.infer")}
+                       ("clients/embed_local.py", "vit22b.server.infer"),
+                       ("clients/embed_local.py", "vit22b.server.cpu_devices")}
 
 
 def imports(path: Path) -> set[str]:
