@@ -65,8 +65,11 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         startup += ["--models", "vit-22b-tiny/16", "--repeats", "1"]
         profile += ["--images", "256"]
     gpu_22b = ["benchmarks/gpu_22b.py"] if gpu else ["benchmarks/gpu_22b.py", "--dry-run"]
+    split = ["benchmarks/forward_profile.py", "--batch", "8", "--rows", "8"]
     return [
         ("forward", py + forward),
+        ("forward_profile_f32", py + split),
+        ("forward_profile_bf16", py + split + ["--dtype", "bfloat16"]),
         ("serve", py + serve_b),
         ("serve_tiny", py + serve_tiny),
         ("profile_serve", py + profile),
@@ -344,6 +347,21 @@ def gpu_section(r: dict) -> str:
     ])
 
 
+def forward_profile_section(r: dict) -> str:
+    rows = [[row["label"], row["ms"], f"{row['share']:.1%}", row["calls"]]
+            for row in r["rows"][:8]]
+    return "\n\n".join([
+        f"## Where the engine's forward spends its time ({r['model']}, {r['dtype']}, batch "
+        f"{r['batch']})",
+        f"`{r['_command']}` ({_load(r)}). XLA:CPU's own trace of each executed operation, "
+        f"summed by what it computes (the blocks' copies of one operation are one row): "
+        f"device-ms per forward over the {r['devices']} data devices (they run at the same "
+        f"time; wall {r['wall_ms']} ms per forward). Plain GEMMs: **{r['gemm_share']:.1%}** of "
+        f"the {r['traced_device_ms']} device-ms traced.",
+        table(["operation [jax op]", "device-ms", "share", "calls"], rows),
+    ])
+
+
 def profile_section(r: dict) -> str:
     parts = [
         f"## Where a served call's time goes ({r['model']}, JPEGs of {r['jpeg_side']}x"
@@ -438,6 +456,8 @@ def summary_section(results: dict) -> str:
 
 SECTIONS = {
     "forward": forward_section,
+    "forward_profile_f32": forward_profile_section,
+    "forward_profile_bf16": forward_profile_section,
     "serve": lambda r: serve_section(r, SERVE_NOTES["serve"]),
     "serve_tiny": lambda r: serve_section(r, SERVE_NOTES["serve_tiny"],
                                           "tiny ratio_clients32_to_engine"),

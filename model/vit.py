@@ -38,8 +38,22 @@ def dot(equation: str, x: Array, w: Array, compute_dtype: str) -> Array:
     dtype = jnp.dtype(compute_dtype)
     precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
     return jnp.einsum(
-        equation, x.astype(dtype), w.astype(dtype), precision=precision, preferred_element_type=F32
+        equation, cast(x, dtype), cast(w, dtype), precision=precision, preferred_element_type=F32
     )
+
+
+def cast(x: Array, dtype) -> Array:
+    """``x.astype(dtype)``; float32 -> bfloat16 by rounding the bits to nearest even ourselves:
+    the same values as XLA's convert (NaN stays NaN), which XLA:CPU ran 2.2x slower, the
+    loop it closes (a norm's, the GELU's) with it (benchmarks/NOTES.md)."""
+    if x.dtype != F32 or jnp.dtype(dtype) != jnp.bfloat16:
+        return x.astype(dtype)
+    u32 = jnp.uint32
+    bits = jax.lax.bitcast_convert_type(x, u32)
+    rounded = bits + u32(0x7FFF) + ((bits >> 16) & u32(1))
+    nan = (bits & u32(0x7FFFFFFF)) > u32(0x7F800000)
+    bits = jnp.where(nan, bits | u32(0x00400000), rounded)  # quiet NaN, never rounded to inf
+    return jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
 def dot_heads(x: Array, w: Array, compute_dtype: str) -> Array:
@@ -125,13 +139,14 @@ def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool, fold_h
     """
     b, tq, h, hd = q.shape
     q = q * (1.0 / math.sqrt(hd))
-    q, k, v = (jnp.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+    # XLA's own converts here (not ``cast``'s): YNNPACK takes them into its attention fusion.
+    q, k, v = (jnp.transpose(t.astype(compute_dtype), (0, 2, 1, 3)) for t in (q, k, v))
     if fold_heads:
         q, k, v = (t.reshape(b * h, *t.shape[2:]) for t in (q, k, v))
     batch = "n" if fold_heads else "bh"
     logits = dot(f"{batch}qd,{batch}kd->{batch}qk", q, k, compute_dtype)
     weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
-    out = dot(f"{batch}qk,{batch}kd->{batch}qd", weights, v, compute_dtype)
+    out = dot(f"{batch}qk,{batch}kd->{batch}qd", weights.astype(compute_dtype), v, compute_dtype)
     out = (out / weights.sum(axis=-1, keepdims=True)).reshape(b, h, tq, hd)
     out = jnp.transpose(out, (0, 2, 1, 3))
     if not stats:

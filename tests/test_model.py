@@ -116,6 +116,24 @@ def test_the_rational_erf_and_gelu_are_as_close_to_float64_as_jaxs_own():
     np.testing.assert_array_equal(np.asarray(vit.gelu(x, False)), np.asarray(jax.nn.gelu(x)))
 
 
+def test_the_bf16_cast_rounds_every_float32_as_xlas_convert():
+    """vit.cast's float32 -> bfloat16 on 2^22 random bit patterns and the edge cases (infinities,
+    the largest finite values, denormals, ties, every kind of NaN): the same bits as
+    ``astype``, NaN payloads aside (NaN stays NaN)."""
+    rng = np.random.default_rng(0)
+    edges = np.array([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00000001,
+                      0x807FFFFF, 0x00008000, 0x00018000, 0x3F808000, 0x3F818000, 0x7F800001,
+                      0x7FC00000, 0xFFFFFFFF, 0x7FFFFFFF, 0xFF800001, 0, 0x80000000], np.uint32)
+    bits = np.concatenate([edges, rng.integers(0, 2**32, 2**22, dtype=np.uint64).astype(np.uint32)])
+    x = jnp.asarray(bits.view(np.float32))
+    got = np.asarray(jax.jit(lambda t: vit.cast(t, jnp.bfloat16))(x)).view(np.uint16)
+    want = np.asarray(x.astype(jnp.bfloat16)).view(np.uint16)
+    nan = np.isnan(bits.view(np.float32))
+    assert nan.sum() > 1000 and np.all(np.isnan(np.asarray(
+        jax.jit(lambda t: vit.cast(t, jnp.bfloat16))(x)[nan], np.float32)))
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
 def _np_attention(q, k, v):
     """q, k, v: [B, T, H, hd] -> [B, T, H*hd]."""
     logits = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
