@@ -125,6 +125,12 @@ def attention_entropy(logits: Array) -> Array:
     return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
 
 
+# Queries per step of a long attention: the step's logits then stay cache-sized (at 785 tokens
+# 2x faster than all queries at once, at 3137 2.6x; benchmarks/NOTES.md). Shorter ones (224 px
+# at patch 14 or 16) run in one step.
+QUERY_BLOCK = 128
+
+
 def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool, fold_heads: bool):
     """Scaled dot-product attention on [B, T, H, hd] tensors.
 
@@ -135,7 +141,9 @@ def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool, fold_h
     batched GEMMs; with ``fold_heads`` they become one batch axis ([B * H, T, hd]), which it
     runs 1.6x faster in bf16 again, but which a mesh sharding both B and H cannot split (the
     engine folds when its model axis is 1). The softmax's normalisation comes after the second
-    product: Tq x hd divisions instead of Tq x Tk. All measured in benchmarks/NOTES.md.
+    product: Tq x hd divisions instead of Tq x Tk. Over 2 x ``QUERY_BLOCK`` queries, the
+    queries go in steps of about that many (``lax.map``; each query's softmax is over every
+    key, so a step is exact). All measured in benchmarks/NOTES.md.
     """
     b, tq, h, hd = q.shape
     q = q * (1.0 / math.sqrt(hd))
@@ -144,17 +152,43 @@ def attend(q: Array, k: Array, v: Array, compute_dtype: str, stats: bool, fold_h
     if fold_heads:
         q, k, v = (t.reshape(b * h, *t.shape[2:]) for t in (q, k, v))
     batch = "n" if fold_heads else "bh"
-    logits = dot(f"{batch}qd,{batch}kd->{batch}qk", q, k, compute_dtype)
-    weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
-    out = dot(f"{batch}qk,{batch}kd->{batch}qd", weights.astype(compute_dtype), v, compute_dtype)
-    out = (out / weights.sum(axis=-1, keepdims=True)).reshape(b, h, tq, hd)
-    out = jnp.transpose(out, (0, 2, 1, 3))
+
+    def rows(queries: Array):  # [..., n, hd] against every key
+        logits = dot(f"{batch}qd,{batch}kd->{batch}qk", queries, k, compute_dtype)
+        weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+        out = dot(f"{batch}qk,{batch}kd->{batch}qd", weights.astype(compute_dtype), v,
+                  compute_dtype)
+        out = out / weights.sum(axis=-1, keepdims=True)
+        return out, (attention_entropy(logits), logits.max(axis=-1)) if stats else None
+
+    if tq <= 2 * QUERY_BLOCK:
+        out, st = rows(q)
+    else:
+        steps = -(-tq // QUERY_BLOCK)
+        per_step = -(-tq // steps)
+        size = -(-per_step // 8) * 8  # rows of 8: little padding, aligned GEMM rows
+        out, st = jax.lax.map(rows, _query_blocks(q, steps, size))
+        out = _from_query_blocks(out, tq, tail=1)
+        st = None if st is None else tuple(_from_query_blocks(y, tq, tail=0) for y in st)
+    out = jnp.transpose(out.reshape(b, h, tq, hd), (0, 2, 1, 3))
     if not stats:
         return out, None
-    logits = logits.reshape(b, h, tq, -1)
-    entropy = attention_entropy(logits).mean(axis=-1)
-    max_logit = logits.max(axis=(-2, -1))
-    return out, (entropy, max_logit)
+    entropy, max_logit = (y.reshape(b, h, tq) for y in st)
+    return out, (entropy.mean(axis=-1), max_logit.max(axis=-1))
+
+
+def _query_blocks(q: Array, steps: int, size: int) -> Array:
+    """[..., T, hd] -> [steps, ..., size, hd], the query axis zero-padded to steps * size."""
+    pad = [(0, 0)] * (q.ndim - 2) + [(0, steps * size - q.shape[-2]), (0, 0)]
+    q = jnp.pad(q, pad).reshape(*q.shape[:-2], steps, size, q.shape[-1])
+    return jnp.moveaxis(q, -3, 0)
+
+
+def _from_query_blocks(y: Array, t: int, tail: int) -> Array:
+    """[steps, ..., size, *tail axes] -> [..., t, *tail axes] (the padded queries dropped)."""
+    y = jnp.moveaxis(y, 0, y.ndim - 2 - tail)
+    y = y.reshape(*y.shape[: y.ndim - 2 - tail], -1, *y.shape[y.ndim - tail :])
+    return jax.lax.slice_in_dim(y, 0, t, axis=y.ndim - 1 - tail)
 
 
 class Norm(nn.Module):

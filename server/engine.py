@@ -141,6 +141,7 @@ class Engine:
             cfg,
             platform=self.platform,
             data=mesh.shape["data"],
+            model=mesh.shape["model"],
             process_count=jax.process_count(),
             max_batch_images=max_batch_images,
             max_batch_patches=max_batch_patches,
@@ -387,7 +388,7 @@ class Engine:
         cfg, place = self.cfg, self.placement(bucket)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
-        fold = place.mesh.shape["model"] == 1  # heads not sharded (vit.attend)
+        fold = self.plan.fold_heads
         fn = jax.jit(
             lambda params, pos, images: chunked_apply(
                 cfg, params, images, outputs, chunk, shards, pos, fold

@@ -74,6 +74,7 @@ class Plan:
     buckets: tuple[int, ...]
     chunk_override: int | None = None
     max_batch_patches: int = 0  # a batch's padded patches (0: images alone bound it)
+    model: int = 1  # the mesh's model axis
 
     @classmethod
     def make(
@@ -84,6 +85,7 @@ class Plan:
         data: int,
         process_count: int,
         max_batch_images: int,
+        model: int = 1,
         max_batch_patches: int = 0,
         chunk_images: int | None = None,
         small_buckets: bool | None = None,
@@ -96,7 +98,7 @@ class Plan:
         buckets = below + batch_buckets(max_batch_images, data)
         if max_batch_patches < 0:
             raise ValueError(f"max_batch_patches must be >= 0, got {max_batch_patches}")
-        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches)
+        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model)
 
     @property
     def max_batch_images(self) -> int:
@@ -120,6 +122,13 @@ class Plan:
         fits = self.buckets_for(grid)
         return fits[-1] if fits else 0
 
+    @property
+    def fold_heads(self) -> bool:
+        """Attention's heads folded into its batch axis (``vit.attend``: faster on XLA:CPU),
+        where the heads are not sharded: GSPMD cannot split an axis merged from two sharded
+        ones and would gather q, k and v on every block."""
+        return self.model == 1
+
     def rows(self, bucket: int) -> int:
         """Data rows of the mesh a bucket runs on (fewer than all for small buckets)."""
         return min(bucket, self.data)
@@ -136,7 +145,8 @@ class Plan:
 
     def table(self) -> str:
         """The plan as text: one line per bucket."""
-        lines = [f"plan for {self.cfg.name} on {self.platform}, data axis {self.data}:"]
+        lines = [f"plan for {self.cfg.name} on {self.platform}, data axis {self.data}, model axis "
+                 f"{self.model} (attention heads {'' if self.fold_heads else 'not '}folded):"]
         for bucket in self.buckets:
             lines.append(
                 f"  bucket {bucket:>4}: {self.rows(bucket)} data rows, "

@@ -130,6 +130,29 @@ def test_folded_heads_give_the_outputs_of_the_unfolded_attention(cfg, dtype):
     _assert_same(folded, _forward(cfg)(params, pixels), 1e-6)
 
 
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("cfg", [PARALLEL.replace(image_size=288),
+                                 SEQUENTIAL.replace(image_size=136, num_classes=5)],
+                         ids=IDS)
+def test_long_attention_in_query_steps_equals_all_queries_at_once(cfg, fold, monkeypatch):
+    """324 and 290 tokens: over 2 x QUERY_BLOCK, so the queries run in steps (3 of 112 and of
+    104 rows, the last padded); the outputs and the attention statistics are those of one step."""
+    from vit22b.model import vit
+
+    params, pixels = random_params(cfg, seed=6), images(cfg, n=2)
+    assert cfg.grid ** 2 + int(cfg.class_token) > 2 * vit.QUERY_BLOCK
+
+    def forward():
+        fn = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, fold_heads=fold))
+        return fn(params, pixels), "while" in fn.lower(params, pixels).as_text()
+
+    stepped, loops = forward()
+    monkeypatch.setattr(vit, "QUERY_BLOCK", 10**6)
+    whole, no_loops = forward()
+    assert loops and not no_loops  # the steps are a loop, one per block (the MAP head's: none)
+    _assert_same(stepped, whole, 1e-6)
+
+
 def _attention_batch_dims(hlo: str) -> set[str]:
     """The batch dimensions of the compiled forward's batched products (attention's)."""
     return set(re.findall(r"lhs_batch_dims=\{([\d,]+)\}", hlo))
