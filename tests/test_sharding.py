@@ -110,6 +110,22 @@ def test_sequential_block_needs_two_all_reduces_on_a_data_and_model_mesh():
     assert set(counts) == {f"block_{i}" for i in range(SEQUENTIAL.depth)}
 
 
+def test_long_attention_in_query_steps_shards_like_the_short_one():
+    """290 tokens (over 2 x QUERY_BLOCK: the queries run in steps): on data=2,model=4 the same
+    two all-reduces a block, nothing gathered, and the outputs of one device."""
+    cfg = SEQUENTIAL.replace(image_size=136)
+    counts = _collectives_by_scope(_compiled_text(cfg, "data=2,model=4"))
+    for i in range(cfg.depth):
+        assert counts.get(f"block_{i}") == {"all-reduce": 2}, (i, counts)
+    pixels, params = images(cfg, n=4), random_params(cfg, seed=2)
+    single = make_mesh("auto", jax.devices()[:1])
+    want = _sharded_forward(cfg, single)(shard_params(cfg, params, single), pixels)
+    mesh = make_mesh("data=2,model=4")
+    got = _sharded_forward(cfg, mesh)(shard_params(cfg, params, mesh), pixels)
+    for key in ("pooled", "attention_entropy", "attention_max_logit"):
+        assert rel_err(got[key], want[key]) < 1e-5, key
+
+
 def test_a_mesh_that_does_not_divide_the_heads_is_refused_naming_both():
     tiny = get_config("vit-22b-tiny/16")  # 4 heads
     with pytest.raises(MeshError, match=r"model axis \(8\) does not divide heads \(4\)"):
