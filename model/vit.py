@@ -44,8 +44,8 @@ def dot(equation: str, x: Array, w: Array, compute_dtype: str) -> Array:
 
 def cast(x: Array, dtype) -> Array:
     """``x.astype(dtype)``; float32 -> bfloat16 by rounding the bits to nearest even ourselves:
-    the same values as XLA's convert (NaN stays NaN), which XLA:CPU ran 2.2x slower, the
-    loop it closes (a norm's, the GELU's) with it (benchmarks/NOTES.md)."""
+    the same values as XLA's convert (NaN stays NaN). XLA:CPU's convert took 2.2x as long and
+    made the loop it ends (a norm's, the GELU's) 2x slower (benchmarks/NOTES.md)."""
     if x.dtype != F32 or jnp.dtype(dtype) != jnp.bfloat16:
         return x.astype(dtype)
     u32 = jnp.uint32
@@ -67,14 +67,15 @@ def dot_heads(x: Array, w: Array, compute_dtype: str) -> Array:
 
 
 # erf(x) ~ x P(x^2) / Q(x^2) on [-4, 4]: our rational fit (benchmarks/erf_fit.py prints it and
-# its error: 4e-7 at most in float32, as jax.lax.erf's 3e-7). jax's exact GELU goes through erfc
-# with exponentials and branches, which XLA:CPU ran 2.8x slower (2.2x as a bf16 matmul input).
+# its error: 3.1e-7 at most in float32, as jax.lax.erf's). jax's exact GELU goes through erfc
+# with exponentials and branches, which XLA:CPU ran 2.2x slower (1.9x as a bf16 matmul input).
 ERF_P = (1.12837918, 0.184710302, 0.0543325185, 0.00383951786, 0.000382689074, 4.78045544e-06,
          -1.36663393e-08)
 ERF_Q = (1.0, 0.497028789, 0.113826226, 0.0154534824, 0.00130957251, 6.40084768e-05)
 
 
 def erf(x: Array) -> Array:
+    """The error function in float32 (the rational fit above)."""
     x = jnp.clip(x, -4.0, 4.0)  # erf(4) is 1 to float32's precision
     s = x * x
     p = q = 0.0
