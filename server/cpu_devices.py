@@ -1,16 +1,14 @@
-"""XLA:CPU settings fixed at jax's start: emulated devices and the vector width.
+"""XLA:CPU settings fixed when jax starts (emulated devices, vector width): set before importing it.
 
-Emulated CPU devices for data parallelism on a CPU host; must run before jax is imported.
+Devices: XLA:CPU runs one program on a host's cores; in float32 two programs on two emulated
+devices (the batch split over the mesh's data axis) keep both cores of a 2-core host busy where
+one does not (server/plan.py). The server's command line asks for them before anything imports
+jax. A count the user set in ``XLA_FLAGS`` wins; on a GPU or TPU host the flag changes only the
+(unused) CPU platform.
 
-XLA:CPU runs one program on a host's cores; in float32 two programs on two emulated devices
-(the batch split over the mesh's data axis) keep both cores of a 2-core host busy where one
-does not (server/plan.py). The device count is fixed when jax starts, so the server's
-command line asks for the devices before anything imports jax. A count the user set in
-``XLA_FLAGS`` wins; on a GPU or TPU host the flag changes only the (unused) CPU platform.
-
-XLA:CPU emits its own fused loops (GELU, norms, softmax pieces) with 256-bit vectors by
-default; on a CPU with AVX-512 the 512-bit ones halve the exact GELU's time and raise the
-float32 forward by about 3% (benchmarks/NOTES.md). A width the user set wins.
+Vector width: XLA:CPU emits its own fused loops (GELU, norms, softmax pieces) with 256-bit
+vectors by default; on a CPU with AVX-512 the 512-bit ones halve the exact GELU's time and raise
+the float32 forward by about 3% (benchmarks/NOTES.md). A width the user set wins.
 """
 
 from __future__ import annotations
