@@ -7,7 +7,8 @@ the previous step) with Lawson reweighting towards the minimax error, in float64
 points of [0, 4]. The script prints them (as model/vit.py holds them), the error of the fit in
 float64 and of the model's own float32 evaluation against float64's erf, next to jax's erf, and
 the time of the exact GELU on one MLP activation of ViT-B/16 (788 x 3072, the engine's chunk),
-both ways, in float32 and as a bf16 matmul input.
+both ways, in float32 and as a bf16 matmul input (cast by XLA's convert and by ``vit.cast``,
+the matmul inputs' rounding; each cast alone too).
 
     python benchmarks/erf_fit.py
 """
@@ -71,6 +72,9 @@ def main() -> int:
         "model gelu f32": lambda t: vit.gelu(t, True),
         "jax.nn.gelu -> bf16": lambda t: jax.nn.gelu(t, approximate=False).astype(jnp.bfloat16),
         "model gelu -> bf16": lambda t: vit.gelu(t, True).astype(jnp.bfloat16),
+        "model gelu -> vit.cast bf16": lambda t: vit.cast(vit.gelu(t, True), jnp.bfloat16),
+        "astype bf16 alone": lambda t: t.astype(jnp.bfloat16),
+        "vit.cast bf16 alone": lambda t: vit.cast(t, jnp.bfloat16),
     }
     times = {}
     for name, fn in sides.items():

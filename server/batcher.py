@@ -34,7 +34,7 @@ from vit22b.model.outputs import OutputRequest
 
 from .engine import Engine
 from .metrics import Metrics
-from .settings import BATCH_WAITS
+from .settings import check_batch_wait
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,8 @@ class Batcher:
         max_queue_images: int = 1024,
         batch_wait: str = "decoding",
     ):
-        if batch_wait not in BATCH_WAITS:
-            raise ValueError(
-                f"batch wait must be one of {', '.join(BATCH_WAITS)}, got {batch_wait!r}")
+        if error := check_batch_wait(batch_wait):
+            raise ValueError(f"batch wait {error}")
         self.engine, self.metrics = engine, metrics
         self.batch_wait = batch_wait
         self.max_batch_images = min(

@@ -32,7 +32,8 @@ def parse_outputs(spec: str) -> OutputRequest:
 BATCH_WAITS = ("decoding", "delay")  # the batcher's wait policies (server/batcher.py)
 
 
-def _batch_wait(value: str) -> str | None:
+def check_batch_wait(value: str) -> str | None:
+    """What is wrong with a batch wait policy, or None (the setting's check and the batcher's)."""
     return None if value in BATCH_WAITS else (
         f"must be one of {', '.join(BATCH_WAITS)}, got {value!r}")
 
@@ -116,7 +117,7 @@ class ServeConfig:
     batch_wait: str = setting(
         "decoding", "when a batch that is not full waits for company: 'decoding' only while "
         "admitted images are still being decoded (else it runs as soon as the model is free), "
-        "'delay' always until its oldest job waited --max-delay-ms", check=_batch_wait)
+        "'delay' always until its oldest job waited --max-delay-ms", check=check_batch_wait)
     max_queue_images: int = setting(
         1024, "admitted images not yet computed; beyond: RESOURCE_EXHAUSTED (streams wait)",
         check=positive)
