@@ -29,7 +29,7 @@ import threading
 import time
 
 from benchlib import emit, log, machine
-from serve import jpegs, run_phase
+from serve import TRANSPORTS, jpegs, run_phase
 
 # stage -> substrings of a py-spy frame ("function (file:line)"); the innermost match wins
 STAGES: dict[str, tuple[str, ...]] = {
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-wait", default="decoding", help="the server's --batch-wait")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--keep", metavar="DIR", help="keep py-spy's raw stacks in DIR")
+    parser.add_argument("--transport", default="unary", choices=TRANSPORTS,
+                        help="the clients' calls (serve.py's drive)")
     args = parser.parse_args(argv)
 
     from vit22b.server.cpu_devices import prepare_xla_cpu
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.keep or scratch
         os.makedirs(folder, exist_ok=True)
         metrics_url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
-        run_phase(args, server.address, metrics_url, max(args.clients))  # warm-up
+        run_phase(args, server.address, metrics_url, max(args.clients),
+                  transport=args.transport)  # warm-up
         for clients in args.clients:
             spies: dict[str, tuple[subprocess.Popen, str]] = {}
 
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     cpu[side] = cpu_by_group(before, snapshot(pid), args.images)
 
             result = run_phase(args, server.address, metrics_url, clients, on_ready=started,
-                               on_done=finished)
+                               on_done=finished, transport=args.transport)
             for proc, _ in spies.values():
                 stop_spy(proc)
             phase = {"wall_s": round(result["wall_s"], 2),

@@ -25,6 +25,8 @@ The last line of stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import io
 import json
 import subprocess
@@ -38,6 +40,7 @@ from benchlib import emit, log, machine, median, percentile, timed
 from PIL import Image
 
 CLIENTS = (1, 8, 32)
+TRANSPORTS = ("unary", "session", "async_session")  # see drive()
 
 
 def jpegs(n: int, size: int, seed: int = 0) -> list[bytes]:
@@ -55,10 +58,24 @@ def jpegs(n: int, size: int, seed: int = 0) -> list[bytes]:
 # ---- the client process ----------------------------------------------------------------------
 
 
-def drive(address: str, clients: int, images: list[bytes], bulk_batch: int) -> dict:
+def drive(address: str, clients: int, images: list[bytes], bulk_batch: int,
+          transport: str = "unary") -> dict:
     """Client side of one phase: connect and warm up, print 'ready', wait for 'go' on stdin,
-    then run; returns wall seconds and per-call latencies. ``clients == 0``: one bulk call."""
+    then run; returns wall seconds and per-call latencies. ``clients == 0``: one bulk call.
+    ``transport``: each client's calls as unary ``Embed`` calls (``unary``), as messages on
+    its own ``FeatureClient.session()`` (``session``, one thread per client) or its own
+    ``AsyncFeatureClient.session()`` (``async_session``, one task per client on one loop)."""
     from vit22b.clients import FeatureClient
+
+    if transport == "async_session":
+        return drive_async_sessions(address, clients, images)
+    if transport == "session":
+        @contextlib.contextmanager
+        def connect():
+            with FeatureClient(address) as client, client.session() as session:
+                yield session
+
+        return run_clients(connect, lambda s, image: _one(s.embed([image])), clients, images)
 
     if clients == 0:
         with FeatureClient(address, concurrency=4) as client:
@@ -67,10 +84,48 @@ def drive(address: str, clients: int, images: list[bytes], bulk_batch: int) -> d
             wall = timed(lambda: client.embed(images, batch_size=bulk_batch))
         return {"wall_s": wall, "latencies_s": []}
 
-    def one(client, image: bytes) -> None:
-        assert client.embed([image]).pooled.shape[0] == 1
+    return run_clients(lambda: FeatureClient(address), lambda c, image: _one(c.embed([image])),
+                       clients, images)
 
-    return run_clients(lambda: FeatureClient(address), one, clients, images)
+
+def _one(result) -> None:
+    assert result.pooled.shape[0] == 1
+
+
+def drive_async_sessions(address: str, clients: int, images: list[bytes]) -> dict:
+    """``run_clients`` as asyncio tasks: each its own client and session, one loop."""
+    from vit22b.clients import AsyncFeatureClient
+
+    try:  # the loop the server's doors run on (no jax in this process)
+        from uvloop import new_event_loop
+    except ImportError:
+        new_event_loop = asyncio.new_event_loop
+
+    shares = [images[i::clients] for i in range(clients)]
+    latencies: list[float] = []
+
+    async def main() -> float:
+        async with contextlib.AsyncExitStack() as stack:
+            sessions = []
+            for share in shares:
+                client = await stack.enter_async_context(AsyncFeatureClient(address))
+                sessions.append(await stack.enter_async_context(client.session()))
+                _one(await sessions[-1].embed([share[0]]))  # off the clock
+            await asyncio.to_thread(_handshake)
+
+            async def calls(session, share: list[bytes]) -> None:
+                for image in share:
+                    t0 = time.perf_counter()
+                    _one(await session.embed([image]))
+                    latencies.append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(calls(s, share) for s, share in zip(sessions, shares)))
+            return time.perf_counter() - t0
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        wall = runner.run(main())
+    return {"wall_s": wall, "latencies_s": latencies}
 
 
 def run_clients(connect, call, clients: int, images: list[bytes]) -> dict:
@@ -133,11 +188,12 @@ def scrape_batches(metrics_url: str) -> tuple[float, float]:
 
 
 def run_phase(args, address: str, metrics_url: str, clients: int, on_ready=None,
-              on_done=None) -> dict:
+              on_done=None, transport: str = "unary") -> dict:
     """``serve.py``'s client process for ``clients`` (see ``run_client_process``)."""
     command = [
         sys.executable, __file__, "--drive", address, "--clients", str(clients),
         "--images", str(args.images), "--size", str(args.size), "--batch", str(args.batch),
+        "--transport", transport,
     ]
     return run_client_process(command, metrics_url, clients, on_ready, on_done)
 
@@ -203,7 +259,9 @@ def serve_main(args) -> int:
         batch_wait=args.batch_wait,
     )
     engine_s, engine_b1_s = [], []
-    phases: dict[str, list[dict]] = {f"clients_{c}": [] for c in CLIENTS}
+    phases: dict[str, list[dict]] = {
+        phase_name(t, c): [] for t in args.transports for c in CLIENTS
+    }
     phases["bulk"] = []
     # The engine side is the in-process facade (decode, batch, forward, finish), the same
     # path the server runs behind its transport.
@@ -213,16 +271,23 @@ def serve_main(args) -> int:
         for _ in range(args.repeats):
             engine_s.append(timed(lambda: local.embed(images)))
             engine_b1_s.append(median([timed(lambda i=i: local.embed([i])) for i in images[:8]]))
-            for clients in CLIENTS:
-                phases[f"clients_{clients}"].append(
-                    run_phase(args, server.address, metrics_url, clients)
-                )
+            for transport in args.transports:
+                for clients in CLIENTS:
+                    phases[phase_name(transport, clients)].append(run_phase(
+                        args, server.address, metrics_url, clients, transport=transport))
             phases["bulk"].append(run_phase(args, server.address, metrics_url, 0))
     engine_ips = args.images / median(engine_s)
     b1_ms = 1e3 * median(engine_b1_s)
     log(f"    engine: {engine_ips:.2f} img/s, batch-1 {b1_ms:.1f} ms")
     summary = {name: summarize(name, runs, args.images) for name, runs in phases.items()}
     one, many = summary["clients_1"], summary[f"clients_{CLIENTS[-1]}"]
+    per_transport = {}
+    for transport in args.transports[1:]:
+        one_t, many_t = (summary[phase_name(transport, c)] for c in (1, CLIENTS[-1]))
+        per_transport[f"ratio_{transport}_clients32_to_engine"] = round(
+            many_t["images_per_s"] / engine_ips, 3)
+        per_transport[f"ratio_{transport}_p50_to_engine_b1_plus_delay"] = round(
+            one_t["p50_ms"] / (b1_ms + args.max_delay_ms), 3)
     emit({
         **run_header("serve", engine, args),
         "engine_images_per_s": round(engine_ips, 2),
@@ -234,11 +299,16 @@ def serve_main(args) -> int:
             one["p50_ms"] / (b1_ms + args.max_delay_ms), 3
         ),
         "ratio_bulk_to_engine": round(summary["bulk"]["images_per_s"] / engine_ips, 3),
+        **per_transport,
         # what the model itself gains from batching (batching also saves per-call costs)
         "engine_batched_to_batch1": round(engine_ips * b1_ms / 1e3, 3),
         "machine": machine(),
     })
     return 0
+
+
+def phase_name(transport: str, clients: int) -> str:
+    return f"clients_{clients}" if transport == "unary" else f"{transport}_clients_{clients}"
 
 
 def run_header(benchmark: str, engine, args) -> dict:
@@ -267,7 +337,11 @@ def serving_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
     parser.add_argument("--batch-wait", default="decoding", help="the server's --batch-wait")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+                        help="the clients' phases to run; unary first (the ratios' reference)")
     parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="unary", choices=TRANSPORTS,
+                        help="the clients' calls (profile_serve.py; serve.py runs them all)")
     return parser
 
 
@@ -276,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drive", metavar="ADDRESS", help=argparse.SUPPRESS)  # client process
     args = parser.parse_args(argv)
     if args.drive:
-        result = drive(args.drive, args.clients, jpegs(args.images, args.size), args.batch)
+        result = drive(args.drive, args.clients, jpegs(args.images, args.size), args.batch,
+                       args.transport)
         print(json.dumps(result), flush=True)
         sys.stdin.read()  # alive until the parent is done with it (a profiler reads its CPU)
         return 0

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_xla_cpu()
     from vit22b.model.outputs import POOLED
-    from vit22b.model.pixels import OWN_GEOMETRY, Preprocessor, decode
+    from vit22b.model.pixels import OWN_GEOMETRY, Preprocessor, decode, normalise_formula
     from vit22b.server.engine import Engine
 
     engine = Engine.load(args.model, mesh="auto", max_batch_images=max(BATCHES))
@@ -70,10 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     pre = Preprocessor(engine.cfg, OWN_GEOMETRY)
     data = jpegs(1, args.size)[0]
     pixels = decode(data, min_side=pre.min_side)
+    big = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
     result: dict = {
         "decode_us": per_call_us(lambda: decode(data, min_side=pre.min_side), args.calls),
         "crop_us": per_call_us(lambda: pre.crop(pixels), args.calls),
         "normalise_us": per_call_us(lambda: pre.normalise(pixels), args.calls),
+        "normalise_formula_us": per_call_us(
+            lambda: normalise_formula(pixels, engine.cfg.preprocess), args.calls),
+        "normalise_224_us": per_call_us(lambda: pre.normalise(big), args.calls // 4),
+        "normalise_formula_224_us": per_call_us(
+            lambda: normalise_formula(big, engine.cfg.preprocess), args.calls // 4),
         "load_us": per_call_us(lambda: pre(decode(data, min_side=pre.min_side)), args.calls),
         "hash_uncached_us": per_call_us(
             lambda: engine.cfg.preprocess_hash(pre.geometry.key(engine.cfg)), args.calls),

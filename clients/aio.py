@@ -78,6 +78,12 @@ class AsyncFeatureClient(ClientBase):
     async def embed(self, images, **kwargs) -> Embeddings:
         return merge([part async for part in self.iter_embed(images, **kwargs)])
 
+    def session(self, window: int = 16):
+        """An ``AsyncEmbedSession``: ``FeatureClient.session``'s twin."""
+        from .session import AsyncEmbedSession
+
+        return AsyncEmbedSession(self, window)
+
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()

@@ -356,6 +356,13 @@ class FeatureClient(ClientBase):
         """
         return merge(list(self.iter_embed(images, **kwargs)))
 
+    def session(self, window: int = 16):
+        """An ``EmbedSession``: ``embed`` calls as messages on one open stream, cheaper than a
+        call each for a few images at a time (``clients/session.py``)."""
+        from .session import EmbedSession
+
+        return EmbedSession(self, window)
+
     def embed_videos(self, videos, **kwargs):
         """Per-frame features of videos (paths or bytes; PyAV decodes them here): ``frames=K``
         or ``stride_s=S``, then ``embed``'s keywords; see ``video_features.embed_videos``."""

@@ -349,6 +349,13 @@ class Geometry:
 OWN_GEOMETRY = Geometry()  # the model's own square input
 
 
+def normalise_formula(pixels: np.ndarray, p) -> np.ndarray:
+    """The contract's normalisation, x / 255 then (x - mean) / std per channel, in float32."""
+    mean = np.asarray(p.mean, np.float32)
+    std = np.asarray(p.std, np.float32)
+    return (pixels.astype(np.float32) / np.float32(255.0) - mean) / std
+
+
 @dataclass(frozen=True)
 class Preprocessor:
     """uint8 RGB pixels -> float32 [H, W, 3] at the geometry: resize (and centre crop),
@@ -450,11 +457,19 @@ class Preprocessor:
         box = (left * x_scale, top * y_scale, (left + size) * x_scale, (top + size) * y_scale)
         return np.asarray(image.resize((size, size), resample, box=box))
 
+    @functools.cached_property
+    def _levels(self) -> np.ndarray:
+        """[3, 256] float32: ``normalise``'s formula at every uint8 level of each channel."""
+        levels = np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1)
+        return np.ascontiguousarray(normalise_formula(levels, self.cfg.preprocess).T)
+
     def normalise(self, pixels: np.ndarray) -> np.ndarray:
-        p = self.cfg.preprocess
-        mean = np.asarray(p.mean, np.float32)
-        std = np.asarray(p.std, np.float32)
-        return (pixels.astype(np.float32) / np.float32(255.0) - mean) / std
+        """uint8 -> float32 by table look-up: the formula's own float32 values (bit for bit),
+        1.5x faster than computing them at 64x64 and 4x at 224x224 (``serve_parts.py``)."""
+        out = np.empty(pixels.shape, np.float32)
+        for channel in range(3):
+            np.take(self._levels[channel], pixels[..., channel], out=out[..., channel])
+        return out
 
     def __call__(self, pixels: np.ndarray) -> np.ndarray:
         return self.normalise(self.crop(pixels))

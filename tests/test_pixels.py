@@ -26,6 +26,7 @@ from vit22b.model.pixels import (
     Preprocessor,
     decode,
     draft_scale,
+    normalise_formula,
 )
 
 RNG = np.random.default_rng(0)
@@ -506,3 +507,17 @@ def test_reduced_size_decoding_is_part_of_the_contract_and_its_hash():
     pre = Preprocessor(get_config("vit-b/16"))
     assert PIXEL_RULES >= 3  # the version that introduced it: the hash changed with it
     assert f"keeps both >= {DRAFT_MARGIN} x {pre.min_side}" in pre.describe()
+
+
+@pytest.mark.parametrize("name", ["vit-22b-tiny/16", "vit-b/16", "siglip-b/16", "clip-b/16"])
+def test_normalising_by_table_is_the_formula_bit_for_bit(name):
+    """The look-up table holds the contract's float32 formula at every level; any image (here
+    every level in every channel, and odd layouts: a non-contiguous crop) gets the same bits."""
+    pre = Preprocessor(get_config(name))
+    every = np.stack(np.meshgrid(np.arange(256), np.arange(256), indexing="ij"), -1)
+    grid = np.concatenate([every, every[..., :1]], -1).astype(np.uint8)  # [256, 256, 3]
+    for pixels in (grid, grid[3:200:3, ::-2], RNG.integers(0, 256, (5, 7, 3), dtype=np.uint8)):
+        got = pre.normalise(pixels)
+        want = normalise_formula(pixels, pre.cfg.preprocess)
+        assert got.dtype == np.float32 and got.shape == pixels.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

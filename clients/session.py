@@ -1,0 +1,360 @@
+"""Sessions: many small ``embed`` calls over one long-lived ``EmbedStream``.
+
+A unary call pays gRPC's per-call setup on both sides (on loopback about 330 us of CPU for a
+no-op call with Python's gRPC, more than a small model's forward); a message on an open stream
+costs a fraction of that (``benchmarks/grpc_floor.py``). A session keeps one stream open and sends
+each ``embed`` as one or more messages on it, so callers that embed a few images at a time (a
+web backend, an interactive tool) get the batching server without the per-call cost:
+
+    with client.session() as s:          # or: async with aclient.session() as s
+        s.embed([jpeg])                  # same keywords and result as client.embed
+
+Calls may overlap (threads or tasks sharing a session): their requests are pipelined on the
+stream, ``window`` in flight, answers matched in order. The server ends a stream at the first
+request it refuses; the session then fails that call alone (or retries it, under the client's
+``Retry`` policy, when the code is retryable) and resends every later request on a new stream,
+to the next address: nothing is lost and no other call sees the error. ``timeout`` bounds each
+call's wait (a stream has no per-message deadline): a call that times out raises
+DEADLINE_EXCEEDED and its late answer is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from vit22b.v1 import features_pb2 as pb
+
+from .client import FeatureError, build_request, chunk_result, start_embed
+from .embeddings import Embeddings, ImageError, merge
+
+WINDOW = 16  # requests of one session in flight (the server admits 8 per stream at a time)
+
+
+@dataclass
+class _Entry:
+    """One request on its way: what to resend, and where its answer goes."""
+
+    request: pb.EmbedRequest
+    first: int  # caller's index of its first image (for error messages)
+    count: int
+    answer: Any  # concurrent.futures.Future or asyncio.Future of the EmbedResponse
+    attempt: int = 0
+
+
+@dataclass
+class _Failover:
+    """What to do with a dead stream's unanswered requests (see ``failover``)."""
+
+    resend: list[_Entry]  # at once, in their order
+    retry: _Entry | None = None  # the refused one, after ``delay_s``
+    delay_s: float = 0.0
+
+
+def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _Failover:
+    """The server answers in order and ends the stream at the first request it refuses, so the
+    error belongs to the first unanswered request; the later ones were never run."""
+    if not entries:
+        return _Failover([])
+    head, rest = entries[0], [e for e in entries[1:] if not e.answer.done()]
+    if head.answer.done():  # its caller gave up (timeout, cancel): nobody to tell
+        return _Failover(rest)
+    try:
+        delay = backoff(err, head.attempt, head.first, head.count)
+    except FeatureError as refused:
+        head.answer.set_exception(refused)
+        return _Failover(rest)
+    head.attempt += 1
+    return _Failover(rest, head, delay)
+
+
+def _requests(client, images, ids, options: dict) -> tuple[list, list[ImageError]]:
+    """(request, sent indices, local errors, first, count) per message, and errors of chunks
+    with nothing left to send."""
+    opts, chunks, _ = start_embed(images, ids, client._info, False, None, **options)
+    messages, unsent = [], []
+    for chunk in chunks:
+        request, sent, local_errors = build_request(chunk, opts)
+        if sent:
+            messages.append((request, sent, local_errors, chunk[0].index, len(chunk)))
+        else:
+            unsent.extend(local_errors)
+    return messages, unsent
+
+
+def _results(messages: list, responses: list, unsent: list[ImageError]) -> Embeddings:
+    parts = [chunk_result(response, sent, local_errors)
+             for (_, sent, local_errors, _, _), response in zip(messages, responses)]
+    return merge(parts, unsent) if parts else Embeddings(errors=sorted(unsent, key=_index))
+
+
+def _index(error: ImageError) -> int:
+    return error.index
+
+
+def _deadline(now: float, timeout: float | None) -> float | None:
+    return None if timeout is None else now + timeout
+
+
+def _left(deadline: float | None, now: float) -> float | None:
+    return None if deadline is None else max(0.0, deadline - now)
+
+
+def _timed_out(timeout: float, first: int, count: int) -> FeatureError:
+    return FeatureError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no answer within {timeout:g} s on the session's stream", first, count)
+
+
+_END = object()  # ends a sync stream's request iterator
+
+
+class EmbedSession:
+    """Blocking session (``FeatureClient.session()``); thread-safe."""
+
+    def __init__(self, client, window: int = WINDOW):
+        self._client = client
+        self._lock = threading.Lock()
+        self._room = threading.Semaphore(window)
+        self._stream: _SyncStream | None = None
+        self._closed = False
+
+    def embed(self, images, *, ids=None, timeout: float | None = None, **options) -> Embeddings:
+        """``FeatureClient.embed``'s inputs, keywords and result (``batch_size``: the server's)."""
+        self._client.model_info()
+        messages, unsent = _requests(self._client, images, ids, options)
+        timeout = timeout or self._client.timeout
+        deadline = _deadline(time.monotonic(), timeout)
+        entries: list[_Entry] = []
+        try:
+            for request, _, _, first, count in messages:
+                self._room.acquire()
+                entry = _Entry(request, first, count, Future())
+                entry.answer.add_done_callback(lambda _: self._room.release())
+                entries.append(entry)
+                self._send(entry)
+            responses = []
+            for entry in entries:
+                try:
+                    responses.append(entry.answer.result(_left(deadline, time.monotonic())))
+                except FutureTimeout:
+                    raise _timed_out(timeout, entry.first, entry.count) from None
+        finally:
+            for entry in entries:
+                entry.answer.cancel()  # no-op for the answered ones
+        return _results(messages, responses, unsent)
+
+    def _send(self, entry: _Entry) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session is closed")
+            while self._stream is None or not self._stream.send(entry):
+                self._stream = _SyncStream(self._client, self._failed)
+
+    def _failed(self, plan: _Failover) -> None:
+        """Called on the dead stream's reader thread, which is free to wait out a backoff."""
+        for entry in plan.resend:
+            self._send(entry)
+        if plan.retry is not None:
+            threading.Event().wait(plan.delay_s)
+            self._send(plan.retry)
+
+    def close(self) -> None:
+        """Ends the stream once the calls in flight are answered."""
+        with self._lock:
+            self._closed, stream = True, self._stream
+        if stream is not None:
+            stream.close()
+
+    def __enter__(self) -> EmbedSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _SyncStream:
+    """One ``EmbedStream`` call: its requests come from a queue, a thread reads its answers."""
+
+    def __init__(self, client, on_failure: Callable[[_Failover], None]):
+        self._client, self._on_failure = client, on_failure
+        self._outbox: queue.Queue = queue.Queue()
+        self._pending: deque[_Entry] = deque()
+        self._lock = threading.Lock()
+        self.dead = False
+        call = client._pick("EmbedStream")
+        self._responses = call(iter(self._outbox.get, _END), metadata=client.metadata)
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name="vit22b-session-reader")
+        self._reader.start()
+
+    def send(self, entry: _Entry) -> bool:
+        """False once the stream has ended (the caller opens another)."""
+        with self._lock:
+            if self.dead:
+                return False
+            self._pending.append(entry)
+            self._outbox.put(entry.request)
+        return True
+
+    def _read(self) -> None:
+        try:
+            for response in self._responses:
+                with self._lock:
+                    entry = self._pending.popleft()
+                if not entry.answer.done():
+                    entry.answer.set_result(response)
+            err = None
+        except grpc.RpcError as error:
+            err = error
+        with self._lock:
+            self.dead = True
+            entries = list(self._pending)
+            self._pending.clear()
+        self._outbox.put(_END)  # frees gRPC's thread that reads the requests
+        if entries:
+            self._on_failure(failover(entries, err or _ended_early(), self._client._backoff))
+
+    def close(self) -> None:
+        self._outbox.put(_END)
+        self._reader.join(timeout=self._client.timeout)
+
+
+class AsyncEmbedSession:
+    """Asyncio session (``AsyncFeatureClient.session()``); tasks of one loop may share it."""
+
+    def __init__(self, client, window: int = WINDOW):
+        self._client = client
+        self._room = asyncio.Semaphore(window)
+        self._stream: _AsyncStream | None = None
+        self._closed = False
+        self._retries: set[asyncio.Task] = set()
+
+    async def embed(self, images, *, ids=None, timeout: float | None = None,
+                    **options) -> Embeddings:
+        """``AsyncFeatureClient.embed``'s inputs, keywords and result."""
+        await self._client.model_info()
+        messages, unsent = _requests(self._client, images, ids, options)
+        timeout = timeout or self._client.timeout
+        loop = asyncio.get_running_loop()
+        entries = []
+        try:
+            for request, _, _, first, count in messages:
+                await self._room.acquire()
+                entry = _Entry(request, first, count, loop.create_future())
+                entry.answer.add_done_callback(lambda _: self._room.release())
+                entries.append(entry)
+                await self._send(entry)
+            responses, deadline = [], _deadline(loop.time(), timeout)
+            for entry in entries:
+                try:
+                    responses.append(await asyncio.wait_for(
+                        asyncio.shield(entry.answer), _left(deadline, loop.time())))
+                except asyncio.TimeoutError:
+                    raise _timed_out(timeout, entry.first, entry.count) from None
+        finally:
+            for entry in entries:
+                entry.answer.cancel()  # no-op for the answered ones
+        return _results(messages, responses, unsent)
+
+    async def _send(self, entry: _Entry) -> None:
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        if self._stream is None or self._stream.dead:
+            self._stream = _AsyncStream(self._client, self._failed)
+        await self._stream.send(entry)
+
+    def _failed(self, plan: _Failover) -> None:
+        async def run() -> None:
+            for entry in plan.resend:
+                await self._send(entry)
+            if plan.retry is not None:
+                await asyncio.sleep(plan.delay_s)
+                await self._send(plan.retry)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            await self._stream.close()
+
+    async def __aenter__(self) -> AsyncEmbedSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class _AsyncStream:
+    """One ``EmbedStream`` call on grpc.aio: writes one at a time, a task reads the answers."""
+
+    def __init__(self, client, on_failure: Callable[[_Failover], None]):
+        self._client, self._on_failure = client, on_failure
+        self._pending: deque[_Entry] = deque()
+        self._write = asyncio.Lock()
+        self.dead = False
+        self._call = client._pick("EmbedStream")(metadata=client.metadata)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def send(self, entry: _Entry) -> None:
+        # Appended before any await: the reader's failover sees every request written.
+        self._pending.append(entry)
+        async with self._write:
+            if self.dead:
+                return  # the failover has taken it (or will) along with the others
+            try:
+                await self._call.write(entry.request)
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                pass  # the stream has ended: the reader's failover resends it
+
+    async def _read(self) -> None:
+        err = None
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    break
+                entry = self._pending.popleft()
+                if not entry.answer.done():
+                    entry.answer.set_result(response)
+        except grpc.RpcError as error:
+            err = error
+        self.dead = True
+        entries = list(self._pending)
+        self._pending.clear()
+        if entries:
+            self._on_failure(failover(entries, err or _ended_early(), self._client._backoff))
+
+    async def close(self) -> None:
+        async with self._write:
+            if not self.dead:
+                try:
+                    await self._call.done_writing()
+                except (grpc.RpcError, asyncio.InvalidStateError):
+                    pass
+        await asyncio.wait_for(self._reader, self._client.timeout)
+
+
+class _EndedEarly(grpc.RpcError):
+    """A stream that ended cleanly with requests unanswered: resend them (UNAVAILABLE)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the stream ended before answering every request"
+
+
+def _ended_early() -> grpc.RpcError:
+    return _EndedEarly()
