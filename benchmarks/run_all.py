@@ -38,7 +38,7 @@ TARGETS = {  # key -> (comparison, threshold)
 def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
     py = [sys.executable]
     forward = ["benchmarks/forward.py"]
-    serve_b = ["benchmarks/serve.py"]
+    serve_b = ["benchmarks/serve.py", "--transports", "unary", "async_session"]
     serve_tiny = ["benchmarks/serve.py", "--model", "vit-22b-tiny/16", "--size", "64",
                   "--images", "256"]
     http_tiny = ["benchmarks/serve_http.py", "--model", "vit-22b-tiny/16", "--size", "64",
@@ -194,24 +194,45 @@ SERVE_NOTES = {
 }
 
 
+# serve.py's phase prefixes -> what carries each call (benchmarks/serve.py, drive())
+TRANSPORT_LABELS = {
+    "": "unary call (`FeatureClient.embed`, a thread each)",
+    "session_": "session message (`FeatureClient.session()`, a thread each)",
+    "async_session_": "session message (`AsyncFeatureClient.session()`, a task each)",
+}
+
+
 def serve_section(r: dict, note: str = "", clients_target: str = "ratio_clients32_to_engine"
                   ) -> str:
     rows = [["engine (in process, batches of "
              f"{r['max_batch_images']})", r["engine_images_per_s"], "", "", "",
              f"batch-1 {r['engine_batch1_ms']} ms"]]
-    for key in ("clients_1", "clients_8", "clients_32", "bulk"):
-        s = r[key]
-        label = f"{key.split('_')[1]} client(s), 1 image/call" if key != "bulk" else \
-            f"SDK bulk ({r['max_batch_images']} images/call, 4 in flight)"
-        rows.append([label, s["images_per_s"], s.get("p50_ms", ""), s.get("p99_ms", ""),
-                     s["avg_batch"], ""])
+    for prefix, calls in TRANSPORT_LABELS.items():
+        for clients in (1, 8, 32):
+            if s := r.get(f"{prefix}clients_{clients}"):
+                rows.append([f"{clients} client(s), 1 image per {calls}", s["images_per_s"],
+                             s["p50_ms"], s["p99_ms"], s["avg_batch"], ""])
+    s = r["bulk"]
+    rows.append([f"SDK bulk ({r['max_batch_images']} images/call, 4 in flight)",
+                 s["images_per_s"], "", "", s["avg_batch"], ""])
     ratios = [
         ["gRPC at 32 clients / engine", met(r["ratio_clients32_to_engine"],
                                             TARGETS[clients_target])],
         ["1-client p50 / (engine batch-1 + max_delay_ms)",
          met(r["ratio_p50_to_engine_b1_plus_delay"],
              TARGETS["ratio_p50_to_engine_b1_plus_delay"])],
-        ["32 clients / serial single-image calls",
+    ]
+    for transport in ("session", "async_session"):
+        if f"ratio_{transport}_clients32_to_engine" in r:
+            ratios += [
+                [f"32 clients / engine, {transport.replace('_', ' ')}s",
+                 met(r[f"ratio_{transport}_clients32_to_engine"], TARGETS[clients_target])],
+                [f"1-client p50 / (engine batch-1 + max_delay_ms), {transport.replace('_', ' ')}",
+                 met(r[f"ratio_{transport}_p50_to_engine_b1_plus_delay"],
+                     TARGETS["ratio_p50_to_engine_b1_plus_delay"])],
+            ]
+    ratios += [
+        ["32 clients / serial single-image calls (unary)",
          met(r["ratio_batching_to_serial"], TARGETS["ratio_batching_to_serial"])],
         ["the model's own gain from batching: engine batched / engine batch-1",
          f"{r['engine_batched_to_batch1']}"],
@@ -446,6 +467,10 @@ def summary_section(results: dict) -> str:
         rows.append([f"ratio_p50_to_engine_b1_plus_delay ({t['model']})",
                      met(t["ratio_p50_to_engine_b1_plus_delay"],
                          TARGETS["ratio_p50_to_engine_b1_plus_delay"])])
+        if "ratio_async_session_clients32_to_engine" in t:
+            rows.append([f"ratio_async_session_clients32_to_engine ({t['model']})",
+                         met(t["ratio_async_session_clients32_to_engine"],
+                             TARGETS["tiny ratio_clients32_to_engine"])])
     for key in ("embed_ray", "embed_ray_large"):
         r = results.get(key)
         if r:

@@ -337,17 +337,17 @@ def serving_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
     parser.add_argument("--batch-wait", default="decoding", help="the server's --batch-wait")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
-                        help="the clients' phases to run; unary first (the ratios' reference)")
     parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--transport", default="unary", choices=TRANSPORTS,
-                        help="the clients' calls (profile_serve.py; serve.py runs them all)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = serving_parser(__doc__.splitlines()[0])
     parser.add_argument("--drive", metavar="ADDRESS", help=argparse.SUPPRESS)  # client process
+    parser.add_argument("--transport", default="unary", choices=TRANSPORTS,
+                        help=argparse.SUPPRESS)  # the client process's calls
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+                        help="the client phases to run (see drive(); unary always runs)")
     args = parser.parse_args(argv)
     if args.drive:
         result = drive(args.drive, args.clients, jpegs(args.images, args.size), args.batch,
@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         sys.stdin.read()  # alive until the parent is done with it (a profiler reads its CPU)
         return 0
+    args.transports = ["unary"] + [t for t in args.transports if t != "unary"]
     return serve_main(args)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -77,10 +78,10 @@ def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _F
     return _Failover(rest, head, delay)
 
 
-def _requests(client, images, ids, options: dict) -> tuple[list, list[ImageError]]:
+def _requests(client, images, ids, batch_size, options: dict) -> tuple[list, list[ImageError]]:
     """(request, sent indices, local errors, first, count) per message, and errors of chunks
     with nothing left to send."""
-    opts, chunks, _ = start_embed(images, ids, client._info, False, None, **options)
+    opts, chunks, _ = start_embed(images, ids, client._info, False, batch_size, **options)
     messages, unsent = [], []
     for chunk in chunks:
         request, sent, local_errors = build_request(chunk, opts)
@@ -109,6 +110,13 @@ def _left(deadline: float | None, now: float) -> float | None:
     return None if deadline is None else max(0.0, deadline - now)
 
 
+async def _within(answer: asyncio.Future, deadline: float | None, loop):
+    if sys.version_info >= (3, 11):  # a timeout scope: no task per wait, as wait_for makes
+        async with asyncio.timeout_at(deadline):
+            return await answer
+    return await asyncio.wait_for(answer, _left(deadline, loop.time()))
+
+
 def _timed_out(timeout: float, first: int, count: int) -> FeatureError:
     return FeatureError(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"no answer within {timeout:g} s on the session's stream", first, count)
@@ -127,10 +135,12 @@ class EmbedSession:
         self._stream: _SyncStream | None = None
         self._closed = False
 
-    def embed(self, images, *, ids=None, timeout: float | None = None, **options) -> Embeddings:
-        """``FeatureClient.embed``'s inputs, keywords and result (``batch_size``: the server's)."""
+    def embed(self, images, *, ids=None, batch_size: int | None = None,
+              timeout: float | None = None, **options) -> Embeddings:
+        """``FeatureClient.embed``'s inputs, keywords and result (``batch_size``: images per
+        message)."""
         self._client.model_info()
-        messages, unsent = _requests(self._client, images, ids, options)
+        messages, unsent = _requests(self._client, images, ids, batch_size, options)
         timeout = timeout or self._client.timeout
         deadline = _deadline(time.monotonic(), timeout)
         entries: list[_Entry] = []
@@ -238,11 +248,11 @@ class AsyncEmbedSession:
         self._closed = False
         self._retries: set[asyncio.Task] = set()
 
-    async def embed(self, images, *, ids=None, timeout: float | None = None,
-                    **options) -> Embeddings:
+    async def embed(self, images, *, ids=None, batch_size: int | None = None,
+                    timeout: float | None = None, **options) -> Embeddings:
         """``AsyncFeatureClient.embed``'s inputs, keywords and result."""
         await self._client.model_info()
-        messages, unsent = _requests(self._client, images, ids, options)
+        messages, unsent = _requests(self._client, images, ids, batch_size, options)
         timeout = timeout or self._client.timeout
         loop = asyncio.get_running_loop()
         entries = []
@@ -256,8 +266,7 @@ class AsyncEmbedSession:
             responses, deadline = [], _deadline(loop.time(), timeout)
             for entry in entries:
                 try:
-                    responses.append(await asyncio.wait_for(
-                        asyncio.shield(entry.answer), _left(deadline, loop.time())))
+                    responses.append(await _within(entry.answer, deadline, loop))
                 except asyncio.TimeoutError:
                     raise _timed_out(timeout, entry.first, entry.count) from None
         finally:

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "vit22b.v1.FeatureService"
 STREAM_WINDOW = 8  # requests of one stream admitted and not yet answered
+DRAIN_STOP = "draining"  # the cancel message that ends a stream's reader on drain
+DRAIN_MESSAGE = "server is shutting down; resend the requests not answered"
 
 
 def server_version() -> str:
@@ -242,40 +244,47 @@ class FeatureService:
                         _settle(item)
 
     async def _read_stream(self, requests, context, order: asyncio.Queue) -> None:
-        """Admit each request before reading the next; queue its task (responses in order)."""
-        incoming_messages = requests.__aiter__()
-        drained = asyncio.create_task(self.infer.draining.wait())
-        incoming = None
+        """Admit each request before reading the next; queue its task (responses in order).
+
+        Draining ends the stream where it waits for a client's next message: the drain event
+        cancels this reader only there (one callback per stream, not a wait per message)."""
+        reader = asyncio.current_task()
+        waiting = False
+
+        def on_drain(_) -> None:
+            if waiting:
+                reader.cancel(DRAIN_STOP)
+
+        drained = asyncio.ensure_future(self.infer.draining.wait())
+        drained.add_done_callback(on_drain)
         try:
+            messages = requests.__aiter__()
             while True:
-                incoming = asyncio.ensure_future(incoming_messages.__anext__())
-                await asyncio.wait({incoming, drained}, return_when=asyncio.FIRST_COMPLETED)
-                if not incoming.done():
-                    incoming.cancel()
-                    _settle(incoming)
-                    await order.put(
-                        Draining("server is shutting down; resend the requests not answered")
-                    )
-                    return
+                waiting = True
                 try:
-                    raw = incoming.result()
+                    raw = await messages.__anext__()
                 except StopAsyncIteration:
                     await order.put(None)
                     return
+                finally:
+                    waiting = False
+                if self.infer.draining.is_set():
+                    raise Draining(DRAIN_MESSAGE)
                 call = to_call(parse(raw, pb.EmbedRequest), context, wait_for_room=True)
                 outputs = self.infer.validate(call)
                 self._check_size(call, outputs)
                 admitted = await self.infer.admit(call, outputs)
                 task = asyncio.create_task(self._answer(call, admitted))
                 await order.put(task)
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as cancel:
+            if cancel.args != (DRAIN_STOP,):
+                raise
+            await order.put(Draining(DRAIN_MESSAGE))
         except Exception as err:  # noqa: BLE001 - a refused request or transport error ends it
             await order.put(err)
         finally:
+            drained.remove_done_callback(on_drain)
             drained.cancel()
-            if incoming is not None:
-                _settle(incoming)
 
     async def _answer(self, call: EmbedCall, admitted) -> pb.EmbedResponse:
         return self._response(call, await self.infer.run(admitted))

@@ -1,0 +1,124 @@
+"""Sessions (``clients/session.py``): embed calls as messages on one open EmbedStream, against
+real servers on loopback: shared by threads or tasks, a refused call failing alone, late answers
+dropped in order, a draining server's stream replaced on the next address."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from serving import assert_same_rows, in_process, metric, metrics, random_images, start_server
+from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(max_delay_ms=5)
+    yield srv
+    srv.stop()
+
+
+def stream_calls(srv, code: str) -> float:
+    return metric(metrics(srv), "vit22b_requests_total", method="EmbedStream", code=code)
+
+
+def test_threads_share_one_stream_and_get_the_in_process_features(server):
+    images = random_images(24, seed=60, size=(64, 64))
+    want = in_process(server.engine, images)["pooled"]
+    before = {m: metric(metrics(server), "vit22b_requests_total", method=m, code="OK")
+              for m in ("Embed", "EmbedStream")}
+    got: list = [None] * len(images)
+    with FeatureClient(server.address) as client, client.session() as session:
+
+        def calls(first: int) -> None:
+            for i in range(first, len(images), 8):
+                got[i] = session.embed([images[i]], ids=[f"img{i}"])
+
+        threads = [threading.Thread(target=calls, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        several = session.embed(images[:10], batch_size=3)  # one call, four messages
+    assert [r.ids for r in got] == [[f"img{i}"] for i in range(len(images))]
+    assert_same_rows(np.concatenate([r.pooled for r in got]), want)
+    assert several.ids == [str(i) for i in range(10)] and len(several.timings) == 4
+    assert_same_rows(several.pooled, want[:10])
+    after = {m: metric(metrics(server), "vit22b_requests_total", method=m, code="OK")
+             for m in ("Embed", "EmbedStream")}
+    assert after["EmbedStream"] - before["EmbedStream"] == 1  # one stream for 25 calls
+    assert after["Embed"] == before["Embed"]
+
+
+def test_a_refused_call_fails_alone_and_the_calls_behind_it_are_resent(server):
+    """All requests are written before the first answer: the server ends the stream at the
+    bad one, so the ones behind it ran on a new stream."""
+    images = random_images(12, seed=61, size=(64, 64))
+    want = in_process(server.engine, images)["pooled"]
+    bad = {3: b"not an image", 8: b"\xff\xd8\xff\xe0 truncated jpeg"}
+    refused_before = stream_calls(server, "INVALID_ARGUMENT")
+
+    async def main():
+        async with AsyncFeatureClient(server.address) as client:
+            async with client.session() as session:
+                async def one(i: int):
+                    try:
+                        return await session.embed([bad.get(i, images[i])], ids=[f"img{i}"])
+                    except FeatureError as err:
+                        return err
+
+                return await asyncio.gather(*(one(i) for i in range(len(images))))
+
+    results = asyncio.run(main())
+    for i, result in enumerate(results):
+        if i in bad:
+            assert isinstance(result, FeatureError), i
+            assert result.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert result.details.startswith("image 0"), result
+        else:
+            assert result.ids == [f"img{i}"]
+            assert_same_rows(result.pooled, want[i : i + 1])
+    assert stream_calls(server, "INVALID_ARGUMENT") - refused_before == len(bad)
+
+
+def test_a_call_that_times_out_drops_its_late_answer_and_keeps_the_order(server):
+    images = random_images(3, seed=62, size=(64, 64))
+    want = in_process(server.engine, images)["pooled"]
+    with FeatureClient(server.address) as client, client.session() as session:
+        with pytest.raises(FeatureError) as err:
+            session.embed([images[0]], timeout=1e-6)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        later = [session.embed([image]) for image in images[1:]]  # each its own answer
+    assert_same_rows(np.concatenate([r.pooled for r in later]), want[1:])
+
+    async def twin():
+        async with AsyncFeatureClient(server.address) as client, client.session() as session:
+            with pytest.raises(FeatureError) as err:
+                await session.embed([images[0]], timeout=1e-6)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            return [await session.embed([image]) for image in images[1:]]
+
+    later = asyncio.run(twin())
+    assert_same_rows(np.concatenate([r.pooled for r in later]), want[1:])
+
+
+def test_a_draining_server_ends_an_idle_stream_and_the_session_moves_on():
+    first, second = start_server(max_delay_ms=5), start_server(max_delay_ms=5)
+    try:
+        images = random_images(4, seed=63, size=(64, 64))
+        want = in_process(first.engine, images)["pooled"]
+        retry = Retry(attempts=4, initial_s=0.01, max_s=0.05)
+        # Round-robin: GetModelInfo goes to the first address, the session's stream to the
+        # second, its replacement to the first again.
+        with FeatureClient([first.address, second.address], retry=retry) as client:
+            with client.session() as session:
+                before = session.embed(images[:2])
+                assert second.stop(timeout=10)  # drains: the idle stream must not hold it
+                after = session.embed(images[2:])
+        assert_same_rows(np.concatenate([before.pooled, after.pooled]), want)
+        assert stream_calls(first, "OK") == 1
+    finally:
+        first.stop()
