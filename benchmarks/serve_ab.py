@@ -25,7 +25,7 @@ import importlib
 import sys
 
 from benchlib import emit, log, machine, median, percentile
-from serve import run_phase
+from serve import TRANSPORTS, run_phase
 
 CLIENTS = (1, 8, 32)
 
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
+    parser.add_argument("--transport", default="unary", choices=TRANSPORTS,
+                        help="the clients' calls (serve.py's drive)")
     args = parser.parse_args(argv)
 
     from vit22b.server.cpu_devices import prepare_xla_cpu
@@ -85,14 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for side in servers.values():  # warm: connections, first calls
             url = f"http://127.0.0.1:{side.server.metrics_port}/metrics"
-            run_phase(args, side.address, url, max(args.clients))
+            run_phase(args, side.address, url, max(args.clients), transport=args.transport)
         for r in range(args.rounds):
             order = list(servers) if r % 2 == 0 else list(reversed(servers))
             for clients in args.clients:
                 for name in order:
                     side = servers[name]
                     url = f"http://127.0.0.1:{side.server.metrics_port}/metrics"
-                    runs[name][clients].append(run_phase(args, side.address, url, clients))
+                    runs[name][clients].append(run_phase(args, side.address, url, clients,
+                                                         transport=args.transport))
             log(f"round {r + 1}/{args.rounds} done")
     finally:
         for side in servers.values():

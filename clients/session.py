@@ -15,7 +15,9 @@ request it refuses; the session then fails that call alone (or retries it, under
 ``Retry`` policy, when the code is retryable) and resends every later request on a new stream,
 to the next address: nothing is lost and no other call sees the error. ``timeout`` bounds each
 call's wait (a stream has no per-message deadline): a call that times out raises
-DEADLINE_EXCEEDED and its late answer is dropped.
+DEADLINE_EXCEEDED and its late answer is dropped. Unlike a unary call, a request on a stream is
+never refused for a full queue: the server waits for room (and HTTP/2 flow control then holds
+the sender), so an overloaded server slows a session down instead of failing its calls.
 """
 
 from __future__ import annotations
