@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"    {v['percent']:5.1f}%  {stage}")
     emit({"benchmark": "profile_serve", "model": args.model, "images": args.images,
           "jpeg_side": args.size, "max_delay_ms": args.max_delay_ms,
-          "batch_wait": args.batch_wait, "rate": args.rate,
+          "batch_wait": args.batch_wait, "rate": args.rate, "transport": args.transport,
           **phases, "machine": machine()})
     return 0
 

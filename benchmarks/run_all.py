@@ -73,6 +73,8 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
         ("serve", py + serve_b),
         ("serve_tiny", py + serve_tiny),
         ("profile_serve", py + profile),
+        ("profile_serve_session", py + profile + ["--transport", "async_session",
+                                                  "--clients", "32"]),
         ("serve_http_tiny", py + http_tiny),
         ("embed_ray", py + embed_ray),
         *([] if quick else [("embed_ray_large", py + embed_ray_large)]),
@@ -383,10 +385,14 @@ def forward_profile_section(r: dict) -> str:
     ])
 
 
+def _prefix(transport: str) -> str:
+    return "" if transport == "unary" else f"{transport}_"
+
+
 def profile_section(r: dict) -> str:
     parts = [
         f"## Where a served call's time goes ({r['model']}, JPEGs of {r['jpeg_side']}x"
-        f"{r['jpeg_side']})",
+        f"{r['jpeg_side']}, {TRANSPORT_LABELS[_prefix(r.get('transport', 'unary'))]})",
         f"`{r['_command']}` ({r['_seconds']} s, {r['images']} single-image calls per phase; "
         f"{_load(r)}). CPU microseconds per image of each process, by thread, from /proc "
         "(exact); then the share of py-spy's samples by stage (the innermost matching frame; "
@@ -487,6 +493,7 @@ SECTIONS = {
     "serve_tiny": lambda r: serve_section(r, SERVE_NOTES["serve_tiny"],
                                           "tiny ratio_clients32_to_engine"),
     "profile_serve": profile_section,
+    "profile_serve_session": profile_section,
     "serve_http_tiny": http_section,
     "embed_ray": embed_ray_section,
     "embed_ray_large": embed_ray_section,
