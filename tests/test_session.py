@@ -84,6 +84,18 @@ def test_a_refused_call_fails_alone_and_the_calls_behind_it_are_resent(server):
     assert stream_calls(server, "INVALID_ARGUMENT") - refused_before == len(bad)
 
 
+def test_skipped_images_are_reported_as_embed_reports_them(server, tmp_path):
+    images = random_images(5, seed=64, size=(64, 64))
+    inputs = [images[0], tmp_path / "missing.png", images[2], b"garbage", images[4]]
+    with FeatureClient(server.address) as client, client.session() as session:
+        got = session.embed(inputs, skip_invalid=True, batch_size=2)
+        want = client.embed(inputs, skip_invalid=True, batch_size=2)
+    assert list(got.indices) == list(want.indices) == [0, 2, 4]
+    assert [(e.index, e.reason) for e in got.errors] == [(e.index, e.reason) for e in want.errors]
+    assert [e.index for e in got.errors] == [1, 3]
+    assert_same_rows(got.pooled, want.pooled)
+
+
 def test_a_call_that_times_out_drops_its_late_answer_and_keeps_the_order(server):
     images = random_images(3, seed=62, size=(64, 64))
     want = in_process(server.engine, images)["pooled"]
