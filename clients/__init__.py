@@ -12,6 +12,8 @@ _EXPORTS = {
     "FeatureError": "client",
     "Retry": "client",
     "AsyncFeatureClient": "aio",
+    "EmbedSession": "session",
+    "AsyncEmbedSession": "session",
     "Embeddings": "embeddings",
     "ImageError": "embeddings",
     "MixedModelsError": "embeddings",

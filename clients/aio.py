@@ -78,11 +78,11 @@ class AsyncFeatureClient(ClientBase):
     async def embed(self, images, **kwargs) -> Embeddings:
         return merge([part async for part in self.iter_embed(images, **kwargs)])
 
-    def session(self, window: int = 16):
+    def session(self, window: int | None = None):
         """An ``AsyncEmbedSession``: ``FeatureClient.session``'s twin."""
-        from .session import AsyncEmbedSession
+        from .session import WINDOW, AsyncEmbedSession
 
-        return AsyncEmbedSession(self, window)
+        return AsyncEmbedSession(self, window or WINDOW)
 
     async def close(self) -> None:
         for channel in self._channels:

@@ -356,12 +356,12 @@ class FeatureClient(ClientBase):
         """
         return merge(list(self.iter_embed(images, **kwargs)))
 
-    def session(self, window: int = 16):
+    def session(self, window: int | None = None):
         """An ``EmbedSession``: ``embed`` calls as messages on one open stream, cheaper than a
         call each for a few images at a time (``clients/session.py``)."""
-        from .session import EmbedSession
+        from .session import WINDOW, EmbedSession
 
-        return EmbedSession(self, window)
+        return EmbedSession(self, window or WINDOW)
 
     def embed_videos(self, videos, **kwargs):
         """Per-frame features of videos (paths or bytes; PyAV decodes them here): ``frames=K``

@@ -97,11 +97,7 @@ def _requests(client, images, ids, batch_size, options: dict) -> tuple[list, lis
 def _results(messages: list, responses: list, unsent: list[ImageError]) -> Embeddings:
     parts = [chunk_result(response, sent, local_errors)
              for (_, sent, local_errors, _, _), response in zip(messages, responses)]
-    return merge(parts, unsent) if parts else Embeddings(errors=sorted(unsent, key=_index))
-
-
-def _index(error: ImageError) -> int:
-    return error.index
+    return merge(parts, unsent)
 
 
 def _deadline(now: float, timeout: float | None) -> float | None:
@@ -174,10 +170,18 @@ class EmbedSession:
     def _failed(self, plan: _Failover) -> None:
         """Called on the dead stream's reader thread, which is free to wait out a backoff."""
         for entry in plan.resend:
-            self._send(entry)
+            self._resend(entry)
         if plan.retry is not None:
             threading.Event().wait(plan.delay_s)
-            self._send(plan.retry)
+            self._resend(plan.retry)
+
+    def _resend(self, entry: _Entry) -> None:
+        if entry.answer.done():  # its caller gave up meanwhile
+            return
+        try:
+            self._send(entry)
+        except RuntimeError as closed:
+            entry.answer.set_exception(closed)
 
     def close(self) -> None:
         """Ends the stream once the calls in flight are answered."""
@@ -284,12 +288,20 @@ class AsyncEmbedSession:
         await self._stream.send(entry)
 
     def _failed(self, plan: _Failover) -> None:
+        async def resend(entry: _Entry) -> None:
+            if entry.answer.done():  # its caller gave up meanwhile
+                return
+            try:
+                await self._send(entry)
+            except RuntimeError as closed:
+                entry.answer.set_exception(closed)
+
         async def run() -> None:
             for entry in plan.resend:
-                await self._send(entry)
+                await resend(entry)
             if plan.retry is not None:
                 await asyncio.sleep(plan.delay_s)
-                await self._send(plan.retry)
+                await resend(plan.retry)
 
         task = asyncio.get_running_loop().create_task(run())
         self._retries.add(task)
