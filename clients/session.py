@@ -47,11 +47,24 @@ WINDOW = 16  # requests of one session in flight (the server admits 8 per stream
 class _Entry:
     """One request on its way: what to resend, and where its answer goes."""
 
-    request: pb.EmbedRequest
-    first: int  # caller's index of its first image (for error messages)
-    count: int
+    request: pb.EmbedRequest | None  # dropped once answered
+    sent: list[int]  # the caller's index of each image sent
+    local_errors: list[ImageError]  # inputs of the chunk that could not be read here
     answer: Any  # concurrent.futures.Future or asyncio.Future of the EmbedResponse
     attempt: int = 0
+
+    @property
+    def first(self) -> int:  # the chunk's first index, for error messages
+        return min(self.sent[:1] + [e.index for e in self.local_errors[:1]])
+
+    @property
+    def count(self) -> int:
+        return len(self.sent) + len(self.local_errors)
+
+    def answered(self, response: pb.EmbedResponse) -> None:
+        self.request = None
+        if not self.answer.done():
+            self.answer.set_result(response)
 
 
 @dataclass
@@ -80,23 +93,21 @@ def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _F
     return _Failover(rest, head, delay)
 
 
-def _requests(client, images, ids, batch_size, options: dict) -> tuple[list, list[ImageError]]:
-    """(request, sent indices, local errors, first, count) per message, and errors of chunks
-    with nothing left to send."""
+def _messages(client, images, ids, batch_size, options: dict, unsent: list[ImageError]):
+    """(request, sent indices, local errors) per message, built as they are sent; errors of
+    chunks with nothing left to send go to ``unsent``."""
     opts, chunks, _ = start_embed(images, ids, client._info, False, batch_size, **options)
-    messages, unsent = [], []
     for chunk in chunks:
         request, sent, local_errors = build_request(chunk, opts)
         if sent:
-            messages.append((request, sent, local_errors, chunk[0].index, len(chunk)))
+            yield request, sent, local_errors
         else:
             unsent.extend(local_errors)
-    return messages, unsent
 
 
-def _results(messages: list, responses: list, unsent: list[ImageError]) -> Embeddings:
-    parts = [chunk_result(response, sent, local_errors)
-             for (_, sent, local_errors, _, _), response in zip(messages, responses)]
+def _results(entries: list[_Entry], responses: list, unsent: list[ImageError]) -> Embeddings:
+    parts = [chunk_result(response, entry.sent, entry.local_errors)
+             for entry, response in zip(entries, responses)]
     return merge(parts, unsent)
 
 
@@ -138,14 +149,14 @@ class EmbedSession:
         """``FeatureClient.embed``'s inputs, keywords and result (``batch_size``: images per
         message)."""
         self._client.model_info()
-        messages, unsent = _requests(self._client, images, ids, batch_size, options)
+        unsent: list[ImageError] = []
         timeout = timeout or self._client.timeout
         deadline = _deadline(time.monotonic(), timeout)
         entries: list[_Entry] = []
         try:
-            for request, _, _, first, count in messages:
+            for message in _messages(self._client, images, ids, batch_size, options, unsent):
                 self._room.acquire()
-                entry = _Entry(request, first, count, Future())
+                entry = _Entry(*message, Future())
                 entry.answer.add_done_callback(lambda _: self._room.release())
                 entries.append(entry)
                 self._send(entry)
@@ -158,7 +169,7 @@ class EmbedSession:
         finally:
             for entry in entries:
                 entry.answer.cancel()  # no-op for the answered ones
-        return _results(messages, responses, unsent)
+        return _results(entries, responses, unsent)
 
     def _send(self, entry: _Entry) -> None:
         with self._lock:
@@ -226,8 +237,7 @@ class _SyncStream:
             for response in self._responses:
                 with self._lock:
                     entry = self._pending.popleft()
-                if not entry.answer.done():
-                    entry.answer.set_result(response)
+                entry.answered(response)
             err = None
         except grpc.RpcError as error:
             err = error
@@ -258,14 +268,14 @@ class AsyncEmbedSession:
                     timeout: float | None = None, **options) -> Embeddings:
         """``AsyncFeatureClient.embed``'s inputs, keywords and result."""
         await self._client.model_info()
-        messages, unsent = _requests(self._client, images, ids, batch_size, options)
+        unsent: list[ImageError] = []
         timeout = timeout or self._client.timeout
         loop = asyncio.get_running_loop()
-        entries = []
+        entries: list[_Entry] = []
         try:
-            for request, _, _, first, count in messages:
+            for message in _messages(self._client, images, ids, batch_size, options, unsent):
                 await self._room.acquire()
-                entry = _Entry(request, first, count, loop.create_future())
+                entry = _Entry(*message, loop.create_future())
                 entry.answer.add_done_callback(lambda _: self._room.release())
                 entries.append(entry)
                 await self._send(entry)
@@ -278,7 +288,7 @@ class AsyncEmbedSession:
         finally:
             for entry in entries:
                 entry.answer.cancel()  # no-op for the answered ones
-        return _results(messages, responses, unsent)
+        return _results(entries, responses, unsent)
 
     async def _send(self, entry: _Entry) -> None:
         if self._closed:
@@ -348,9 +358,7 @@ class _AsyncStream:
                 response = await self._call.read()
                 if response is grpc.aio.EOF:
                     break
-                entry = self._pending.popleft()
-                if not entry.answer.done():
-                    entry.answer.set_result(response)
+                self._pending.popleft().answered(response)
         except grpc.RpcError as error:
             err = error
         self.dead = True
