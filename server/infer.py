@@ -139,7 +139,8 @@ class Infer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = asyncio.Event()
-        self._preprocessors: dict[Geometry, Preprocessor] = {}
+        self._preprocessors: dict[Geometry, Preprocessor] = {}  # by resolved geometry
+        self._served: dict[Geometry, Preprocessor] = {}  # by the geometry a call asked for
 
     # ---- lifecycle (shared by every door) ------------------------------------------------
     def enter(self) -> None:
@@ -199,6 +200,8 @@ class Infer:
 
     def preprocessor(self, geometry: Geometry) -> Preprocessor:
         """The pixel contract at an allowed geometry; InvalidRequest naming what is allowed."""
+        if (served := self._served.get(geometry)) is not None:  # twice per call: keep it cheap
+            return served
         cfg = self.engine.cfg
         resolution = geometry.resolution or cfg.image_size
         allowed = ", ".join(map(str, self.resolutions))
@@ -216,7 +219,8 @@ class Infer:
                        self.limits.max_dense_patches if geometry.dense else 0)
         if key not in self._preprocessors:
             self._preprocessors[key] = Preprocessor(cfg, key)
-        return self._preprocessors[key]
+        self._served[geometry] = self._preprocessors[key]
+        return self._served[geometry]
 
     async def admit(self, call: EmbedCall, outputs: OutputRequest) -> Admitted:
         """Room in the queue for the call's images: at once, or (``wait_for_room``) as it
