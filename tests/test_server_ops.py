@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import signal
@@ -25,7 +26,7 @@ from serving import (
     stub,
     wait_for,
 )
-from vit22b.clients import FeatureClient, FeatureError, Retry
+from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -146,6 +147,21 @@ def test_tls_client_with_token_round_trips(secure):
         got = client.embed(images)
         assert client.model_info().model.name == "vit-22b-tiny/16"
     np.testing.assert_array_equal(got.pooled, in_process(srv.engine, images)["pooled"])
+
+
+def test_sessions_carry_tls_and_the_token(secure):
+    srv, cert = secure
+    images = random_images(3, seed=12)
+    want = in_process(srv.engine, images)["pooled"]
+    with FeatureClient(srv.address, tls=cert, token=TOKEN) as client, client.session() as s:
+        np.testing.assert_array_equal(s.embed(images).pooled, want)
+
+    async def twin():
+        async with AsyncFeatureClient(srv.address, tls=cert, token=TOKEN) as client:
+            async with client.session() as session:
+                return await session.embed(images)
+
+    np.testing.assert_array_equal(asyncio.run(twin()).pooled, want)
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token", ""])
