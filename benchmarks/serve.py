@@ -8,13 +8,17 @@ do not share the server's interpreter lock. All sides embed the same JPEG bytes:
 - clients: 1, 8 and 32 concurrent clients (one channel each), every call one image
   (``FeatureClient.embed([jpeg])``): throughput, per-call latency p50 / p99, and the average
   batch the server formed, from its Prometheus metrics (``vit22b_batch_images`` sum / count);
-  one client is the serial baseline that dynamic batching is compared with;
+  one client is the serial baseline that dynamic batching is compared with; the same again
+  for each of ``--transports`` past unary (``session``, ``async_session``: every call a
+  message on the client's own SDK session, see ``drive``);
 - bulk: one SDK client embedding the whole list (requests of ``max_batch_images``, 4 in flight).
 Each repeat runs every side once, in turn; medians are compared. Ratios:
 ``ratio_clients32_to_engine`` (>= 0.9 wanted), ``ratio_batching_to_serial`` (32 clients / 1, >= 3),
 ``ratio_p50_to_engine_b1_plus_delay`` (one client's p50 over the engine's batch-1 time plus
-``max_delay_ms``, <= 1.2), ``ratio_bulk_to_engine``. ``engine_batched_to_batch1`` is what the model
-itself gains from batching: the engine's batched images/s over its batch-1 images/s.
+``max_delay_ms``, <= 1.2), ``ratio_bulk_to_engine``, and per session transport T
+``ratio_T_clients32_to_engine`` and ``ratio_T_p50_to_engine_b1_plus_delay``.
+``engine_batched_to_batch1`` is what the model itself gains from batching: the engine's
+batched images/s over its batch-1 images/s.
 
     python benchmarks/serve.py                          # ViT-B/16 (seeded), the engine's own plan
     python benchmarks/serve.py --model vit-22b-tiny/16 --size 64 --images 256

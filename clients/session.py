@@ -247,7 +247,7 @@ class _SyncStream:
             self._pending.clear()
         self._outbox.put(_END)  # frees gRPC's thread that reads the requests
         if entries:
-            self._on_failure(failover(entries, err or _ended_early(), self._client._backoff))
+            self._on_failure(failover(entries, err or _EndedEarly(), self._client._backoff))
 
     def close(self) -> None:
         self._outbox.put(_END)
@@ -365,7 +365,7 @@ class _AsyncStream:
         entries = list(self._pending)
         self._pending.clear()
         if entries:
-            self._on_failure(failover(entries, err or _ended_early(), self._client._backoff))
+            self._on_failure(failover(entries, err or _EndedEarly(), self._client._backoff))
 
     async def close(self) -> None:
         async with self._write:
@@ -385,7 +385,3 @@ class _EndedEarly(grpc.RpcError):
 
     def details(self) -> str:
         return "the stream ended before answering every request"
-
-
-def _ended_early() -> grpc.RpcError:
-    return _EndedEarly()

@@ -55,6 +55,7 @@ _ADMIT_POLL_S = (0.001, 0.05)  # a waiting stream retries admission with this ba
 # the preprocessing pool above it: measured here, 1 MiB takes ~0.3 ms and 16 MiB ~8 ms, which
 # would stall every other call on the loop; a pool round trip costs ~35 us.
 INLINE_FINISH_BYTES = 1 << 20
+DRAIN_RESEND = "server is shutting down; resend the requests not answered"  # to a stream
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,7 @@ class Infer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = asyncio.Event()
-        self._preprocessors: dict[Geometry, Preprocessor] = {}  # by resolved geometry
-        self._served: dict[Geometry, Preprocessor] = {}  # by the geometry a call asked for
+        self._preprocessors: dict[Geometry, Preprocessor] = {}  # by the geometry asked for
 
     # ---- lifecycle (shared by every door) ------------------------------------------------
     def enter(self) -> None:
@@ -200,7 +200,7 @@ class Infer:
 
     def preprocessor(self, geometry: Geometry) -> Preprocessor:
         """The pixel contract at an allowed geometry; InvalidRequest naming what is allowed."""
-        if (served := self._served.get(geometry)) is not None:  # twice per call: keep it cheap
+        if (served := self._preprocessors.get(geometry)) is not None:  # twice per call
             return served
         cfg = self.engine.cfg
         resolution = geometry.resolution or cfg.image_size
@@ -217,10 +217,8 @@ class Infer:
             )
         key = Geometry(resolution, geometry.dense,
                        self.limits.max_dense_patches if geometry.dense else 0)
-        if key not in self._preprocessors:
-            self._preprocessors[key] = Preprocessor(cfg, key)
-        self._served[geometry] = self._preprocessors[key]
-        return self._served[geometry]
+        self._preprocessors[geometry] = Preprocessor(cfg, key)  # a few per allowed size
+        return self._preprocessors[geometry]
 
     async def admit(self, call: EmbedCall, outputs: OutputRequest) -> Admitted:
         """Room in the queue for the call's images: at once, or (``wait_for_room``) as it
@@ -237,7 +235,7 @@ class Infer:
         pause = _ADMIT_POLL_S[0]
         while not self.batcher.try_admit(n):
             if self.draining.is_set():
-                raise Draining("server is shutting down; resend the requests not answered")
+                raise Draining(DRAIN_RESEND)
             left = None if call.deadline is None else call.deadline - time.monotonic()
             if left is not None and left <= pause:
                 self.metrics.images.labels("rejected").inc(n)

@@ -26,7 +26,7 @@ from vit22b.model.pixels import OWN_GEOMETRY, Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
-from .infer import EmbedCall, EmbedResult, ImageInput, Infer
+from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer
 from .metrics import Metrics
 from .status import status_of
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "vit22b.v1.FeatureService"
 STREAM_WINDOW = 8  # requests of one stream admitted and not yet answered
 DRAIN_STOP = "draining"  # the cancel message that ends a stream's reader on drain
-DRAIN_MESSAGE = "server is shutting down; resend the requests not answered"
 
 
 def server_version() -> str:
@@ -269,7 +268,7 @@ class FeatureService:
                 finally:
                     waiting = False
                 if self.infer.draining.is_set():
-                    raise Draining(DRAIN_MESSAGE)
+                    raise Draining(DRAIN_RESEND)
                 call = to_call(parse(raw, pb.EmbedRequest), context, wait_for_room=True)
                 outputs = self.infer.validate(call)
                 self._check_size(call, outputs)
@@ -279,7 +278,7 @@ class FeatureService:
         except asyncio.CancelledError as cancel:
             if cancel.args != (DRAIN_STOP,):
                 raise
-            await order.put(Draining(DRAIN_MESSAGE))
+            await order.put(Draining(DRAIN_RESEND))
         except Exception as err:  # noqa: BLE001 - a refused request or transport error ends it
             await order.put(err)
         finally:
