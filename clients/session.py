@@ -13,7 +13,11 @@ Calls may overlap (threads or tasks sharing a session): their requests are pipel
 stream, ``window`` in flight, answers matched in order. The server ends a stream at the first
 request it refuses; the session then fails that call alone (or retries it, under the client's
 ``Retry`` policy, when the code is retryable) and resends every later request on a new stream,
-to the next address: nothing is lost and no other call sees the error. ``timeout`` bounds each
+to the next address: nothing is lost and no other call sees the error. A stream that ends in
+INTERNAL may carry neither the server's status nor its last answers: grpc.aio puts its own
+"Internal error from Core" in their place when a write was in flight as the server ended the
+stream (grpc/grpc#36066). So the first unanswered request is then asked once more by itself,
+as a unary ``Embed``, whose answer or status is the call's. ``timeout`` bounds each
 call's wait (a stream has no per-message deadline): a call that times out raises
 DEADLINE_EXCEEDED and its late answer is dropped. Unlike a unary call, a request on a stream is
 never refused for a full queue: the server waits for room (and HTTP/2 flow control then holds
@@ -66,6 +70,14 @@ class _Entry:
         if not self.answer.done():
             self.answer.set_result(response)
 
+    def refused(self, err: Exception) -> None:
+        if not self.answer.done():  # its caller may have given up meanwhile
+            self.answer.set_exception(err)
+
+    def unary(self) -> tuple:
+        """``_call``'s arguments to ask this request alone, as a unary ``Embed``."""
+        return "Embed", self.request, None, self.first, self.count
+
 
 @dataclass
 class _Failover:
@@ -74,6 +86,7 @@ class _Failover:
     resend: list[_Entry]  # at once, in their order
     retry: _Entry | None = None  # the refused one, after ``delay_s``
     delay_s: float = 0.0
+    alone: bool = False  # ask ``retry`` by a unary Embed: the stream's status may be lost
 
 
 def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _Failover:
@@ -84,10 +97,12 @@ def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _F
     head, rest = entries[0], [e for e in entries[1:] if not e.answer.done()]
     if head.answer.done():  # its caller gave up (timeout, cancel): nobody to tell
         return _Failover(rest)
+    if err.code() == grpc.StatusCode.INTERNAL:  # a server bug, or a status grpc.aio lost
+        return _Failover(rest, head, alone=True)
     try:
         delay = backoff(err, head.attempt, head.first, head.count)
     except FeatureError as refused:
-        head.answer.set_exception(refused)
+        head.refused(refused)
         return _Failover(rest)
     head.attempt += 1
     return _Failover(rest, head, delay)
@@ -182,7 +197,12 @@ class EmbedSession:
         """Called on the dead stream's reader thread, which is free to wait out a backoff."""
         for entry in plan.resend:
             self._resend(entry)
-        if plan.retry is not None:
+        if plan.alone:
+            try:
+                plan.retry.answered(self._client._call(*plan.retry.unary()))
+            except FeatureError as err:
+                plan.retry.refused(err)
+        elif plan.retry is not None:
             threading.Event().wait(plan.delay_s)
             self._resend(plan.retry)
 
@@ -192,7 +212,7 @@ class EmbedSession:
         try:
             self._send(entry)
         except RuntimeError as closed:
-            entry.answer.set_exception(closed)
+            entry.refused(closed)
 
     def close(self) -> None:
         """Ends the stream once the calls in flight are answered."""
@@ -304,12 +324,17 @@ class AsyncEmbedSession:
             try:
                 await self._send(entry)
             except RuntimeError as closed:
-                entry.answer.set_exception(closed)
+                entry.refused(closed)
 
         async def run() -> None:
             for entry in plan.resend:
                 await resend(entry)
-            if plan.retry is not None:
+            if plan.alone:
+                try:
+                    plan.retry.answered(await self._client._call(*plan.retry.unary()))
+                except FeatureError as err:
+                    plan.retry.refused(err)
+            elif plan.retry is not None:
                 await asyncio.sleep(plan.delay_s)
                 await resend(plan.retry)
 
