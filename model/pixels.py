@@ -95,6 +95,12 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, min_side: in
 
     ``min_side``: the shorter side the resize that follows needs; a JPEG then decodes at a
     reduced size that keeps both sides >= ``DRAFT_MARGIN`` x ``min_side`` (0: full size)."""
+    return decode_opened(open_encoded(data, max_pixels), max_pixels, min_side)
+
+
+def open_encoded(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """``decode``'s first half: the header parsed and checked (format, declared size, mode), no
+    pixel decoded yet; what it costs depends on the bytes, not on the pixels."""
     if not data:
         raise InvalidImage("empty image bytes")
     _allow_in_pillow(max_pixels)
@@ -102,6 +108,13 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, min_side: in
     name = _name(image.format)
     check_size(image.height, image.width, max_pixels, f"declared size of the {name}")
     _check_mode(image.mode, name)  # before any pixel is decoded
+    return image
+
+
+def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                  min_side: int = 0) -> np.ndarray:
+    """``decode``'s second half, on an image from ``open_encoded``."""
+    name = _name(image.format)
     if min_side > 0 and image.format in ("JPEG", "MPO"):
         scale = draft_scale(image.width, image.height, min_side)
         if scale > 1:  # Pillow picks the largest scale whose size stays >= the one asked for

@@ -38,6 +38,8 @@ from vit22b.model.pixels import (
     Preprocessor,
     check_pixels,
     decode,
+    decode_opened,
+    open_encoded,
 )
 
 from .batcher import Batcher
@@ -55,6 +57,11 @@ _ADMIT_POLL_S = (0.001, 0.05)  # a waiting stream retries admission with this ba
 # the preprocessing pool above it: measured here, 1 MiB takes ~0.3 ms and 16 MiB ~8 ms, which
 # would stall every other call on the loop; a pool round trip costs ~35 us.
 INLINE_FINISH_BYTES = 1 << 20
+# A stream's one-image message whose image is this small (declared pixels, and encoded bytes)
+# decodes on the event loop: the round trip to the preprocessing pool and the two threads' turns
+# on the interpreter lock cost more than decoding it (benchmarks/NOTES.md, "fifth pass").
+INLINE_DECODE_PIXELS = 128 * 128
+INLINE_DECODE_BYTES = 64 << 10
 DRAIN_RESEND = "server is shutting down; resend the requests not answered"  # to a stream
 
 
@@ -87,6 +94,7 @@ class EmbedCall:
     skip_invalid: bool = False  # invalid images become errors beside the others' features
     deadline: float | None = None  # time.monotonic()
     wait_for_room: bool = False  # wait for queue room (a stream) instead of QueueFull
+    streamed: bool = False  # a stream's message: its reader admits the next ones meanwhile
     solo: bool = False  # batches of this call alone (bit-exact batch jobs)
     geometry: Geometry = OWN_GEOMETRY  # the square size, or dense (model/pixels.py)
 
@@ -141,6 +149,7 @@ class Infer:
         self._idle.set()
         self.draining = asyncio.Event()
         self._preprocessors: dict[Geometry, Preprocessor] = {}  # by the geometry asked for
+        self.inline_decode_pixels = INLINE_DECODE_PIXELS  # 0: always the pool (A/B switch)
 
     # ---- lifecycle (shared by every door) ------------------------------------------------
     def enter(self) -> None:
@@ -315,11 +324,17 @@ class Infer:
     # ---- steps -----------------------------------------------------------------------------
     async def _preprocess(self, call: EmbedCall, pre: Preprocessor):
         loop = asyncio.get_running_loop()
-        tasks = [
-            loop.run_in_executor(self._pool, self._load, i, image, pre)
-            for i, image in enumerate(call.images)
-        ]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        if call.streamed and len(call.images) == 1:
+            try:
+                results = [await self._load_streamed(call.images[0], pre)]
+            except InvalidImage as err:
+                results = [err]
+        else:
+            tasks = [
+                loop.run_in_executor(self._pool, self._load, i, image, pre)
+                for i, image in enumerate(call.images)
+            ]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         good, indices, errors = [], [], []
         for i, result in enumerate(results):
             if isinstance(result, InvalidImage):
@@ -346,12 +361,42 @@ class Infer:
             )
         return (np.stack(good) if good else None), indices, errors
 
-    def _load(self, index: int, image: ImageInput, pre: Preprocessor) -> np.ndarray:
-        """One image -> model input; runs in the preprocessing pool."""
+    async def _load_streamed(self, image: ImageInput, pre: Preprocessor) -> np.ndarray:
+        """A stream's one image: a small one here, on the event loop, others in the pool.
+
+        Only a stream's: its reader has admitted the messages behind this one, so the batcher
+        still sees images coming while this one decodes. A unary call is admitted and decoded
+        in one step, and the batcher, seeing none coming, ran almost every call alone
+        (benchmarks/NOTES.md)."""
+        try:
+            opened = self._open_small(image)
+        except InvalidImage as err:
+            raise err.at(0, image.id) from None
+        data = image.data
+        if opened is not None or (isinstance(data, np.ndarray) and not image.error
+                                  and data.size <= 3 * self.inline_decode_pixels):
+            return self._load(0, image, pre, opened)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._load, 0, image, pre)
+
+    def _open_small(self, image: ImageInput):
+        """The parsed header of small encoded bytes that declare a small image, else None."""
+        data = image.data
+        if (image.error or not isinstance(data, (bytes, bytearray, memoryview))
+                or len(data) > INLINE_DECODE_BYTES or not self.inline_decode_pixels):
+            return None
+        opened = open_encoded(bytes(data), self.limits.max_image_pixels)
+        return opened if opened.width * opened.height <= self.inline_decode_pixels else None
+
+    def _load(self, index: int, image: ImageInput, pre: Preprocessor, opened=None) -> np.ndarray:
+        """One image -> model input, in the preprocessing pool (or ``_load_streamed``'s
+        inline case: ``opened``, its header parsed already)."""
         try:
             if image.error:
                 raise InvalidImage(image.error)
-            if isinstance(image.data, (bytes, bytearray, memoryview)):
+            if opened is not None:
+                pixels = decode_opened(opened, self.limits.max_image_pixels, pre.min_side)
+            elif isinstance(image.data, (bytes, bytearray, memoryview)):
                 pixels = decode(bytes(image.data), self.limits.max_image_pixels,
                                 pre.min_side)
             elif isinstance(image.data, np.ndarray):

@@ -53,7 +53,7 @@ def parse(raw: bytes, message: type):
         raise InvalidRequest(f"request body is not a {name}: {err}") from None
 
 
-def to_call(request: pb.EmbedRequest, context, wait_for_room: bool = False) -> EmbedCall:
+def to_call(request: pb.EmbedRequest, context, streamed: bool = False) -> EmbedCall:
     remaining = context.time_remaining()
     kinds = [wire.kind_name(code) for code in request.outputs]
     return EmbedCall(
@@ -63,7 +63,8 @@ def to_call(request: pb.EmbedRequest, context, wait_for_room: bool = False) -> E
         l2_normalize=request.l2_normalize,
         skip_invalid=request.skip_invalid_images,
         deadline=None if remaining is None else time.monotonic() + remaining,
-        wait_for_room=wait_for_room,
+        wait_for_room=streamed,
+        streamed=streamed,
         geometry=_geometry(request),
     )
 
@@ -269,7 +270,7 @@ class FeatureService:
                     waiting = False
                 if self.infer.draining.is_set():
                     raise Draining(DRAIN_RESEND)
-                call = to_call(parse(raw, pb.EmbedRequest), context, wait_for_room=True)
+                call = to_call(parse(raw, pb.EmbedRequest), context, streamed=True)
                 outputs = self.infer.validate(call)
                 self._check_size(call, outputs)
                 admitted = await self.infer.admit(call, outputs)

@@ -355,6 +355,63 @@ def _assert_still_serving(server) -> None:
     channel.close()
 
 
+def test_one_image_stream_messages_decode_on_either_side_of_the_inline_bound(
+        server, monkeypatch):
+    """A stream's one small image decodes on the event loop, a larger one in the pool
+    (server/infer.py, INLINE_DECODE_*): both give what the unary call and the engine give, and
+    a bad small image is refused in the same words."""
+    import io
+
+    from PIL import Image
+    from vit22b.server.infer import INLINE_DECODE_BYTES, INLINE_DECODE_PIXELS, Infer
+
+    decoded_on: dict[str, list[str]] = {}
+    load = Infer._load
+
+    def watched(self, index, image, pre, opened=None):  # where each image was decoded
+        pool = threading.current_thread().name.startswith("vit22b-preprocess")
+        decoded_on.setdefault(image.id, []).append("pool" if pool else "loop")
+        return load(self, index, image, pre, opened)
+
+    monkeypatch.setattr(Infer, "_load", watched)
+
+    small, other = random_images(2, seed=210, size=(64, 64))
+    noisy = random_images(1, seed=211, size=(300, 300))[0]
+    flat = np.full((1000, 1000, 3), (30, 140, 200), np.uint8)  # small bytes, large declared
+    jpeg = io.BytesIO()
+    Image.fromarray(noisy).save(jpeg, format="JPEG", quality=95)
+    inputs = {"small png": png(small), "small raw": other, "flat png": png(flat),
+              "noisy jpeg": jpeg.getvalue()}
+    assert len(inputs["small png"]) <= INLINE_DECODE_BYTES and 64 * 64 <= INLINE_DECODE_PIXELS
+    assert len(inputs["flat png"]) <= INLINE_DECODE_BYTES < len(inputs["noisy jpeg"])
+
+    def image(name):
+        data = inputs[name]
+        return raw_image(data, name) if isinstance(data, np.ndarray) else pb.Image(
+            id=name, encoded=data)
+
+    s = stub(server.address)
+    requests = [pb.EmbedRequest(images=[image(name)]) for name in inputs]
+    streamed = [wire.from_tensor(r.pooled) for r in s.EmbedStream(iter(requests), timeout=60)]
+    assert decoded_on == {"small png": ["loop"], "small raw": ["loop"], "flat png": ["pool"],
+                          "noisy jpeg": ["pool"]}
+    unary = [wire.from_tensor(s.Embed(r, timeout=60).pooled) for r in requests]
+    assert all(where == ["loop", "pool"] for where in list(decoded_on.values())[:2])
+    want = in_process(server.engine, list(inputs.values()))["pooled"]
+    assert_same_rows(np.concatenate(streamed), want)
+    assert_same_rows(np.concatenate(unary), want)
+
+    bad = pb.EmbedRequest(images=[pb.Image(id="junk", encoded=b"\x89PNG\r\n\x1a\n short")])
+    with pytest.raises(grpc.RpcError) as on_stream:
+        list(s.EmbedStream(iter([bad]), timeout=60))
+    with pytest.raises(grpc.RpcError) as unary_err:
+        s.Embed(bad, timeout=60)
+    assert on_stream.value.code() == unary_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert on_stream.value.details() == unary_err.value.details()
+    assert on_stream.value.details().startswith("image 0 (id 'junk'): PNG")
+    _assert_still_serving(server)
+
+
 def test_embed_stream_ends_with_the_first_bad_request_after_the_good_ones(server):
     good = pb.EmbedRequest(images=[raw_image(GOOD, "ok")])
     bad = pb.EmbedRequest(images=[raw_image(GOOD), pb.Image(id="junk", encoded=b"junk")])
