@@ -275,7 +275,12 @@ class FeatureService:
                 self._check_size(call, outputs)
                 admitted = await self.infer.admit(call, outputs)
                 task = asyncio.create_task(self._answer(call, admitted))
-                await order.put(task)
+                try:
+                    await order.put(task)
+                except asyncio.CancelledError:  # the stream ended while the window was full:
+                    task.cancel()  # nobody will await this answer
+                    _settle(task)
+                    raise
         except asyncio.CancelledError as cancel:
             if cancel.args != (DRAIN_STOP,):
                 raise

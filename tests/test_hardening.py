@@ -227,6 +227,24 @@ def test_refused_stream_calls_log_one_line_each(server, caplog):
     assert not [r for r in lines if r.exc_info]
 
 
+def test_a_stream_ended_with_its_window_full_leaves_no_answer_behind(server, caplog):
+    """The stream's reader may be waiting for room in its window (8 answers) when the stream
+    ends at a refused request: the answer it holds must be cancelled, not left running with
+    nobody to read its outcome (asyncio logs that as an error)."""
+    import gc
+
+    caplog.set_level(logging.DEBUG)
+    good = pb.EmbedRequest(images=[pb.Image(encoded=png(random_images(1, size=(64, 64))[0]))])
+    bad = pb.EmbedRequest(images=[pb.Image(encoded=b"not an image")])
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub(server.address).EmbedStream(iter([good] + [bad] * 12), timeout=20))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    time.sleep(0.2)
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
 def _mutations(rng: np.random.Generator, seed_bytes: list[bytes], count: int):
     for _ in range(count):
         kind = rng.integers(4)
