@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
+from PIL.Image import Image as PILImage
 from vit22b.model.errors import (
     Draining,
     InvalidImage,
@@ -323,13 +324,13 @@ class Infer:
 
     # ---- steps -----------------------------------------------------------------------------
     async def _preprocess(self, call: EmbedCall, pre: Preprocessor):
-        loop = asyncio.get_running_loop()
         if call.streamed and len(call.images) == 1:
             try:
                 results = [await self._load_streamed(call.images[0], pre)]
             except InvalidImage as err:
                 results = [err]
         else:
+            loop = asyncio.get_running_loop()
             tasks = [
                 loop.run_in_executor(self._pool, self._load, i, image, pre)
                 for i, image in enumerate(call.images)
@@ -369,28 +370,31 @@ class Infer:
         in one step, and the batcher, seeing none coming, ran almost every call alone
         (benchmarks/NOTES.md)."""
         try:
-            opened = self._open_small(image)
+            here, opened = self._small(image)
         except InvalidImage as err:
             raise err.at(0, image.id) from None
-        data = image.data
-        if opened is not None or (isinstance(data, np.ndarray) and not image.error
-                                  and data.size <= 3 * self.inline_decode_pixels):
+        if here:
             return self._load(0, image, pre, opened)
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._load, 0, image, pre)
+            self._pool, self._load, 0, image, pre, opened)
 
-    def _open_small(self, image: ImageInput):
-        """The parsed header of small encoded bytes that declare a small image, else None."""
-        data = image.data
-        if (image.error or not isinstance(data, (bytes, bytearray, memoryview))
-                or len(data) > INLINE_DECODE_BYTES or not self.inline_decode_pixels):
-            return None
+    def _small(self, image: ImageInput) -> tuple[bool, PILImage | None]:
+        """Whether an image is small enough to decode on the loop (``INLINE_DECODE_*``), and
+        the header of encoded bytes when it was parsed to tell."""
+        data, limit = image.data, self.inline_decode_pixels
+        if image.error or not limit:
+            return False, None
+        if isinstance(data, np.ndarray):
+            return data.size <= 3 * limit, None
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > INLINE_DECODE_BYTES:
+            return False, None
         opened = open_encoded(bytes(data), self.limits.max_image_pixels)
-        return opened if opened.width * opened.height <= self.inline_decode_pixels else None
+        return opened.width * opened.height <= limit, opened
 
-    def _load(self, index: int, image: ImageInput, pre: Preprocessor, opened=None) -> np.ndarray:
-        """One image -> model input, in the preprocessing pool (or ``_load_streamed``'s
-        inline case: ``opened``, its header parsed already)."""
+    def _load(self, index: int, image: ImageInput, pre: Preprocessor,
+              opened: PILImage | None = None) -> np.ndarray:
+        """One image -> model input, in the preprocessing pool (or on the loop for a stream's
+        small one); ``opened``: its header, parsed already by ``_small``."""
         try:
             if image.error:
                 raise InvalidImage(image.error)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import Future
 
 import grpc
 import numpy as np
 import pytest
 from serving import assert_same_rows, in_process, metric, metrics, random_images, start_server
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
+from vit22b.clients.session import _Entry, failover
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,6 @@ def test_a_status_lost_under_a_write_in_flight_is_asked_again_alone(server):
 
 def test_failover_asks_an_internal_error_again_alone():
     """INTERNAL is a server bug or a status grpc.aio lost: no backoff decides it."""
-    from vit22b.clients.session import _Entry, failover
 
     class Internal(grpc.RpcError):
         def code(self):
@@ -127,8 +128,6 @@ def test_failover_asks_an_internal_error_again_alone():
 
     def backoff(*_):
         raise AssertionError("INTERNAL does not go through the retry policy")
-
-    from concurrent.futures import Future
 
     head, later = (_Entry(None, [i], [], Future()) for i in range(2))
     plan = failover([head, later], Internal(), backoff)
