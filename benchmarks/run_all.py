@@ -40,7 +40,7 @@ def benchmarks(quick: bool, gpu: bool) -> list[tuple[str, list[str]]]:
     forward = ["benchmarks/forward.py"]
     serve_b = ["benchmarks/serve.py", "--transports", "unary", "async_session"]
     serve_tiny = ["benchmarks/serve.py", "--model", "vit-22b-tiny/16", "--size", "64",
-                  "--images", "256"]
+                  "--images", "1024"]
     http_tiny = ["benchmarks/serve_http.py", "--model", "vit-22b-tiny/16", "--size", "64",
                  "--images", "256"]
     if quick:
@@ -204,11 +204,19 @@ TRANSPORT_LABELS = {
 }
 
 
+def _spread(r: dict, phase: str) -> str:
+    """A phase's range of paired ratios to the engine (serve.py), where the run recorded it."""
+    low_high = r.get(phase, {}).get("ratio_to_engine_range")
+    return f"; paired runs {low_high[0]}-{low_high[1]}" if low_high else ""
+
+
 def serve_section(r: dict, note: str = "", clients_target: str = "ratio_clients32_to_engine"
                   ) -> str:
+    spread = r.get("engine_images_per_s_range")
     rows = [["engine (in process, batches of "
              f"{r['max_batch_images']})", r["engine_images_per_s"], "", "", "",
-             f"batch-1 {r['engine_batch1_ms']} ms"]]
+             f"batch-1 {r['engine_batch1_ms']} ms"
+             + (f"; runs {spread[0]:.0f}-{spread[1]:.0f} img/s" if spread else "")]]
     for prefix, calls in TRANSPORT_LABELS.items():
         for clients in (1, 8, 32):
             if s := r.get(f"{prefix}clients_{clients}"):
@@ -219,7 +227,7 @@ def serve_section(r: dict, note: str = "", clients_target: str = "ratio_clients3
                  s["images_per_s"], "", "", s["avg_batch"], ""])
     ratios = [
         ["gRPC at 32 clients / engine", met(r["ratio_clients32_to_engine"],
-                                            TARGETS[clients_target])],
+                                            TARGETS[clients_target]) + _spread(r, "clients_32")],
         ["1-client p50 / (engine batch-1 + max_delay_ms)",
          met(r["ratio_p50_to_engine_b1_plus_delay"],
              TARGETS["ratio_p50_to_engine_b1_plus_delay"])],
@@ -228,7 +236,8 @@ def serve_section(r: dict, note: str = "", clients_target: str = "ratio_clients3
         if f"ratio_{transport}_clients32_to_engine" in r:
             ratios += [
                 [f"32 clients / engine, {transport.replace('_', ' ')}s",
-                 met(r[f"ratio_{transport}_clients32_to_engine"], TARGETS[clients_target])],
+                 met(r[f"ratio_{transport}_clients32_to_engine"], TARGETS[clients_target])
+                 + _spread(r, f"{transport}_clients_32")],
                 [f"1-client p50 / (engine batch-1 + max_delay_ms), {transport.replace('_', ' ')}",
                  met(r[f"ratio_{transport}_p50_to_engine_b1_plus_delay"],
                      TARGETS["ratio_p50_to_engine_b1_plus_delay"])],
@@ -238,12 +247,13 @@ def serve_section(r: dict, note: str = "", clients_target: str = "ratio_clients3
          met(r["ratio_batching_to_serial"], TARGETS["ratio_batching_to_serial"])],
         ["the model's own gain from batching: engine batched / engine batch-1",
          f"{r['engine_batched_to_batch1']}"],
-        ["SDK bulk / engine", f"{r['ratio_bulk_to_engine']}"],
+        ["SDK bulk / engine", f"{r['ratio_bulk_to_engine']}" + _spread(r, "bulk")],
     ]
     return "\n\n".join([
         f"## Serving path: gRPC end to end vs the engine ({r['model']}, mesh {r['mesh']})",
         f"`{r['_command']}` ({r['_seconds']} s, {r['repeats']} alternating repeats of "
-        f"{r['images']} JPEGs of {r['jpeg_side']}x{r['jpeg_side']}, medians; max_delay_ms "
+        f"{r['images']} JPEGs of {r['jpeg_side']}x{r['jpeg_side']}, medians; ratios to the "
+        "engine paired with its runs just before and after each phase; max_delay_ms "
         f"{r['max_delay_ms']}, batch wait {r.get('batch_wait', 'delay')}; {_load(r)}). Clients "
         "run in a separate process, one channel each; average batch from the server's "
         "`vit22b_batch_images` metric.",

@@ -3,8 +3,8 @@
 One engine (loaded and compiled once, before any clock starts) serves on loopback from this
 process; the clients run in a separate process (``--drive``, no jax; as callers would), so they
 do not share the server's interpreter lock. All sides embed the same JPEG bytes:
-- engine: ``Engine.embed`` in process (decode, preprocess, forward, batch by batch, one thread);
-  its batch-1 time is ``Engine.embed`` of one image;
+- engine: the in-process facade, ``LocalInfer.embed`` of the whole list (decoded in its pool,
+  batches of ``--batch``, two in flight); its batch-1 time is ``LocalInfer.embed`` of one image;
 - clients: 1, 8 and 32 concurrent clients (one channel each), every call one image
   (``FeatureClient.embed([jpeg])``): throughput, per-call latency p50 / p99, and the average
   batch the server formed, from its Prometheus metrics (``vit22b_batch_images`` sum / count);
@@ -12,7 +12,11 @@ do not share the server's interpreter lock. All sides embed the same JPEG bytes:
   for each of ``--transports`` past unary (``session``, ``async_session``: every call a
   message on the client's own SDK session, see ``drive``);
 - bulk: one SDK client embedding the whole list (requests of ``max_batch_images``, 4 in flight).
-Each repeat runs every side once, in turn; medians are compared. Ratios:
+Each repeat runs every client side once, in turn, and the engine runs between every two of them
+(and before the first): a side's ratio to the engine is taken, each time it runs, against the
+mean of the engine runs just before and just after it (this machine's speed drifts within a run
+by more than the levers measured), and the ratios reported are the medians of those paired
+ratios (their range beside each side); throughputs and latencies are medians too. Ratios:
 ``ratio_clients32_to_engine`` (>= 0.9 wanted), ``ratio_batching_to_serial`` (32 clients / 1, >= 3),
 ``ratio_p50_to_engine_b1_plus_delay`` (one client's p50 over the engine's batch-1 time plus
 ``max_delay_ms``, <= 1.2), ``ratio_bulk_to_engine``, and per session transport T
@@ -21,7 +25,7 @@ Each repeat runs every side once, in turn; medians are compared. Ratios:
 batched images/s over its batch-1 images/s.
 
     python benchmarks/serve.py                          # ViT-B/16 (seeded), the engine's own plan
-    python benchmarks/serve.py --model vit-22b-tiny/16 --size 64 --images 256
+    python benchmarks/serve.py --model vit-22b-tiny/16 --size 64 --images 1024
 
 The last line of stdout is one JSON object.
 """
@@ -262,50 +266,71 @@ def serve_main(args) -> int:
         max_request_images=args.batch, max_delay_ms=args.max_delay_ms,
         batch_wait=args.batch_wait,
     )
-    engine_s, engine_b1_s = [], []
+    engine_ips, engine_b1_s = [], []
     phases: dict[str, list[dict]] = {
         phase_name(t, c): [] for t in args.transports for c in CLIENTS
     }
     phases["bulk"] = []
+    paired: dict[str, list[float]] = {name: [] for name in phases}  # see pair()
     # The engine side is the in-process facade (decode, batch, forward, finish), the same
     # path the server runs behind its transport.
     with BackgroundServer(config, engine=engine) as server, LocalInfer(engine) as local:
         metrics_url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
         local.embed(images[: args.batch])
+
+        def engine_run() -> None:
+            engine_ips.append(args.images / timed(lambda: local.embed(images)))
+
+        def pair(name: str, phase: dict) -> None:
+            """The phase beside the engine runs just before and just after it: this machine's
+            speed drifts by more than the levers measured within one run."""
+            before = engine_ips[-1]
+            engine_run()
+            phases[name].append(phase)
+            paired[name].append(args.images / phase["wall_s"] / ((before + engine_ips[-1]) / 2))
+
+        engine_run()
         for _ in range(args.repeats):
-            engine_s.append(timed(lambda: local.embed(images)))
             engine_b1_s.append(median([timed(lambda i=i: local.embed([i])) for i in images[:8]]))
             for transport in args.transports:
                 for clients in CLIENTS:
-                    phases[phase_name(transport, clients)].append(run_phase(
+                    pair(phase_name(transport, clients), run_phase(
                         args, server.address, metrics_url, clients, transport=transport))
-            phases["bulk"].append(run_phase(args, server.address, metrics_url, 0))
-    engine_ips = args.images / median(engine_s)
+            pair("bulk", run_phase(args, server.address, metrics_url, 0))
+    engine_median = median(engine_ips)
     b1_ms = 1e3 * median(engine_b1_s)
-    log(f"    engine: {engine_ips:.2f} img/s, batch-1 {b1_ms:.1f} ms")
+    log(f"    engine: {engine_median:.2f} img/s (range {min(engine_ips):.0f}-"
+        f"{max(engine_ips):.0f}), batch-1 {b1_ms:.1f} ms")
     summary = {name: summarize(name, runs, args.images) for name, runs in phases.items()}
+    for name, ratios in paired.items():
+        summary[name]["ratio_to_engine_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+
+    def to_engine(name: str) -> float:
+        return round(median(paired[name]), 3)
+
     one, many = summary["clients_1"], summary[f"clients_{CLIENTS[-1]}"]
     per_transport = {}
     for transport in args.transports[1:]:
-        one_t, many_t = (summary[phase_name(transport, c)] for c in (1, CLIENTS[-1]))
-        per_transport[f"ratio_{transport}_clients32_to_engine"] = round(
-            many_t["images_per_s"] / engine_ips, 3)
+        one_t = summary[phase_name(transport, 1)]
+        per_transport[f"ratio_{transport}_clients32_to_engine"] = to_engine(
+            phase_name(transport, CLIENTS[-1]))
         per_transport[f"ratio_{transport}_p50_to_engine_b1_plus_delay"] = round(
             one_t["p50_ms"] / (b1_ms + args.max_delay_ms), 3)
     emit({
         **run_header("serve", engine, args),
-        "engine_images_per_s": round(engine_ips, 2),
+        "engine_images_per_s": round(engine_median, 2),
+        "engine_images_per_s_range": [round(min(engine_ips), 2), round(max(engine_ips), 2)],
         "engine_batch1_ms": round(b1_ms, 1),
         **summary,
-        "ratio_clients32_to_engine": round(many["images_per_s"] / engine_ips, 3),
+        "ratio_clients32_to_engine": to_engine(f"clients_{CLIENTS[-1]}"),
         "ratio_batching_to_serial": round(many["images_per_s"] / one["images_per_s"], 3),
         "ratio_p50_to_engine_b1_plus_delay": round(
             one["p50_ms"] / (b1_ms + args.max_delay_ms), 3
         ),
-        "ratio_bulk_to_engine": round(summary["bulk"]["images_per_s"] / engine_ips, 3),
+        "ratio_bulk_to_engine": to_engine("bulk"),
         **per_transport,
         # what the model itself gains from batching (batching also saves per-call costs)
-        "engine_batched_to_batch1": round(engine_ips * b1_ms / 1e3, 3),
+        "engine_batched_to_batch1": round(engine_median * b1_ms / 1e3, 3),
         "machine": machine(),
     })
     return 0

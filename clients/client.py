@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED. Never imports jax.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -83,7 +84,7 @@ class EmbedOptions:
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
 
-    @property
+    @functools.cached_property
     def asked(self) -> OutputRequest:
         """The output request these options spell (defaults: model/outputs.py)."""
         return OutputRequest.of(self.outputs, self.layers, self.normalize_patches)

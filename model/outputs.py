@@ -6,6 +6,7 @@ defaults and the layer resolution: the server, the engine and every client spell
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -72,7 +73,19 @@ class OutputRequest:
         norm_patches: bool = False,
     ) -> OutputRequest:
         """From kind names and layers as a caller spells them: no kinds means pooled; layers
-        imply patch tokens; patch tokens without layers mean the last block's."""
+        imply patch tokens; patch tokens without layers mean the last block's.
+
+        Every request of every door is spelled here, mostly the same few ways: the spellings
+        are remembered (``_spelled``, bounded), which makes this a look-up."""
+        spelling = (tuple(kinds), tuple(layers), bool(norm_patches))
+        try:
+            hash(spelling)
+        except TypeError:  # an unhashable layer: spelled anew, to the same error or result
+            return cls._spell(*spelling)
+        return _spelled(spelling)
+
+    @classmethod
+    def _spell(cls, kinds: tuple, layers: tuple, norm_patches: bool) -> OutputRequest:
         kinds = set(kinds) or (set() if layers else set(DEFAULT_KINDS))
         unknown = sorted(kinds - set(KINDS))
         if unknown:
@@ -135,3 +148,8 @@ class OutputRequest:
 
 
 POOLED = OutputRequest()  # the default output set
+
+
+@functools.lru_cache(maxsize=256)  # bounded: a caller may spell many layer sets
+def _spelled(spelling: tuple) -> OutputRequest:
+    return OutputRequest._spell(*spelling)

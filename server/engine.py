@@ -17,7 +17,9 @@ per device (about 10 GB for ViT-22B at batch 32).
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -54,6 +56,10 @@ log = logging.getLogger(__name__)
 
 CACHE_IDLE_S = 60.0  # an on-demand forward unused this long may make room for a new output set
 MAX_PENDING_COMPILES = 4  # output sets waiting for the compile thread; beyond: refused
+# XLA:CPU takes a host batch without copying it only when its data is this aligned; NumPy's
+# allocator gives 16 bytes for arrays below the mmap threshold: a tiny model's batch of 16 went
+# to the device in 94 us copied, 32 us aligned (benchmarks/NOTES.md).
+HOST_ALIGN = 64
 
 
 class CompileLimit(QueueFull):
@@ -165,6 +171,10 @@ class Engine:
         self._compiled: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
         self._used: dict[OutputRequest, float] = {}  # on-demand output set -> last use
         self._warm: dict[tuple, jax.stages.Compiled] = {}
+        self._warm_outputs: set[OutputRequest] = set()  # the output sets of ``_warm``'s keys
+        # Every call resolves its outputs; the same few sets, so remembered (bounded: a caller
+        # may spell many).
+        self._resolved = functools.lru_cache(maxsize=256)(lambda o: o.resolve(self.cfg))
         self._positions: dict[tuple[Grid, int], jax.Array | None] = {}  # (grid, rows) -> table
         self._lock = threading.Lock()
         self._pending: dict[tuple, Future] = {}
@@ -235,7 +245,7 @@ class Engine:
 
     def resolve(self, outputs: OutputRequest) -> OutputRequest:
         """The canonical output set for this model (see ``OutputRequest.resolve``)."""
-        return outputs.resolve(self.cfg)
+        return self._resolved(outputs)
 
     # ---- compiled forwards -----------------------------------------------------------------
     def is_compiled(self, bucket: int, outputs: OutputRequest, grid: Grid | None = None) -> bool:
@@ -247,7 +257,7 @@ class Engine:
         """Refuse a new on-demand output set the cache cannot take without thrashing."""
         now = time.monotonic()
         with self._lock:
-            if any(key[1] == outputs for key in self._warm):
+            if outputs in self._warm_outputs:
                 return
             if outputs in self._used:
                 self._used[outputs] = now
@@ -328,6 +338,7 @@ class Engine:
         with self._lock:
             if warm:
                 self._warm[key] = fn
+                self._warm_outputs.add(outputs)
             else:
                 self.compilations += 1
                 self._compiled[key] = fn
@@ -425,13 +436,22 @@ class Engine:
         """
         n = images.shape[0]
         size = self.plan.bucket(n)
-        pixels = np.zeros((size, *images.shape[1:]), np.float32)
+        pixels = aligned_empty((size, *images.shape[1:]))
         pixels[:n] = images
+        pixels[n:] = 0
         tree = self.executor.run(self, size, outputs, pixels)
         return Features.from_tree(tree).take(slice(0, n))
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
+
+
+def aligned_empty(shape: tuple[int, ...], align: int = HOST_ALIGN) -> np.ndarray:
+    """An uninitialised float32 host array whose data starts on an ``align``-byte boundary."""
+    nbytes = math.prod(shape) * 4
+    raw = np.empty(nbytes + align, np.uint8)
+    skip = -raw.ctypes.data % align
+    return raw[skip : skip + nbytes].view(np.float32).reshape(shape)
 
 
 def _restrict(leaf: jax.Array, sharding: NamedSharding) -> jax.Array:

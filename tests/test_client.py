@@ -114,6 +114,21 @@ def test_options_are_checked_before_sending():
     assert [wire.kind_name(k) for k in request.outputs] == ["pooled", "patch_tokens"]
 
 
+def test_output_requests_spelled_alike_are_one_and_refusals_repeat():
+    spellings = [((), (), False), (("pooled",), (), False), (("patch_tokens",), (), True),
+                 ((), (2, -1, 2), False), (["class_token", "pooled"], [0], False)]
+    for kinds, layers, norm in spellings:
+        once = OutputRequest.of(kinds, layers, norm)
+        assert OutputRequest.of(list(kinds), tuple(layers), norm) is once  # remembered
+        assert once == OutputRequest._spell(tuple(kinds), tuple(layers), norm)  # as spelled
+    assert OutputRequest.of((), (2, -1, 2)).patch_layers == (2, -1)
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="unknown output 'cls'"):
+            OutputRequest.of(("cls",))
+        with pytest.raises(TypeError):  # an unhashable layer is spelled anew, same error
+            OutputRequest.of((), ([1],))
+
+
 class _Failure(grpc.RpcError):
     def __init__(self, code, details=""):
         self._code, self._details = code, details

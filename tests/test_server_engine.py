@@ -11,6 +11,7 @@ from serving import png, random_images, shared_engine
 from vit22b.model import OutputRequest, get_config
 from vit22b.model.errors import InvalidImage, InvalidRequest
 from vit22b.model.pixels import Preprocessor, decode
+from vit22b.server.engine import HOST_ALIGN, aligned_empty
 from vit22b.server.plan import batch_buckets
 
 
@@ -34,6 +35,51 @@ def test_resolve_checks_outputs_against_the_model():
     ]:
         with pytest.raises(InvalidRequest, match=reason):
             engine.resolve(request)
+
+
+def test_resolved_output_sets_are_remembered_and_refusals_repeat():
+    engine = shared_engine()
+    asked = OutputRequest(patch_layers=(-1, 1))
+    assert engine.resolve(asked) is engine.resolve(OutputRequest(patch_layers=(-1, 1)))
+    assert engine.resolve(asked) == asked.resolve(engine.cfg)
+    for _ in range(2):  # a refusal is not remembered as an answer
+        with pytest.raises(InvalidRequest, match="out of range"):
+            engine.resolve(OutputRequest(patch_layers=(9,)))
+
+
+class _Recording:
+    """The engine's executor, noting what each batch handed to it looked like."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def run(self, engine, bucket, outputs, pixels):
+        self.seen.append((bucket, pixels.ctypes.data % HOST_ALIGN, pixels.copy()))
+        return self.inner.run(engine, bucket, outputs, pixels)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_host_batches_are_aligned_and_padded_with_zeros(rows):
+    buffer = aligned_empty((16, 64, 64, 3))
+    assert buffer.shape == (16, 64, 64, 3) and buffer.dtype == np.float32
+    assert buffer.flags.c_contiguous and buffer.flags.writeable
+    engine = shared_engine()
+    pre = Preprocessor(engine.cfg)
+    images = np.stack([pre(p) for p in random_images(rows, seed=rows)])
+    recording = engine.executor = _Recording(engine.executor)
+    try:
+        for _ in range(3):  # several allocations: the allocator's offsets vary
+            features = engine.forward(images, engine.resolve(OutputRequest()))
+    finally:
+        engine.executor = recording.inner
+    for bucket, offset, pixels in recording.seen:
+        assert bucket == engine.bucket(rows) and offset == 0
+        np.testing.assert_array_equal(pixels[:rows], images)
+        assert not pixels[rows:].any()  # zeros, not whatever the buffer held
+    assert features.pooled.shape[0] == rows
 
 
 def test_other_output_sets_compile_once_on_demand_and_warm_ones_stay():
