@@ -456,9 +456,9 @@ def shard_rows(items, positions: range, batch_size: int, results: dict[int, Batc
         result = results[index]
         for row in result.rows:
             ids.append(items[batch[row]].id)
-            paths.append(items[batch[row]].path)
+            paths.append(items[batch[row]].shown_path)
         for row, reason in result.failed:
-            failed.append({"id": items[batch[row]].id, "path": items[batch[row]].path,
+            failed.append({"id": items[batch[row]].id, "path": items[batch[row]].shown_path,
                            "reason": reason})
         for name, array in result.arrays.items():
             parts[name].append(array)

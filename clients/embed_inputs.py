@@ -7,7 +7,8 @@ Each INPUT, a local path or an fsspec URL (``s3://bucket/photos/``, ``gs://...``
 - anything else: a glob (``**`` recurses) or a single file.
 
 Every image gets a stable id: its path relative to the folder when a single folder is given,
-otherwise the path as written (folder argument + relative path; the glob match; the list line).
+otherwise the path as written (folder argument + relative path; the glob match; the list line);
+a name that is not UTF-8 has its odd bytes written ``\\xNN`` in its id (``as_text``).
 The list is sorted by id and de-duplicated, so the same command always sees the same list in the
 same order: shard ``k`` is positions ``k*shard_size ...`` of it, whatever was done before.
 Non-image files are kept: the job records them as failures with the reason, which is what a
@@ -33,8 +34,24 @@ class InputListError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class InputItem:
-    id: str  # stable, relative where possible; the key of the image in the outputs
-    path: str  # absolute path or URL read by the job
+    id: str  # stable, relative where possible; the key of the image in the outputs (text)
+    path: str  # absolute path or URL read by the job (a file system's name as Python holds it)
+
+    @property
+    def shown_path(self) -> str:
+        """The path as the outputs record it: text (see ``as_text``)."""
+        return as_text(self.path)
+
+
+def as_text(name: str) -> str:
+    """A file name as text the outputs can hold (JSON, Parquet, protobuf want UTF-8): a name
+    whose bytes are not UTF-8 reaches Python with each such byte as a lone surrogate; here that
+    byte is written ``\\xNN`` instead (``bad\\xffname.jpg``)."""
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate no file system decoding made
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def _posix(path: str) -> str:
@@ -65,7 +82,9 @@ def _walk(folder: str, prefix: str | None) -> list[InputItem]:
 def _read_list(list_path: str) -> list[InputItem]:
     base = os.path.dirname(os.path.abspath(list_path))
     items = []
-    with open(list_path, encoding="utf-8") as f:
+    # A line that is not UTF-8 names the file whose bytes it holds (a Latin-1 list of Latin-1
+    # names): decoded as the file system's names are.
+    with open(list_path, encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             entry = line.strip()
             if entry and not entry.startswith("#"):
@@ -103,7 +122,7 @@ def _expand_url(spec: str, several: bool) -> list[InputItem]:
         if fs.isfile(path):
             if not spec.lower().endswith(LIST_SUFFIXES):
                 return [InputItem(spec, spec)]
-            lines = fs.cat_file(path).decode("utf-8").splitlines()
+            lines = fs.cat_file(path).decode("utf-8", "surrogateescape").splitlines()
             return [_listed(line.strip(), resolve) for line in lines
                     if line.strip() and not line.strip().startswith("#")]
         if not glob.has_magic(spec):
@@ -158,6 +177,7 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = ()) -> list
         for item in _expand(spec, several):
             if wanted and not item.path.lower().endswith(wanted):
                 continue
+            item = InputItem(as_text(item.id), item.path)
             seen = by_id.setdefault(item.id, item)
             if seen.path != item.path:
                 raise InputListError(

@@ -18,11 +18,22 @@ class InvalidImage(InvalidRequest):
     def __init__(self, reason: str, index: int | None = None, image_id: str = ""):
         self.reason, self.index, self.image_id = reason, index, image_id
         named = image_id and image_id != str(index)  # ids default to the position
-        where = "" if index is None else f"image {index}" + (f" (id {image_id!r})" if named else "")
+        where = "" if index is None else f"image {index}" + (f" (id {_shown(image_id)})"
+                                                              if named else "")
         super().__init__(f"{where}: {reason}" if where else reason)
 
     def at(self, index: int, image_id: str = "") -> InvalidImage:
         return InvalidImage(self.reason, index, image_id)
+
+
+SHOWN_ID_CHARS = 80  # a message quotes this much of an image's id (ids are the client's text)
+
+
+def _shown(image_id: str) -> str:
+    """An id as a message quotes it: repr'd, and cut with a note past ``SHOWN_ID_CHARS``."""
+    if len(image_id) <= SHOWN_ID_CHARS:
+        return repr(image_id)
+    return f"{image_id[:SHOWN_ID_CHARS]!r}... ({len(image_id)} characters)"
 
 
 class TooLarge(InvalidRequest):

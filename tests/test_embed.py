@@ -209,6 +209,34 @@ def test_folder_with_bad_files(engine, tmp_path):
     np.testing.assert_array_equal(np.concatenate(rows), np.asarray(result["pooled"]))
 
 
+@pytest.mark.parametrize("fmt", ["npy", "parquet", "safetensors"])
+def test_file_names_that_are_not_utf8_get_text_ids_in_every_format(engine, tmp_path, fmt):
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_images(data, 2)
+    picture = (data / "class0" / "img000.jpg").read_bytes()
+    raw = os.fsencode(str(data))
+    with open(raw + b"/bad\xffname.jpg", "wb") as f:  # a Latin-1 name: not UTF-8
+        f.write(picture)
+    with open(raw + b"/caf\xe9 junk.jpg", "wb") as f:
+        f.write(b"junk")
+    (tmp_path / "list.txt").write_bytes(b"data/bad\xffname.jpg\n")  # a Latin-1 list
+    listed = enumerate_inputs([str(tmp_path / "list.txt")])
+    assert [(i.id, os.path.exists(i.path)) for i in listed] == [("data/bad\\xffname.jpg", True)]
+
+    summary = local_job(engine, data, out, format=fmt)
+    assert (summary.embedded, summary.failed) == (3, 1)
+    result = open_outputs(str(out), verify=True)
+    assert result.ids == ["bad\\xffname.jpg", "class0/img000.jpg", "class1/img001.png"]
+    pooled = np.asarray(result["pooled"])
+    np.testing.assert_array_equal(pooled[0], pooled[1])  # the same picture under two names
+    (error,) = [json.loads(line) for line in open(out / "errors.jsonl", encoding="utf-8")]
+    assert error["id"] == "caf\\xe9 junk.jpg" and error["path"] == f"{data}/caf\\xe9 junk.jpg"
+    for name, blob in read_dir(out).items():  # every file the job wrote holds text, not bytes
+        if name.endswith(".json") or name.endswith(".jsonl"):
+            blob.decode("utf-8")
+            assert "\\udc" not in blob.decode("utf-8"), name
+
+
 def test_resume_skips_done_shards_and_matches_a_full_run(engine, tmp_path):
     data = tmp_path / "data"
     write_images(data, 20)

@@ -521,3 +521,12 @@ def test_normalising_by_table_is_the_formula_bit_for_bit(name):
         want = normalise_formula(pixels, pre.cfg.preprocess)
         assert got.dtype == np.float32 and got.shape == pixels.shape
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_an_image_error_quotes_a_long_id_cut_to_its_start():
+    assert str(InvalidImage("bad", 2, "bad")) == "image 2 (id 'bad'): bad"
+    assert str(InvalidImage("bad", 2, "2")) == "image 2: bad"  # ids default to the position
+    long = "x" * 5000
+    message = str(InvalidImage("cannot decode", 0, long))
+    assert message == f"image 0 (id '{'x' * 80}'... (5000 characters)): cannot decode"
+    assert InvalidImage("r", 0, long).image_id == long  # the error still carries it whole
