@@ -98,8 +98,12 @@ class EmbedOptions:
         return list(self.asked.patch_layers)
 
     def request(self, images: Sequence[pb.Image]) -> pb.EmbedRequest:
-        return pb.EmbedRequest(
-            images=images,
+        return pb.EmbedRequest(images=images, **self._request_fields)
+
+    @functools.cached_property
+    def _request_fields(self) -> dict:
+        """Every request field but the images: the same for each request of these options."""
+        return dict(
             outputs=[wire.kind_code(k) for k in self.kinds],
             patch_layers=self.patch_layers,
             dtype=wire.dtype_code(self.dtype),
@@ -172,11 +176,12 @@ def chunk_result(
 ) -> Embeddings:
     """One response with the caller's indices (local inputs may have been skipped)."""
     result = from_response(response, 0)
-    result.indices = np.asarray([sent[row] for row in result.indices], np.int64)
-    result.errors = sorted(
-        [ImageError(sent[e.index], e.id, e.reason) for e in result.errors] + local_errors,
-        key=lambda e: e.index,
-    )
+    result.indices = np.asarray(sent, np.int64)[result.indices]
+    if result.errors or local_errors:
+        result.errors = sorted(
+            [ImageError(sent[e.index], e.id, e.reason) for e in result.errors] + local_errors,
+            key=lambda e: e.index,
+        )
     return result
 
 

@@ -53,7 +53,8 @@ def from_response(response: pb.EmbedResponse, offset: int) -> Embeddings:
     result = Embeddings(
         patch_tokens={int(k): wire.from_tensor(t) for k, t in response.patch_tokens.items()},
         ids=list(response.ids),
-        indices=np.asarray(response.indices, np.int64) + offset,
+        indices=np.asarray(response.indices, np.int64) + offset if offset else
+        np.asarray(response.indices, np.int64),
         errors=[ImageError(e.index + offset, e.id, e.reason) for e in response.errors],
         model=response.model,
         timings=[response.timings],
@@ -67,6 +68,8 @@ def from_response(response: pb.EmbedResponse, offset: int) -> Embeddings:
 
 def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) -> Embeddings:
     """Concatenate per-request results in order; refuses results of different models."""
+    if len(parts) == 1 and not extra_errors:  # one request (a session's call): it is the result
+        return parts[0]
     models = {wire.identity_of_ref(p.model) for p in parts if p.model is not None}
     if len(models) > 1:
         raise MixedModelsError(

@@ -129,6 +129,26 @@ def test_output_requests_spelled_alike_are_one_and_refusals_repeat():
             OutputRequest.of((), ([1],))
 
 
+def test_one_response_merged_is_what_the_general_merge_gives():
+    from vit22b.clients.client import chunk_result
+    from vit22b.clients.embeddings import Embeddings, ImageError
+
+    pooled = np.arange(12, dtype=np.float32).reshape(3, 4)
+    response = pb.EmbedResponse(
+        model=pb.ModelRef(name="m"), ids=["a", "c", "d"],
+        indices=[0, 2, 3], errors=[pb.ImageError(index=1, id="b", reason="bad")],
+        pooled=wire.to_tensor(pooled), grid_rows=4, grid_cols=4)
+    local = [ImageError(9, "z", "unreadable here")]
+    part = chunk_result(response, [10, 11, 12, 13], local)
+    np.testing.assert_array_equal(part.indices, [10, 12, 13])
+    assert [(e.index, e.id) for e in part.errors] == [(9, "z"), (11, "b")]
+    alone, general = merge([part]), merge([part, Embeddings()])  # the second: the loop
+    for name in ("ids", "errors", "model", "timings", "grid"):
+        assert getattr(alone, name) == getattr(general, name), name
+    np.testing.assert_array_equal(alone.indices, general.indices)
+    np.testing.assert_array_equal(alone.pooled, general.pooled)
+
+
 class _Failure(grpc.RpcError):
     def __init__(self, code, details=""):
         self._code, self._details = code, details
