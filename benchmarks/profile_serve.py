@@ -11,14 +11,18 @@ only, idle threads left out) for the timed phase. Each sample is put in the firs
 the innermost frame out, whose rule matches (``STAGES``): so a JPEG decode inside the
 preprocessing pool counts as decoding, not as the pool. The split is in percent of each
 process's CPU samples and, with the phase's wall time and image count, in CPU microseconds per
-image. Needs py-spy (``make bench`` installs it) and permission to read another process's memory
-(root, or ptrace_scope 0). Ends with one JSON line.
+image. The server's cycle collections in the phase (``gc.callbacks``: count and wall ms by
+generation) come beside them; ``--unfreeze`` undoes the server's freeze of its start-up heap
+(``app.freeze_startup_heap``) to see them as they were before it. Needs py-spy (``make bench``
+installs it) and permission to read another process's memory (root, or ptrace_scope 0). Ends
+with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import shutil
 import signal
@@ -142,6 +146,32 @@ def cpu_by_group(before: tuple[float, dict], after: tuple[float, dict], images: 
             "threads": {g: round(1e6 * v / images, 1) for g, v in groups.most_common() if v}}
 
 
+class CycleCollections:
+    """The server process's cycle collections (``gc.callbacks``): count and wall ms by
+    generation, while ``on``."""
+
+    def __init__(self):
+        self.on, self._start, self.by_generation = False, {}, {}
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        thread = threading.get_ident()
+        if phase == "start":
+            self._start[thread] = time.perf_counter()
+        elif thread in self._start:
+            entry = self.by_generation.setdefault(f"gen{info['generation']}", [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._start.pop(thread)
+
+    def take(self) -> dict:
+        out = {g: {"collections": n, "ms": round(1e3 * s, 1)}
+               for g, (n, s) in sorted(self.by_generation.items())}
+        self.on, self.by_generation = False, {}
+        return out
+
+
 def start_spy(pid: int, out: str, rate: int) -> subprocess.Popen:
     spy = py_spy()
     return subprocess.Popen(
@@ -182,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", metavar="DIR", help="keep py-spy's raw stacks in DIR")
     parser.add_argument("--transport", default="unary", choices=TRANSPORTS,
                         help="the clients' calls (serve.py's drive)")
+    parser.add_argument("--unfreeze", action="store_true",
+                        help="undo the server's gc.freeze of its start-up heap (as before it)")
     args = parser.parse_args(argv)
 
     from vit22b.server.cpu_devices import prepare_xla_cpu
@@ -203,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.keep or scratch
         os.makedirs(folder, exist_ok=True)
         metrics_url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+        if args.unfreeze:
+            gc.unfreeze()
+        collections_seen = CycleCollections()
         run_phase(args, server.address, metrics_url, max(args.clients),
                   transport=args.transport)  # warm-up
         for clients in args.clients:
@@ -217,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)  # py-spy attached before the clock starts
                 cpu.update({"server": (os.getpid(), snapshot(os.getpid())),
                             "client": (pid, snapshot(pid))})
+                collections_seen.on = True
 
             def finished(cpu=cpu) -> None:
                 for side, (pid, before) in list(cpu.items()):
@@ -228,13 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                 stop_spy(proc)
             phase = {"wall_s": round(result["wall_s"], 2),
                      "images_per_s": round(args.images / result["wall_s"], 1),
-                     "avg_batch": round(result["avg_batch"], 2)}
+                     "avg_batch": round(result["avg_batch"], 2),
+                     "server_cycle_collections": collections_seen.take()}
             for side, (_, out) in spies.items():
                 phase[side] = {"cpu": cpu[side], "sampled": split(fold(out), args.rate,
                                                                   args.images)}
             phases[f"clients_{clients}"] = phase
             log(f"{clients} client(s): {phase['images_per_s']} img/s, avg batch "
-                f"{phase['avg_batch']}")
+                f"{phase['avg_batch']}; server cycle collections "
+                f"{phase['server_cycle_collections']}")
             for side in ("server", "client"):
                 measured = phase[side]["cpu"]
                 log(f"  {side}: {measured['cpu_us_per_image']} CPU us/image (/proc), by thread:")
@@ -245,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"    {v['percent']:5.1f}%  {stage}")
     emit({"benchmark": "profile_serve", "model": args.model, "images": args.images,
           "jpeg_side": args.size, "max_delay_ms": args.max_delay_ms,
+          "startup_heap_frozen": not args.unfreeze,
           "batch_wait": args.batch_wait, "rate": args.rate, "transport": args.transport,
           **phases, "machine": machine()})
     return 0

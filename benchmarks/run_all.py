@@ -416,10 +416,15 @@ def profile_section(r: dict) -> str:
             rows = [[group, us] for group, us in cpu["threads"].items()]
             stages = ", ".join(f"{stage} {v['percent']}%" for stage, v in sampled.items()
                                if v["percent"] >= 1.0)
+            gcs = phase.get("server_cycle_collections") if side == "server" else None
+            seen = "" if gcs is None else " Cycle collections in the phase (the start-up heap " + (
+                "frozen" if r.get("startup_heap_frozen", True) else "not frozen") + "): " + (
+                ", ".join(f"{g} {v['collections']}x, {v['ms']} ms" for g, v in gcs.items())
+                or "none") + "."
             parts += [
                 f"**{key.split('_')[1]} client(s), {side}**: {cpu['cpu_us_per_image']} CPU us "
                 f"per image ({phase['images_per_s']} img/s, average batch {phase['avg_batch']})."
-                f" Sampled stages: {stages}.",
+                f" Sampled stages: {stages}.{seen}",
                 table(["thread", "CPU us / image"], rows),
             ]
     return "\n\n".join(parts)

@@ -5,6 +5,8 @@
 Decoding one JPEG (``pixels.decode``, at the contract's reduced size), the resize / crop and the
 normalisation, the whole load; a round trip from an event loop to a thread pool and back
 (``run_in_executor`` of a no-op, asyncio's loop and uvloop's); the preprocessing hash; and
+``jax.device_put`` of a batch of 16 from a 16-byte and from a 64-byte aligned host buffer
+(``Engine.forward`` pads into the latter: XLA:CPU then takes it without a copy);
 ``Engine.forward`` (pooled, the engine's own plan) per batch size, wall and process CPU. Medians
 of timed loops, in microseconds. Ends with one JSON line.
 """
@@ -93,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                     args.calls)
     except ImportError:
         log("uvloop not installed")
+    import jax
+    from vit22b.server.engine import aligned_empty
+
+    place = engine.placement(16)
+    copied = np.zeros((16, *pixels.shape), np.float32)  # as NumPy allocates it
+    if copied.ctypes.data % 64 == 0:  # by chance aligned: make it not
+        copied = np.zeros(copied.size + 4, np.float32)[4:].reshape(copied.shape)
+    aligned = aligned_empty(copied.shape)
+    aligned[:] = 0
+    result["device_put_16_us"] = {
+        name: per_call_us(lambda a=array: jax.device_put(a, place.batch_sharding)
+                          .block_until_ready(), args.calls)
+        for name, array in (("unaligned", copied), ("aligned", aligned))}
     outputs, forward = engine.resolve(POOLED), {}
     for n in BATCHES:
         images = np.random.default_rng(n).random((n, *pixels.shape), np.float32)
