@@ -4,7 +4,8 @@
 
 Decoding one JPEG (``pixels.decode``, at the contract's reduced size), the resize / crop and the
 normalisation, the whole load; a round trip from an event loop to a thread pool and back
-(``run_in_executor`` of a no-op, asyncio's loop and uvloop's); the preprocessing hash; and
+(``run_in_executor`` of a no-op, asyncio's loop and uvloop's); the preprocessing hash; an
+output request spelled and resolved anew against looked up (what every call does);
 ``jax.device_put`` of a batch of 16 from a 16-byte and from a 64-byte aligned host buffer
 (``Engine.forward`` pads into the latter: XLA:CPU then takes it without a copy);
 ``Engine.forward`` (pooled, the engine's own plan) per batch size, wall and process CPU. Medians
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from vit22b.server.cpu_devices import prepare_xla_cpu
 
     prepare_xla_cpu()
-    from vit22b.model.outputs import POOLED
+    from vit22b.model.outputs import POOLED, OutputRequest
     from vit22b.model.pixels import OWN_GEOMETRY, Preprocessor, decode, normalise_formula
     from vit22b.server.engine import Engine
 
@@ -83,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         "normalise_formula_224_us": per_call_us(
             lambda: normalise_formula(big, engine.cfg.preprocess), args.calls // 4),
         "load_us": per_call_us(lambda: pre(decode(data, min_side=pre.min_side)), args.calls),
+        "spell_outputs_us": {
+            "anew": per_call_us(lambda: OutputRequest._spell(("pooled",), (), False), args.calls),
+            "remembered": per_call_us(lambda: OutputRequest.of(("pooled",), (), False),
+                                      args.calls)},
+        "resolve_outputs_us": {
+            "anew": per_call_us(lambda: POOLED.resolve(engine.cfg), args.calls),
+            "remembered": per_call_us(lambda: engine.resolve(POOLED), args.calls)},
         "hash_uncached_us": per_call_us(
             lambda: engine.cfg.preprocess_hash(pre.geometry.key(engine.cfg)), args.calls),
         "pool_round_trip_us": {"asyncio": pool_round_trip_us(asyncio.new_event_loop,
