@@ -53,8 +53,7 @@ def from_response(response: pb.EmbedResponse, offset: int) -> Embeddings:
     result = Embeddings(
         patch_tokens={int(k): wire.from_tensor(t) for k, t in response.patch_tokens.items()},
         ids=list(response.ids),
-        indices=np.asarray(response.indices, np.int64) + offset if offset else
-        np.asarray(response.indices, np.int64),
+        indices=np.asarray(response.indices, np.int64) + offset,
         errors=[ImageError(e.index + offset, e.id, e.reason) for e in response.errors],
         model=response.model,
         timings=[response.timings],
