@@ -399,6 +399,16 @@ def _prefix(transport: str) -> str:
     return "" if transport == "unary" else f"{transport}_"
 
 
+def _collections(r: dict, phase: dict) -> str:
+    """The server's cycle collections in a profiled phase, where the run recorded them."""
+    if "server_cycle_collections" not in phase:
+        return ""
+    heap = "frozen" if r.get("startup_heap_frozen", True) else "not frozen"
+    seen = ", ".join(f"{g} {v['collections']}x, {v['ms']} ms"
+                     for g, v in phase["server_cycle_collections"].items())
+    return f" Cycle collections in the phase (the start-up heap {heap}): {seen or 'none'}."
+
+
 def profile_section(r: dict) -> str:
     parts = [
         f"## Where a served call's time goes ({r['model']}, JPEGs of {r['jpeg_side']}x"
@@ -416,11 +426,7 @@ def profile_section(r: dict) -> str:
             rows = [[group, us] for group, us in cpu["threads"].items()]
             stages = ", ".join(f"{stage} {v['percent']}%" for stage, v in sampled.items()
                                if v["percent"] >= 1.0)
-            gcs = phase.get("server_cycle_collections") if side == "server" else None
-            seen = "" if gcs is None else " Cycle collections in the phase (the start-up heap " + (
-                "frozen" if r.get("startup_heap_frozen", True) else "not frozen") + "): " + (
-                ", ".join(f"{g} {v['collections']}x, {v['ms']} ms" for g, v in gcs.items())
-                or "none") + "."
+            seen = _collections(r, phase) if side == "server" else ""
             parts += [
                 f"**{key.split('_')[1]} client(s), {side}**: {cpu['cpu_us_per_image']} CPU us "
                 f"per image ({phase['images_per_s']} img/s, average batch {phase['avg_batch']})."

@@ -9,7 +9,6 @@ RESOURCE_EXHAUSTED. Never imports jax.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import random
@@ -84,7 +83,7 @@ class EmbedOptions:
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
 
-    @functools.cached_property
+    @property
     def asked(self) -> OutputRequest:
         """The output request these options spell (defaults: model/outputs.py)."""
         return OutputRequest.of(self.outputs, self.layers, self.normalize_patches)
@@ -98,12 +97,8 @@ class EmbedOptions:
         return list(self.asked.patch_layers)
 
     def request(self, images: Sequence[pb.Image]) -> pb.EmbedRequest:
-        return pb.EmbedRequest(images=images, **self._request_fields)
-
-    @functools.cached_property
-    def _request_fields(self) -> dict:
-        """Every request field but the images: the same for each request of these options."""
-        return dict(
+        return pb.EmbedRequest(
+            images=images,
             outputs=[wire.kind_code(k) for k in self.kinds],
             patch_layers=self.patch_layers,
             dtype=wire.dtype_code(self.dtype),

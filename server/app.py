@@ -83,8 +83,9 @@ def freeze_startup_heap() -> None:
     """Leave what start-up built (jax, the compiled forwards, protobuf, the libraries: some
     200,000 objects) out of the interpreter's cycle collections from now on. Serving allocates
     fast and its garbage is young, yet every few seconds a full collection walked the whole
-    heap: 135-208 ms on the event loop at 32 tiny-model clients, a pause for every call in
-    flight (benchmarks/NOTES.md). Reference counting still frees all of it."""
+    heap: about 150 ms on the event loop at 32 tiny-model clients, a pause for every call in
+    flight (``benchmarks/profile_serve.py --unfreeze``). Reference counting still frees all of
+    it."""
     gc.collect()
     gc.freeze()
 

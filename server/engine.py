@@ -171,7 +171,6 @@ class Engine:
         self._compiled: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
         self._used: dict[OutputRequest, float] = {}  # on-demand output set -> last use
         self._warm: dict[tuple, jax.stages.Compiled] = {}
-        self._warm_outputs: set[OutputRequest] = set()  # the output sets of ``_warm``'s keys
         # Every call resolves its outputs; the same few sets, so remembered (bounded: a caller
         # may spell many).
         self._resolved = functools.lru_cache(maxsize=256)(lambda o: o.resolve(self.cfg))
@@ -257,7 +256,7 @@ class Engine:
         """Refuse a new on-demand output set the cache cannot take without thrashing."""
         now = time.monotonic()
         with self._lock:
-            if outputs in self._warm_outputs:
+            if any(key[1] == outputs for key in self._warm):
                 return
             if outputs in self._used:
                 self._used[outputs] = now
@@ -338,7 +337,6 @@ class Engine:
         with self._lock:
             if warm:
                 self._warm[key] = fn
-                self._warm_outputs.add(outputs)
             else:
                 self.compilations += 1
                 self._compiled[key] = fn
