@@ -183,6 +183,7 @@ class SourceTensors:
         self.problems: list[str] = []
         self.notes: list[str] = []
         self.family = ""  # set by an importer's infer_config when it reads several layouts
+        self.scales_folded = False  # a LayerScale was folded into a projection (float32)
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
@@ -341,6 +342,7 @@ def fold_layer_scale(t: SourceTensors, key: str, dim: int, *arrays: np.ndarray |
     if key not in t:
         return
     gamma = t.take(key, (dim,))
+    t.scales_folded = True
     for array in arrays:
         if array is not None:
             array *= gamma

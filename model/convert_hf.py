@@ -310,7 +310,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         block="sequential",
         norm="layernorm",
         norm_eps=float(side.get("layer_norm_eps", lay.eps)),
-        qkv_bias=b + lay.q + ".bias" in t,
+        qkv_bias=any(f"{b}{name}.bias" in t for name in (lay.q, lay.k, lay.v)),
         out_bias=b + lay.o + ".bias" in t,
         mlp_bias=b + fc2 + ".bias" in t,
         qk_norm=False,
@@ -422,12 +422,9 @@ def _block(t: SourceTensors, b: str, lay: Layout, cfg: ViTConfig) -> dict:
     block = {"norm1": torch_norm(t, b + lay.norm1, cfg), "norm2": torch_norm(t, b + lay.norm2, cfg)}
     qkv = [torch_linear(t, b + name, d, d, False)[0] for name in (lay.q, lay.k, lay.v)]
     block["w_qkv"] = np.concatenate([split_heads_in(w, h) for w in qkv], axis=-1)
-    if cfg.qkv_bias:  # DINOv3 has no key bias: zeros, which is what its key projection adds
-        biases = [
-            t.take(b + lay.q + ".bias", (d,)),
-            t.zeros(b + lay.k + ".bias", (d,), "a key projection without bias"),
-            t.take(b + lay.v + ".bias", (d,)),
-        ]
+    if cfg.qkv_bias:  # a projection without bias (DINOv3's key) adds zeros
+        biases = [t.zeros(f"{b}{name}.bias", (d,), "a projection without bias")
+                  for name in (lay.q, lay.k, lay.v)]
         block["b_qkv"] = np.concatenate([x.reshape(h, -1) for x in biases], axis=-1)
     w_o, b_o = torch_linear(t, b + lay.o, d, d, cfg.out_bias)
     block.update(_mlp(t, b, lay, cfg))

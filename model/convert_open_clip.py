@@ -7,6 +7,7 @@ or ``--mlp``; neither refuses. Pooling is the class token after ``ln_post``, the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -100,13 +101,15 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             "open_clip checkpoint: the weights do not say whether the MLP is GELU or QuickGELU "
             "(OpenAI's); put its open_clip_config.json beside them or pass --mlp gelu|quick_gelu"
         )
+    norm_eps, gelu_exact = _kwargs(vision, mlp)
     b = _BLOCK.format(i=0)
     sizes = Sizes(width, depth, heads, t.shape(b + "mlp.c_fc.weight")[0], patch, grid, channels)
     cfg = sizes.config(
         patch_bias=False,  # open_clip's conv1 has none
         block="sequential",
         norm="layernorm",
-        norm_eps=1e-5,  # torch's LayerNorm default, which open_clip uses
+        norm_eps=norm_eps,
+        gelu_exact=gelu_exact,
         qkv_bias=b + "attn.in_proj_bias" in t,
         out_bias=True,
         mlp_bias=True,
@@ -120,6 +123,22 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     )
     _check_side(model_cfg, cfg)
     return cfg
+
+
+def _kwargs(vision: dict, mlp: str) -> tuple[float, bool]:
+    """(norm eps, exact GELU) from vision_cfg's norm_kwargs and act_kwargs: torch's LayerNorm
+    eps (1e-5) and nn.GELU's exact form where they are silent; any other argument is refused."""
+    norm = dict(vision.get("norm_kwargs") or {})
+    act = dict(vision.get("act_kwargs") or {})
+    eps = float(norm.pop("eps", 1e-5))
+    approximate = act.pop("approximate", "none") if mlp == "gelu" else "none"
+    if norm or act or approximate not in ("none", "tanh"):
+        unknown = {**{f"norm_kwargs.{k}": v for k, v in norm.items()},
+                   **{f"act_kwargs.{k}": v for k, v in act.items()}}
+        if approximate not in ("none", "tanh"):
+            unknown["act_kwargs.approximate"] = approximate
+        raise ConvertError(f"open_clip checkpoint: vision_cfg {unknown} is not supported")
+    return eps, approximate == "none"
 
 
 def _check_side(model_cfg: dict, cfg: ViTConfig) -> None:
@@ -202,7 +221,7 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     params = {
         "patch_embed": patch_kernel(t.take("conv1.weight", (d, c, p, p))),
         "cls": t.take("class_embedding", (d,)).reshape(1, 1, d),
-        "pos_embedding": t.take("positional_embedding", (cfg.num_patches + 1, d))[None],
+        "pos_embedding": t.take("positional_embedding", (math.prod(cfg.table_grid) + 1, d))[None],
         "encoder_norm": torch_norm(t, "ln_post", cfg),
     }
     if cfg.pre_norm:

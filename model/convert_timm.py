@@ -75,10 +75,13 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             f"{t.source} checkpoint: no 'pos_embed': models without a learned "
             "position embedding are not supported"
         )
+    model_args = side.get("model_args") or {}
     width, channels, patch, _ = t.shape("patch_embed.proj.weight")
     depth = count_blocks(t, r"blocks\.(\d+)\.")
     parallel = "blocks.0.in_proj.weight" in t
     class_token = "cls_token" in t
+    registers = t.shape("reg_token")[1] if "reg_token" in t else 0
+    _refuse_registers_in_table(t, model_args, class_token, registers)
     grid, covers_cls = grid_of(t.shape("pos_embed")[1], class_token)
     first_norm = "blocks.0.in_norm" if parallel else "blocks.0.norm1"
     layernorm = f"{first_norm}.bias" in t
@@ -89,7 +92,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         else:
             t.notes.append("norms without a bias read as RMSNorm (timm's bias-free norm)")
     qk_key = "blocks.0.q_norm.weight" if parallel else "blocks.0.attn.q_norm.weight"
-    model_args = side.get("model_args", {})
     heads = infer_heads(t, hints, qk_key, width, model_args.get("num_heads"))
     if parallel:
         mlp_dim = t.shape("blocks.0.in_proj.weight")[0] - 3 * width
@@ -102,19 +104,27 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         out_bias = "blocks.0.attn.proj.bias" in t
         mlp_bias = "blocks.0.mlp.fc1.bias" in t
     pool = side.get("global_pool")
+    if model_args.get("pool_include_prefix"):
+        raise ConvertError(
+            f"{t.source} checkpoint: pool_include_prefix=True (an average over the class and "
+            "register tokens too) is not supported: the model averages patch tokens only"
+        )
     if "attn_pool.latent" in t:
         head = "map"
         if t.shape("attn_pool.latent")[1] != 1:
             t.refuse("attn_pool.latent", "an attention-pooling head with several latent queries")
     elif class_token and pool in (None, "token"):
         head = "cls"
+        if pool is None:  # a bare state dict: an average-pooled model's weights look the same
+            t.notes.append("no timm config.json giving global_pool: pooled output read as the "
+                           "class token (timm's default, global_pool='token')")
     elif pool in (None, "avg"):
         head = "gap"
     else:
         raise ConvertError(f"{t.source} checkpoint: global_pool={pool!r} is not supported")
     head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
     gated = not parallel and t.shape("blocks.0.mlp.fc1.weight")[0] == 2 * mlp_dim  # SwiGLUPacked
-    mlp = "swiglu" if gated else _activation(str(side.get("architecture", "")), t)
+    mlp, gelu_exact = ("swiglu", True) if gated else _activation(side, t)
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     cfg = sizes.config(
         patch_bias="patch_embed.proj.bias" in t,  # timm's pre-norm models have none
@@ -128,11 +138,11 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         qk_norm=qk_key in t,
         head=head,
         class_token=class_token,
-        num_registers=t.shape("reg_token")[1] if "reg_token" in t else 0,
+        num_registers=registers,
         posemb_covers_cls=covers_cls,
         posemb_resample="bicubic_antialias",  # resample_abs_pos_embed's defaults
         pre_norm="norm_pre.weight" in t,
-        gelu_exact=True,
+        gelu_exact=gelu_exact,
         mlp=mlp,
         num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
     )
@@ -163,13 +173,53 @@ def _square(size) -> int | None:
     return size
 
 
-def _activation(architecture: str, t: SourceTensors) -> str:
-    """timm's MLP activation is code, not weights: its architecture names the quick-GELU ones."""
+# timm's act_layer names (timm.layers.create_act) -> (mlp, gelu_exact)
+_ACTIVATIONS = {"gelu": ("gelu", True), "gelu_tanh": ("gelu", False),
+                "quick_gelu": ("quick_gelu", True)}
+
+
+def _activation(side: dict, t: SourceTensors) -> tuple[str, bool]:
+    """timm's MLP activation is code, not weights: config.json's model_args.act_layer where
+    given, else the architecture (its name marks the quick-GELU ones)."""
+    act = (side.get("model_args") or {}).get("act_layer")
+    if act is not None:
+        if act not in _ACTIVATIONS:
+            raise ConvertError(
+                f"{t.source} checkpoint: act_layer={act!r} is not supported "
+                f"(supported: {', '.join(_ACTIVATIONS)})"
+            )
+        return _ACTIVATIONS[act]
+    architecture = str(side.get("architecture", ""))
     if "quickgelu" in architecture:
-        return "quick_gelu"
+        return "quick_gelu", True
     if not architecture:
         t.notes.append("no timm config.json naming the architecture: the MLP's GELU read as exact")
-    return "gelu"
+    return "gelu", True
+
+
+def _square_count(n: int) -> bool:
+    return math.isqrt(n) ** 2 == n
+
+
+def _refuse_registers_in_table(t: SourceTensors, model_args: dict, class_token: bool,
+                               registers: int) -> None:
+    """timm's ``no_embed_class=False`` with register tokens gives the class and register tokens
+    rows of the position table too, which the model cannot express (it adds the table to the
+    patches, and optionally the class token). Told by config.json, or by the table's length:
+    a square grid plus every prefix token."""
+    if not registers:
+        return
+    covered = model_args.get("no_embed_class") is False
+    if model_args.get("no_embed_class") is None:  # a square table is read as patches alone
+        n_pos = t.shape("pos_embed")[1]
+        rows = n_pos - class_token - registers
+        covered = not _square_count(n_pos) and rows > 0 and _square_count(rows)
+    if covered:
+        raise ConvertError(
+            f"{t.source} checkpoint: its position table covers the class and {registers} "
+            "register tokens (timm no_embed_class=False), which is not supported: register "
+            "models are supported with no_embed_class=True (timm's and DINOv2's default)"
+        )
 
 
 def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
@@ -290,9 +340,10 @@ def _timm_map_head(t: SourceTensors, cfg: ViTConfig) -> dict:
 
 def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     d, c, p = cfg.width, cfg.channels, cfg.patch
+    table = math.prod(cfg.table_grid) + cfg.posemb_covers_cls  # the stored grid (posemb_grid)
     params = {
         "patch_embed": patch_kernel(t.take("patch_embed.proj.weight", (d, c, p, p))),
-        "pos_embedding": t.take("pos_embed", (1, cfg.num_patches + cfg.posemb_covers_cls, d)),
+        "pos_embedding": t.take("pos_embed", (1, table, d)),
         "encoder_norm": torch_norm(t, "norm", cfg),
     }
     if cfg.patch_bias:

@@ -101,6 +101,15 @@ HF_CASES = {
         True,
         {"num_registers": 2, "posemb": "rope", "rope_theta": 50.0, "norm_eps": 1e-5},
     ),
+    # a value bias without a query bias: the missing projections' biases are zeros
+    "dinov3-no-query-bias": (
+        "DINOv3ViTModel",
+        "DINOv3ViTConfig",
+        dict(intermediate_size=96, num_register_tokens=1, query_bias=False),
+        _dino_outputs,
+        True,
+        {"qkv_bias": True, "num_registers": 1},
+    ),
     "dinov3-gated": (
         "DINOv3ViTModel",
         "DINOv3ViTConfig",
@@ -248,6 +257,15 @@ TIMM_CASES = {
         "vit_base_patch16_clip_quickgelu_224",
         {"mlp": "quick_gelu", "pre_norm": True, "num_classes": 12},
     ),
+    # the activation named by config.json's model_args.act_layer, not by the architecture
+    "act-gelu-tanh": (
+        "vit_base_patch16_224", {"mlp": "gelu", "gelu_exact": False}, dict(act_layer="gelu_tanh")
+    ),
+    "act-quick-gelu": (
+        "vit_base_patch16_224",
+        {"mlp": "quick_gelu", "pre_norm": True},
+        dict(act_layer="quick_gelu", pre_norm=True),
+    ),
 }
 
 
@@ -278,15 +296,85 @@ def timm_outputs(model, pixels) -> dict:
 
 @pytest.mark.parametrize("case", list(TIMM_CASES))
 def test_timm_parity(case, tmp_path):
-    name, expected = TIMM_CASES[case]
+    name, expected, *kwargs = TIMM_CASES[case]
     extra = {"num_classes": 12} if "clip" in case else {"num_classes": 0}
-    model, converted = timm_converted(name, tmp_path / case, 31 + len(case), **extra)
+    model, converted = timm_converted(name, tmp_path / case, 31 + len(case), **extra,
+                                      **(kwargs[0] if kwargs else {}))
     cfg = converted.config
     assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
     assert {k: getattr(cfg, k) for k in expected} == expected
     pixels = _pixels()
     peer = timm_outputs(model, pixels)
     check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
+
+
+def test_a_timm_dynamic_size_export_keeps_its_table_and_resamples_it_as_timm_does(tmp_path):
+    """timm keeps pretrained_cfg's input size (224) in the config.json of a model built at
+    img_size 16 with dynamic_img_size: served at 224 from its 4x4 table; at another size the
+    table is resampled as timm's own forward resamples it."""
+    model, converted = timm_converted("vit_base_patch16_224", tmp_path / "dyn", 5, num_classes=0,
+                                      dynamic_img_size=True)
+    cfg = converted.config
+    assert (cfg.image_size, cfg.table_grid) == (224, (4, 4))
+    pixels = _pixels(size=24)
+    check_parity("timm-dynamic-size", "timm vit_base_patch16_224", converted, pixels.numpy(),
+                 timm_outputs(model, pixels), True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(global_pool="avg", fc_norm=False, pool_include_prefix=True), "pool_include_prefix"),
+    (dict(reg_tokens=4, no_embed_class=False), "covers the class and 4 register tokens"),
+    (dict(act_layer="relu"), "act_layer='relu' is not supported"),
+])
+def test_timm_options_the_model_cannot_express_are_refused_by_name(kwargs, message, tmp_path):
+    with pytest.raises(ConvertError, match=message):
+        timm_converted("vit_base_patch16_224", tmp_path / "m", 3, num_classes=0, **kwargs)
+
+
+def test_a_timm_table_covering_its_registers_is_refused_without_a_config_too(tmp_path):
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0,
+                              **{**TIMM_SHAPE, "img_size": 32}, reg_tokens=4, no_embed_class=False)
+    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))  # 64 + 1 + 4 rows
+    with pytest.raises(ConvertError, match="covers the class and 4 register tokens"):
+        convert("timm", tmp_path / "m.safetensors", Hints(heads=4))
+
+
+def test_a_bare_timm_state_dict_says_how_its_pooling_was_read(tmp_path):
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0,
+                              **TIMM_SHAPE)
+    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    converted = convert("timm", tmp_path / "m.safetensors", Hints(heads=4))
+    assert converted.config.head == "cls"
+    assert any("global_pool" in note and "class token" in note for note in converted.notes)
+
+
+@pytest.mark.parametrize("source", ["hf", "timm"])
+def test_bfloat16_weights_with_layer_scale_keep_float32_parameters(source, tmp_path):
+    """LayerScale is folded into the projections in float32; rounding the products to bfloat16
+    again would move float32 features by about 2e-3: kept in float32 unless --dtype says."""
+    if source == "hf":
+        model = _hf("Dinov2Model", "Dinov2Config", seed=5, layerscale_value=0.5).to(torch.bfloat16)
+        model.save_pretrained(tmp_path / "m")
+        path, hints = tmp_path / "m", {}
+    else:
+        model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0,
+                                  **TIMM_SHAPE, init_values=0.5).eval()
+        perturb(model, seed=5)
+        model = model.to(torch.bfloat16)
+        save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+        path, hints = tmp_path / "m.safetensors", {"heads": 4}
+    model = model.float()  # the peer: the same bfloat16 values, computed in float32
+    converted = convert(source, path, Hints(**hints))
+    assert converted.config.param_dtype == "float32"
+    assert any("LayerScale folded" in note for note in converted.notes)
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = (_dino_outputs(model, pixels) if source == "hf" else
+                {k: torch.from_numpy(v) for k, v in timm_outputs(model, pixels).items()})
+    check_parity(f"{source}-bf16-layerscale", source, converted, pixels.numpy(),
+                 {k: v.numpy() for k, v in peer.items()}, True)
+    kept = convert(source, path, Hints(**hints, dtype="bfloat16"))
+    assert kept.config.param_dtype == "bfloat16"
 
 
 # ------------------------------------------------------------------------------------------
@@ -345,6 +433,45 @@ def test_open_clip_parity_through_its_own_loader(quick_gelu, tmp_path):
         peer,
         True,
     )
+
+
+def _open_clip_folder(folder, model_cfg: dict, preprocess: dict | None = None, seed: int = 0):
+    """A perturbed open_clip CLIP saved as open_clip saves it, and open_clip's own reload."""
+    open_clip = import_open_clip()
+    model = open_clip.model.CLIP(**model_cfg).eval()
+    perturb(model, seed=seed)
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "open_clip_pytorch_model.bin")
+    side = {"model_cfg": model_cfg, **({"preprocess_cfg": preprocess} if preprocess else {})}
+    (folder / "open_clip_config.json").write_text(json.dumps(side))
+    return open_clip.create_model(f"local-dir:{folder}").eval()
+
+
+def test_open_clip_norm_and_activation_arguments_are_the_configs(tmp_path):
+    """vision_cfg's norm_kwargs (eps) and act_kwargs (GELU's tanh form) are read, not assumed;
+    a preprocessing size other than the tower's keeps the tower's table (resampled when
+    served)."""
+    vision = {**OPEN_CLIP_CFG["vision_cfg"], "norm_kwargs": {"eps": 1e-2},
+              "act_kwargs": {"approximate": "tanh"}}
+    model_cfg = {**OPEN_CLIP_CFG, "quick_gelu": False, "vision_cfg": vision}
+    peer_model = _open_clip_folder(tmp_path / "oc", model_cfg, {"size": 24}, seed=7)
+    converted = convert("open_clip", tmp_path / "oc")
+    cfg = converted.config
+    assert (cfg.norm_eps, cfg.gelu_exact, cfg.image_size, cfg.table_grid) == \
+        (1e-2, False, 24, (4, 4))
+    pixels = _pixels()  # the tower's own 16 px: open_clip's forward runs only there
+    peer_model.visual.output_tokens = True
+    with torch.no_grad():
+        pooled, tokens = peer_model.visual(pixels)
+    check_parity("open_clip-norm-act-kwargs", "open_clip CLIP", converted, pixels.numpy(),
+                 {"pooled": pooled.numpy(), "patch_tokens": tokens.numpy()}, True)
+
+
+def test_open_clip_arguments_it_cannot_express_are_refused(tmp_path):
+    vision = {**OPEN_CLIP_CFG["vision_cfg"], "norm_kwargs": {"elementwise_affine": False}}
+    _open_clip_folder(tmp_path / "oc", {**OPEN_CLIP_CFG, "vision_cfg": vision})
+    with pytest.raises(ConvertError, match="norm_kwargs.elementwise_affine"):
+        convert("open_clip", tmp_path / "oc")
 
 
 def test_open_clip_without_its_config_needs_the_activation(tmp_path):
