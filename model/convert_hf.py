@@ -303,6 +303,9 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         t.notes.append(f"no config.json: LayerNorm epsilon {lay.eps} ({name}'s default)")
     heads = infer_heads(t, hints, None, width, side.get("num_attention_heads"))
     head = "cls" if class_token else "map" if "head.probe" in t else "gap"
+    if head == "gap":
+        t.notes.append("no class token and no attention-pooling head: the pooled output is the "
+                       "mean of the final-normed patch tokens (the source itself pools nothing)")
     head_mlp = t.shape("head.mlp.fc1.weight")[0] if head == "map" else None
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     cfg = sizes.config(

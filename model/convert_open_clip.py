@@ -102,6 +102,9 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             "(OpenAI's); put its open_clip_config.json beside them or pass --mlp gelu|quick_gelu"
         )
     norm_eps, gelu_exact = _kwargs(vision, mlp)
+    if vision.get("final_ln_after_pool"):  # ln_post on the pooled token alone: the same pooled
+        t.notes.append("final_ln_after_pool: open_clip's own patch tokens are before ln_post "
+                       "(ask for them with normalize_patches off)")
     b = _BLOCK.format(i=0)
     sizes = Sizes(width, depth, heads, t.shape(b + "mlp.c_fc.weight")[0], patch, grid, channels)
     cfg = sizes.config(
