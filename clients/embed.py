@@ -168,10 +168,15 @@ class JobFailed(RuntimeError):
     """The job cannot go on (every server lost, or a bug); completed shards stay resumable."""
 
 
+# An image file the job reads whole (a 40-megapixel, 16-bit RGBA TIFF is 320 MB); a larger
+# one, e.g. a video in a folder of photos, is a failure read no further.
+MAX_IMAGE_FILE_BYTES = 1 << 30
+
+
 def read_file(item: InputItem) -> bytes:
     """The file's bytes (a local path or an fsspec URL); OSError's message is the failure
     reason for errors.jsonl."""
-    return read_bytes(item.path)
+    return read_bytes(item.path, MAX_IMAGE_FILE_BYTES)
 
 
 def os_reason(err: OSError) -> str:

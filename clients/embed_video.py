@@ -24,12 +24,14 @@ shape per output, and a stride in seconds gives each video its own frame count (
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from .embed import BatchResult, os_reason, to_stored
 from .embed_inputs import InputItem
+from .files import regular
 from .storage import is_url, local_path, read_bytes
 from .video import Clip, Sampling, VideoError, read_clip
 from .video_features import FramePlan
@@ -88,6 +90,8 @@ class VideoWorker:
         """A local file by its path (PyAV reads it); a URL (fsspec) by its bytes."""
         try:
             source = read_bytes(item.path) if is_url(item.path) else local_path(item.path)
+            if isinstance(source, str):  # PyAV opens it: a FIFO would block it for ever
+                regular(os.stat(source), source)
             return read_clip(source, self.sampling, name=item.id)
         except OSError as err:
             return VideoError(item.id, os_reason(err))

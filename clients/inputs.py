@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -17,6 +16,8 @@ from vit22b.model.errors import InvalidImage
 from vit22b.model.pixels import to_rgb
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
+
+from .files import read_local
 
 ImageInput = str | os.PathLike | bytes | bytearray | Image.Image | np.ndarray
 
@@ -69,7 +70,7 @@ def to_proto(item: Item) -> pb.Image:
     image = item.image
     try:
         if isinstance(image, (str, os.PathLike)):
-            return pb.Image(id=item.id, encoded=Path(image).read_bytes())
+            return pb.Image(id=item.id, encoded=read_local(os.fspath(image)))
         if isinstance(image, (bytes, bytearray)):
             return pb.Image(id=item.id, encoded=bytes(image))
         if isinstance(image, Image.Image):  # the server's own colour, alpha and EXIF rules

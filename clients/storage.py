@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
+from .files import over_limit, read_local
+
 TEMP_MARK = ".tmp-"
 FILE_SCHEME = "file://"
 
@@ -50,14 +52,18 @@ def filesystem(url: str):
         raise ValueError(f"{url}: {err}") from None
 
 
-def read_bytes(path: str) -> bytes:
-    """The whole file at a local path or URL (OSError, with its reason, when unreadable)."""
+def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
+    """The whole file at a local path or URL, if a regular file of at most ``max_bytes``
+    (OSError, with its reason, when unreadable or over it)."""
     if not is_url(path):
-        with open(local_path(path), "rb") as f:
-            return f.read()
+        return read_local(local_path(path), max_bytes)
     fs, inner = filesystem(path)
     try:
-        return fs.cat_file(inner)
+        if max_bytes is None:
+            return fs.cat_file(inner)
+        data = fs.cat_file(inner, start=0, end=max_bytes + 1)  # never more than one byte over
+        over_limit(len(data), max_bytes, path)
+        return data
     except (FileNotFoundError, PermissionError) as err:  # remote ones carry only the path
         if err.strerror is not None:
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -67,8 +68,12 @@ def test_pixels_are_sent_raw_and_converted_to_rgb():
 
 
 def test_bad_local_inputs_name_their_index(tmp_path):
-    bad = [np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 2), np.uint8), tmp_path / "missing.png"]
-    for image, reason in zip(bad, ["must be uint8", r"must be \[H, W\]", "cannot read"]):
+    os.mkfifo(tmp_path / "pipe.png")  # read, it would wait for a writer for ever
+    bad = [np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 2), np.uint8), tmp_path / "missing.png",
+           tmp_path / "pipe.png", tmp_path]
+    reasons = ["must be uint8", r"must be \[H, W\]", "cannot read", "not a regular file: a FIFO",
+               "not a regular file: a folder"]
+    for image, reason in zip(bad, reasons):
         with pytest.raises(InvalidImage, match=f"image 1.*{reason}"):
             [to_proto(i) for i in items([np.zeros((4, 4, 3), np.uint8), image])]
 

@@ -237,6 +237,31 @@ def test_file_names_that_are_not_utf8_get_text_ids_in_every_format(engine, tmp_p
             assert "\\udc" not in blob.decode("utf-8"), name
 
 
+def test_what_is_not_a_regular_file_or_is_too_large_fails_unread(engine, tmp_path,
+                                                                 monkeypatch):
+    """A FIFO would block the job for ever, /dev/zero never end, a video among the photos
+    take its size in memory: each is that input's failure, read no further."""
+    import vit22b.clients.embed as embed_module
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    good = write_images(data, 3)
+    os.mkfifo(data / "pipe.jpg")  # no writer: opening it to read would wait for one
+    os.symlink("/dev/zero", data / "zero.jpg")
+    limit = max(os.path.getsize(data / rel) for rel in good)
+    with open(data / "big.jpg", "wb") as f:
+        f.truncate(limit + 1)  # sparse: a byte over the limit set below
+    monkeypatch.setattr(embed_module, "MAX_IMAGE_FILE_BYTES", limit)
+    summary = local_job(engine, data, out)
+    assert (summary.embedded, summary.failed) == (3, 3) and summary.complete
+    assert open_outputs(str(out), verify=True).ids == good
+    reasons = {e["id"]: e["reason"] for e in map(json.loads, open(out / "errors.jsonl"))}
+    assert reasons == {
+        "pipe.jpg": "cannot read file: not a regular file: a FIFO",
+        "zero.jpg": "cannot read file: not a regular file: a character device",
+        "big.jpg": f"cannot read file: {limit + 1} bytes, over the limit of {limit} bytes per file",
+    }
+
+
 def test_resume_skips_done_shards_and_matches_a_full_run(engine, tmp_path):
     data = tmp_path / "data"
     write_images(data, 20)

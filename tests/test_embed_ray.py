@@ -10,6 +10,7 @@ CLI joining the instance.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
@@ -139,48 +140,52 @@ def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, serve
 
 
 class KillWhoeverReads:
-    """A FIFO among the inputs: each time an actor opens it, that actor's process is SIGKILLed
-    (before a byte is written: the read never returns), until ``stop()``."""
+    """An image URL on 127.0.0.1 among the inputs: each time an actor asks for it, that actor's
+    process is SIGKILLed (found by its end of the connection) and no answer is sent, until
+    ``stop()``."""
 
-    def __init__(self, path: Path):
-        self.path, self.kills, self.stopped = path, [], False
-        os.mkfifo(path)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+    def __init__(self):
+        poison = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                reader = poison._reader(self.client_address)
+                if reader is not None:
+                    os.kill(reader, signal.SIGKILL)
+                    poison.kills.append(reader)
+                    psutil.Process(reader).wait(timeout=30)
+                self.close_connection = True  # no answer: the reader is gone
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.kills: list[int] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/poison.jpg"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def _serve(self) -> None:
-        while not self.stopped:
-            with open(self.path, "wb"):  # returns once a reader opened it
-                reader = self._reader()
-                if reader is None:
-                    continue  # stop(), or the last victim not quite gone yet
-                os.kill(reader, signal.SIGKILL)
-                self.kills.append(reader)
-                psutil.Process(reader).wait(timeout=30)  # closed only now: never an EOF
-
-    def _reader(self) -> int | None:
-        for _ in range(200):
-            for pid in actor_pids():
-                try:
-                    fds = os.listdir(f"/proc/{pid}/fd")
-                    if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(self.path) for fd in fds):
-                        return pid
-                except OSError:  # gone, or an fd closed meanwhile
-                    pass
+    @staticmethod
+    def _reader(peer: tuple[str, int]) -> int | None:
+        for pid in actor_pids():
+            try:
+                if any(c.laddr == peer for c in psutil.Process(pid).net_connections("tcp")):
+                    return pid
+            except psutil.Error:  # gone meanwhile
+                pass
         return None
 
     def stop(self) -> None:
-        self.stopped = True
-        with open(self.path, "rb"):  # unblocks the open for writing
-            pass
+        self.server.shutdown()
+        self.server.server_close()
         self.thread.join(timeout=30)
 
 
 def test_a_shard_that_kills_its_worker_every_time_is_given_up_and_named(cluster, server,
                                                                          dataset, tmp_path):
     data, good, _ = dataset
-    poison = KillWhoeverReads(tmp_path / "poison.jpg")
-    items = [*enumerate_inputs([str(data)]), InputItem("zz.jpg", str(poison.path))]
+    poison = KillWhoeverReads()
+    items = [*enumerate_inputs([str(data)]), InputItem("zz.jpg", poison.url)]
     job = config(data, tmp_path / "out")  # shards of 5: zz.jpg, last, is in shard 6 of 0..6
     try:
         with pytest.raises(JobFailed) as failed:

@@ -1,0 +1,41 @@
+"""Reading a local file the way every input is read: only a regular file, and within a size.
+
+A FIFO among the inputs would block its reader for ever and a device (/dev/zero) never end: both
+are refused unread, as is a file over the caller's limit (OSError, its reason said, so a job
+records it as that input's failure).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def regular(info: os.stat_result, path: str) -> os.stat_result:
+    """``info`` if it is a regular file's, else OSError naming what it is."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a file")
+        raise OSError(errno.EINVAL, f"not a regular file: {kind}", path)
+    return info
+
+
+def over_limit(size: int, max_bytes: int | None, path: str) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise OSError(errno.EFBIG, f"{size} bytes, over the limit of {max_bytes} bytes per file",
+                      path)
+
+
+def read_local(path: str, max_bytes: int | None = None) -> bytes:
+    """A local regular file's bytes, at most ``max_bytes`` of them (else OSError, unread)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer
+    try:
+        over_limit(regular(os.fstat(fd), path).st_size, max_bytes, path)
+    except OSError:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
