@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 import threading
@@ -438,6 +439,40 @@ def test_reflection_lists_the_services_and_describes_the_contract(server):
     assert {"vit22b.v1.FeatureService", "grpc.health.v1.Health"} <= services
     service = DescriptorPool(database).FindServiceByName("vit22b.v1.FeatureService")
     assert [m.name for m in service.methods] == ["Embed", "EmbedStream", "GetModelInfo"]
+    channel.close()
+
+
+def test_a_client_built_from_reflection_alone_gets_the_sdks_features(server, client):
+    """What grpcurl or a client in another language does: every message type from the
+    server's reflection (none of this package's generated code), fields set by name."""
+    from google.protobuf import json_format, message_factory
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    channel = grpc.insecure_channel(server.address)
+    pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+    method = pool.FindServiceByName("vit22b.v1.FeatureService").FindMethodByName("Embed")
+    request_type = message_factory.GetMessageClass(method.input_type)
+    response_type = message_factory.GetMessageClass(method.output_type)
+    embed = channel.unary_unary(
+        "/vit22b.v1.FeatureService/Embed",
+        request_serializer=request_type.SerializeToString,
+        response_deserializer=response_type.FromString,
+    )
+    image = png(random_images(1, seed=9)[0])
+    request = json_format.ParseDict(  # JSON names, as grpcurl -d takes them
+        {"images": [{"id": "a", "encoded": base64.b64encode(image).decode()}],
+         "outputs": ["OUTPUT_KIND_POOLED"], "dtype": "DTYPE_FLOAT32"}, request_type())
+    response = embed(request, timeout=60)
+    pooled = response.pooled
+    values = np.frombuffer(pooled.data, np.float32).reshape(list(pooled.shape))
+    np.testing.assert_array_equal(values, client.embed([image]).pooled)
+    request.dtype = 99  # an enum value the contract lacks (proto3 enums are open)
+    with pytest.raises(grpc.RpcError) as refused:
+        embed(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     channel.close()
 
 
