@@ -23,6 +23,7 @@ from .batcher import Batcher
 from .engine import Engine, Executor, enable_compile_cache
 from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
+from .parsing import ParseInHandler
 from .service import SERVICE_NAME, FeatureService
 from .settings import ServeConfig
 from .tracing import Tracing
@@ -133,7 +134,7 @@ class FeatureServer:
             self.tracing,
         )
         self.service = FeatureService(self.infer, self.metrics)
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         tokens = read_tokens(config.token_file) if config.token_file else ()
         if tokens:
             reject = self.metrics.requests.labels
@@ -143,6 +144,7 @@ class FeatureServer:
                     lambda method: reject(method.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc(),
                 )
             )
+        interceptors.append(ParseInHandler())  # innermost: refusals above it parse nothing
         options = [
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),

@@ -11,6 +11,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving import MESH, metric, metrics, png, random_images, start_server, stub
 from tiny_models import random_params
@@ -68,6 +69,36 @@ def test_bytes_that_are_not_a_message_get_invalid_argument(server, caplog):
         assert "request body is not a vit22b.v1.EmbedRequest" in details
     code, details = raw_call(server.address, "GetModelInfo", b"\x0a\xff")
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "GetModelInfoRequest" in details
+    assert "Traceback" not in caplog.text
+
+
+def test_the_hosted_library_services_refuse_bad_bytes_the_same_and_still_answer(server,
+                                                                                caplog):
+    """Health and reflection bodies are parsed by their handlers too: gRPC's own parse would
+    end the call UNKNOWN and log a traceback per request."""
+    caplog.set_level(logging.INFO)
+    bad = b"\x0a\x03\xff\xfe\xfd"  # field 1, a string that is not UTF-8
+    reflect = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(server.address) as channel:
+        calls = {
+            "Check": lambda body: channel.unary_unary("/grpc.health.v1.Health/Check")(
+                body, timeout=20),
+            "Watch": lambda body: next(channel.unary_stream("/grpc.health.v1.Health/Watch")(
+                body, timeout=20)),
+            "reflection": lambda body: next(channel.stream_stream(reflect)(
+                iter([body]), timeout=20)),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                call(bad)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert "does not parse" in refused.value.details(), name
+        health = health_pb2.HealthCheckResponse.FromString(
+            calls["Watch"](health_pb2.HealthCheckRequest().SerializeToString()))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        listed = reflection_pb2.ServerReflectionResponse.FromString(calls["reflection"](
+            reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()))
+        assert "grpc.health.v1.Health" in {s.name for s in listed.list_services_response.service}
     assert "Traceback" not in caplog.text
 
 
