@@ -16,14 +16,14 @@ import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
 from .engine import Engine, Executor, enable_compile_cache
 from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
-from .parsing import ParseInHandler
+from .parsing import ParsingRegistrar
 from .service import SERVICE_NAME, FeatureService
 from .settings import ServeConfig
 from .tracing import Tracing
@@ -134,7 +134,7 @@ class FeatureServer:
             self.tracing,
         )
         self.service = FeatureService(self.infer, self.metrics)
-        interceptors: list[grpc.aio.ServerInterceptor] = []
+        interceptors = []
         tokens = read_tokens(config.token_file) if config.token_file else ()
         if tokens:
             reject = self.metrics.requests.labels
@@ -144,7 +144,6 @@ class FeatureServer:
                     lambda method: reject(method.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc(),
                 )
             )
-        interceptors.append(ParseInHandler())  # innermost: refusals above it parse nothing
         options = [
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
@@ -153,10 +152,11 @@ class FeatureServer:
         server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        library = ParsingRegistrar(server)  # their bodies parsed by their handlers
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, library)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(names), library)
         address = f"{config.host}:{config.port}"
         if config.tls_cert:
             creds = server_credentials(config.tls_cert, config.tls_key)

@@ -2,9 +2,10 @@
 
 gRPC's own deserialization of a body that is not the method's message runs outside any handler:
 the call ends UNKNOWN and the server logs a traceback for each such request (a log any client can
-fill). The feature service parses its bodies itself (``service.parse``); ``ParseInHandler`` gives
-the hosted library services (health, reflection) the same: each handler takes the raw bytes and
-a body that does not parse is INVALID_ARGUMENT naming the method, logged as nothing more.
+fill). The feature service parses its bodies itself (``service.parse``); ``ParsingRegistrar``
+gives the hosted library services (health, reflection) the same: each of their handlers takes the
+raw bytes, and a body that does not parse is INVALID_ARGUMENT naming the method, logged as nothing
+more.
 """
 
 from __future__ import annotations
@@ -22,16 +23,35 @@ _MAKE = {
 }
 
 
-class ParseInHandler(grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler  # unknown method (UNIMPLEMENTED), or bodies already parsed inside
-        return _parsing(handler, details.method)
+class ParsingRegistrar:
+    """Stands for the server where a library service adds itself (its ``add_*_to_server``):
+    the handlers it registers reach the server parsing their own bodies. Only those services'
+    calls pass through this; the feature service's do not."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self._server = server
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: _parsing(h, f"/{service}/{name}") for name, h in handlers.items()})
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_Parsing(g) for g in generic_handlers))
+
+
+class _Parsing(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler):
+        self._inner = inner
+
+    def service(self, details):
+        handler = self._inner.service(details)
+        return None if handler is None else _parsing(handler, details.method)
 
 
 def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     deserialize = handler.request_deserializer
+    if deserialize is None:  # takes raw bytes already
+        return handler
     name, make = _MAKE[(handler.request_streaming, handler.response_streaming)]
     behaviour = getattr(handler, name)
 
