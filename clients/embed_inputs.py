@@ -111,7 +111,7 @@ def _expand_url(spec: str, several: bool) -> list[InputItem]:
         items = []
         for found in fs.find(folder):
             rel = posixpath.relpath(found, folder)
-            if not _hidden(rel):
+            if not _hidden(rel) and not found.endswith("/"):  # "a/": a folder's marker
                 items.append(InputItem(rel if prefix is None else f"{prefix}/{rel}",
                                        fs.unstrip_protocol(found)))
         return items

@@ -59,16 +59,27 @@ def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
         return read_local(local_path(path), max_bytes)
     fs, inner = filesystem(path)
     try:
-        if max_bytes is None:
-            return fs.cat_file(inner)
-        data = fs.cat_file(inner, start=0, end=max_bytes + 1)  # never more than one byte over
-        over_limit(len(data), max_bytes, path)
-        return data
+        data = fs.cat_file(inner) if max_bytes is None else _ranged(fs, inner, max_bytes)
     except (FileNotFoundError, PermissionError) as err:  # remote ones carry only the path
         if err.strerror is not None:
             raise
         code = errno.ENOENT if isinstance(err, FileNotFoundError) else errno.EACCES
         raise type(err)(code, os.strerror(code), path) from None
+    over_limit(len(data), max_bytes, path)
+    return data
+
+
+def _ranged(fs, inner: str, max_bytes: int) -> bytes:
+    """The object's first ``max_bytes + 1`` bytes: never more than one byte over. S3 refuses
+    any range of an empty object (416, an OSError), which its size then tells apart."""
+    try:
+        return fs.cat_file(inner, start=0, end=max_bytes + 1)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError:
+        if fs.size(inner) == 0:
+            return b""
+        raise
 
 
 class HashingWriter:
