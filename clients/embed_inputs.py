@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .storage import filesystem, is_url
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
+LIST_ENCODING = "utf-8-sig"  # UTF-8, less the byte-order mark Windows editors put first
 
 
 class InputListError(ValueError):
@@ -84,7 +85,7 @@ def _read_list(list_path: str) -> list[InputItem]:
     items = []
     # A line that is not UTF-8 names the file whose bytes it holds (a Latin-1 list of Latin-1
     # names): decoded as the file system's names are.
-    with open(list_path, encoding="utf-8", errors="surrogateescape") as f:
+    with open(list_path, encoding=LIST_ENCODING, errors="surrogateescape") as f:
         for line in f:
             entry = line.strip()
             if entry and not entry.startswith("#"):
@@ -122,7 +123,7 @@ def _expand_url(spec: str, several: bool) -> list[InputItem]:
         if fs.isfile(path):
             if not spec.lower().endswith(LIST_SUFFIXES):
                 return [InputItem(spec, spec)]
-            lines = fs.cat_file(path).decode("utf-8", "surrogateescape").splitlines()
+            lines = fs.cat_file(path).decode(LIST_ENCODING, "surrogateescape").splitlines()
             return [_listed(line.strip(), resolve) for line in lines
                     if line.strip() and not line.strip().startswith("#")]
         if not glob.has_magic(spec):

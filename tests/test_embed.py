@@ -74,6 +74,9 @@ def test_folder_glob_and_list_inputs(tmp_path):
     listed = enumerate_inputs([str(listing)])
     assert [i.id for i in listed] == sorted([f"../data/{ids[0]}", f"../data/{ids[2]}"])
     assert listed[0].path == str(data / ids[0])  # relative to the list file's folder
+    windows = tmp_path / "lists" / "notepad.txt"  # a byte-order mark first, CRLF line ends
+    windows.write_bytes(f"\ufeff../data/{ids[0]}\r\n../data/{ids[2]}\r\n".encode())
+    assert [i.id for i in enumerate_inputs([str(windows)])] == [i.id for i in listed]
 
     # several inputs: folder ids carry the folder argument so they cannot collide; duplicates
     # of the same file collapse to one
