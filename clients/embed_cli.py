@@ -236,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
     except JobFailed as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # writing the outputs failed (disk full, ...): what was written stays
+        print(f"vit22b embed: {err.filename or config.output}: {err.strerror or err}; completed "
+              "shards are kept: rerun the same command to resume", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("vit22b embed: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

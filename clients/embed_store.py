@@ -109,8 +109,13 @@ class OutputStore:
              about: dict | None = None) -> OutputStore:
         """Create or resume ``directory``; JobMismatch if it holds a job with other settings."""
         store = cls(directory, identity, arrays, num_shards, about)
-        store.where.makedirs(SHARDS_DIR)
-        if not store.where.lock(LOCK):
+        try:
+            store.where.makedirs(SHARDS_DIR)
+            locked = store.where.lock(LOCK)
+        except OSError as err:  # e.g. the output is a file, or under one; no permission
+            raise OutputsError(f"output {directory}: cannot be a folder of outputs: "
+                               f"{err.strerror or err} ({err.filename or directory})") from None
+        if not locked:
             raise JobMismatch(f"another vit22b embed is writing to {directory} (its lock is held)")
         try:
             store.where.remove_temp_files("", SHARDS_DIR)

@@ -32,7 +32,7 @@ def closed_port() -> int:
 
 def one_image(tmp_path: Path) -> Path:
     data = tmp_path / "data"
-    data.mkdir()
+    data.mkdir(parents=True)
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(data / "a.png")
     return data
 
@@ -55,6 +55,11 @@ def test_embed_bad_options_exit_2(tmp_path):
     assert job.returncode == 2 and "exclude each other" in job.stderr
     job = vit22b("embed", str(tmp_path / "missing"), "--output", str(tmp_path / "out"))
     assert job.returncode == 2 and "missing" in job.stderr
+    (tmp_path / "a-file").write_text("not a folder")
+    job = vit22b("embed", str(one_image(tmp_path / "x")), "--local", "--quiet",
+                 "--output", str(tmp_path / "a-file"))
+    assert job.returncode == 2 and "Traceback" not in job.stderr, job.stderr
+    assert "cannot be a folder of outputs: Not a directory" in job.stderr
 
 
 def test_info_refuses_a_mesh_that_cuts_through_heads():
