@@ -48,6 +48,10 @@ def _port_or_off(text: str) -> int | None:
     return None if port < 0 else port
 
 
+def _port(value: int | None) -> str | None:
+    return None if value is None or 0 <= value <= 65535 else f"must be 0..65535, got {value}"
+
+
 def _optional_int(text: str) -> int | None:
     return None if text in ("", "none", "None") else int(text)
 
@@ -83,14 +87,14 @@ class ServeConfig:
         None, "matmul input dtype: bfloat16, or float32 for exact features (default: the "
         "checkpoint's, else the preset's)", parse=_dtype)
     host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(50051, "gRPC port; 0 picks a free one")
+    port: int = setting(50051, "gRPC port; 0 picks a free one", check=_port)
     metrics_port: int | None = setting(
         9464, "Prometheus /metrics port; 0 picks a free one, -1 turns it off",
-        parse=_port_or_off)
+        parse=_port_or_off, check=_port)
     http_port: int | None = setting(
         None, "HTTP/JSON port (OpenAI-compatible /v1/embeddings, /v1/features, /health, /ready, "
         "/v1/models), sharing the token file, TLS and limits; 0 picks a free one; -1 (the "
-        "default) turns it off", parse=_port_or_off)
+        "default) turns it off", parse=_port_or_off, check=_port)
     otlp_endpoint: str | None = setting(
         None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317: a trace span "
         "per call with its admission, preprocessing, queueing and compute (default: off)")

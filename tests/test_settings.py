@@ -49,6 +49,10 @@ def test_bad_values_are_refused_naming_the_flag():
         parse([], {"VIT22B_CHUNK_IMAGES": "-3"}).check()
     with pytest.raises(argparse.ArgumentError):
         parse([], {"VIT22B_COMPUTE_DTYPE": "float8"})
+    with pytest.raises(ValueError, match="--port must be 0..65535, got 99999"):
+        parse(["--port", "99999"], {}).check()
+    with pytest.raises(ValueError, match="--http-port must be 0..65535, got 70000"):
+        parse([], {"VIT22B_HTTP_PORT": "70000"}).check()
 
 
 def test_embed_options_are_declared_settings_too():
