@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -131,11 +131,14 @@ def chunk_items(
         overhead = wire.image_overhead(item.id)
         if item.size + overhead > budget or row + overhead > budget:
             what = "its bytes" if item.size + overhead > budget else f"its outputs ({row} bytes)"
-            raise InvalidImage(
+            err = InvalidImage(
                 f"{what} exceed the server's message limit of {limits.max_message_bytes} bytes",
                 item.index,
                 item.id,
             )
+            if not options.skip_invalid:
+                raise err
+            item = replace(item, image=err, size=0)  # sent as nothing: its request's error
         full = len(chunk) == per_request
         if chunk and (
             full or sent + item.size + overhead > budget or answered + row + overhead > budget

@@ -25,7 +25,7 @@ ImageInput = str | os.PathLike | bytes | bytearray | Image.Image | np.ndarray
 @dataclass(frozen=True)
 class Item:
     index: int  # position in the caller's input
-    image: ImageInput
+    image: ImageInput | InvalidImage  # or why it is not sent (with skip_invalid)
     id: str
     size: int  # bytes it will take on the wire (estimate)
 
@@ -68,6 +68,8 @@ def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
 def to_proto(item: Item) -> pb.Image:
     """The wire form of one input; raises ``InvalidImage`` naming the index."""
     image = item.image
+    if isinstance(image, InvalidImage):  # refused before it was read (see chunk_items)
+        raise image
     try:
         if isinstance(image, (str, os.PathLike)):
             return pb.Image(id=item.id, encoded=read_local(os.fspath(image)))

@@ -28,9 +28,11 @@ only the chosen frames to RGB and checks that the decoded frames have that same 
 they do not, e.g. a codec with hidden frames, the choice is redone on the decoded timeline).
 
 Refused, with ``VideoError`` naming the file and the reason: unreadable or non-video data,
-a still image, no video stream, no decoder for the codec, no decodable frame, timestamps that
-are missing or not increasing, a decode error, and a stream that ends more than
-``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file).
+a still image (a one-frame GIF too), no video stream, no decoder for the codec, no decodable
+frame, timestamps that are missing or not increasing, a decode error, a stream that ends more than
+``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file), a
+frame size that changes among the frames sampled, and a sample over ``MAX_SAMPLES`` times or
+``MAX_CLIP_BYTES`` of decoded frames.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ ENCODERS = {
     ".avi": ("mpeg4",),
 }
 _TRUNCATION_FRAMES, _TRUNCATION_FRACTION = 2, Fraction(1, 20)
+# Bounds of one video's sample: sampling times (their list is built before any decoding), and
+# the decoded RGB frames a clip holds at the video's own size (4K: about 160 frames).
+MAX_SAMPLES = 10_000
+MAX_CLIP_BYTES = 4 << 30
 
 
 class VideoError(ValueError):
@@ -92,6 +98,8 @@ class Sampling:
             raise ValueError("give exactly one of frames=K and stride_s=S")
         if self.frames is not None and (isinstance(self.frames, bool) or self.frames < 1):
             raise ValueError(f"frames must be a positive integer, got {self.frames!r}")
+        if self.frames is not None and self.frames > MAX_SAMPLES:
+            raise ValueError(f"frames must be at most {MAX_SAMPLES}, got {self.frames}")
         if self.stride_s is not None and not self.stride_s > 0:
             raise ValueError(f"stride_s must be a positive number of seconds, got {self.stride_s}")
 
@@ -105,6 +113,9 @@ class Sampling:
         if self.frames is not None:
             return [(2 * k + 1) * duration / (2 * self.frames) for k in range(self.frames)]
         count = max(1, -(-duration // self.stride))  # ceil: every j*S < D
+        if count > MAX_SAMPLES:
+            raise ValueError(f"stride_s={self.stride_s} gives {float(count):.4g} sampling "
+                             f"times over {float(duration):.3f} s, over the {MAX_SAMPLES} allowed")
         return [j * self.stride for j in range(int(count))]
 
     def describe(self) -> dict:
@@ -146,12 +157,16 @@ class _Timeline:
     def seconds(self, time_base: Fraction) -> list[Fraction]:
         return [(p - self.pts[0]) * time_base for p in self.pts]
 
-    def choose(self, sampling: Sampling, time_base: Fraction) -> list[int]:
+    def choose(self, sampling: Sampling, time_base: Fraction, name: str) -> list[int]:
         """The index of the frame shown at each sampling time."""
         starts = self.seconds(time_base)
         duration = (self.end - self.pts[0]) * time_base
+        try:
+            times = sampling.times(duration)
+        except ValueError as err:  # too many for this video's length
+            raise VideoError(name, str(err)) from None
         chosen, i = [], 0
-        for t in sampling.times(duration):  # increasing: one forward sweep
+        for t in times:  # increasing: one forward sweep
             while i + 1 < len(starts) and starts[i + 1] <= t:
                 i += 1
             chosen.append(i)
@@ -187,7 +202,7 @@ def _ffmpeg(err) -> str:
 def _video_stream(container, name: str):
     """The first video stream, refusing still images and codecs without a decoder here."""
     fmt = container.format.name
-    if fmt.endswith("_pipe") or fmt == "image2":
+    if fmt.endswith("_pipe") or fmt == "image2" or (fmt == "gif" and _frames(container) == 1):
         raise VideoError(name, f"a still image ({container.format.long_name}), not a video")
     streams = container.streams.video
     if not container.streams:
@@ -200,6 +215,14 @@ def _video_stream(container, name: str):
     if stream.codec_context is None:
         raise VideoError(name, f"no decoder for the video codec of the {fmt} container here")
     return stream
+
+
+def _frames(container) -> int:
+    """Frames a GIF holds (counted from its packets; a still GIF has one), rewound after."""
+    stream = container.streams.video[0]
+    count = sum(1 for packet in container.demux(stream) if packet.size)
+    container.seek(0)
+    return count
 
 
 def _end(pts: list[int], durations: list[int], stream) -> int:
@@ -270,7 +293,8 @@ def _stream_meta(container, stream) -> dict:
     if stream.duration:
         declared = stream.duration * stream.time_base
     elif len(container.streams) == 1 and container.duration:
-        declared = Fraction(container.duration, 1_000_000)  # AV_TIME_BASE
+        # AV_TIME_BASE units; Matroska's counts from 0, not from its first frame (start_time)
+        declared = Fraction(max(0, container.duration - (container.start_time or 0)), 1_000_000)
     return {
         "container": container.format.name,
         "codec": stream.codec_context.name,
@@ -304,6 +328,15 @@ def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
         )
 
 
+def _fits(count: int, meta: dict, name: str) -> None:
+    """Refuse a sample whose decoded frames would hold more than MAX_CLIP_BYTES."""
+    size = count * meta["width"] * meta["height"] * 3
+    if size > MAX_CLIP_BYTES:
+        raise VideoError(name, f"{count} frames of {meta['width']}x{meta['height']} sampled are "
+                         f"{size / 2**30:.1f} GiB of RGB, over the {MAX_CLIP_BYTES >> 30} GiB "
+                         "a clip may hold: sample fewer frames")
+
+
 def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
     """Container, codec, size, frame count and duration from a demux pass (decoding only when
     the packets carry no timestamps)."""
@@ -325,7 +358,8 @@ def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) 
     for _ in range(2):
         wanted = set()
         if timeline is not None:
-            wanted = {timeline.pts[i] for i in timeline.choose(sampling, time_base)}
+            wanted = {timeline.pts[i] for i in timeline.choose(sampling, time_base, name)}
+            _fits(len(wanted), meta, name)
         decoded, kept = _decode(av, source, name, wanted)
         if decoded == timeline:
             break
@@ -333,10 +367,16 @@ def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) 
     else:
         raise VideoError(name, "decoding gives a different timeline on each pass")
     _check_complete(timeline, meta, name)
-    chosen = timeline.choose(sampling, time_base)
+    chosen = timeline.choose(sampling, time_base, name)
     starts = timeline.seconds(time_base)
+    frames = [kept[timeline.pts[i]] for i in chosen]
+    sizes = {frame.shape for frame in frames}
+    if len(sizes) > 1:
+        shown = " and ".join(f"{w}x{h}" for h, w, _ in sorted(sizes))
+        raise VideoError(name, f"its frame size changes within the video ({shown} among the "
+                         "frames sampled); the frames of one video must share a size")
     return Clip(
-        frames=np.stack([kept[timeline.pts[i]] for i in chosen]),
+        frames=np.stack(frames),
         timestamps=np.asarray([float(starts[i]) for i in chosen], np.float64),
         indices=np.asarray(chosen, np.int64),
         info=_info(timeline, meta),

@@ -21,7 +21,7 @@ from vit22b.clients import (
     MixedModelsError,
     Retry,
 )
-from vit22b.clients.client import EmbedOptions, chunk_items
+from vit22b.clients.client import EmbedOptions, build_request, chunk_items
 from vit22b.clients.embeddings import merge
 from vit22b.clients.inputs import as_images, items, to_proto
 from vit22b.model import OutputRequest
@@ -107,6 +107,19 @@ def test_chunks_respect_images_per_request_and_message_size():
     assert len(next(chunk_items(items(small), _info(), half, 100))) == 7
     with pytest.raises(InvalidImage, match="image 0: its outputs"):
         list(chunk_items(items(small), _info(max_bytes=16 << 10), options, None))
+
+
+def test_an_image_over_the_message_limit_is_skipped_unread_with_skip_invalid(tmp_path):
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(b"\x89PNG" + bytes(70 << 10))  # over 64 kB messages: never read or sent
+    inputs = [np.zeros((10, 10, 3), np.uint8), str(huge), np.zeros((10, 10, 3), np.uint8)]
+    with pytest.raises(InvalidImage, match="image 1 .*its bytes exceed"):
+        list(chunk_items(items(inputs), _info(), EmbedOptions(), None))
+    (chunk,) = chunk_items(items(inputs), _info(), EmbedOptions(skip_invalid=True), None)
+    request, sent, errors = build_request(chunk, EmbedOptions(skip_invalid=True))
+    assert sent == [0, 2] and len(request.images) == 2
+    assert [(e.index, e.id) for e in errors] == [(1, str(huge))]
+    assert "its bytes exceed the server's message limit" in errors[0].reason
 
 
 def test_options_are_checked_before_sending():

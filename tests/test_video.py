@@ -3,6 +3,7 @@ the pixels that come out, and the reasons bad files are refused with."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from fractions import Fraction
@@ -179,6 +180,66 @@ def test_bad_videos_are_refused_with_their_reason(tmp_path):
     # many at once: each bad one is its error, in place
     out = read_clips([tmp_path / "good.mp4", tmp_path / "random.mp4"], Sampling(frames=2))
     assert out[0].frames.shape[0] == 2 and isinstance(out[1], VideoError)
+
+
+def _encoded(folder: Path, name: str, fmt: str, count: int, size: int, first: int) -> Path:
+    """``count`` h264 frames of ``size`` in ``fmt``, 8 per second, the first at pts ``first``."""
+    path = folder / name
+    with av.open(str(path), "w", format=fmt) as container:
+        stream = container.add_stream("libx264", rate=8, options={"bf": "0"})
+        stream.width = stream.height = size
+        for i in range(count):
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), 20 + 9 * i, np.uint8),
+                                               format="rgb24")
+            frame.pts = first + i
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def _size_change(folder: Path) -> Path:
+    """8 frames of 16x16 then 8 of 32x32 (two MPEG-TS segments, as concatenated captures are)."""
+    parts = [_encoded(folder, f"part{i}.ts", "mpegts", 8, size, 8 * i)
+             for i, size in enumerate((16, 32))]
+    path = folder / "size_change.mkv"
+    joined = b"".join(p.read_bytes() for p in parts)
+    with av.open(io.BytesIO(joined)) as source, av.open(str(path), "w") as out:
+        video = source.streams.video[0]
+        stream = out.add_stream_from_template(video)
+        for packet in source.demux(video):
+            if packet.dts is not None:
+                packet.stream = stream
+                out.mux(packet)
+    return path
+
+
+def test_odd_but_real_videos(tmp_path, monkeypatch):
+    """A clip cut from a longer recording (first frame at 5 s) is read; a size change, a still
+    GIF and samples too large are refused naming the file; an animated GIF is a video."""
+    import vit22b.clients.video as video
+
+    for fmt, suffix in (("matroska", ".mkv"), ("mp4", ".mp4")):  # Matroska counted from 0
+        clip = read_clip(_encoded(tmp_path, "late" + suffix, fmt, 20, 16, 40), Sampling(frames=4))
+        assert clip.indices.tolist() == [2, 7, 12, 17] and clip.info.duration_s == 2.5
+    with pytest.raises(VideoError, match=r"size_change.mkv: its frame size changes within the "
+                                         r"video \(16x16 and 32x32"):
+        read_clip(_size_change(tmp_path), Sampling(frames=4))
+    frames = [Image.fromarray(f) for f in indexed_frames(3)]
+    frames[0].save(tmp_path / "still.gif")
+    (tmp_path / "still.gif").rename(tmp_path / "still_gif.mp4")
+    with pytest.raises(VideoError, match="still_gif.mp4: a still image"):
+        read_clip(tmp_path / "still_gif.mp4", Sampling(frames=2))
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:], duration=100)
+    assert read_clip(tmp_path / "moving.gif", Sampling(frames=3)).indices.tolist() == [0, 1, 2]
+    with pytest.raises(VideoError, match=r"stride_s=1e-300 gives 2.5e\+300 sampling times"):
+        read_clip(tmp_path / "late.mkv", Sampling(stride_s=1e-300))
+    with pytest.raises(ValueError, match="frames must be at most 10000"):
+        Sampling(frames=10**12)
+    monkeypatch.setattr(video, "MAX_CLIP_BYTES", 3 * 16 * 16 * 3)
+    with pytest.raises(VideoError, match="4 frames of 16x16 sampled .* over the"):
+        read_clip(tmp_path / "late.mkv", Sampling(frames=4))
 
 
 def test_importing_the_video_modules_loads_neither_av_nor_jax():
