@@ -351,8 +351,20 @@ def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) 
     """The frames ``sampling`` chooses, decoded to uint8 RGB, with their timestamps.
 
     ``source``: a path or the file's bytes; ``name`` names it in errors (default: the path).
+    Any other failure (but memory, or PyAV missing) is this video's ``VideoError`` too: a
+    decoder's surprise on one odd file must not stop a job over many.
     """
-    av, name = _av(), _name(source, name)
+    shown = _name(source, name)
+    try:
+        return _read_clip(source, sampling, shown)
+    except (VideoError, MemoryError, ImportError):  # ImportError: no PyAV here, say so
+        raise
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        raise VideoError(shown, f"cannot be read: {type(err).__name__}: {err}") from err
+
+
+def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
+    av = _av()
     timeline, meta = _demux(av, source, name)
     time_base = meta["time_base"]
     for _ in range(2):

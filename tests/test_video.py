@@ -241,6 +241,13 @@ def test_odd_but_real_videos(tmp_path, monkeypatch):
     with pytest.raises(VideoError, match="4 frames of 16x16 sampled .* over the"):
         read_clip(tmp_path / "late.mkv", Sampling(frames=4))
 
+    def surprise(*args):  # what a decoder may raise on a file nobody foresaw
+        raise RuntimeError("a decoder's surprise")
+
+    monkeypatch.setattr(video, "_decode", surprise)
+    with pytest.raises(VideoError, match="late.mkv: cannot be read: RuntimeError: a decoder's"):
+        read_clip(tmp_path / "late.mkv", Sampling(frames=1))
+
 
 def test_importing_the_video_modules_loads_neither_av_nor_jax():
     code = ("import sys\n"
