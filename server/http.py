@@ -27,6 +27,7 @@ import socket
 import time
 from typing import Literal
 
+import grpc
 import numpy as np
 import safetensors.numpy
 import uvicorn
@@ -34,7 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from vit22b.model.errors import (
     CallerGone,
     DeadlineExpired,
@@ -216,6 +219,32 @@ def _tensor(array: np.ndarray) -> dict:
             "data": base64.b64encode(array.tobytes()).decode()}
 
 
+_ROUTING = {404: ("NotFound", grpc.StatusCode.NOT_FOUND),
+            405: ("MethodNotAllowed", grpc.StatusCode.UNIMPLEMENTED)}
+
+
+async def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """No such path, or not that method on it: the refusals' own shape (``error_response``)."""
+    kind, code = _ROUTING.get(exc.status_code, ("HTTPException", grpc.StatusCode.UNKNOWN))
+    error = {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": kind,
+             "code": code.name}
+    return _json({"error": error}, exc.status_code, dict(exc.headers or {}))
+
+
+def _prefers_safetensors(accept: str) -> bool:
+    """``Accept`` names safetensors with a weight (q) above 0 and not below JSON's."""
+    weights = {}
+    for part in accept.split(","):
+        kind, *params = (p.strip() for p in part.split(";"))
+        q = next((p[2:] for p in params if p.startswith("q=")), "1")
+        try:
+            weights[kind.lower()] = float(q)
+        except ValueError:
+            weights[kind.lower()] = 0.0
+    ours = weights.get(SAFETENSORS, 0.0)
+    return ours > 0 and ours >= weights.get("application/json", 0.0)
+
+
 def _json(body: dict, status: int = 200, headers: dict | None = None) -> Response:
     return Response(json.dumps(body, separators=(",", ":")), status, headers,
                     media_type="application/json")
@@ -235,14 +264,18 @@ def error_response(err: BaseException, status: Status) -> Response:
     return _json({"error": error}, status.http, headers)
 
 
+_INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
+
+
 def model_json(info: pb.ModelInfo, created: int) -> dict:
     """The ModelInfo as JSON, as an entry of OpenAI's model list."""
     body = json_format.MessageToDict(info, preserving_proto_field_name=True,
                                      always_print_fields_with_no_presence=True)
     body["config"] = json.loads(body.pop("config_json"))
-    body["parameter_count"] = info.parameter_count  # int64 is a string in proto JSON
-    body["limits"]["max_message_bytes"] = info.limits.max_message_bytes
-    body["limits"]["max_image_pixels"] = info.limits.max_image_pixels
+    for part, message in ((body, info), (body["limits"], info.limits)):
+        for field in message.DESCRIPTOR.fields:  # 64-bit integers are strings in proto JSON
+            if field.cpp_type in _INT64 and isinstance(getattr(message, field.name), int):
+                part[field.name] = getattr(message, field.name)
     body["outputs"] = [wire.kind_name(code) for code in info.outputs]
     body["dtypes"] = [wire.dtype_name(code) for code in info.dtypes]
     return {"id": info.model.name, "object": "model", "created": created, "owned_by": "vit22b",
@@ -266,13 +299,16 @@ class HttpDoor:
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="vit22b", version=server_version(), description=__doc__)
+        app.add_exception_handler(StarletteHTTPException, _routing_error)
         app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"],
                           response_model=EmbeddingsResponse, summary="OpenAI-compatible embeddings")
         app.add_api_route("/v1/features", self.features, methods=["POST"],
                           response_model=FeaturesResponse, summary="Features (JSON or safetensors)")
         app.add_api_route("/v1/models", self.list_models, methods=["GET"], summary="Model info")
-        app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness")
-        app.add_api_route("/ready", self.ready, methods=["GET"], summary="SERVING or not")
+        # HEAD too: load balancers and uptime checks probe with it
+        app.add_api_route("/health", self.health, methods=["GET", "HEAD"], summary="Liveness")
+        app.add_api_route("/ready", self.ready, methods=["GET", "HEAD"],
+                          summary="SERVING or not")
         bodies = {"/v1/embeddings": EmbeddingsRequest, "/v1/features": FeaturesRequest}
 
         def openapi() -> dict:  # the bodies are parsed in the routes, under their trace span
@@ -394,7 +430,7 @@ class HttpDoor:
             "timings": {"queue_ms": t.queue_s * 1e3, "preprocess_ms": t.preprocess_s * 1e3,
                         "compute_ms": t.compute_s * 1e3, "total_ms": t.total_s * 1e3},
         }
-        if SAFETENSORS in request.headers.get("accept", ""):
+        if _prefers_safetensors(request.headers.get("accept", "")):
             tensors = {**arrays, **{f"patch_tokens.{k}": v for k, v in patches.items()}}
             tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
             metadata = {k: json.dumps(v, separators=(",", ":")) for k, v in meta.items()}

@@ -141,6 +141,21 @@ def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
     assert meta["model"]["fingerprint"] == server.engine.identity.fingerprint
 
 
+@pytest.mark.parametrize("accept, safetensors", [
+    ("application/vnd.safetensors", True),
+    ("application/json;q=0.5, application/vnd.safetensors", True),
+    ("application/vnd.safetensors;q=0, application/json", False),  # refused by its weight
+    ("application/vnd.safetensors;q=0.2, application/json;q=0.9", False),
+    ("*/*", False),
+])
+def test_the_accept_header_is_weighed(http, accept, safetensors):
+    body = {"images": pngs(random_images(1, seed=29)), "outputs": ["pooled"]}
+    response = http.post("/v1/features", json=body, headers={"Accept": accept})
+    assert response.status_code == 200
+    kind = "application/vnd.safetensors" if safetensors else "application/json"
+    assert response.headers["content-type"] == kind
+
+
 def test_openai_client_embeddings_equal_grpc_l2_pooled(server):
     images = random_images(4, seed=24, size=(64, 64))
     client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0)
@@ -210,6 +225,16 @@ def test_health_ready_models_and_openapi(server, http):
     assert model["limits"]["max_message_bytes"] == 1 << 18
     assert model["outputs"] == ["pooled", "patch_tokens", "attention_stats"]
     assert model["config"]["width"] == 64 and model["parameter_count"] > 0
+    assert all(isinstance(v, (int, float, list)) for v in model["limits"].values())  # no int64
+    for path in ("/health", "/ready"):  # load balancers probe with HEAD too
+        assert http.head(path).status_code == 200
+    for method, path, status, code in (("GET", "/nowhere", 404, "NOT_FOUND"),
+                                       ("GET", "/v1/features", 405, "UNIMPLEMENTED")):
+        refused = http.request(method, path)
+        assert refused.status_code == status  # in the refusals' own shape
+        assert refused.json()["error"]["code"] == code and path in refused.json()["error"][
+            "message"]
+    assert http.request("GET", "/v1/features").headers["allow"] == "POST"
     doc = http.get("/openapi.json").json()
     assert {"/v1/embeddings", "/v1/features", "/v1/models", "/health", "/ready"} <= set(
         doc["paths"])
