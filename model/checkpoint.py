@@ -243,6 +243,8 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 def check_writable(path, overwrite: bool = False) -> bool:
     """Whether a checkpoint is already at ``path`` (to be replaced); refuses what must not be."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} exists and is not a folder; a checkpoint is one")
     if not path.exists() or not any(path.iterdir()):
         return False
     if not overwrite:
@@ -310,6 +312,8 @@ def read_metadata(path) -> CheckpointMeta:
         raise CheckpointError(
             f"{path} has no {METADATA_FILE}: not a vit22b checkpoint, or a save that did not finish"
         )
+    if not meta_file.is_file():  # a folder, or a FIFO that would block the read for ever
+        raise CheckpointError(f"{meta_file} is not a regular file")
     try:
         payload = json.loads(meta_file.read_text())
         version = int(payload["format_version"])

@@ -40,9 +40,21 @@ def equal_mass_bins(confidence: np.ndarray, bins: int) -> list[np.ndarray]:
     return np.array_split(np.argsort(confidence, kind="stable"), bins)
 
 
+def _checked(confidence, correct, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Confidences in [0, 1], one per prediction, and a positive number of bins."""
+    confidence, correct = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
+    if isinstance(bins, bool) or int(bins) != bins or bins < 1:
+        raise ValueError(f"bins must be a positive integer, got {bins!r}")
+    if confidence.shape != correct.shape or confidence.size == 0:
+        raise ValueError(f"need one confidence per prediction, got {confidence.shape} "
+                         f"confidences for {correct.shape} outcomes")
+    if not np.all((confidence >= 0) & (confidence <= 1)):  # NaN fails this too
+        raise ValueError("confidences must be probabilities in [0, 1] (none NaN)")
+    return confidence, correct
+
+
 def _gaps(confidence, correct, groups) -> list[tuple[int, float]]:
     """Per non-empty group: (size, |accuracy - mean confidence|)."""
-    confidence, correct = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
     return [(len(g), abs(correct[g].mean() - confidence[g].mean())) for g in groups if len(g)]
 
 
@@ -53,16 +65,19 @@ def _weighted(gaps: list[tuple[int, float]]) -> float:
 
 def ece(confidence, correct, bins: int = DEFAULT_BINS) -> float:
     """Expected calibration error over equal-width bins (confidence 1.0 in the last bin)."""
+    confidence, correct = _checked(confidence, correct, bins)
     return _weighted(_gaps(confidence, correct, equal_width_bins(confidence, bins)))
 
 
 def adaptive_ece(confidence, correct, bins: int = DEFAULT_BINS) -> float:
     """Expected calibration error over equal-mass bins."""
+    confidence, correct = _checked(confidence, correct, bins)
     return _weighted(_gaps(confidence, correct, equal_mass_bins(confidence, bins)))
 
 
 def mce(confidence, correct, bins: int = DEFAULT_BINS) -> float:
     """Maximum calibration error: the largest gap of a non-empty equal-width bin."""
+    confidence, correct = _checked(confidence, correct, bins)
     return float(
         max(gap for _, gap in _gaps(confidence, correct, equal_width_bins(confidence, bins)))
     )

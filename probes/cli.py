@@ -298,7 +298,7 @@ def _options(args, kind: str) -> dict:
             chosen["ks"] = args.ks
         if args.temperature:
             chosen["temperature"] = args.temperature
-    if kind == "calibration" and args.bins:
+    if kind == "calibration" and args.bins is not None:
         chosen["bins"] = args.bins
     if kind in ("calibration", "shape-bias") and args.head:
         from .heads import load_head

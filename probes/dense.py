@@ -311,7 +311,13 @@ def segmentation_metrics(pred: np.ndarray, target: np.ndarray, num_classes: int)
 
     IoU of a class = |pred & target| / |pred | target| summed over all test pixels.
     """
-    pred, target = np.asarray(pred).ravel(), np.asarray(target).ravel()
+    # int64: uint8 masks would overflow target * num_classes
+    pred, target = np.asarray(pred).ravel().astype(np.int64), np.asarray(target).ravel()
+    target = target.astype(np.int64)
+    for name, labels in (("prediction", pred), ("target", target)):
+        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+            raise ValueError(f"{name} classes must be in 0..{num_classes - 1}, got "
+                             f"{labels.min()}..{labels.max()}")
     confusion = np.bincount(target * num_classes + pred, minlength=num_classes**2)
     confusion = confusion.reshape(num_classes, num_classes)
     inter = np.diag(confusion).astype(np.float64)

@@ -24,6 +24,10 @@ KINDS = (
 )  # fmt: skip
 
 
+_TARGETS = ("labels", "texture", "depth", "mask")
+_CLASSES = ("labels", "texture", "mask")
+
+
 @dataclass
 class ProbeData:
     """Features of N images with whatever targets the probes need (all aligned on N)."""
@@ -36,6 +40,21 @@ class ProbeData:
     mask: np.ndarray | None = None  # [N, H, W], 0..num_mask_classes-1
     num_mask_classes: int | None = None
     images: np.ndarray | None = None  # uint8 [N, H, W, 3], for figures only
+
+    def __post_init__(self) -> None:
+        """Every target has one entry per image, and the class-like ones are integers: a
+        shorter list of labels would misalign every row after the first missing one."""
+        rows = len(self.features)
+        for name in (*_TARGETS, "images"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if len(value) != rows:
+                raise DataError(f"{name} has {len(value)} entries for {rows} images: one per "
+                                "image, in the features' order")
+            if name in _CLASSES and not np.issubdtype(np.asarray(value).dtype, np.integer):
+                raise DataError(f"{name} must be integer class indices, got dtype "
+                                f"{np.asarray(value).dtype} (map names to 0..C-1 first)")
 
     def require(self, name: str, why: str) -> np.ndarray:
         value = getattr(self, name)
@@ -57,7 +76,6 @@ def probe_data_from_shapes_world(world: ShapesWorld, features: Features) -> Prob
     )
 
 
-_TARGETS = ("labels", "texture", "depth", "mask")
 
 
 def save_probe_data(path: str | Path, data: ProbeData) -> None:

@@ -39,6 +39,7 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
     engine = Engine.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,
+        verify=config.verify_checkpoint,
         mesh=config.mesh,
         seed=config.seed,
         compute_dtype=config.compute_dtype,

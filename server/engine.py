@@ -190,12 +190,14 @@ class Engine:
         mesh: str | Mesh = "auto",
         seed: int = 0,
         compute_dtype: str | None = None,
+        verify: bool = True,
         **kwargs,
     ) -> Engine:
         """A checkpoint restored onto the mesh, or a preset with seeded random weights.
 
         With both, ``model`` is what the checkpoint must hold (refused if its architecture
-        differs); the checkpoint's metadata names its source and fingerprint.
+        differs); the checkpoint's metadata names its source and fingerprint, which ``verify``
+        checks against the weights read (the fingerprint every answer carries must be theirs).
         ``compute_dtype`` overrides the config's (float32: exact features).
         """
         from vit22b.model import checkpoint  # orbax: only when serving
@@ -209,7 +211,8 @@ class Engine:
         mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
         if checkpoint_dir:
             expect = get_config(model) if model else None
-            cfg, params, meta = checkpoint.restore(checkpoint_dir, mesh, expect=expect)
+            cfg, params, meta = checkpoint.restore(checkpoint_dir, mesh, expect=expect,
+                                                   verify=verify)
             return cls(with_dtype(cfg), params, mesh, fingerprint=meta.fingerprint,
                        source=meta.source, **kwargs)
         cfg = with_dtype(get_config(model or DEFAULT_MODEL))

@@ -80,6 +80,10 @@ class ServeConfig:
     model: str | None = setting(None, "preset name (default: the embedded default, or the "
                                 "checkpoint's own)")
     checkpoint: str | None = setting(None, "checkpoint directory (vit22b init / convert)")
+    verify_checkpoint: bool = setting(
+        True, "recompute the checkpoint's weight fingerprint at start-up and refuse weights that "
+        "are not the ones its metadata names (a corrupted or altered file); reads every "
+        "parameter back once, about a second per GB")
     seed: int = setting(0, "seed of the random weights when no checkpoint is given")
     mesh: str = setting("auto", "device mesh, e.g. data=2,model=4 (auto: all devices on data; "
                         "on a CPU host two emulated devices)")

@@ -1,6 +1,7 @@
 """Orbax checkpoints: save on one mesh, restore on another, refuse every broken or foreign one."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -197,6 +198,12 @@ def test_metadata_that_disagrees_with_its_own_parameter_table_is_refused(saved, 
 
 def test_unreadable_or_future_metadata_is_refused(saved, tmp_path):
     copy = _copy(saved, tmp_path)
+    (copy / "metadata.json").rename(copy / "kept.json")
+    os.mkfifo(copy / "metadata.json")  # read, it would wait for a writer for ever
+    with pytest.raises(ckpt.CheckpointError, match="metadata.json is not a regular file"):
+        ckpt.read_metadata(copy)
+    (copy / "metadata.json").unlink()
+    (copy / "kept.json").rename(copy / "metadata.json")
     (copy / "metadata.json").write_text("{ not json")
     with pytest.raises(ckpt.CheckpointError, match="metadata.json is unreadable"):
         ckpt.read_metadata(copy)
@@ -219,6 +226,12 @@ def test_verify_catches_weights_swapped_under_the_metadata(saved, tmp_path):
 def test_a_mesh_that_does_not_fit_is_refused_before_reading(saved):
     with pytest.raises(MeshError, match=r"model axis \(3\) does not divide heads \(8\)"):
         ckpt.restore(saved[0], make_mesh("data=1,model=3", jax.devices()[:3]))
+
+
+def test_a_checkpoint_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ckpt.CheckpointError, match="a-file exists and is not a folder"):
+        ckpt.check_writable(tmp_path / "a-file")
 
 
 def test_save_refuses_parameters_that_do_not_fit_and_existing_directories(saved, tmp_path):

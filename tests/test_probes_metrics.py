@@ -280,3 +280,38 @@ def test_bad_head_files_are_refused_with_the_reason(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(DataError, match="junk.npz"):
         load_head(tmp_path / "junk.npz")
+
+
+def test_calibration_refuses_what_is_not_a_confidence_or_a_bin_count():
+    for bins in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="bins must be a positive integer"):
+            calibration.ece([0.5], [1], bins)
+    for confidence in ([float("nan"), 0.5], [1.2, 0.5]):
+        with pytest.raises(ValueError, match=r"probabilities in \[0, 1\]"):
+            calibration.adaptive_ece(confidence, [1, 0])
+    with pytest.raises(ValueError, match="one confidence per prediction"):
+        calibration.mce([0.5, 0.5], [1])
+
+
+def test_segmentation_metrics_of_uint8_masks_and_refused_classes():
+    from vit22b.probes.dense import segmentation_metrics
+
+    target = np.array([[0, 1, 2], [2, 1, 0]], np.uint8)  # as masks are read
+    perfect = segmentation_metrics(target, target, 3)  # uint8 * 3 overflowed before
+    assert perfect["pixel_accuracy"] == 1.0 and perfect["miou"] == 1.0
+    with pytest.raises(ValueError, match=r"prediction classes must be in 0..2, got 0..5"):
+        segmentation_metrics(np.array([0, 1, 5]), np.array([0, 1, 2]), 3)
+
+
+def test_probe_targets_must_align_with_the_features():
+    from vit22b.model.features import Features
+    from vit22b.probes.runner import ProbeData
+
+    features = Features(pooled=np.zeros((6, 4), np.float32))
+    ProbeData(features, labels=np.arange(6))
+    with pytest.raises(DataError, match="labels has 4 entries for 6 images"):
+        ProbeData(features, labels=np.arange(4))  # rows after the gap would be misaligned
+    with pytest.raises(DataError, match="labels must be integer class indices, got dtype <U1"):
+        ProbeData(features, labels=np.array(list("abcabc")))
+    with pytest.raises(DataError, match="depth has 5 entries"):
+        ProbeData(features, depth=np.zeros((5, 2, 2)))

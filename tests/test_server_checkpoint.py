@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from vit22b.clients import FeatureClient
 from vit22b.model import checkpoint, get_config
 from vit22b.model.sharding import init_sharded, make_mesh
 from vit22b.server.app import BackgroundServer, ServeConfig, build_engine
+from vit22b.server.engine import Engine
 
 MODEL = "vit-22b-tiny/16"
 
@@ -45,6 +47,26 @@ def test_checkpoint_round_trips_through_the_server(saved):
     default = shared_engine()
     assert default.identity.fingerprint != meta.fingerprint
     assert not np.allclose(got.pooled, in_process(default, images)["pooled"])
+
+
+def test_a_checkpoint_whose_bytes_changed_is_refused_at_start_up(saved, tmp_path):
+    """One byte flipped in the stored weights still decodes (no checksum in the store): the
+    server recomputes the fingerprint and refuses, unless told not to verify."""
+    import shutil
+
+    copy = Path(shutil.copytree(saved[0], tmp_path / "flipped"))
+    data = max((p for p in (copy / "params").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    config = ServeConfig(checkpoint=str(copy), mesh=MESH, port=0, metrics_port=None,
+                         max_batch_images=MAX_BATCH)
+    with pytest.raises(checkpoint.CheckpointError, match="modified or corrupted"):
+        build_engine(config)
+    unverified = Engine.load(checkpoint_dir=str(copy), mesh=MESH, verify=False)
+    assert unverified.identity.fingerprint == saved[1].fingerprint  # what it would have claimed
+    assert checkpoint.fingerprint(unverified.params) != saved[1].fingerprint
 
 
 def test_serve_refuses_a_checkpoint_of_another_model(saved):
