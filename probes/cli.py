@@ -50,6 +50,18 @@ def _number_list(cast, what: str):
 _ints, _floats = _number_list(int, "integers"), _number_list(float, "numbers")
 
 
+def _positive(parse):
+    """``parse``, then every value > 0 (a 0-NN vote or a 0-shot probe means nothing)."""
+
+    def checked(text: str):
+        values = parse(text)
+        if not all(v > 0 for v in (values if isinstance(values, tuple) else (values,))):
+            raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
+        return values
+
+    return checked
+
+
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", choices=KINDS, help="which probe to run")
     src = parser.add_argument_group("images and targets (one of)")
@@ -155,10 +167,12 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     opt = parser.add_argument_group("probe options")
     opt.add_argument("--steps", type=int, help="decoder training steps (depth, segmentation)")
     opt.add_argument("--decoders", default="linear,dpt", help="depth decoders (linear, dpt)")
-    opt.add_argument("--shots", type=_ints, help="few-shot: shots per class (1,5,10,25)")
-    opt.add_argument("--ks", type=_ints, help="kNN: neighbour counts (10,20,100,200)")
-    opt.add_argument("--temperature", type=float, help="kNN: vote temperature (0.07)")
-    opt.add_argument("--bins", type=int, help="calibration: bins (15)")
+    opt.add_argument("--shots", type=_positive(_ints),
+                     help="few-shot: shots per class (1,5,10,25)")
+    opt.add_argument("--ks", type=_positive(_ints), help="kNN: neighbour counts (10,20,100,200)")
+    opt.add_argument("--temperature", type=_positive(float),
+                     help="kNN: vote temperature (0.07)")
+    opt.add_argument("--bins", type=_positive(int), help="calibration: bins (15)")
     parser.add_argument(
         "--out",
         type=Path,
@@ -291,12 +305,12 @@ def _options(args, kind: str) -> dict:
         chosen["steps"] = args.steps
     if kind == "depth":
         chosen["decoders"] = tuple(d.strip() for d in args.decoders.split(",") if d.strip())
-    if kind == "fewshot" and args.shots:
+    if kind == "fewshot" and args.shots is not None:
         chosen["shots"] = args.shots
     if kind == "knn":
-        if args.ks:
+        if args.ks is not None:
             chosen["ks"] = args.ks
-        if args.temperature:
+        if args.temperature is not None:
             chosen["temperature"] = args.temperature
     if kind == "calibration" and args.bins is not None:
         chosen["bins"] = args.bins

@@ -109,6 +109,16 @@ def test_bad_probe_commands_fail_with_the_reason(tmp_path, capsys, argv, message
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["knn", "--ks", "0"], ["knn", "--temperature", "0"],
+                                  ["fewshot", "--shots", "5,-1"], ["calibration", "--bins", "0"]])
+def test_counts_and_temperatures_must_be_positive(tmp_path, capsys, argv):
+    """Each was taken before: a 0-NN "accuracy", a temperature of 0 replaced by 0.07, 0 bins
+    by 15."""
+    with pytest.raises(SystemExit) as refused:
+        main(["probe", *argv, "--digits", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "expected positive values" in capsys.readouterr().err
+
+
 # ---- against a real server, and an embed output folder ------------------------------------
 
 
