@@ -261,6 +261,7 @@ def depth_probe(
     inputs = dense_inputs(features, layers, use_pooled, train_index)
     depth = np.asarray(depth, np.float32)
     mean, std = float(depth[train_index].mean()), float(depth[train_index].std())
+    std = std or 1.0  # a constant depth: nothing to scale (dividing by 0 gave NaN)
     target = downsample_depth((depth[train_index] - mean) / std, train_stride)[..., None]
     size = depth.shape[1:3]
 

@@ -42,9 +42,14 @@ class ProbeData:
     images: np.ndarray | None = None  # uint8 [N, H, W, 3], for figures only
 
     def __post_init__(self) -> None:
-        """Every target has one entry per image, and the class-like ones are integers: a
-        shorter list of labels would misalign every row after the first missing one."""
+        """Features are finite, every target has one entry per image, and the class-like ones
+        are integers: a shorter list of labels would misalign every row after the gap."""
         rows = len(self.features)
+        tokens = {f"patch_tokens[{k}]": v for k, v in self.features.patch_tokens.items()}
+        for name, array in (*self.features.arrays(), *tokens.items()):
+            if not np.isfinite(array).all():  # NaN features would score as numbers
+                raise DataError(f"features {name} hold NaN or infinite values: a probe on "
+                                "them would report numbers that mean nothing")
         for name in (*_TARGETS, "images"):
             value = getattr(self, name)
             if value is None:

@@ -315,3 +315,7 @@ def test_probe_targets_must_align_with_the_features():
         ProbeData(features, labels=np.array(list("abcabc")))
     with pytest.raises(DataError, match="depth has 5 entries"):
         ProbeData(features, depth=np.zeros((5, 2, 2)))
+    holed = features.pooled.copy()
+    holed[3, 1] = np.nan  # a kNN probe scored such rows as if they were features
+    with pytest.raises(DataError, match="features pooled hold NaN or infinite values"):
+        ProbeData(Features(pooled=holed), labels=np.arange(6))

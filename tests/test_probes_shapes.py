@@ -86,6 +86,18 @@ def test_depth_decoders_beat_the_mean_depth(data, tmp_path):
     assert (tmp_path / "depth.png").stat().st_size > 1000
 
 
+def test_a_constant_depth_gives_finite_metrics(data):
+    """Standardising a constant depth divided by a zero spread: every RMSE was NaN."""
+    from vit22b.probes.dense import depth_probe
+
+    flat = np.full_like(data.depth, 2.5)
+    index = np.arange(len(flat))
+    report, _ = depth_probe(data.features, flat, index[:40], index[40:80],
+                            layers=tuple(data.features.patch_tokens), decoders=("linear",),
+                            steps=5)
+    assert all(np.isfinite(v) for v in report["linear"].values() if isinstance(v, float))
+
+
 def test_segmentation_decoder_beats_the_majority_class(data, tmp_path):
     report = run_probe("segmentation", data, out_dir=tmp_path, steps=STEPS)
     base = report["baselines"]
