@@ -305,10 +305,11 @@ class HttpDoor:
         app.add_api_route("/v1/features", self.features, methods=["POST"],
                           response_model=FeaturesResponse, summary="Features (JSON or safetensors)")
         app.add_api_route("/v1/models", self.list_models, methods=["GET"], summary="Model info")
-        # HEAD too: load balancers and uptime checks probe with it
-        app.add_api_route("/health", self.health, methods=["GET", "HEAD"], summary="Liveness")
-        app.add_api_route("/ready", self.ready, methods=["GET", "HEAD"],
-                          summary="SERVING or not")
+        app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness")
+        app.add_api_route("/ready", self.ready, methods=["GET"], summary="SERVING or not")
+        for path, route in (("/health", self.health), ("/ready", self.ready)):
+            # HEAD too, as load balancers probe; out of the document (one operation per path)
+            app.add_api_route(path, route, methods=["HEAD"], include_in_schema=False)
         bodies = {"/v1/embeddings": EmbeddingsRequest, "/v1/features": FeaturesRequest}
 
         def openapi() -> dict:  # the bodies are parsed in the routes, under their trace span

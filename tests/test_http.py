@@ -238,6 +238,8 @@ def test_health_ready_models_and_openapi(server, http):
     doc = http.get("/openapi.json").json()
     assert {"/v1/embeddings", "/v1/features", "/v1/models", "/health", "/ready"} <= set(
         doc["paths"])
+    ids = [op["operationId"] for path in doc["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))  # code generators need them unique (HEAD is left out)
     body = doc["paths"]["/v1/features"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/FeaturesRequest"
     schemas = doc["components"]["schemas"]
