@@ -230,6 +230,9 @@ def _targets_of_paths(args, kind: str, paths: list) -> dict:
 def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
     """The data to probe and the extra keyword arguments of ``run_probe``."""
     extra: dict = {}
+    if args.features and args.layers:  # they choose what is computed; a file holds its own
+        raise DataError(f"--layers chooses the layers computed; {args.features} holds its own "
+                        "(drop --layers, or embed those layers into it)")
     if args.features and not args.features.is_dir():
         return load_probe_data(args.features), extra
     if args.features:  # a `vit22b embed` output folder: targets from the embedded files

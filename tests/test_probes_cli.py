@@ -98,6 +98,7 @@ def test_calibration_with_an_imported_head_on_digits(tmp_path):
         (["depth", "--shapes-world", "16", "--layers", "9"], "layer index 9 is out of range"),
         (["segmentation", "--features", "EMPTY"], "not a vit22b embed output directory"),
         (["linear", "--shapes-world", "4"], "at least 8 images"),
+        (["depth", "--features", "EMPTY", "--layers", "2"], "--layers chooses the layers"),
     ],
 )
 def test_bad_probe_commands_fail_with_the_reason(tmp_path, capsys, argv, message):
