@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # writing the outputs failed (disk full, ...): what was written stays
-        print(f"vit22b embed: {err.filename or config.output}: {err.strerror or err}; completed "
+        print(f"vit22b embed: {err.filename or args.output}: {err.strerror or err}; completed "
               "shards are kept: rerun the same command to resume", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

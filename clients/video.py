@@ -202,8 +202,8 @@ def _ffmpeg(err) -> str:
 def _video_stream(container, name: str):
     """The first video stream, refusing still images and codecs without a decoder here."""
     fmt = container.format.name
-    if fmt.endswith("_pipe") or fmt == "image2" or (fmt == "gif" and _frames(container) == 1):
-        raise VideoError(name, f"a still image ({container.format.long_name}), not a video")
+    if fmt.endswith("_pipe") or fmt == "image2":
+        raise _still(container, name)
     streams = container.streams.video
     if not container.streams:
         raise VideoError(name, f"no streams at all in the {fmt} container (a truncated MP4 or "
@@ -217,12 +217,8 @@ def _video_stream(container, name: str):
     return stream
 
 
-def _frames(container) -> int:
-    """Frames a GIF holds (counted from its packets; a still GIF has one), rewound after."""
-    stream = container.streams.video[0]
-    count = sum(1 for packet in container.demux(stream) if packet.size)
-    container.seek(0)
-    return count
+def _still(container, name: str) -> VideoError:
+    return VideoError(name, f"a still image ({container.format.long_name}), not a video")
 
 
 def _end(pts: list[int], durations: list[int], stream) -> int:
@@ -258,6 +254,8 @@ def _demux(av, source, name: str) -> tuple[_Timeline | None, dict]:
             entries = [(p.pts, p.duration) for p in container.demux(stream) if p.size]
         except av.error.FFmpegError as err:
             raise VideoError(name, f"damaged container ({_ffmpeg(err)})") from None
+        if meta["container"] == "gif" and len(entries) == 1:  # animated GIFs are videos
+            raise _still(container, name)
         try:
             return _timeline(entries, stream, name) if entries else None, meta
         except VideoError:  # packets without or with shared timestamps: the frames decide
