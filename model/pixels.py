@@ -31,6 +31,13 @@ Untrusted bytes (``decode``):
   crop stays within 1 level of 255 of full decoding's on average and 10 levels at the 99.9th
   percentile (tests/test_pixels.py; speed and differences: benchmarks/decode.py). Other formats,
   and JPEGs whose sides no scale divides, decode in full.
+- Decoders: Pillow parses every header and decodes every format. A baseline or progressive
+  JFIF JPEG in RGB or grey, upright (no EXIF orientation to apply) and decoded at full size, is
+  decoded by simplejpeg instead when it is installed (the ``model`` extra installs it): the
+  same libjpeg-turbo with the same settings (accurate DCT, fancy upsampling), so the same pixels
+  bit for bit (tests/test_pixels.py), 2.5-4x faster for small images, which is most of a small
+  image's cost on the server (benchmarks/NOTES.md). Whatever it would warn about (truncated or
+  corrupt data) goes back to Pillow, whose answer or reason stands.
 - Every decoder failure (truncated files, corrupt data) becomes an ``InvalidImage`` with the
   decoder's reason; a known format that cannot be used (zero width or height, an unsupported
   variant) says so.
@@ -58,6 +65,11 @@ from PIL import ExifTags, Image
 
 from .config import PIXEL_RULES, ViTConfig
 from .errors import InvalidImage
+
+try:  # the fast decoder for plain JPEGs (``_decode_jfif``); Pillow decodes everything without it
+    import simplejpeg
+except ImportError:  # pragma: no cover - the model extra installs it
+    simplejpeg = None
 
 FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 FORMAT_NAMES = "JPEG, PNG, WebP, BMP, GIF or TIFF"
@@ -115,10 +127,13 @@ def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
                   min_side: int = 0) -> np.ndarray:
     """``decode``'s second half, on an image from ``open_encoded``."""
     name = _name(image.format)
+    scale = 1
     if min_side > 0 and image.format in ("JPEG", "MPO"):
         scale = draft_scale(image.width, image.height, min_side)
         if scale > 1:  # Pillow picks the largest scale whose size stays >= the one asked for
             image.draft(None, (image.width // scale, image.height // scale))  # mode unchanged
+    if scale == 1 and (pixels := _decode_jfif(image, name)) is not None:
+        return pixels
     try:
         image.load()  # decodes every pixel: truncated or corrupt data fails here
     except Image.DecompressionBombError as err:
@@ -128,6 +143,25 @@ def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     except Exception as err:  # noqa: BLE001 - a decoder error means bad input, not a bug
         raise InvalidImage(f"cannot decode {name} image: {type(err).__name__}: {err}") from None
     return to_rgb(image)
+
+
+def _decode_jfif(image: Image.Image, name: str) -> np.ndarray | None:
+    """A plain JPEG (8-bit RGB or grey, no Adobe colour transform, upright) decoded by
+    simplejpeg at full size, or None: Pillow decodes it (anything else, or anything libjpeg
+    warns about, which simplejpeg's strict mode raises)."""
+    if (simplejpeg is None or image.format != "JPEG" or image.mode not in ("RGB", "L")
+            or "adobe" in image.info or _orientation(image, name) != 1
+            or not isinstance(getattr(image, "fp", None), io.BytesIO)):
+        return None
+    grey = image.mode == "L"
+    try:
+        with image.fp.getbuffer() as data:  # released at once: Pillow may close its file later
+            pixels = simplejpeg.decode_jpeg(data, colorspace="GRAY" if grey else "RGB")
+    except ValueError:  # a libjpeg warning or error: Pillow's answer (or reason) stands
+        return None
+    if pixels.shape[:2] != (image.height, image.width):
+        return None
+    return np.repeat(pixels, 3, axis=2) if grey else pixels
 
 
 def draft_scale(width: int, height: int, min_side: int) -> int:
@@ -265,16 +299,20 @@ def _check_mode(mode: str, name: str) -> None:
         )
 
 
-def _upright(image: Image.Image, name: str) -> Image.Image:
-    """Apply the EXIF orientation (Pillow's getexif reads XMP's too when EXIF has none)."""
+def _orientation(image: Image.Image, name: str):
+    """The EXIF orientation (Pillow's getexif reads XMP's too when EXIF has none; 1: upright)."""
     try:
-        orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+        return image.getexif().get(ExifTags.Base.Orientation, 1)
     except Exception as err:  # noqa: BLE001 - malformed metadata: the orientation is unknown
         raise InvalidImage(
             f"{name} image with unreadable EXIF metadata (its orientation is unknown): "
             f"{type(err).__name__}: {err}"
         ) from None
-    method = _ORIENTATION.get(orientation)
+
+
+def _upright(image: Image.Image, name: str) -> Image.Image:
+    """Apply the EXIF orientation."""
+    method = _ORIENTATION.get(_orientation(image, name))
     return image if method is None else image.transpose(method)
 
 

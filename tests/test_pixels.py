@@ -17,6 +17,7 @@ import pytest
 from photos import photo, photo_jpeg
 from PIL import Image
 from vit22b.model import get_config
+from vit22b.model import pixels as contract
 from vit22b.model.config import PIXEL_RULES, ViTConfig
 from vit22b.model.errors import InvalidImage
 from vit22b.model.pixels import (
@@ -530,3 +531,90 @@ def test_an_image_error_quotes_a_long_id_cut_to_its_start():
     message = str(InvalidImage("cannot decode", 0, long))
     assert message == f"image 0 (id '{'x' * 80}'... (5000 characters)): cannot decode"
     assert InvalidImage("r", 0, long).image_id == long  # the error still carries it whole
+
+
+# ---- the fast decoder for plain JPEGs ----------------------------------------------------------
+def pillow_only(data: bytes, monkeypatch, **kwargs):
+    """``decode`` with Pillow decoding everything (the reference), or the error it raises."""
+    with monkeypatch.context() as patch:
+        patch.setattr(contract, "simplejpeg", None)
+        try:
+            return decode(data, **kwargs)
+        except InvalidImage as err:
+            return err
+
+
+def takes_fast_path(data: bytes) -> bool:
+    opened = contract.open_encoded(data)
+    return contract._decode_jfif(opened, contract._name(opened.format)) is not None
+
+
+PLAIN_JPEGS = {
+    "rgb 4:2:0": (photo(64, 64), {"subsampling": "4:2:0"}),
+    "rgb 4:2:2": (photo(333, 201, seed=1), {"subsampling": "4:2:2", "quality": 50}),
+    "rgb 4:4:4": (photo(37, 19, seed=2), {"subsampling": "4:4:4", "quality": 98}),
+    "noise 4:2:0 odd sides": (Image.fromarray(rgb(13, 7, seed=3)), {"quality": 90}),
+    "one pixel": (Image.fromarray(rgb(1, 1, seed=4)), {}),
+    "progressive": (photo(120, 80, seed=5), {"progressive": True, "quality": 75}),
+    "optimised, quality 5": (photo(96, 64, seed=6), {"optimize": True, "quality": 5}),
+    "restart markers": (photo(64, 48, seed=7), {"restart_marker_blocks": 4}),
+    "grey": (photo(50, 70, seed=8).convert("L"), {}),
+    "grey progressive": (photo(64, 64, seed=9).convert("L"), {"progressive": True}),
+}
+
+
+@pytest.mark.skipif(contract.simplejpeg is None, reason="simplejpeg is not installed")
+@pytest.mark.parametrize("name", sorted(PLAIN_JPEGS))
+def test_plain_jpegs_decode_to_pillows_pixels_bit_for_bit(name, monkeypatch):
+    image, params = PLAIN_JPEGS[name]
+    data = encode(image, "JPEG", **params)
+    assert takes_fast_path(data)
+    got, reference = decode(data), pillow_only(data, monkeypatch)
+    assert got.dtype == np.uint8 and got.shape == (image.height, image.width, 3)
+    np.testing.assert_array_equal(got, reference)
+
+
+def cmyk_jpeg() -> bytes:
+    return encode(photo(40, 30).convert("CMYK"), "JPEG")
+
+
+def truncated_jpeg() -> bytes:
+    data = encode(photo(64, 64), "JPEG")
+    return data[: len(data) // 2]
+
+
+def extraneous_bytes_jpeg() -> bytes:  # libjpeg warns ("Corrupt JPEG data"), Pillow decodes
+    data = encode(photo(64, 64), "JPEG")
+    return data[:-2] + b"\x00\x17\x00" + data[-2:]
+
+
+LEFT_TO_PILLOW = {
+    "EXIF orientation 6": lambda: encode(photo(48, 32), "JPEG", exif=exif(6)),
+    "CMYK (Adobe marker)": cmyk_jpeg,
+    "truncated": truncated_jpeg,
+    "extraneous bytes before a marker": extraneous_bytes_jpeg,
+}
+
+
+@pytest.mark.skipif(contract.simplejpeg is None, reason="simplejpeg is not installed")
+@pytest.mark.parametrize("name", sorted(LEFT_TO_PILLOW))
+def test_other_jpegs_are_pillows_answer(name, monkeypatch):
+    data = LEFT_TO_PILLOW[name]()
+    try:
+        assert not takes_fast_path(data)
+        got = decode(data)
+    except InvalidImage as err:
+        got = err
+    reference = pillow_only(data, monkeypatch)
+    if isinstance(reference, InvalidImage):
+        assert isinstance(got, InvalidImage) and str(got) == str(reference)
+        assert name == "truncated"
+    else:
+        np.testing.assert_array_equal(got, reference)
+
+
+def test_reduced_size_jpegs_are_pillows(monkeypatch):
+    data = photo_jpeg(640, 480)
+    got = decode(data, min_side=100)
+    assert got.shape == (240, 320, 3)  # decoded at 1/2 by Pillow's draft
+    np.testing.assert_array_equal(got, pillow_only(data, monkeypatch, min_side=100))
