@@ -618,3 +618,32 @@ def test_reduced_size_jpegs_are_pillows(monkeypatch):
     got = decode(data, min_side=100)
     assert got.shape == (240, 320, 3)  # decoded at 1/2 by Pillow's draft
     np.testing.assert_array_equal(got, pillow_only(data, monkeypatch, min_side=100))
+
+
+@pytest.mark.skipif(contract.simplejpeg is None, reason="simplejpeg is not installed")
+def test_mutated_jpegs_get_pillows_answer(monkeypatch):
+    """Random byte changes and cuts: the fast decoder never changes an answer (the same pixels,
+    or the same refusal, word for word)."""
+    rng = np.random.default_rng(1)
+    bases = [encode(photo(64, 64), "JPEG"), encode(photo(48, 40, seed=3), "JPEG", progressive=True),
+             encode(photo(32, 32, seed=4).convert("L"), "JPEG")]
+    outcomes = {"pixels": 0, "refused": 0}
+    for base in bases:
+        for _ in range(100):
+            data = bytearray(base)
+            for _ in range(rng.integers(1, 6)):
+                data[rng.integers(2, len(data))] = rng.integers(0, 256)
+            if rng.random() < 0.2:
+                data = data[: rng.integers(10, len(data))]
+            try:
+                got = decode(bytes(data))
+            except InvalidImage as err:
+                got = err
+            reference = pillow_only(bytes(data), monkeypatch)
+            if isinstance(reference, InvalidImage):
+                assert isinstance(got, InvalidImage) and str(got) == str(reference)
+                outcomes["refused"] += 1
+            else:
+                np.testing.assert_array_equal(got, reference)
+                outcomes["pixels"] += 1
+    assert min(outcomes.values()) > 50  # both kinds of answer were exercised
