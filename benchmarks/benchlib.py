@@ -85,6 +85,9 @@ def cpu_family() -> tuple[str, int]:
     return vendor, family
 
 
+AMX_BF16_FLOP_PER_CYCLE = 1024  # per core: one TDPBF16PS tile product per 16 cycles, 16x32x16x2
+
+
 def theoretical_peak(cores: int | None = None, clock_ghz: float | None = None) -> dict:
     """The CPU's theoretical GEMM peak: cores x FLOP/cycle x clock, with the assumptions stated.
 
@@ -92,7 +95,9 @@ def theoretical_peak(cores: int | None = None, clock_ghz: float | None = None) -
     units per core (every AVX-512 server core of Intel since Skylake-SP and AMD's Zen 4 / 5);
     lanes from the ISA flags: 16 with avx512f, 8 with AVX2 + FMA; AMD family 25 (Zen 4) runs
     512-bit operations on 256-bit units (8 lanes per unit); bf16 with avx512_bf16 twice the f32
-    rate (VDPBF16PS: pairs of products per f32 lane). AMX is not modelled.
+    rate (VDPBF16PS: pairs of products per f32 lane); with AMX (``amx_bf16``) bf16 at the tile
+    unit's 1,024 FLOP per cycle and core (Intel's figure for Sapphire Rapids and later), which
+    only a GEMM library with AMX kernels can approach.
     """
     flags = _all_flags()
     vendor, family = cpu_family()
@@ -104,13 +109,18 @@ def theoretical_peak(cores: int | None = None, clock_ghz: float | None = None) -
     units = 2
     f32 = cores * units * lanes * 2 * clock
     bf16 = f32 * (2 if "avx512_bf16" in flags else 1)
+    amx = "amx_bf16" in flags
+    if amx:
+        bf16 = cores * AMX_BF16_FLOP_PER_CYCLE * clock
+    bf16_rule = (f"bf16 {cores} cores x {AMX_BF16_FLOP_PER_CYCLE} FLOP per cycle (AMX tiles) x "
+                 f"{clock} GHz" if amx else "bf16 " + (
+                     "2x f32 (avx512_bf16 pairs)" if bf16 > f32 else "as f32 (no avx512_bf16)"))
     return {
         "cores": cores, "clock_ghz": clock, "fma_units": units, "f32_lanes": lanes,
         "vendor": vendor, "family": family,
         "peak_float32": round(f32, 1), "peak_bfloat16": round(bf16, 1),
         "assumption": f"{cores} cores x {units} FMA units x {lanes} f32 lanes x 2 FLOP x "
-        f"{clock} GHz (clock as /proc/cpuinfo reports it); bf16 "
-        f"{'2x f32 (avx512_bf16 pairs)' if bf16 > f32 else 'as f32 (no avx512_bf16)'}",
+        f"{clock} GHz (clock as /proc/cpuinfo reports it); {bf16_rule}",
     }
 
 
