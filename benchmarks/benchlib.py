@@ -108,19 +108,20 @@ def theoretical_peak(cores: int | None = None, clock_ghz: float | None = None) -
         lanes = 8  # Zen 4: 512-bit instructions double-pumped on 256-bit units
     units = 2
     f32 = cores * units * lanes * 2 * clock
-    bf16 = f32 * (2 if "avx512_bf16" in flags else 1)
-    amx = "amx_bf16" in flags
-    if amx:
+    if "amx_bf16" in flags:
         bf16 = cores * AMX_BF16_FLOP_PER_CYCLE * clock
-    bf16_rule = (f"bf16 {cores} cores x {AMX_BF16_FLOP_PER_CYCLE} FLOP per cycle (AMX tiles) x "
-                 f"{clock} GHz" if amx else "bf16 " + (
-                     "2x f32 (avx512_bf16 pairs)" if bf16 > f32 else "as f32 (no avx512_bf16)"))
+        bf16_rule = (f"{cores} cores x {AMX_BF16_FLOP_PER_CYCLE} FLOP per cycle (AMX tiles) x "
+                     f"{clock} GHz")
+    elif "avx512_bf16" in flags:
+        bf16, bf16_rule = 2 * f32, "2x f32 (avx512_bf16 pairs)"
+    else:
+        bf16, bf16_rule = f32, "as f32 (no avx512_bf16)"
     return {
         "cores": cores, "clock_ghz": clock, "fma_units": units, "f32_lanes": lanes,
         "vendor": vendor, "family": family,
         "peak_float32": round(f32, 1), "peak_bfloat16": round(bf16, 1),
         "assumption": f"{cores} cores x {units} FMA units x {lanes} f32 lanes x 2 FLOP x "
-        f"{clock} GHz (clock as /proc/cpuinfo reports it); {bf16_rule}",
+        f"{clock} GHz (clock as /proc/cpuinfo reports it); bf16 {bf16_rule}",
     }
 
 

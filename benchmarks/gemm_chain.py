@@ -5,7 +5,8 @@ activations another operation just wrote and writes a fresh output. This script 
 at ViT-B/16's MLP shapes (width 768, hidden 3072), 8 images of 197 tokens:
 
 - ``alone``: one [788, 768] x [768, 3072] GEMM, the same inputs each time: JAX (XLA:CPU's own
-  kernels) and PyTorch (oneDNN; AMX where the CPU has it);
+  kernels, f32 output) and PyTorch (oneDNN, AMX where the CPU has it; bf16 output: torch.mm
+  has no f32 output for bf16 inputs on CPU);
 - ``chain``: ``--layers`` blocks of x + fc2(gelu(fc1(x))), each with its own weights, as a
   forward's layers are. JAX runs it as the engine does (``--devices 2``: 2 emulated devices, 4
   images each, ``shard_map``; or 1 device), PyTorch on 2 threads. Sides, alternating, medians:

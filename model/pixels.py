@@ -35,7 +35,8 @@ Untrusted bytes (``decode``):
   JFIF JPEG in RGB or grey, upright (no EXIF orientation to apply) and decoded at full size, is
   decoded by simplejpeg instead when it is installed (the ``model`` extra installs it): the
   same libjpeg-turbo with the same settings (accurate DCT, fancy upsampling), so the same pixels
-  bit for bit (tests/test_pixels.py), 2.5-4x faster for small images, which is most of a small
+  bit for bit (tests/test_pixels.py). The contract's decode of a 64x64 JPEG took half the time
+  (``python benchmarks/serve_parts.py``, ``decode_us``), and decoding is most of a small
   image's cost on the server (benchmarks/NOTES.md). Whatever it would warn about (truncated or
   corrupt data) goes back to Pillow, whose answer or reason stands.
 - Every decoder failure (truncated files, corrupt data) becomes an ``InvalidImage`` with the
