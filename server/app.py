@@ -16,7 +16,7 @@ import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
@@ -29,6 +29,21 @@ from .settings import ServeConfig
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection(servicer: reflection.aio.ReflectionServicer,
+                    registrar: ParsingRegistrar) -> None:
+    """Server reflection under both of its names: v1alpha, the one grpcio-reflection ships, and
+    v1, the one current clients (grpcurl, Postman, grpc-java's) ask first. v1 renamed the package
+    only: its messages are v1alpha's field for field, so one servicer answers both."""
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, registrar)
+    handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )}
+    registrar.add_registered_method_handlers(REFLECTION_V1, handlers)
 
 
 def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engine:
@@ -155,9 +170,8 @@ class FeatureServer:
         self.health = health.aio.HealthServicer()
         library = ParsingRegistrar(server)  # their bodies parsed by their handlers
         health_pb2_grpc.add_HealthServicer_to_server(self.health, library)
-        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer(names), library)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
+        _add_reflection(reflection.aio.ReflectionServicer(names), library)
         address = f"{config.host}:{config.port}"
         if config.tls_cert:
             creds = server_credentials(config.tls_cert, config.tls_key)

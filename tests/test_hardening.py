@@ -78,14 +78,16 @@ def test_the_hosted_library_services_refuse_bad_bytes_the_same_and_still_answer(
     end the call UNKNOWN and log a traceback per request."""
     caplog.set_level(logging.INFO)
     bad = b"\x0a\x03\xff\xfe\xfd"  # field 1, a string that is not UTF-8
-    reflect = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    reflect = "/grpc.reflection.{}.ServerReflection/ServerReflectionInfo"
     with grpc.insecure_channel(server.address) as channel:
         calls = {
             "Check": lambda body: channel.unary_unary("/grpc.health.v1.Health/Check")(
                 body, timeout=20),
             "Watch": lambda body: next(channel.unary_stream("/grpc.health.v1.Health/Watch")(
                 body, timeout=20)),
-            "reflection": lambda body: next(channel.stream_stream(reflect)(
+            "reflection": lambda body: next(channel.stream_stream(reflect.format("v1alpha"))(
+                iter([body]), timeout=20)),
+            "reflection v1": lambda body: next(channel.stream_stream(reflect.format("v1"))(
                 iter([body]), timeout=20)),
         }
         for name, call in calls.items():

@@ -442,6 +442,31 @@ def test_reflection_lists_the_services_and_describes_the_contract(server):
     channel.close()
 
 
+def test_reflection_answers_under_v1_as_under_v1alpha(server):
+    """Current clients (grpcurl, Postman) ask for reflection v1 first; both names answer alike."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    asks = [reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="vit22b.v1.FeatureService"),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.such.Symbol")]
+    answers = {}
+    with grpc.insecure_channel(server.address) as channel:
+        for version in ("v1alpha", "v1"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            answers[version] = list(call(iter(asks), timeout=20))
+    assert answers["v1"] == answers["v1alpha"] and len(answers["v1"]) == 3
+    listed, described, missing = answers["v1"]
+    assert {s.name for s in listed.list_services_response.service} >= {
+        "vit22b.v1.FeatureService", "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection"}
+    assert described.file_descriptor_response.file_descriptor_proto
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
 def test_a_client_built_from_reflection_alone_gets_the_sdks_features(server, client):
     """What grpcurl or a client in another language does: every message type from the
     server's reflection (none of this package's generated code), fields set by name."""
