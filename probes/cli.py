@@ -27,6 +27,7 @@ from .data import (
     read_images,
     shapes_world,
 )
+from .dense import IGNORE_INDEX
 from .features import features_from_embed_folder
 from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_world, run_probe
 
@@ -48,6 +49,18 @@ def _number_list(cast, what: str):
 
 
 _ints, _floats = _number_list(int, "integers"), _number_list(float, "numbers")
+
+
+def _label_or_none(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        label = int(text)
+    except ValueError:
+        label = -1
+    if label < 0:
+        raise argparse.ArgumentTypeError(f"expected a mask label (0 or more) or none, got {text!r}")
+    return label
 
 
 def _positive(parse):
@@ -173,6 +186,11 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--temperature", type=_positive(float),
                      help="kNN: vote temperature (0.07)")
     opt.add_argument("--bins", type=_positive(int), help="calibration: bins (15)")
+    opt.add_argument("--ignore-index", type=_label_or_none, default=IGNORE_INDEX,
+                     metavar="N|none",
+                     help="segmentation: the mask label of pixels that are no class, left out "
+                     f"of training and scoring (default {IGNORE_INDEX}; none: every label is "
+                     "a class)")
     parser.add_argument(
         "--out",
         type=Path,
@@ -315,6 +333,8 @@ def _options(args, kind: str) -> dict:
             chosen["ks"] = args.ks
         if args.temperature is not None:
             chosen["temperature"] = args.temperature
+    if kind == "segmentation":
+        chosen["ignore_index"] = args.ignore_index
     if kind == "calibration" and args.bins is not None:
         chosen["bins"] = args.bins
     if kind in ("calibration", "shape-bias") and args.head:

@@ -307,18 +307,39 @@ def depth_probe(
 # ------------------------------------------------------------------------------------------
 
 
-def segmentation_metrics(pred: np.ndarray, target: np.ndarray, num_classes: int) -> dict:
+# The label of pixels that belong to no class (object borders, void): VOC's, Cityscapes' and
+# mmsegmentation's convention. Those pixels are left out of the loss, the metrics and the
+# baseline, never learnt as a class.
+IGNORE_INDEX = 255
+
+
+def _classes_in_range(name: str, labels: np.ndarray, num_classes: int,
+                      ignore_index: int | None) -> None:
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        hint = "" if ignore_index is None else f" (pixels labelled {ignore_index} are ignored)"
+        raise ValueError(f"{name} classes must be in 0..{num_classes - 1}, got "
+                         f"{labels.min()}..{labels.max()}{hint}")
+
+
+def segmentation_metrics(pred: np.ndarray, target: np.ndarray, num_classes: int,
+                         ignore_index: int | None = None) -> dict:
     """Pixel accuracy and mean IoU over the classes present in the labels or the predictions.
 
-    IoU of a class = |pred & target| / |pred | target| summed over all test pixels.
+    IoU of a class = |pred & target| / |pred | target| summed over all test pixels; pixels whose
+    target is ``ignore_index`` are not counted (whatever was predicted there).
     """
     # int64: uint8 masks would overflow target * num_classes
     pred, target = np.asarray(pred).ravel().astype(np.int64), np.asarray(target).ravel()
     target = target.astype(np.int64)
+    if pred.shape != target.shape:
+        raise ValueError(f"{pred.size} predicted pixels for {target.size} labelled ones")
+    if ignore_index is not None:
+        kept = target != ignore_index
+        pred, target = pred[kept], target[kept]
     for name, labels in (("prediction", pred), ("target", target)):
-        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-            raise ValueError(f"{name} classes must be in 0..{num_classes - 1}, got "
-                             f"{labels.min()}..{labels.max()}")
+        _classes_in_range(name, labels, num_classes, ignore_index)
+    if not target.size:
+        raise ValueError("no labelled pixel to score: every target pixel is ignored")
     confusion = np.bincount(target * num_classes + pred, minlength=num_classes**2)
     confusion = confusion.reshape(num_classes, num_classes)
     inter = np.diag(confusion).astype(np.float64)
@@ -332,6 +353,17 @@ def segmentation_metrics(pred: np.ndarray, target: np.ndarray, num_classes: int)
     }
 
 
+def pixel_cross_entropy(logits: jax.Array, labels: jax.Array,
+                        ignore_index: int | None = None) -> jax.Array:
+    """Mean softmax cross-entropy over the pixels whose label is not ``ignore_index``."""
+    if ignore_index is None:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    counted = labels != ignore_index
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.where(counted, labels, 0))  # any class: those losses are weighted 0
+    return jnp.sum(losses * counted) / jnp.maximum(counted.sum(), 1)
+
+
 def segmentation_probe(
     features: Features,
     mask: np.ndarray,
@@ -343,20 +375,20 @@ def segmentation_probe(
     steps: int = 300,
     train_stride: int = 2,
     seed: int = 0,
+    ignore_index: int | None = IGNORE_INDEX,
 ) -> tuple[dict, np.ndarray]:
     """Linear decoder with per-pixel softmax cross-entropy (trained on every train_stride-th
-    pixel); mIoU and pixel accuracy on the test images at full resolution."""
+    pixel); mIoU and pixel accuracy on the test images at full resolution. Pixels labelled
+    ``ignore_index`` (None: every label is a class) count nowhere."""
     mask = np.asarray(mask, np.int32)
-    if mask.min() < 0 or mask.max() >= num_classes:
-        raise ValueError(
-            f"mask values span {mask.min()}..{mask.max()}, outside 0..{num_classes - 1}"
-        )
+    labelled = mask if ignore_index is None else mask[mask != ignore_index]
+    if not labelled.size:
+        raise ValueError(f"every mask pixel is labelled {ignore_index}, the ignore index")
+    _classes_in_range("mask", labelled, num_classes, ignore_index)
     inputs = dense_inputs(features, layers, use_pooled, train_index)
     decoder, learning_rate = make_decoder("linear", num_classes)
 
-    def cross_entropy(logits, labels):
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
+    cross_entropy = partial(pixel_cross_entropy, ignore_index=ignore_index)
     params, losses = train_decoder(
         decoder,
         inputs.take(train_index),
@@ -367,7 +399,13 @@ def segmentation_probe(
         seed=seed,
     )
     pred = predict(decoder, params, inputs.take(test_index), mask.shape[1:3]).argmax(-1)
-    majority = int(np.bincount(mask[train_index].ravel(), minlength=num_classes).argmax())
+    train_labels = mask[train_index].ravel()
+    if ignore_index is not None:
+        train_labels = train_labels[train_labels != ignore_index]
+    if not train_labels.size:
+        raise ValueError("the training images have no labelled pixel (all are the ignore index)")
+    majority = int(np.bincount(train_labels, minlength=num_classes).argmax())
+    test_mask = mask[test_index]
     report = {
         "probe": "segmentation",
         "layers": list(layers),
@@ -375,10 +413,12 @@ def segmentation_probe(
         "steps": steps,
         "train_stride": train_stride,
         "num_classes": num_classes,
+        "ignore_index": ignore_index,
+        "ignored_pixels": 0 if ignore_index is None else int((mask == ignore_index).sum()),
         "num_train": len(train_index),
         "num_test": len(test_index),
         "linear": {
-            **segmentation_metrics(pred, mask[test_index], num_classes),
+            **segmentation_metrics(pred, test_mask, num_classes, ignore_index),
             "final_train_loss": losses[-1],
         },
         "baselines": {
@@ -386,7 +426,7 @@ def segmentation_probe(
             **{
                 f"majority_{k}": v
                 for k, v in segmentation_metrics(
-                    np.full_like(mask[test_index], majority), mask[test_index], num_classes
+                    np.full_like(test_mask, majority), test_mask, num_classes, ignore_index
                 ).items()
                 if k != "iou_per_class"
             },

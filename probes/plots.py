@@ -88,9 +88,14 @@ def depth_figure(
 
 
 def segmentation_figure(
-    images: np.ndarray, truth: np.ndarray, pred: np.ndarray, num_classes: int, path, rows: int = 4
+    images: np.ndarray, truth: np.ndarray, pred: np.ndarray, path,
+    ignore_index: int | None = None, rows: int = 4,
 ) -> Path:
+    """Image, ground truth (ignored pixels black) and prediction, a row per test image."""
     plt = _pyplot()
+    classes = plt.get_cmap("tab20").with_extremes(bad="black")
+    if ignore_index is not None:
+        truth = np.ma.masked_equal(truth, ignore_index)
     rows = min(rows, len(truth))
     fig, axes = plt.subplots(rows, 3, figsize=(6.6, 2.2 * rows), squeeze=False)
     for r in range(rows):
@@ -104,7 +109,7 @@ def segmentation_figure(
             ax = axes[r][c]
             ax.axis("off")
             if data is not None:
-                kw = {} if data.ndim == 3 else {"cmap": "tab20", "vmin": 0, "vmax": 19}
+                kw = {} if data.ndim == 3 else {"cmap": classes, "vmin": 0, "vmax": 19}
                 ax.imshow(data if data.ndim == 3 else data % 20, interpolation="nearest", **kw)
             if r == 0:
                 ax.set_title(title, fontsize=9)

@@ -210,18 +210,20 @@ def run_depth(data: ProbeData, seed: int = 0, layers=(), out_dir=None, **options
     return report
 
 
-def run_segmentation(data: ProbeData, seed: int = 0, layers=(), out_dir=None, **options) -> dict:
+def run_segmentation(data: ProbeData, seed: int = 0, layers=(), out_dir=None,
+                     ignore_index: int | None = dense.IGNORE_INDEX, **options) -> dict:
     mask = data.require("mask", "segmentation probe")
-    num_classes = data.num_mask_classes or int(mask.max()) + 1
+    labelled = mask if ignore_index is None else mask[mask != ignore_index]
+    num_classes = data.num_mask_classes or int(labelled.max(initial=0)) + 1
     train, test = _dense_split(len(mask), seed)
     layers = _default_layers(data.features, layers)
-    report, pred = dense.segmentation_probe(
-        data.features, mask, num_classes, train, test, layers, seed=seed, **options
-    )
+    report, pred = dense.segmentation_probe(data.features, mask, num_classes, train, test,
+                                            layers, seed=seed, ignore_index=ignore_index,
+                                            **options)
     if out_dir is not None:
         images = None if data.images is None else data.images[test]
         report["figure"] = str(plots.segmentation_figure(
-            images, mask[test], pred, num_classes, Path(out_dir) / "segmentation.png"
+            images, mask[test], pred, Path(out_dir) / "segmentation.png", ignore_index
         ))  # fmt: skip
     return report
 

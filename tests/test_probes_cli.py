@@ -60,6 +60,33 @@ def test_depth_and_segmentation_on_paired_folders(tmp_path):
     assert (tmp_path / "depth.png").is_file() and (tmp_path / "segmentation.png").is_file()
 
 
+def test_segmentation_leaves_voc_style_border_pixels_out(tmp_path):
+    """Masks whose object borders are 255 (VOC's void label): no class 255 is learnt."""
+    _write_dense_folders(tmp_path / "set", 16)
+    world = shapes_world(16, seed=2)
+    obj = world.mask > 0
+    inner = obj.copy()  # the object shrunk by one pixel; the ring around it is void
+    inner[:, 1:-1, 1:-1] &= (obj[:, :-2, 1:-1] & obj[:, 2:, 1:-1]
+                             & obj[:, 1:-1, :-2] & obj[:, 1:-1, 2:])
+    voc = np.where(obj & ~inner, 255, world.mask).astype(np.uint8)
+    masks = tmp_path / "voc"
+    masks.mkdir()
+    for i in range(16):
+        Image.fromarray(voc[i], "L").save(masks / f"{i:03d}.png")
+    args = ["probe", "segmentation", "--data", str(tmp_path / "set" / "images"), "--masks",
+            str(masks), "--steps", "10"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    seg = _report(tmp_path / "a", "segmentation")
+    assert seg["num_classes"] == int(world.mask.max()) + 1 < 255
+    assert seg["ignore_index"] == 255 and seg["ignored_pixels"] == int((voc == 255).sum()) > 0
+    assert (tmp_path / "a" / "segmentation.png").is_file()
+    assert main([*args, "--ignore-index", "none", "--out", str(tmp_path / "b")]) == 0
+    seg = _report(tmp_path / "b", "segmentation")  # asked for: 255 is a class
+    assert seg["num_classes"] == 256 and seg["ignore_index"] is None
+    with pytest.raises(SystemExit):
+        main([*args, "--ignore-index", "-1", "--out", str(tmp_path / "c")])
+
+
 def test_shape_bias_of_the_cue_conflict_sample_through_an_imported_imagenet_head(tmp_path):
     rng = np.random.default_rng(0)
     head = tmp_path / "imagenet_head.npz"

@@ -303,6 +303,44 @@ def test_segmentation_metrics_of_uint8_masks_and_refused_classes():
         segmentation_metrics(np.array([0, 1, 5]), np.array([0, 1, 2]), 3)
 
 
+def test_segmentation_metrics_leave_the_ignore_index_out():
+    from vit22b.probes.dense import segmentation_metrics
+
+    target = np.array([[0, 1, 255], [255, 1, 0]], np.uint8)  # a VOC-style border label
+    pred = np.array([[0, 0, 1], [0, 1, 0]])  # 3 of the 4 labelled pixels right
+    scored = segmentation_metrics(pred, target, 2, ignore_index=255)
+    assert scored["pixel_accuracy"] == 0.75
+    # class 0: 2 right of 3 predicted or labelled; class 1: 1 of 2
+    assert scored["iou_per_class"] == [2 / 3, 1 / 2]
+    with pytest.raises(ValueError, match=r"target classes must be in 0..1, got 0..255"):
+        segmentation_metrics(pred, target, 2)  # without it, 255 is an unknown class
+    with pytest.raises(ValueError, match=r"got 0..7 \(pixels labelled 255 are ignored\)"):
+        segmentation_metrics(pred, np.where(target == 1, 7, target), 2, ignore_index=255)
+    with pytest.raises(ValueError, match="every target pixel is ignored"):
+        segmentation_metrics(pred, np.full_like(target, 255), 2, ignore_index=255)
+
+
+def test_pixel_cross_entropy_counts_only_labelled_pixels():
+    import jax.numpy as jnp
+
+    from vit22b.probes.dense import pixel_cross_entropy
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 3, 3, 4)).astype(np.float32)
+    labels = rng.integers(0, 4, (2, 3, 3))
+    labels[0, 0, :] = 255
+    counted = labels != 255
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(log_p, np.where(counted, labels, 0)[..., None], -1)[..., 0]
+    loss = pixel_cross_entropy(jnp.asarray(logits), jnp.asarray(labels), 255)
+    np.testing.assert_allclose(float(loss), expected[counted].mean(), rtol=1e-6)
+    changed = logits.copy()
+    changed[0, 0, :] += 50.0  # logits where the label is ignored do not matter
+    assert float(pixel_cross_entropy(jnp.asarray(changed), jnp.asarray(labels), 255)) == float(loss)
+    assert float(pixel_cross_entropy(jnp.asarray(changed), jnp.asarray(labels) % 4)) != float(loss)
+
+
 def test_probe_targets_must_align_with_the_features():
     from vit22b.model.features import Features
     from vit22b.probes.runner import ProbeData
