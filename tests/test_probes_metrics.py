@@ -322,7 +322,6 @@ def test_segmentation_metrics_leave_the_ignore_index_out():
 
 def test_pixel_cross_entropy_counts_only_labelled_pixels():
     import jax.numpy as jnp
-
     from vit22b.probes.dense import pixel_cross_entropy
 
     rng = np.random.default_rng(0)
