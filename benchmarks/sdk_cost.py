@@ -1,6 +1,8 @@
 """What the SDK's async session costs its caller per call, next to a bare grpc.aio stream.
 
     python benchmarks/sdk_cost.py                 # 32 sessions, then 1; two alternating rounds
+    python benchmarks/sdk_cost.py --against DIR   # and the session of another checkout
+                                                  # (git worktree add DIR REV), alternating
 
 The server here answers every ``EmbedStream`` message with one canned response (recorded once
 from the real server: the tiny model's pooled feature of a 64x64 JPEG) and ``GetModelInfo`` with
@@ -8,8 +10,10 @@ the real model's info, so no model runs and the clients' cost is all there is to
 clients run in a separate process (no jax), one channel each, a task each on one uvloop: ``bare``
 writes the recorded request bytes and reads the answer on its own stream; ``session`` calls
 ``AsyncFeatureClient.session().embed([jpeg])``, building the request and the result as a user's
-call does. Reports calls/s and the client process's CPU microseconds per call (every thread:
-gRPC's included). Ends with one JSON line.
+call does; ``against`` is that call with the SDK of another checkout (its package laid out in
+a temporary folder ahead of this one on ``PYTHONPATH``), so two revisions of the SDK are
+measured in one run, phases alternating. Reports calls/s and the client process's CPU
+microseconds per call (every thread: gRPC's included). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 
 import grpc
 from benchlib import emit, log, machine
@@ -81,7 +86,22 @@ def recorded() -> tuple[bytes, bytes, bytes, bytes]:
             request.SerializeToString())
 
 
-async def phase(canned: tuple, clients: int, calls: int, mode: str) -> dict:
+# Where each part of the package lives in a checkout (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"clients": "clients", "model": "model", "probes": "probes",
+                "server": "server", "v1": "protos/vit22b/v1"}
+
+
+def package_of(tree: str, into: str) -> str:
+    """A folder holding ``vit22b`` as laid out from the checkout ``tree`` (links)."""
+    root = os.path.join(into, "vit22b")
+    os.makedirs(root)
+    for name, sub in PACKAGE_DIRS.items():
+        os.symlink(os.path.join(os.path.abspath(tree), sub), os.path.join(root, name))
+    return into
+
+
+async def phase(canned: tuple, clients: int, calls: int, mode: str,
+                path: str | None = None) -> dict:
     info, response, jpeg, request = canned
 
     async def model_info(raw: bytes, context) -> bytes:
@@ -100,8 +120,9 @@ async def phase(canned: tuple, clients: int, calls: int, mode: str) -> dict:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENT, f"127.0.0.1:{port}", str(clients), str(calls), mode,
-        jpeg.hex(), request.hex(), stdout=subprocess.PIPE, env={**os.environ})
+        sys.executable, "-c", CLIENT, f"127.0.0.1:{port}", str(clients), str(calls),
+        "bare" if mode == "bare" else "session", jpeg.hex(), request.hex(),
+        stdout=subprocess.PIPE, env={**os.environ, **({"PYTHONPATH": path} if path else {})})
     out, _ = await proc.communicate()
     await server.stop(None)
     if proc.returncode:
@@ -114,17 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--against", metavar="DIR",
+                        help="another checkout whose SDK session is measured too")
     args = parser.parse_args(argv)
+    if args.against and not os.path.isfile(os.path.join(args.against, "clients", "session.py")):
+        parser.error(f"--against {args.against}: not a checkout of this project")
     canned = recorded()
     results: dict = {}
-    for _ in range(args.rounds):
-        for clients in (32, 1):
-            for mode in MODES:
-                calls = args.calls if clients > 1 else args.calls // 4
-                figures = asyncio.run(phase(canned, clients, calls, mode))
-                results.setdefault(f"{mode}_clients_{clients}", []).append(figures)
-                log(f"{mode:>8s} x{clients:2d}: {figures}")
-    emit({"benchmark": "sdk_cost", "calls": args.calls, **results, "machine": machine()})
+    modes = (*MODES, "against") if args.against else MODES
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = {"against": package_of(args.against, scratch)} if args.against else {}
+        for _ in range(args.rounds):
+            for clients in (32, 1):
+                for mode in modes:
+                    calls = args.calls if clients > 1 else args.calls // 4
+                    figures = asyncio.run(phase(canned, clients, calls, mode, paths.get(mode)))
+                    results.setdefault(f"{mode}_clients_{clients}", []).append(figures)
+                    log(f"{mode:>8s} x{clients:2d}: {figures}")
+    emit({"benchmark": "sdk_cost", "calls": args.calls, "against": args.against, **results,
+          "machine": machine()})
     return 0
 
 

@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import grpc
-import numpy as np
 from vit22b.model.errors import InvalidImage
 from vit22b.model.outputs import OutputRequest
 from vit22b.v1 import features_pb2 as pb
@@ -83,31 +83,55 @@ class EmbedOptions:
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
 
-    @property
+    # Spelled once per options (an instance is shared by the calls that pass the same
+    # keywords: see ``options_of``), not on every request.
+    @cached_property
     def asked(self) -> OutputRequest:
         """The output request these options spell (defaults: model/outputs.py)."""
         return OutputRequest.of(self.outputs, self.layers, self.normalize_patches)
 
-    @property
-    def kinds(self) -> list[str]:
-        return list(self.asked.kinds)
+    @cached_property
+    def kinds(self) -> tuple[str, ...]:
+        return self.asked.kinds
 
-    @property
-    def patch_layers(self) -> list[int]:
-        return list(self.asked.patch_layers)
+    @cached_property
+    def patch_layers(self) -> tuple[int, ...]:
+        return self.asked.patch_layers
+
+    @cached_property
+    def _request_fields(self) -> dict:
+        return {
+            "outputs": [wire.kind_code(k) for k in self.kinds],
+            "patch_layers": self.patch_layers,
+            "dtype": wire.dtype_code(self.dtype),
+            "l2_normalize": self.l2_normalize,
+            "normalize_patches": self.normalize_patches,
+            "skip_invalid_images": self.skip_invalid,
+            "resolution": self.resolution,
+            "dense": self.dense,
+        }
 
     def request(self, images: Sequence[pb.Image]) -> pb.EmbedRequest:
-        return pb.EmbedRequest(
-            images=images,
-            outputs=[wire.kind_code(k) for k in self.kinds],
-            patch_layers=self.patch_layers,
-            dtype=wire.dtype_code(self.dtype),
-            l2_normalize=self.l2_normalize,
-            normalize_patches=self.normalize_patches,
-            skip_invalid_images=self.skip_invalid,
-            resolution=self.resolution,
-            dense=self.dense,
-        )
+        return pb.EmbedRequest(images=images, **self._request_fields)
+
+
+@lru_cache(maxsize=64)
+def _options_of(spelling: tuple) -> EmbedOptions:
+    return EmbedOptions(**{k: v for k, _, v in spelling})
+
+
+def options_of(options: dict) -> EmbedOptions:
+    """``embed``'s keywords as ``EmbedOptions``: the same keywords give the same (cached)
+    instance; an invalid set raises, and is not cached."""
+    # Each value's type is in the key: 1 == True and 224 == 224.0, but they are not the same
+    # keywords (a float resolution must fail as it would uncached).
+    spelling = tuple(sorted(
+        (k, type(v), tuple(v) if k in ("outputs", "layers") else v) for k, v in options.items()))
+    try:
+        hash(spelling)
+    except TypeError:  # e.g. an unhashable layer: checked anew, to the same error
+        return EmbedOptions(**{k: v for k, _, v in spelling})
+    return _options_of(spelling)
 
 
 
@@ -173,21 +197,15 @@ def chunk_result(
     response: pb.EmbedResponse, sent: list[int], local_errors: list[ImageError]
 ) -> Embeddings:
     """One response with the caller's indices (local inputs may have been skipped)."""
-    result = from_response(response, 0)
-    result.indices = np.asarray(sent, np.int64)[result.indices]
+    result = from_response(response, sent)
     if result.errors or local_errors:
-        result.errors = sorted(
-            [ImageError(sent[e.index], e.id, e.reason) for e in result.errors] + local_errors,
-            key=lambda e: e.index,
-        )
+        result.errors = sorted(result.errors + local_errors, key=lambda e: e.index)
     return result
 
 
 def start_embed(images, ids, info: pb.ModelInfo, progress: bool, batch_size: int | None, **options):
     """Options, the lazy stream of request chunks, and the progress bar (or None)."""
-    options = EmbedOptions(
-        **{k: tuple(v) if k in ("outputs", "layers") else v for k, v in options.items()}
-    )
+    options = options_of(options)
     images = as_images(images)
     chunks = chunk_items(items(images, ids), info, options, batch_size)
     bar = None

@@ -48,21 +48,23 @@ class Embeddings(Features):
         return out
 
 
-def from_response(response: pb.EmbedResponse, offset: int) -> Embeddings:
-    """One response; ``offset`` turns the request's indices into the caller's."""
-    result = Embeddings(
+def from_response(response: pb.EmbedResponse, sent: Sequence[int]) -> Embeddings:
+    """One response, its rows and errors indexed as the caller's inputs (``sent``: the caller's
+    index of each image its request carried)."""
+    # ListFields: only the fields the server set, in one call (a response carries a few of the
+    # possible tensors; asking each by HasField costs more than the rest of this on small calls)
+    arrays = {field.name: wire.from_tensor(value) for field, value in response.ListFields()
+              if field.name in wire.TENSOR_FIELDS}
+    return Embeddings(
+        **arrays,
         patch_tokens={int(k): wire.from_tensor(t) for k, t in response.patch_tokens.items()},
         ids=list(response.ids),
-        indices=np.asarray(response.indices, np.int64) + offset,
-        errors=[ImageError(e.index + offset, e.id, e.reason) for e in response.errors],
+        indices=np.array([sent[i] for i in response.indices], np.int64),
+        errors=[ImageError(sent[e.index], e.id, e.reason) for e in response.errors],
         model=response.model,
         timings=[response.timings],
         grid=(response.grid_rows, response.grid_cols) if response.grid_rows else None,
     )
-    for name in wire.TENSOR_FIELDS:
-        if response.HasField(name):
-            setattr(result, name, wire.from_tensor(getattr(response, name)))
-    return result
 
 
 def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) -> Embeddings:

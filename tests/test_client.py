@@ -22,7 +22,7 @@ from vit22b.clients import (
     Retry,
 )
 from vit22b.clients.client import EmbedOptions, build_request, chunk_items
-from vit22b.clients.embeddings import merge
+from vit22b.clients.embeddings import ImageError, merge
 from vit22b.clients.inputs import as_images, items, to_proto
 from vit22b.model import OutputRequest
 from vit22b.model.errors import InvalidRequest
@@ -130,6 +130,30 @@ def test_options_are_checked_before_sending():
     request = EmbedOptions(outputs=("pooled",), layers=(-1, -1, 2)).request([])
     assert list(request.patch_layers) == [-1, 2]
     assert [wire.kind_name(k) for k in request.outputs] == ["pooled", "patch_tokens"]
+
+
+def test_embed_keywords_spelled_alike_share_their_options_and_refusals_repeat():
+    from vit22b.clients.client import chunk_result, options_of
+
+    first = options_of({"outputs": ["pooled"], "layers": [-1], "l2_normalize": True})
+    assert first is options_of({"l2_normalize": True, "layers": [-1], "outputs": ["pooled"]})
+    assert first.request([]) == EmbedOptions(("pooled",), (-1,), l2_normalize=True).request([])
+    assert options_of({"l2_normalize": 1}) is not options_of({"l2_normalize": True})
+    for _ in range(2):  # a refusal is not remembered as an answer
+        with pytest.raises(InvalidRequest, match="unknown output"):
+            options_of({"outputs": ["cls"]})
+    assert options_of({"resolution": 224}).request([]).resolution == 224
+    with pytest.raises(TypeError):  # as uncached: an int field takes no float
+        options_of({"resolution": 224.0}).request([])
+    with pytest.raises(TypeError):
+        options_of({"layers": [[1]]})  # unhashable: spelled anew, to its own error
+    # A response's rows and errors in the caller's indices: input 1 was unreadable here, so the
+    # request carried inputs 0, 2 and 3; the server refused its second image (input 2).
+    response = pb.EmbedResponse(ids=["a", "d"], indices=[0, 2],
+                                errors=[pb.ImageError(index=1, id="c", reason="bad")])
+    result = chunk_result(response, [0, 2, 3], [ImageError(1, "b", "unreadable")])
+    assert list(result.indices) == [0, 3] and result.ids == ["a", "d"]
+    assert [(e.index, e.id) for e in result.errors] == [(1, "b"), (2, "c")]
 
 
 def test_output_requests_spelled_alike_are_one_and_refusals_repeat():

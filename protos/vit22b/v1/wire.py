@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -126,7 +127,7 @@ def from_tensor(tensor: pb.Tensor, copy: bool = True) -> np.ndarray:
 
 
 def row_shapes(
-    info: pb.ModelInfo, kinds: list[str], layers: list[int], num_patches: int = 0
+    info: pb.ModelInfo, kinds: Sequence[str], layers: Sequence[int], num_patches: int = 0
 ) -> dict[str, tuple]:
     """Per-image shape of every tensor a request returns, from the model's info
     (``num_patches``: the request geometry's, or at most that; 0: the model's own)."""
@@ -159,7 +160,8 @@ def patches_at(info: pb.ModelInfo, resolution: int = 0, dense: bool = False) -> 
 
 
 def row_bytes(
-    info: pb.ModelInfo, kinds: list[str], layers: list[int], dtype: str, num_patches: int = 0
+    info: pb.ModelInfo, kinds: Sequence[str], layers: Sequence[int], dtype: str,
+    num_patches: int = 0,
 ) -> int:
     """Bytes of one image's outputs in a response (tensor payload only)."""
     itemsize = _NUMPY[dtype_code(dtype)].itemsize
