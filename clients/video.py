@@ -27,17 +27,29 @@ from there anyway). A demux pass reads the timeline from the packets; the decode
 only the chosen frames to RGB and checks that the decoded frames have that same timeline (when
 they do not, e.g. a codec with hidden frames, the choice is redone on the decoded timeline).
 
+Frames are upright: a display matrix (the MP4/MOV ``tkhd`` matrix, Matroska's projection; a
+phone's portrait clip is stored landscape with one saying "turn 90 degrees clockwise") is applied
+as players and ffmpeg's autorotate apply it, exactly: a turn by a multiple of 90 degrees
+(``np.rot90``), after a left-right mirror when the matrix has one (negative determinant).
+FFmpeg's decoder puts the stream's matrix on every frame; the first decoded frame's is the
+video's (read in the demux pass, so ``probe`` knows it), and every frame must carry the same.
+``VideoInfo.width``/``height`` are the upright frames'; ``rotation`` and ``mirrored`` say what
+was applied. The matrix's scale and translation are ignored (as the pixel aspect ratio is).
+
 Refused, with ``VideoError`` naming the file and the reason: unreadable or non-video data,
 a still image (a one-frame GIF too), no video stream, no decoder for the codec, no decodable
 frame, timestamps that are missing or not increasing, a decode error, a stream that ends more than
 ``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file), a
-frame size that changes among the frames sampled, and a sample over ``MAX_SAMPLES`` times or
-``MAX_CLIP_BYTES`` of decoded frames.
+frame size that changes among the frames sampled, a display matrix that changes among the frames,
+turns them by an angle that is not a multiple of 90 degrees (beyond ``ANGLE_TOLERANCE``), skews
+them or is singular, and a sample over ``MAX_SAMPLES`` times or ``MAX_CLIP_BYTES`` of decoded
+frames.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -61,6 +73,10 @@ _TRUNCATION_FRAMES, _TRUNCATION_FRACTION = 2, Fraction(1, 20)
 # the decoded RGB frames a clip holds at the video's own size (4K: about 160 frames).
 MAX_SAMPLES = 10_000
 MAX_CLIP_BYTES = 4 << 30
+# Degrees a display matrix's turn may be off a multiple of 90 and still count as one: 16.16
+# fixed point rounds a written angle by under 0.001 degrees; 0.1 moves a 1000-pixel edge's end
+# by under 2 pixels.
+ANGLE_TOLERANCE = 0.1
 
 
 class VideoError(ValueError):
@@ -126,14 +142,38 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Orientation:
+    """What turns a stored frame upright: mirror left-right if ``mirrored``, then turn it
+    ``rotation`` degrees clockwise (0, 90, 180 or 270; 90 for a phone's portrait clip)."""
+
+    rotation: int = 0
+    mirrored: bool = False
+
+    def apply(self, pixels: np.ndarray) -> np.ndarray:
+        """The upright copy of a stored frame [H, W, C] (C-contiguous)."""
+        if self.mirrored:
+            pixels = pixels[:, ::-1]
+        return np.ascontiguousarray(np.rot90(pixels, -self.rotation // 90))  # k < 0: clockwise
+
+    def size(self, width: int, height: int) -> tuple[int, int]:
+        """The upright (width, height) of a stored width x height frame."""
+        return (height, width) if self.rotation % 180 else (width, height)
+
+
+UPRIGHT = Orientation()
+
+
+@dataclass(frozen=True)
 class VideoInfo:
     container: str  # the demuxer's name, e.g. "mov,mp4,m4a,3gp,3g2,mj2" or "matroska,webm"
     codec: str  # e.g. "h264", "vp9"
-    width: int
+    width: int  # of the upright frames (the stored ones' height, for a rotation of 90 or 270)
     height: int
     frame_count: int  # frames in the timeline (probe: packets; read_clip: decoded frames)
     duration_s: float  # D: the end of the last frame, from the first frame's start
     fps: float  # frame_count / duration_s
+    rotation: int = 0  # degrees turned clockwise to make the stored frames upright (Orientation)
+    mirrored: bool = False  # mirrored left-right before that turn
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -221,6 +261,51 @@ def _still(container, name: str) -> VideoError:
     return VideoError(name, f"a still image ({container.format.long_name}), not a video")
 
 
+def _display_matrix(frame) -> bytes | None:
+    """The frame's display matrix (nine native int32, FFmpeg's layout), None without one."""
+    data = frame.side_data.get("DISPLAYMATRIX")
+    return None if data is None else bytes(data)
+
+
+def _orientation(matrix: bytes | None, name: str) -> Orientation:
+    """The exact turn (and mirror) a display matrix asks for; refuses any other transform.
+
+    The matrix (a, b, u, c, d, v, x, y, w), ISO/IEC 14496-12's, shows the stored frame's point
+    (p, q), q downwards, at (a p + c q + x, b p + d q + y) / (u p + v q + w). Mirroring first
+    (p -> -p) then turning clockwise by t gives the columns (a, b) = s (cos t, sin t), s = -1
+    when mirrored, and (c, d) = (-sin t, cos t): e.g. a phone's portrait (0, 1, -1, 0) is t = 90,
+    what FFmpeg's ``av_display_rotation_get`` calls -90 (counterclockwise) and ffmpeg's
+    autorotate undoes with ``transpose=clock``.
+    """
+    if matrix is None:
+        return UPRIGHT
+    if len(matrix) != 36:
+        raise VideoError(name, f"a display matrix of {len(matrix)} bytes, not 9 int32")
+    a, b, u, c, d, v, _, _, w = np.frombuffer(matrix, np.int32).tolist()
+    det = a * d - b * c
+    if u or v:
+        raise VideoError(name, f"its display matrix is a perspective transform (u={u}, v={v})")
+    if not w or not det:
+        raise VideoError(name, f"its display matrix (a, b, c, d, w = {a}, {b}, {c}, {d}, {w}) "
+                         "is singular")
+    mirrored = det < 0
+    sign = -1 if mirrored else 1
+    turn = math.degrees(math.atan2(sign * b, sign * a)) % 360
+    second = math.degrees(math.atan2(-c, d)) % 360  # the same turn when nothing skews
+
+    def off(x: float, y: float) -> float:  # the circular distance of two angles
+        return abs((x - y + 180) % 360 - 180)
+
+    if off(turn, second) > ANGLE_TOLERANCE:
+        raise VideoError(name, f"its display matrix skews the frames (its columns turn them "
+                         f"{turn:.2f} and {second:.2f} degrees clockwise)")
+    quarter = round(turn / 90) % 4
+    if off(turn, 90 * quarter) > ANGLE_TOLERANCE:
+        raise VideoError(name, f"its display matrix turns the frames {turn:.2f} degrees "
+                         "clockwise, not a multiple of 90: no exact upright frame")
+    return Orientation(90 * quarter, mirrored)
+
+
 def _end(pts: list[int], durations: list[int], stream) -> int:
     """Where the last frame ends: its own duration, else the median interval, else 1/rate."""
     if durations[-1] and durations[-1] > 0:
@@ -245,13 +330,20 @@ def _timeline(entries: list[tuple[int | None, int | None]], stream, name: str) -
 
 
 def _demux(av, source, name: str) -> tuple[_Timeline | None, dict]:
-    """The timeline from a demux pass (no decoding; None when packets lack timestamps) and the
-    stream's description."""
+    """The timeline from a demux pass (None when packets lack timestamps) and the stream's
+    description, with the orientation of its first frame (the only one decoded)."""
     with _open(av, source, name) as container:
         stream = _video_stream(container, name)
         meta = _stream_meta(container, stream)
+        entries, first = [], None
         try:
-            entries = [(p.pts, p.duration) for p in container.demux(stream) if p.size]
+            for packet in container.demux(stream):
+                if packet.size:
+                    entries.append((packet.pts, packet.duration))
+                if first is None:  # the last, empty packet flushes the decoder
+                    first = next(iter(_decoded(av, packet, name)), None)
+                    if first is not None:
+                        meta["orientation"] = _orientation(_display_matrix(first), name)
         except av.error.FFmpegError as err:
             raise VideoError(name, f"damaged container ({_ffmpeg(err)})") from None
         if meta["container"] == "gif" and len(entries) == 1:  # animated GIFs are videos
@@ -262,28 +354,44 @@ def _demux(av, source, name: str) -> tuple[_Timeline | None, dict]:
             return None, meta
 
 
+def _decoded(av, packet, name: str) -> list:
+    """The frames one packet completes (a decoding error is not the container's)."""
+    try:
+        return packet.decode()
+    except av.error.FFmpegError as err:
+        raise VideoError(name, f"decoding failed after 0 frames ({_ffmpeg(err)})") from None
+
+
 def _decode(av, source, name: str, wanted: set[int]):
-    """Decode every frame; RGB copies of the frames whose pts is in ``wanted``."""
+    """Decode every frame; upright RGB copies of the frames whose pts is in ``wanted``, and the
+    orientation applied (the first frame's display matrix, which every frame must carry)."""
     with _open(av, source, name) as container:
         stream = _video_stream(container, name)
         stream.thread_type = "AUTO"  # frame and slice threads: the same pixels, sooner
         entries, kept = [], {}
-        last_pts = None
+        last_pts, first, orientation = None, None, UPRIGHT
         try:
             for frame in container.decode(stream):
                 if last_pts is not None and frame.pts is not None and frame.pts < last_pts:
                     raise VideoError(name, f"frame timestamps go backwards at pts {frame.pts}")
                 last_pts = frame.pts
+                matrix = _display_matrix(frame)
+                if not entries:
+                    first, orientation = matrix, _orientation(matrix, name)
+                elif matrix != first:
+                    raise VideoError(name, f"its display matrix (rotation) changes within the "
+                                     f"video, at frame {len(entries)}; the frames of one video "
+                                     "must share one")
                 entries.append((frame.pts, getattr(frame, "duration", None)))
                 if frame.pts in wanted:
-                    kept[frame.pts] = frame.to_ndarray(format="rgb24")
+                    kept[frame.pts] = orientation.apply(frame.to_ndarray(format="rgb24"))
         except av.error.FFmpegError as err:
             raise VideoError(
                 name, f"decoding failed after {len(entries)} frames ({_ffmpeg(err)})"
             ) from None
         if not entries:
             raise VideoError(name, f"no decodable frame in its {stream.codec_context.name} stream")
-        return _timeline(entries, stream, name), kept
+        return _timeline(entries, stream, name), kept, orientation
 
 
 def _stream_meta(container, stream) -> dict:
@@ -300,14 +408,17 @@ def _stream_meta(container, stream) -> dict:
         "height": stream.codec_context.height,
         "time_base": Fraction(stream.time_base),
         "declared": declared,
+        "orientation": UPRIGHT,  # the first decoded frame's, when one decodes
     }
 
 
-def _info(timeline: _Timeline, meta: dict) -> VideoInfo:
+def _info(timeline: _Timeline, meta: dict, orientation: Orientation) -> VideoInfo:
     duration = (timeline.end - timeline.pts[0]) * meta["time_base"]
     count = len(timeline.pts)
-    return VideoInfo(meta["container"], meta["codec"], meta["width"], meta["height"], count,
-                     float(duration), float(count / duration) if duration else 0.0)
+    width, height = orientation.size(meta["width"], meta["height"])
+    return VideoInfo(meta["container"], meta["codec"], width, height, count, float(duration),
+                     float(count / duration) if duration else 0.0, orientation.rotation,
+                     orientation.mirrored)
 
 
 def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
@@ -328,21 +439,24 @@ def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
 
 def _fits(count: int, meta: dict, name: str) -> None:
     """Refuse a sample whose decoded frames would hold more than MAX_CLIP_BYTES."""
-    size = count * meta["width"] * meta["height"] * 3
+    width, height = meta["orientation"].size(meta["width"], meta["height"])
+    size = count * width * height * 3
     if size > MAX_CLIP_BYTES:
-        raise VideoError(name, f"{count} frames of {meta['width']}x{meta['height']} sampled are "
+        raise VideoError(name, f"{count} frames of {width}x{height} sampled are "
                          f"{size / 2**30:.1f} GiB of RGB, over the {MAX_CLIP_BYTES >> 30} GiB "
                          "a clip may hold: sample fewer frames")
 
 
 def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
-    """Container, codec, size, frame count and duration from a demux pass (decoding only when
-    the packets carry no timestamps)."""
+    """Container, codec, upright size and orientation, frame count and duration from a demux
+    pass (which decodes the first frame, for its display matrix; every frame is decoded only
+    when the packets carry no timestamps)."""
     av, name = _av(), _name(source, name)
     timeline, meta = _demux(av, source, name)
+    orientation = meta["orientation"]
     if timeline is None:
-        timeline = _decode(av, source, name, set())[0]
-    return _info(timeline, meta)
+        timeline, _, orientation = _decode(av, source, name, set())
+    return _info(timeline, meta, orientation)
 
 
 def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) -> Clip:
@@ -370,7 +484,7 @@ def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
         if timeline is not None:
             wanted = {timeline.pts[i] for i in timeline.choose(sampling, time_base, name)}
             _fits(len(wanted), meta, name)
-        decoded, kept = _decode(av, source, name, wanted)
+        decoded, kept, orientation = _decode(av, source, name, wanted)
         if decoded == timeline:
             break
         timeline = decoded  # the packets' timeline was not the frames': choose again
@@ -389,7 +503,7 @@ def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
         frames=np.stack(frames),
         timestamps=np.asarray([float(starts[i]) for i in chosen], np.float64),
         indices=np.asarray(chosen, np.int64),
-        info=_info(timeline, meta),
+        info=_info(timeline, meta, orientation),
     )
 
 
@@ -422,11 +536,18 @@ def encoder_for(path: str | os.PathLike, codec: str | None = None) -> str:
 
 
 def write_video(
-    path: str | os.PathLike, frames: np.ndarray, fps: int = 8, codec: str | None = None
+    path: str | os.PathLike,
+    frames: np.ndarray,
+    fps: int = 8,
+    codec: str | None = None,
+    display_matrix: Sequence[int] | None = None,
 ) -> str:
     """Encode uint8 frames [T, H, W, 3] (H, W even) to ``path`` at ``fps``; returns the codec.
 
     High quality (x264 CRF 18; 2 Mbit/s otherwise), yuv420p: for tests, demos and benchmarks.
+    ``display_matrix``: nine integers (a, b, u, c, d, v, x, y, w; 16.16 fixed point, u, v, w
+    2.30) for the stream, as a phone writes its portrait clips; MP4, MOV and Matroska/WebM
+    keep it, AVI drops it.
     """
     av = _av()
     frames = np.asarray(frames)
@@ -441,6 +562,8 @@ def write_video(
         stream = container.add_stream(codec, rate=fps, options=options)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
+        if display_matrix is not None:
+            stream.set_display_matrix(display_matrix)
         if codec != "libx264":
             stream.bit_rate = 2_000_000
         for pixels in frames:

@@ -4,6 +4,8 @@ the pixels that come out, and the reasons bad files are refused with."""
 from __future__ import annotations
 
 import io
+import math
+import struct
 import subprocess
 import sys
 from fractions import Fraction
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from vit22b.clients.video import (
+    Orientation,
     Sampling,
     VideoError,
     encoder_for,
@@ -77,6 +80,7 @@ def test_probe_reports_the_stream(clip_file):
     path, codec = clip_file
     info = probe(path)
     assert (info.codec, info.width, info.height, info.frame_count) == (codec, SIZE, SIZE, N)
+    assert (info.rotation, info.mirrored) == (0, False)  # no display matrix
     assert info.duration_s == pytest.approx(N / FPS) and info.fps == pytest.approx(FPS)
     assert info.container in ("mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi")
 
@@ -258,3 +262,149 @@ def test_importing_the_video_modules_loads_neither_av_nor_jax():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# Display matrices as ISO/IEC 14496-12 lays them out, (a, b, u, c, d, v, x, y, w): the stored
+# frame's point (p, q), q downwards, is shown at (a p + c q + x, b p + d q + y); 16.16 fixed
+# point (u, v, w: 2.30). The stored frames are H rows by W columns, white in their top-left
+# BLOCK x BLOCK corner; where that corner is shown follows from the mapping, by hand.
+ONE, H, W, BLOCK = 1 << 16, 32, 64, 16
+
+
+def matrix(a: int, b: int, c: int, d: int, x: int = 0, y: int = 0, w: int = 1 << 30) -> list:
+    return [a, b, 0, c, d, 0, x, y, w]
+
+
+PORTRAIT = matrix(0, ONE, -ONE, 0, x=H * ONE)  # what an iPhone writes for a portrait clip
+ORIENTED = {  # matrix, (rotation, mirrored), the shown (rows, columns), the white corner
+    # (p, q) -> (p, q)
+    "upright": (matrix(ONE, 0, 0, ONE), (0, False), (H, W), "top-left"),
+    # (p, q) -> (H - q, p): the corner (0, 0) is shown at (H, 0), the right end of the top
+    # row of an H-wide frame: turned 90 degrees clockwise
+    "portrait": (PORTRAIT, (90, False), (W, H), "top-right"),
+    # (p, q) -> (W - p, H - q): upside down
+    "upside down": (matrix(-ONE, 0, 0, -ONE, W * ONE, H * ONE), (180, False), (H, W),
+                    "bottom-right"),
+    # (p, q) -> (q, W - p): (0, 0) at (0, W), the bottom of a W-high frame: counterclockwise
+    "portrait the other way": (matrix(0, -ONE, ONE, 0, y=W * ONE), (270, False), (W, H),
+                               "bottom-left"),
+    # (p, q) -> (W - p, q): mirrored left-right (a front camera's)
+    "mirrored": (matrix(-ONE, 0, 0, ONE, x=W * ONE), (0, True), (H, W), "top-right"),
+    # (p, q) -> (q, p): transposed, which is mirrored, then turned 270 degrees clockwise
+    "transposed": (matrix(0, ONE, ONE, 0), (270, True), (W, H), "top-left"),
+    # 90 degrees from a float angle, 16.16-rounded: 0.035 degrees off, within the tolerance
+    "portrait, rounded": (matrix(40, ONE, -ONE, 40, x=H * ONE), (90, False), (W, H),
+                          "top-right"),
+}
+
+
+def cornered(n: int) -> np.ndarray:
+    frames = np.zeros((n, H, W, 3), np.uint8)
+    frames[:, :BLOCK, :BLOCK] = 255
+    return frames
+
+
+def white_corners(frame: np.ndarray) -> list[str]:
+    half = BLOCK // 2  # inside the block, away from its (lossy) edges
+    corners = {"top-left": frame[:half, :half], "top-right": frame[:half, -half:],
+               "bottom-left": frame[-half:, :half], "bottom-right": frame[-half:, -half:]}
+    return [name for name, patch in corners.items() if patch.mean() > 128]
+
+
+def mp4_track_matrices(path: Path) -> list[list[int]]:
+    """The matrix of each ``moov/trak/tkhd`` box (ISO/IEC 14496-12, 8.3.2), read from the box
+    tree: what a phone's MP4 holds, independent of how PyAV or FFmpeg pass it on."""
+    data = path.read_bytes()
+
+    def children(start: int, end: int, kind: str) -> list[tuple[int, int]]:
+        found = []
+        while start + 8 <= end:
+            size, name = struct.unpack_from(">I4s", data, start)
+            header = 8
+            if size == 1:  # a 64-bit size follows
+                size, header = struct.unpack_from(">Q", data, start + 8)[0], 16
+            elif size == 0:  # to the end of the enclosing box
+                size = end - start
+            if name == kind.encode():
+                found.append((start + header, start + size))
+            start += size
+        return found
+
+    out = []
+    for moov in children(0, len(data), "moov"):
+        for trak in children(*moov, "trak"):
+            for start, _ in children(*trak, "tkhd"):
+                # version and flags (4 bytes); times, track id, reserved and duration (20, or
+                # 32 in version 1); reserved (8); layer, group, volume, reserved (8)
+                at = start + 4 + (32 if data[start] == 1 else 20) + 16
+                out.append(list(struct.unpack_from(">9i", data, at)))
+    return out
+
+
+@pytest.mark.parametrize("case", ORIENTED)
+def test_frames_are_turned_upright_by_the_display_matrix(tmp_path, case):
+    display, (rotation, mirrored), shape, corner = ORIENTED[case]
+    exact = Orientation(rotation, mirrored).apply(cornered(1)[0])  # lossless
+    assert exact.shape[:2] == shape and white_corners(exact) == [corner]
+    assert exact.flags.c_contiguous  # a copy, not a strided view
+    path = tmp_path / "turned.mp4"
+    write_video(path, cornered(6), fps=FPS, display_matrix=display)
+    assert mp4_track_matrices(path) == [display]  # in the file as a phone writes it
+    info = probe(path)
+    assert (info.height, info.width, info.rotation, info.mirrored) == (*shape, rotation, mirrored)
+    clip = read_clip(path, Sampling(frames=3))
+    assert clip.frames.shape == (3, *shape, 3)
+    assert [white_corners(f) for f in clip.frames] == [[corner]] * 3
+    assert clip.info == info and clip.indices.tolist() == [1, 3, 5]
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mov", ".mkv", ".webm"])
+def test_a_portrait_clip_is_its_stored_frames_turned_clockwise_in_each_container(tmp_path,
+                                                                               suffix):
+    stored = indexed_frames(8)[:, :, : SIZE - 16]  # 64 x 48: not square, so a turn shows
+    write_video(tmp_path / f"portrait{suffix}", stored, fps=FPS, display_matrix=PORTRAIT)
+    write_video(tmp_path / f"stored{suffix}", stored, fps=FPS)  # the same pixels, no matrix
+    turned = read_clip(tmp_path / f"portrait{suffix}", Sampling(frames=4))
+    plain = read_clip(tmp_path / f"stored{suffix}", Sampling(frames=4))
+    assert plain.frames.shape == (4, 64, 48, 3) and turned.frames.shape == (4, 48, 64, 3)
+    # turned clockwise: shown row i is stored column i, read from the bottom row up
+    np.testing.assert_array_equal(turned.frames, plain.frames[:, ::-1].transpose(0, 2, 1, 3))
+    assert (turned.info.width, turned.info.height, turned.info.rotation) == (64, 48, 90)
+    assert turned.indices.tolist() == plain.indices.tolist() == expected_uniform(8, 4)
+
+
+def test_avi_keeps_no_display_matrix(tmp_path):
+    # write_video's documented limit: AVI has nowhere to put one, so its frames stay as stored
+    write_video(tmp_path / "portrait.avi", cornered(2), fps=FPS, display_matrix=PORTRAIT)
+    info = probe(tmp_path / "portrait.avi")
+    assert (info.width, info.height, info.rotation, info.mirrored) == (W, H, 0, False)
+
+
+def test_display_matrices_that_are_no_exact_turn_are_refused(tmp_path, monkeypatch):
+    import vit22b.clients.video as video
+
+    cos, sin = round(ONE * math.cos(math.radians(30))), round(ONE * math.sin(math.radians(30)))
+    bad = {
+        "tilted.mp4": (matrix(cos, sin, -sin, cos),
+                       "turns the frames 30.00 degrees clockwise, not a multiple of 90"),
+        "tilted_a_little.mp4": (matrix(ONE, ONE // 200, -ONE // 200, ONE),
+                                "turns the frames 0.29 degrees clockwise"),
+        "skewed.mp4": (matrix(ONE, 0, ONE // 2, ONE), "skews the frames"),
+        "flat.mp4": (matrix(ONE, 0, ONE, 0), "is singular"),
+        "perspective.mp4": ([ONE, 0, 5, 0, ONE, 0, 0, 0, 1 << 30], "a perspective transform"),
+    }
+    for name, (display, words) in bad.items():
+        path = tmp_path / name
+        write_video(path, cornered(4), fps=FPS, display_matrix=display)
+        for read in (probe, lambda p: read_clip(p, Sampling(frames=2))):
+            with pytest.raises(VideoError) as caught:
+                read(path)
+            assert caught.value.source == str(path) and words in caught.value.reason, name
+
+    # a matrix that changes among the frames (as a spliced file could carry): refused
+    write_video(tmp_path / "changing.mp4", cornered(6), fps=FPS)
+    portrait = struct.pack("=9i", *PORTRAIT)  # native int32, as FFmpeg hands it over
+    monkeypatch.setattr(video, "_display_matrix", lambda f: portrait if f.time > 0.25 else None)
+    with pytest.raises(VideoError, match=r"changing.mp4: its display matrix \(rotation\) "
+                                         r"changes within the video, at frame 3"):
+        read_clip(tmp_path / "changing.mp4", Sampling(frames=2))

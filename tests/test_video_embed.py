@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 from serving import in_process, png, shared_engine, start_server
-from test_video import FPS, bad_videos
+from test_video import FPS, ONE, bad_videos, matrix
 from vit22b.clients import FeatureClient, VideoError
 from vit22b.clients.cli import main as cli
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
@@ -211,3 +211,23 @@ def test_video_inputs_from_an_fsspec_url_equal_the_local_files(videos, tmp_path)
     np.testing.assert_array_equal(np.asarray(a["timestamps"]), np.asarray(b["timestamps"]))
     assert "not a readable video container" in a.failed[0]["reason"]
     fs.rm("/video-inputs", recursive=True)
+
+
+def test_a_portrait_clip_is_embedded_upright(tmp_path):
+    """A phone's portrait clip (stored landscape; its display matrix turns it 90 degrees
+    clockwise): the job embeds the upright frames, not the stored sideways ones."""
+    data, stored = tmp_path / "data", coloured(6, seed=7)  # 48 x 80
+    data.mkdir()
+    write_video(data / "portrait.mp4", stored, fps=FPS, display_matrix=matrix(0, ONE, -ONE, 0))
+    write_video(data / "stored.mp4", stored, fps=FPS)  # the same pixels, no matrix
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    assert embed_job(backend, data, tmp_path / "out", k=3, batch_size=1).embedded == 2
+    out = open_outputs(str(tmp_path / "out"))
+    pooled = dict(zip(out.ids, np.asarray(out["frames.pooled"])))
+    sideways = read_clip(data / "stored.mp4", Sampling(frames=3)).frames
+    # clockwise: shown row i is stored column i from the bottom up (test_video checks corners)
+    upright = np.ascontiguousarray(sideways[:, ::-1].transpose(0, 2, 1, 3))
+    assert upright.shape == (3, 80, 48, 3)
+    want = in_process(shared_engine(), list(upright))
+    np.testing.assert_allclose(pooled["portrait.mp4"], want.pooled, rtol=1e-5, atol=1e-5)
+    assert np.abs(pooled["portrait.mp4"] - pooled["stored.mp4"]).max() > 1e-2  # it matters
