@@ -184,9 +184,11 @@ class FeatureServer:
         await server.start()
         self._server = server
         if config.http_port is not None:
-            from .http import HttpDoor  # FastAPI and uvicorn load only with an HTTP door
+            from .http import ClientLimits, HttpDoor  # FastAPI, uvicorn: only with the door
 
-            self.http = HttpDoor(self.infer, self.metrics, self.service.info, tokens)
+            clients = ClientLimits(config.http_header_timeout_s, config.http_body_timeout_s,
+                                   config.http_max_connections)
+            self.http = HttpDoor(self.infer, self.metrics, self.service.info, clients, tokens)
             self.http_port = await self.http.start(
                 config.host, config.http_port, config.tls_cert, config.tls_key
             )

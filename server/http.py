@@ -11,6 +11,12 @@ doors read them alike), and the facade validates, admits and runs it. Failures m
 ``status.py``'s table into an OpenAI-style error body that names the image index and reason.
 Image URLs are refused: this server does not fetch. A client that disconnects, or whose
 ``X-Request-Timeout`` passes, has its images dropped before they are computed.
+
+Slow or silent clients are bounded by the connection class (``_Connection``): headers must be
+complete within ``--http-header-timeout`` (408, or a close when nothing was sent) and under
+``MAX_HEADER_BYTES`` (431), a body may not stall for ``--http-body-timeout`` (408; read whole
+before admission, so a stalled one holds no place in the queue), nor a response go unread that
+long (the connection is cut), and ``--http-max-connections`` bound the open connections (503).
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import json
 import logging
 import math
 import socket
+import struct
 import time
-from typing import Literal
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import ClassVar, Literal
 
 import grpc
 import numpy as np
@@ -38,6 +47,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from vit22b.model.errors import (
     CallerGone,
     DeadlineExpired,
@@ -57,14 +67,45 @@ from vit22b.v1 import wire
 from .infer import EmbedCall, EmbedResult, ImageInput, Infer
 from .metrics import Metrics
 from .service import check_response_size, image_input, server_version
-from .status import INTERNAL, RETRY_AFTER_S, Status, status_of
+from .status import (
+    INTERNAL,
+    RETRY_AFTER_S,
+    ConnectionRefusal,
+    HeadersTooLarge,
+    RequestTimeout,
+    Status,
+    TooManyConnections,
+    status_of,
+)
 
 log = logging.getLogger(__name__)
+
+try:
+    import fcntl
+    import termios
+
+    _OUTQ: int | None = termios.TIOCOUTQ  # SIOCOUTQ on sockets
+except (ImportError, AttributeError):  # Windows
+    _OUTQ = None
 
 SAFETENSORS = "application/vnd.safetensors"
 OPEN_PATHS = ("/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 ROUTES = {"/v1/embeddings", "/v1/features", "/v1/models", *OPEN_PATHS}  # metric labels
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the call's deadline, like gRPC's
+# A request's line and headers (nginx: 4 x 8 KiB, Node.js 16 KiB); httptools has no limit of
+# its own and joins a header's pieces as they come (100 MB took 27 s of the event loop).
+MAX_HEADER_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one HTTP client may hold: the ``--http-*`` settings (server/settings.py)."""
+
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+
+
 
 
 # ---- request and response bodies (their schemas are the OpenAPI document's) -----------------
@@ -257,6 +298,8 @@ def error_response(err: BaseException, status: Status) -> Response:
     if isinstance(err, InvalidImage) and err.index is not None:
         error.update(index=err.index, id=err.image_id, reason=err.reason)
     headers = {}
+    if isinstance(err, ConnectionRefusal):
+        headers["Connection"] = "close"
     if status.http in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if status.http == 401:
@@ -286,14 +329,14 @@ def model_json(info: pb.ModelInfo, created: int) -> dict:
 
 
 class HttpDoor:
-    def __init__(self, infer: Infer, metrics: Metrics, info: pb.ModelInfo,
+    def __init__(self, infer: Infer, metrics: Metrics, info: pb.ModelInfo, limits: ClientLimits,
                  tokens: tuple[str, ...] = ()):
-        self.infer, self.metrics, self.info = infer, metrics, info
+        self.infer, self.metrics, self.info, self.limits = infer, metrics, info, limits
         self.serving = False  # set by the server once every bucket is compiled
         self.models = {"object": "list", "data": [model_json(info, int(time.time()))]}
         self.app = self._app()
         self.asgi = _Guard(self.app, self, tuple(t.encode() for t in tokens),
-                           infer.limits.max_message_bytes)
+                           infer.limits.max_message_bytes, limits.body_timeout_s)
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -335,9 +378,13 @@ class HttpDoor:
                     key: str | None = None) -> int:
         """Listen on ``host:port`` (0: a free port) in the running loop; the bound port."""
         sock = _listen(host, port)
+        # The connection class is named, not "auto" (httptools when installed, else h11): its
+        # bounds hook httptools' parser callbacks. No WebSocket routes: an upgraded connection
+        # would leave the class, and its bounds with it.
         config = uvicorn.Config(
             self.asgi, loop="none", lifespan="off", log_config=None, access_log=False,
             ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5,
+            http=_Connection.bounded_by(self.limits), ws="none",
         )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -526,10 +573,13 @@ class _Server(uvicorn.Server):
 
 class _Guard:
     """Before a route reads anything: the bearer token, then the body limit (``Content-Length``
-    at once, else while the body arrives); the body is handed on whole."""
+    at once, else while the body arrives) and its stall timeout; the body is handed on whole,
+    so a route (and the facade's admission) starts only once it has all of it."""
 
-    def __init__(self, app, door: HttpDoor, tokens: tuple[bytes, ...], limit: int):
+    def __init__(self, app, door: HttpDoor, tokens: tuple[bytes, ...], limit: int,
+                 body_timeout_s: float):
         self.app, self.door, self.tokens, self.limit = app, door, tokens, limit
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -549,7 +599,12 @@ class _Guard:
                 scope, receive, send)
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                err = RequestTimeout(f"no request body bytes for {self.body_timeout_s:g} s "
+                                     "(--http-body-timeout)")
+                return await self.door.refuse(route, err)(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return None
             chunks.append(message.get("body", b""))
@@ -579,3 +634,171 @@ class _Guard:
     def _too_large(self, size: int) -> TooLarge:
         return TooLarge(f"request body of {size} bytes is over the message limit of "
                         f"{self.limit} bytes (--max-message-mb); send fewer images per request")
+
+
+def _wire(response: Response, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """``response`` as HTTP/1.1 bytes: the connection layer answers where no ASGI cycle runs."""
+    code = response.status_code
+    lines = [b"HTTP/1.1 %d %s" % (code, HTTPStatus(code).phrase.encode())]
+    lines += [b"%s: %s" % pair for pair in [*default_headers, *response.raw_headers]]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
+
+
+class _Connection(HttpToolsProtocol):
+    """uvicorn's httptools connection, bounded against slow and silent clients: nginx's
+    client_header_timeout and send_timeout, a header size limit and a cap on connections (the
+    body's timeout is ``_Guard``'s, where the body is read). uvicorn's own keep-alive timer runs
+    only while a kept-alive connection is idle: the next request's first byte disarms it, and
+    nothing bounds the rest of that request.
+
+    The header clock runs from the connection's start, and from the end of each response that
+    leaves no request pending, until the next request's headers are complete. Writes are
+    watched while the client has unread response bytes: no progress in the body timeout, and
+    the connection is cut (a close would wait for them forever)."""
+
+    limits: ClassVar[ClientLimits]
+    crowded_warned_at: ClassVar[float] = -math.inf
+
+    @classmethod
+    def bounded_by(cls, limits: ClientLimits) -> type[_Connection]:
+        """The class uvicorn instantiates per connection (``Config(http=...)``), with ``limits``."""
+        return type(cls.__name__, (cls,), {"limits": limits})
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._begun = False  # part of a request's line or headers has come
+        self._header_bytes = 0
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._unread_before = 0  # at the last look
+        self._resumed = False  # the buffer drained below its low mark since the last look
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._crowded()
+        else:
+            self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._header_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._write_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # Counted from the chunk after the one a request began in until its headers are
+        # complete: never body bytes, and the parser holds at most the limit and two reads.
+        counted = self._begun
+        super().data_received(data)
+        if counted and self._begun and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._refuse(HeadersTooLarge(f"request headers over {MAX_HEADER_BYTES >> 10} "
+                                             "KiB"))
+
+    # ---- parser callbacks and uvicorn's hooks --------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._begun, self._header_bytes = True, 0
+
+    def on_headers_complete(self) -> None:
+        self._begun = False
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            self._watch_writes()
+        elif self.cycle.response_complete:  # no request pending: not even a pipelined one
+            self._await_headers()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self._close()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.transport.is_closing():
+            self._watch_writes()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_writes()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._resumed = True
+
+    # ---- the bounds --------------------------------------------------------------------
+    def _await_headers(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.limits.header_timeout_s,
+                                                      self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._begun:
+            self._refuse(RequestTimeout(f"request headers not complete in "
+                                        f"{self.limits.header_timeout_s:g} s "
+                                        "(--http-header-timeout)"))
+        else:  # nothing sent (an idle or a silent connection): nothing to answer
+            self._close()
+
+    def _refuse(self, err: ConnectionRefusal) -> None:
+        log.info("HTTP connection from %s refused: %s", self.client, err)
+        self._answer(err)
+
+    def _crowded(self) -> None:
+        cls = type(self)
+        now = self.loop.time()
+        if now - cls.crowded_warned_at > 10:  # once in a while, not once per connection
+            cls.crowded_warned_at = now
+            log.warning("HTTP connections over --http-max-connections (%d): new ones get 503",
+                        self.limits.max_connections)
+        self._answer(TooManyConnections(
+            f"this server holds its maximum of {self.limits.max_connections} HTTP connections "
+            "(--http-max-connections); retry, or reuse a connection"))
+
+    def _answer(self, err: ConnectionRefusal) -> None:
+        response = error_response(err, status_of(err))
+        self.transport.write(_wire(response, self.server_state.default_headers))
+        self._close()
+
+    def _close(self) -> None:
+        self.transport.close()  # once what was written has gone out
+        self._watch_writes()
+
+    def _watch_writes(self, unread: int | None = None) -> None:
+        unread = self._unread() if unread is None else unread
+        if self._write_timer is None and unread:
+            self._unread_before, self._resumed = unread, False
+            self._write_timer = self.loop.call_later(self.limits.body_timeout_s,
+                                                     self._check_writes)
+
+    def _check_writes(self) -> None:
+        self._write_timer = None
+        unread = self._unread()
+        if unread and unread >= self._unread_before and not self._resumed:
+            log.info("HTTP connection from %s cut: it read none of its response for %g s "
+                     "(--http-body-timeout)", self.client, self.limits.body_timeout_s)
+            self.transport.abort()
+        else:
+            self._watch_writes(unread)
+
+    def _unread(self) -> int:
+        """Response bytes the client has not taken while some wait in our buffer: those, and
+        the kernel's unacknowledged ones (Linux's SIOCOUTQ). The buffer alone moves only when
+        the kernel's has a third free, up to a megabyte or more of the client's reading."""
+        unread = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if unread and _OUTQ is not None and sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                unread += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, bytes(4)))[0]
+        return unread

@@ -67,6 +67,19 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def default_http_connections() -> int:
+    """Half the process's open-file limit, at most 4096: the other half stays for the gRPC
+    door, the metrics port, model files and threads however many HTTP clients connect; 4096
+    is far more than a batching server serves usefully at once (every call waits in one queue),
+    and cheap in memory."""
+    try:
+        import resource
+    except ImportError:  # Windows has no such limit to share
+        return 4096
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 4096 if soft == resource.RLIM_INFINITY else max(1, min(4096, soft // 2))
+
+
 def _dtype(text: str) -> str | None:
     if text in ("", "none", "None"):
         return None
@@ -99,6 +112,24 @@ class ServeConfig:
         None, "HTTP/JSON port (OpenAI-compatible /v1/embeddings, /v1/features, /health, /ready, "
         "/v1/models), sharing the token file, TLS and limits; 0 picks a free one; -1 (the "
         "default) turns it off", parse=_port_or_off, check=_port)
+    # A request's headers are a few hundred bytes that clients write at once: 10 s covers a
+    # lossy link's retransmissions (1 + 2 + 4 s of TCP backoff) with room, and bounds how long
+    # a connection that sends nothing, or trickles (slowloris), holds a --http-max-connections
+    # place. nginx's client_header_timeout (60 s) is for browsers on any network.
+    http_header_timeout_s: float = setting(
+        10.0, "seconds from an HTTP connection's start, or the end of its previous response, "
+        "until a request's headers are complete; then 408 (or, if nothing was sent, a close)",
+        flag="--http-header-timeout", check=positive)
+    # Bodies run to --max-message-mb and may be produced while they are sent (a client
+    # streaming images from storage): a stall of 30 s is not a busy client but a gone one.
+    http_body_timeout_s: float = setting(
+        30.0, "seconds a request body may go without a byte arriving (then 408), and a "
+        "response without the client reading any (then the connection is cut): nginx's "
+        "client_body_timeout and send_timeout", flag="--http-body-timeout", check=positive)
+    http_max_connections: int = setting(
+        help="open HTTP connections; one more is answered 503 and closed at once, so idle "
+        "clients cannot take every file descriptor (default: half of `ulimit -n`, at most "
+        "4096)", factory=default_http_connections, check=positive)
     otlp_endpoint: str | None = setting(
         None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317: a trace span "
         "per call with its admission, preprocessing, queueing and compute (default: off)")

@@ -5,7 +5,8 @@ in the table is a bug and becomes INTERNAL / 500. Each failure has its gRPC code
 status side by side, so the two doors cannot drift apart. HTTP choices: a full queue or a full
 compile cache is 429 (with ``Retry-After``); a body or response over the message limit is 413;
 non-finite outputs are 422 (the request was well formed, its result cannot be returned in the
-asked dtype); a caller that went away is 499 (nginx's "client closed request": nobody reads it).
+asked dtype); a caller that went away is 499 (nginx's "client closed request": nobody reads it);
+an HTTP client too slow with its headers or body is 408, one whose headers are over the limit 431.
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ from vit22b.model.errors import (
 from vit22b.v1.wire import WireError
 
 
+class ConnectionRefusal(Exception):
+    """The HTTP door's connection layer refused a client (too slow, too large, too many): its
+    answer is the last on that connection."""
+
+
+class RequestTimeout(ConnectionRefusal):
+    """Headers or a body that did not come in time (``--http-header-timeout`` / ``-body-``)."""
+
+
+class HeadersTooLarge(ConnectionRefusal):
+    pass
+
+
+class TooManyConnections(ConnectionRefusal):
+    """Over ``--http-max-connections``."""
+
+
 class Status(NamedTuple):
     grpc: grpc.StatusCode
     http: int
@@ -44,6 +62,10 @@ STATUSES: dict[type[BaseException], Status] = {
     NotReady: Status(_C.UNAVAILABLE, 503),
     Unauthenticated: Status(_C.UNAUTHENTICATED, 401),
     NonFiniteOutput: Status(_C.OUT_OF_RANGE, 422),  # e.g. float16 overflow: ask another dtype
+    # HTTP's connection layer only (gRPC has its own transport bounds)
+    RequestTimeout: Status(_C.DEADLINE_EXCEEDED, 408),
+    HeadersTooLarge: Status(_C.INVALID_ARGUMENT, 431),
+    TooManyConnections: Status(_C.UNAVAILABLE, 503),
 }
 INTERNAL = Status(_C.INTERNAL, 500)
 RETRY_AFTER_S = 1  # HTTP 429 / 503 ``Retry-After``: the queue drains within batches

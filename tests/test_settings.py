@@ -53,6 +53,31 @@ def test_bad_values_are_refused_naming_the_flag():
         parse(["--port", "99999"], {}).check()
     with pytest.raises(ValueError, match="--http-port must be 0..65535, got 70000"):
         parse([], {"VIT22B_HTTP_PORT": "70000"}).check()
+    with pytest.raises(ValueError, match="--http-header-timeout must be positive, got 0.0"):
+        parse(["--http-header-timeout", "0"], {}).check()
+    with pytest.raises(ValueError, match="--http-max-connections must be positive, got -1"):
+        parse([], {"VIT22B_HTTP_MAX_CONNECTIONS": "-1"}).check()
+
+
+def test_http_client_bounds_are_settings():
+    config = parse(["--http-body-timeout", "2.5"], {"VIT22B_HTTP_HEADER_TIMEOUT": "3",
+                                                    "VIT22B_HTTP_BODY_TIMEOUT": "9"})
+    assert (config.http_header_timeout_s, config.http_body_timeout_s) == (3.0, 2.5)
+    assert parse(["--http-max-connections", "7"], {}).http_max_connections == 7
+
+
+def test_the_connection_cap_defaults_to_half_the_open_file_limit():
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limits = {1000: 500, 10000: 4096}  # at most 4096
+    try:
+        for limit, cap in limits.items():
+            if hard != resource.RLIM_INFINITY and limit > hard:
+                continue
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            assert parse([], {}).http_max_connections == cap
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_embed_options_are_declared_settings_too():
