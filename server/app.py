@@ -30,6 +30,7 @@ from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+IDLE_CONNECTION_MS = 5 * 60 * 1000
 
 
 def _add_reflection(servicer: reflection.aio.ReflectionServicer,
@@ -164,8 +165,13 @@ class FeatureServer:
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            # A connection with no call for this long is closed (GOAWAY): channels reconnect on
+            # their next call, and idle ones stop holding the server's sockets.
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
         ]
-        server = grpc.aio.server(interceptors=interceptors, options=options)
+        server = grpc.aio.server(interceptors=interceptors, options=options,
+                                 maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = health.aio.HealthServicer()
         library = ParsingRegistrar(server)  # their bodies parsed by their handlers

@@ -130,6 +130,15 @@ class ServeConfig:
         help="open HTTP connections; one more is answered 503 and closed at once, so idle "
         "clients cannot take every file descriptor (default: half of `ulimit -n`, at most "
         "4096)", factory=default_http_connections, check=positive)
+    # Each open call holds a handler on the loop (about 20-40 KB for an idle stream): without a
+    # bound, one connection opening streams it never writes to grows the server's memory.
+    max_concurrent_rpcs: int = setting(
+        4096, "gRPC calls open at once (sessions' streams included); one more gets "
+        "RESOURCE_EXHAUSTED, which the SDK retries", check=positive)
+    max_streams_per_connection: int = setting(
+        256, "gRPC calls open at once on one connection (HTTP/2 MAX_CONCURRENT_STREAMS): the "
+        "client's further calls wait for a free stream, so no one connection takes every "
+        "--max-concurrent-rpcs place", check=positive)
     otlp_endpoint: str | None = setting(
         None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317: a trace span "
         "per call with its admission, preprocessing, queueing and compute (default: off)")

@@ -5,6 +5,7 @@ non-finite outputs, log floods, and random or mutated bytes on every method."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -123,6 +124,58 @@ def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):
             names = {s.name for s in answer.list_services_response.service}
             assert "vit22b.v1.FeatureService" in names
     finally:
+        srv.stop()
+
+
+class _OpenStream:
+    """An ``EmbedStream`` kept open: one request answered, then idle until ``close``."""
+
+    def __init__(self, channel: grpc.Channel, answered_within: float | None = 60):
+        self._requests: queue.Queue = queue.Queue()
+        call = channel.stream_stream(SERVICE + "EmbedStream",
+                                     request_serializer=pb.EmbedRequest.SerializeToString,
+                                     response_deserializer=pb.EmbedResponse.FromString)
+        self._requests.put(embed_request())
+        self.answers = call(iter(self._requests.get, None), timeout=120)
+        self.first: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: self.first.put(next(self.answers, None)),
+                         daemon=True).start()
+        if answered_within is not None:
+            assert self.first.get(timeout=answered_within) is not None
+
+    def close(self) -> None:
+        self._requests.put(None)
+        list(self.answers)
+
+
+def test_calls_open_at_once_are_bounded_server_wide_and_per_connection():
+    """Idle streams cost the server memory: past --max-concurrent-rpcs a call is refused
+    (RESOURCE_EXHAUSTED, retryable), and past --max-streams-per-connection a connection's next
+    call waits for a free stream instead of taking the server's places."""
+    srv = start_server(max_concurrent_rpcs=3, max_streams_per_connection=2)
+    # a connection each (channels to one address share one by default)
+    channels = [grpc.insecure_channel(srv.address, [("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(3)]
+    embed = channels[2].unary_unary(SERVICE + "Embed",
+                                    request_serializer=pb.EmbedRequest.SerializeToString,
+                                    response_deserializer=pb.EmbedResponse.FromString)
+    try:
+        held = [_OpenStream(channels[0]), _OpenStream(channels[0])]
+        waiting = _OpenStream(channels[0], answered_within=None)  # a third on one connection
+        with pytest.raises(queue.Empty):
+            waiting.first.get(timeout=2)
+        other = _OpenStream(channels[1])  # another connection gets the server's third place
+        with pytest.raises(grpc.RpcError) as refused:  # and nothing is left for a fourth
+            embed(embed_request(), timeout=20)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held[0].close()  # a stream frees: the waiting one is answered, and calls pass again
+        assert waiting.first.get(timeout=60) is not None
+        for stream in (held[1], waiting, other):
+            stream.close()
+        assert len(embed(embed_request(), timeout=60).ids) == 1
+    finally:
+        for channel in channels:
+            channel.close()
         srv.stop()
 
 
