@@ -644,6 +644,13 @@ def _wire(response: Response, default_headers: list[tuple[bytes, bytes]]) -> byt
     return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
 
 
+# uvicorn's connection hooks the bounds below override: were one renamed upstream, its bound
+# would silently stop applying, so a uvicorn without them is refused when the door starts.
+_HOOKS = ("connection_made", "connection_lost", "data_received", "on_message_begin",
+          "on_headers_complete", "on_response_complete", "timeout_keep_alive_handler",
+          "shutdown", "pause_writing", "resume_writing")
+
+
 class _Connection(HttpToolsProtocol):
     """uvicorn's httptools connection, bounded against slow and silent clients: nginx's
     client_header_timeout and send_timeout, a header size limit and a cap on connections (the
@@ -662,6 +669,10 @@ class _Connection(HttpToolsProtocol):
     @classmethod
     def bounded_by(cls, limits: ClientLimits) -> type[_Connection]:
         """The class uvicorn instantiates per connection (``Config(http=...)``), with ``limits``."""
+        missing = [name for name in _HOOKS if not callable(getattr(HttpToolsProtocol, name, None))]
+        if missing:
+            raise RuntimeError(f"uvicorn {uvicorn.__version__}'s HttpToolsProtocol lacks "
+                               f"{', '.join(missing)}: the HTTP door's client bounds need them")
         return type(cls.__name__, (cls,), {"limits": limits})
 
     def __init__(self, *args, **kwargs) -> None:
