@@ -45,6 +45,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -384,7 +385,8 @@ class HttpDoor:
         config = uvicorn.Config(
             self.asgi, loop="none", lifespan="off", log_config=None, access_log=False,
             ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5,
-            http=_Connection.bounded_by(self.limits), ws="none",
+            http=_Connection.bounded_by(self.limits, self.metrics.http_connections_ended),
+            ws="none",
         )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -664,21 +666,24 @@ class _Connection(HttpToolsProtocol):
     the connection is cut (a close would wait for them forever)."""
 
     limits: ClassVar[ClientLimits]
+    ended: ClassVar[Counter]  # connections the bounds ended, by reason
     crowded_warned_at: ClassVar[float] = -math.inf
 
     @classmethod
-    def bounded_by(cls, limits: ClientLimits) -> type[_Connection]:
-        """The class uvicorn instantiates per connection (``Config(http=...)``), with ``limits``."""
+    def bounded_by(cls, limits: ClientLimits, ended: Counter) -> type[_Connection]:
+        """The class uvicorn instantiates per connection (``Config(http=...)``), with ``limits``
+        and the counter (a ``reason`` label) of the connections its bounds end."""
         missing = [name for name in _HOOKS if not callable(getattr(HttpToolsProtocol, name, None))]
         if missing:
             raise RuntimeError(f"uvicorn {uvicorn.__version__}'s HttpToolsProtocol lacks "
                                f"{', '.join(missing)}: the HTTP door's client bounds need them")
-        return type(cls.__name__, (cls,), {"limits": limits})
+        return type(cls.__name__, (cls,), {"limits": limits, "ended": ended})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._begun = False  # part of a request's line or headers has come
+        self._asked = False  # a request has begun on this connection
         self._header_bytes = 0
         self._write_timer: asyncio.TimerHandle | None = None
         self._unread_before = 0  # at the last look
@@ -706,13 +711,14 @@ class _Connection(HttpToolsProtocol):
         if counted and self._begun and not self.transport.is_closing():
             self._header_bytes += len(data)
             if self._header_bytes > MAX_HEADER_BYTES:
+                self.ended.labels("headers_too_large").inc()
                 self._refuse(HeadersTooLarge(f"request headers over {MAX_HEADER_BYTES >> 10} "
                                              "KiB"))
 
     # ---- parser callbacks and uvicorn's hooks --------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._begun, self._header_bytes = True, 0
+        self._begun, self._asked, self._header_bytes = True, True, 0
 
     def on_headers_complete(self) -> None:
         self._begun = False
@@ -756,10 +762,13 @@ class _Connection(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._begun:
+            self.ended.labels("header_timeout").inc()
             self._refuse(RequestTimeout(f"request headers not complete in "
                                         f"{self.limits.header_timeout_s:g} s "
                                         "(--http-header-timeout)"))
         else:  # nothing sent (an idle or a silent connection): nothing to answer
+            if not self._asked:  # silent from the start; an idle kept-alive one is not counted
+                self.ended.labels("silent").inc()
             self._close()
 
     def _refuse(self, err: ConnectionRefusal) -> None:
@@ -773,6 +782,7 @@ class _Connection(HttpToolsProtocol):
             cls.crowded_warned_at = now
             log.warning("HTTP connections over --http-max-connections (%d): new ones get 503",
                         self.limits.max_connections)
+        self.ended.labels("too_many_connections").inc()
         self._answer(TooManyConnections(
             f"this server holds its maximum of {self.limits.max_connections} HTTP connections "
             "(--http-max-connections); retry, or reuse a connection"))
@@ -799,6 +809,7 @@ class _Connection(HttpToolsProtocol):
         if unread and unread >= self._unread_before and not self._resumed:
             log.info("HTTP connection from %s cut: it read none of its response for %g s "
                      "(--http-body-timeout)", self.client, self.limits.body_timeout_s)
+            self.ended.labels("response_unread").inc()
             self.transport.abort()
         else:
             self._watch_writes(unread)

@@ -55,6 +55,14 @@ class Metrics:
         self.compilations = Gauge(
             "vit22b_on_demand_compilations", "Forwards compiled after warm-up", registry=r
         )
+        self.http_connections_ended = Counter(
+            "vit22b_http_connections_ended",
+            "HTTP connections ended by the door's client bounds: header_timeout (408), silent "
+            "(nothing sent within the header timeout), headers_too_large (431), "
+            "too_many_connections (503), response_unread (cut)",
+            ["reason"],
+            registry=r,
+        )
         self._http = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

@@ -90,13 +90,20 @@ def still_serves(srv) -> None:
     assert answer.status_code == 200, answer.text
 
 
+def ended(srv, reason: str) -> float:
+    """Connections the door's bounds have ended for ``reason`` (its metric)."""
+    return metric(metrics(srv), "vit22b_http_connections_ended_total", reason=reason)
+
+
 def test_a_silent_connection_is_closed_after_the_header_timeout(server):
+    before = ended(server, "silent")
     with connect(server) as sock:
         start = time.monotonic()
         reply = until_closed(sock)
         elapsed = time.monotonic() - start
     assert reply == b""  # nothing was asked: nothing is answered
     assert T - EARLY <= elapsed < T + SLACK
+    assert ended(server, "silent") == before + 1
     still_serves(server)
 
 
@@ -122,12 +129,14 @@ def trickle(sock: socket.socket, head: bytes) -> tuple[bytes, float, int]:
 
 
 def test_a_slowloris_is_answered_408_although_it_keeps_sending(server):
+    before = ended(server, "header_timeout")
     with connect(server) as sock:
         reply, elapsed, sent = trickle(sock, b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: ")
     error = refusal(reply, 408, "--http-header-timeout")
     assert error["code"] == "DEADLINE_EXCEEDED" and error["type"] == "RequestTimeout"
     assert T - EARLY <= elapsed < T + SLACK
     assert sent >= 5  # a byte every 50 ms all along: the clock is not reset by them
+    assert ended(server, "header_timeout") == before + 1
     still_serves(server)
 
 
@@ -144,12 +153,14 @@ def test_a_kept_alive_connection_is_served_in_time_and_bounded_after(server):
         reply, elapsed, _ = trickle(sock, b"GET /health HTTP/1.1\r\n")
     refusal(reply, 408, "--http-header-timeout")
     assert T - EARLY <= elapsed < T + SLACK
+    silent = ended(server, "silent")
     with connect(server) as sock:  # and an idle one is closed, without an answer
         sock.sendall(HEALTH)
         assert response(sock).startswith(OK)
         start = time.monotonic()
         assert until_closed(sock) == b""
         assert T - EARLY <= time.monotonic() - start < T + SLACK
+    assert ended(server, "silent") == silent  # an idle kept-alive close is not a bound's
 
 
 def features_request(length: int) -> bytes:
@@ -194,6 +205,7 @@ def test_a_slow_body_that_keeps_coming_is_served(server):
 
 
 def test_headers_over_the_limit_are_431(server):
+    before = ended(server, "headers_too_large")
     line = b"X-Big: " + b"a" * 8000 + b"\r\n"
     with connect(server) as sock:  # 48 KB of headers pass
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n" + line * 6 + b"\r\n")
@@ -209,6 +221,7 @@ def test_headers_over_the_limit_are_431(server):
         reply = until_closed(sock)
     error = refusal(reply, 431, "over 64 KiB")
     assert error["type"] == "HeadersTooLarge"
+    assert ended(server, "headers_too_large") == before + 1
     still_serves(server)
 
 
@@ -227,8 +240,10 @@ def test_a_client_that_does_not_read_its_responses_is_cut(server):
         time.sleep(T + SLACK / 2)  # reads nothing for much longer than the body timeout
         return until_closed(sock)
 
+    before = ended(server, "response_unread")
     asked, read = pipelined(server, late, 4)
     assert read < asked  # cut: the rest were never written
+    assert ended(server, "response_unread") == before + 1
     still_serves(server)
 
 
@@ -263,6 +278,7 @@ def test_connections_over_the_cap_are_503_and_the_rest_served():
         error = refusal(reply, 503, "--http-max-connections")
         assert error["code"] == "UNAVAILABLE"
         assert b"\r\nretry-after: 1" in reply.lower()
+        assert ended(srv, "too_many_connections") == 1
         for sock in held:  # the held ones still work
             sock.sendall(HEALTH)
             assert response(sock).startswith(OK)
