@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -229,3 +232,20 @@ def emit(result: dict) -> None:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def serve_process(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """`vit22b serve --port 0 --metrics-port -1 --log-level WARNING FLAGS...` in its own process,
+    once it reports SERVING: (the process, its address). Its later output is drained (a full
+    pipe would block the server) and logged."""
+    command = [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
+               "--metrics-port", "-1", "--log-level", "WARNING", *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        match = re.search(r"SERVING .* on (\S+),", line)
+        if match:
+            threading.Thread(target=lambda: [log(f"server: {x.rstrip()}") for x in proc.stdout],
+                             daemon=True).start()
+            return proc, match[1]
+    raise RuntimeError("the server did not report SERVING")
+

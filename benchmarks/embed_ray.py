@@ -27,27 +27,17 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
-from benchlib import alternate, emit, load_average, log, machine, median
+from benchlib import alternate, emit, load_average, log, machine, median, serve_process
 from embed import write_jpegs
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
-               "--metrics-port", "-1", "--max-batch-images", str(args.batch_size),
-               "--max-delay-ms", str(args.max_delay_ms), "--log-level", "WARNING"]
-    if args.model:
-        command += ["--model", args.model]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        match = re.search(r"SERVING .* on (\S+),", line)
-        if match:
-            return proc, match[1]
-    raise RuntimeError("the server did not report SERVING")
+    flags = ["--max-batch-images", str(args.batch_size), "--max-delay-ms", str(args.max_delay_ms)]
+    return serve_process(flags + (["--model", args.model] if args.model else []))
 
 
 def main(argv: list[str] | None = None) -> int:

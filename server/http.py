@@ -94,7 +94,8 @@ OPEN_PATHS = ("/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redir
 ROUTES = {"/v1/embeddings", "/v1/features", "/v1/models", *OPEN_PATHS}  # metric labels
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the call's deadline, like gRPC's
 # A request's line and headers (nginx: 4 x 8 KiB, Node.js 16 KiB); httptools has no limit of
-# its own and joins a header's pieces as they come (100 MB took 27 s of the event loop).
+# its own and joins a header's pieces as they come: one endless header would grow the memory
+# and hold the event loop the gRPC door shares.
 MAX_HEADER_BYTES = 64 << 10
 
 

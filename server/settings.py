@@ -130,8 +130,8 @@ class ServeConfig:
         help="open HTTP connections; one more is answered 503 and closed at once, so idle "
         "clients cannot take every file descriptor (default: half of `ulimit -n`, at most "
         "4096)", factory=default_http_connections, check=positive)
-    # Each open call holds a handler on the loop (about 20-40 KB for an idle stream): without a
-    # bound, one connection opening streams it never writes to grows the server's memory.
+    # Each open call holds a handler on the loop (an idle stream 40-55 KB of the server's memory:
+    # benchmarks/idle_streams.py): without a bound, idle streams grow the server's memory.
     max_concurrent_rpcs: int = setting(
         4096, "gRPC calls open at once (sessions' streams included); one more gets "
         "RESOURCE_EXHAUSTED, which the SDK retries", check=positive)
