@@ -14,7 +14,10 @@ last layer as float32 numpy, from the same Hugging Face ``ViTModel`` weights:
   its fast path), ``INFERENCE_PRECISION_HINT`` f32 or bf16 on the CPU plugin.
 
 A runtime that is not installed (or fails to set up) is skipped with a note saying why; ``make
-bench`` installs them all (the ``bench`` extra).
+bench`` installs them all (the ``bench`` extra). So is a bf16 peer that has no bf16 kernels on
+this CPU (no avx512_bf16 / AMX): torch's bf16 GEMM then runs at about 1 GFLOP/s (a ViT-B/16
+measurement would take hours), and OpenVINO's CPU plugin, lacking its ``BF16`` capability, runs
+its bf16 hint in f32, which the f32 table already measures.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from benchlib import log
 
 Runner = Callable[[np.ndarray], np.ndarray]
+TORCH_BF16 = ("torch eager bf16 weights", "torch eager autocast", "torch.compile autocast")
 
 
 def pooled_module(model):
@@ -114,6 +118,35 @@ def _openvino_runner(path: str, precision: str) -> Runner:
     return run
 
 
+def torch_bf16_shortfall(n: int = 512) -> str | None:
+    """Why torch has no usable bf16 GEMM here (its rate far below its f32 one), or None."""
+    import torch
+
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(n, n, dtype=dtype)
+        torch.mm(a, a)
+        start = time.perf_counter()
+        torch.mm(a, a)
+        rates[dtype] = 2 * n**3 / (time.perf_counter() - start) / 1e9
+    f32, bf16 = rates[torch.float32], rates[torch.bfloat16]
+    if bf16 >= f32 / 4:
+        return None
+    return (f"no bf16 kernels on this CPU: torch's {n}-cube bf16 GEMM {bf16:.1f} GFLOP/s "
+            f"against {f32:.1f} in f32")
+
+
+def openvino_bf16_shortfall() -> str | None:
+    """Why OpenVINO's CPU plugin would not compute in bf16 here, or None."""
+    import openvino as ov
+
+    capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if "BF16" in capabilities:
+        return None
+    return (f"OpenVINO's CPU plugin has no BF16 capability here ({', '.join(capabilities)}): "
+            "its bf16 hint runs f32")
+
+
 def _missing(modules: tuple[str, ...]) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
@@ -151,11 +184,19 @@ def runners(peer, dtype: str, image_size: int, folder: str) -> tuple[dict[str, R
         add("onnxruntime", (*exported, "onnxruntime"), lambda: _onnxruntime_runner(onnx_file()))
         add("openvino f32", (*exported, "openvino"), lambda: _openvino_runner(onnx_file(), "f32"))
     else:
-        bf16 = copy.deepcopy(module).to(torch.bfloat16)
-        ready["torch eager bf16 weights"] = _torch_runner(bf16, torch.bfloat16)
-        ready["torch eager autocast"] = _torch_runner(module, autocast=True)
-        add("torch.compile autocast", (),
-            lambda: _compiled_runner(copy.deepcopy(module), True))
-        add("openvino bf16", (*exported, "openvino"),
-            lambda: _openvino_runner(onnx_file(), "bf16"))
+        torch_why = torch_bf16_shortfall()
+        if torch_why:
+            skipped.update(dict.fromkeys(TORCH_BF16, torch_why))
+        else:
+            bf16 = copy.deepcopy(module).to(torch.bfloat16)
+            ready["torch eager bf16 weights"] = _torch_runner(bf16, torch.bfloat16)
+            ready["torch eager autocast"] = _torch_runner(module, autocast=True)
+            add("torch.compile autocast", (),
+                lambda: _compiled_runner(copy.deepcopy(module), True))
+        openvino_why = not _missing(("openvino",)) and openvino_bf16_shortfall()
+        if openvino_why:
+            skipped["openvino bf16"] = openvino_why
+        else:
+            add("openvino bf16", (*exported, "openvino"),
+                lambda: _openvino_runner(onnx_file(), "bf16"))
     return ready, skipped

@@ -32,7 +32,7 @@ from .embed_ray import MAX_RETRIES
 from .embed_store import JobMismatch
 from .embed_video import video_arrays
 from .outputs import OutputsError
-from .settings import positive, setting
+from .settings import COMPUTE_DTYPE_HELP, compute_dtype, positive, setting
 from .video import VIDEO_SUFFIXES, Sampling
 
 
@@ -56,12 +56,6 @@ def _one_of(choices: tuple[str, ...]):
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
 
 
-def _dtype(text: str) -> str | None:
-    if text not in ("", "bfloat16", "float32"):
-        raise argparse.ArgumentTypeError(f"want bfloat16 or float32, got {text!r}")
-    return text or None
-
-
 @dataclass
 class EmbedSettings:
     """Every `vit22b embed` option besides INPUT and --output, each also ``VIT22B_<FLAG>``."""
@@ -76,9 +70,8 @@ class EmbedSettings:
     checkpoint: str | None = setting(None, "local: checkpoint directory")
     mesh: str = setting("auto", "local: device mesh, e.g. data=2,model=4")
     seed: int = setting(0, "local: seed of random weights")
-    compute_dtype: str | None = setting(
-        None, "local: bfloat16, or float32 for exact features (default: the checkpoint's)",
-        parse=_dtype)
+    compute_dtype: str | None = setting("auto", f"local: {COMPUTE_DTYPE_HELP}",
+                                        parse=compute_dtype)
     outputs: str = setting("pooled", f"comma-separated of {', '.join(OUTPUT_CHOICES)}")
     layers: tuple[int, ...] | None = setting(
         None, "patch-token layers, e.g. -1,6 (implies patch_tokens; default -1)", parse=_layers)

@@ -55,6 +55,25 @@ def non_negative(value) -> str | None:
     return None if value is None or value >= 0 else f"must be >= 0, got {value}"
 
 
+# --compute-dtype of `vit22b serve` and of local jobs: auto (the server plan's choice: the
+# model's dtype, or float32 where this CPU has no bf16 instructions), a dtype, or none (the
+# checkpoint's or preset's on every host).
+COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
+COMPUTE_DTYPE_HELP = (
+    "matmul input dtype: bfloat16, float32 (exact features), or auto: the checkpoint's, else "
+    "the preset's, except float32 on a CPU without bf16 instructions (avx512_bf16, AMX, Arm's "
+    "bf16), where bfloat16 runs slower; none: the checkpoint's or preset's on every host")
+
+
+def compute_dtype(text: str) -> str | None:
+    if text in ("", "none", "None"):
+        return None
+    if text not in COMPUTE_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"--compute-dtype is {', '.join(COMPUTE_DTYPES)} or none, got {text!r}")
+    return text
+
+
 def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
     parse = field.metadata.get("parse")
     if parse is not None:

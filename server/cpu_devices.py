@@ -42,11 +42,21 @@ def prefer_wide_vectors(environ: MutableMapping[str, str] = os.environ) -> int |
 
 
 def _has_avx512() -> bool:
+    return "avx512f" in (cpu_flags() or ())
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The first core's ISA flags (x86 ``flags``, Arm ``Features``), or None where
+    /proc/cpuinfo cannot tell (not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:  # not Linux: leave XLA's default
-        return False
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
 
 
 def emulate_cpu_devices(environ: MutableMapping[str, str] = os.environ) -> int | None:

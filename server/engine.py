@@ -50,7 +50,8 @@ from vit22b.model.sharding import (
 )
 from vit22b.model.vit import position_table
 
-from .plan import Plan, auto_data_devices
+from .cpu_devices import cpu_flags
+from .plan import AUTO_DTYPE, CPU_BF16_FLAGS, Plan, auto_compute_dtype, auto_data_devices
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,27 @@ def enable_compile_cache(directory: str) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def chosen_dtype(default: str, asked: str | None, platform: str) -> str:
+    """The compute dtype an engine runs: ``asked``, else ``default`` (the model's); ``"auto"``
+    as the plan decides. A bfloat16 that runs slower than float32 here is said in the log."""
+    if asked == AUTO_DTYPE:
+        dtype, why = auto_compute_dtype(default, platform, cpu_flags())
+        if why:
+            log.info("compute dtype: %s", why)
+        return dtype
+    dtype = asked or default
+    flags = cpu_flags()
+    if dtype == "bfloat16" and platform == "cpu" and flags is not None and not (
+            flags & CPU_BF16_FLAGS):
+        log.warning("compute dtype bfloat16 on a CPU without bf16 instructions: slower than "
+                    "float32 here (--compute-dtype auto or float32 is faster and exact)")
+    return dtype
+
+
+def _platform(mesh: str | Mesh) -> str:
+    return (mesh.devices.flat[0] if isinstance(mesh, Mesh) else jax.devices()[0]).platform
 
 
 def auto_mesh(cfg: ViTConfig, devices: Sequence | None = None) -> Mesh:
@@ -198,12 +220,14 @@ class Engine:
         With both, ``model`` is what the checkpoint must hold (refused if its architecture
         differs); the checkpoint's metadata names its source and fingerprint, which ``verify``
         checks against the weights read (the fingerprint every answer carries must be theirs).
-        ``compute_dtype`` overrides the config's (float32: exact features).
+        ``compute_dtype`` overrides the config's (float32: exact features); ``"auto"`` keeps
+        it except on a CPU without bf16 instructions (``plan.auto_compute_dtype``).
         """
         from vit22b.model import checkpoint  # orbax: only when serving
 
         def with_dtype(cfg: ViTConfig) -> ViTConfig:
-            return cfg.replace(compute_dtype=compute_dtype) if compute_dtype else cfg
+            return cfg.replace(compute_dtype=chosen_dtype(cfg.compute_dtype, compute_dtype,
+                                                          _platform(mesh)))
 
         if mesh == "auto":
             config = checkpoint.read_metadata(checkpoint_dir).config if checkpoint_dir else None

@@ -10,6 +10,9 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
   compiled forward per bucket, padding at most doubles a batch;
 - small buckets: on a single-process CPU host also 1, 2, 4 .. below the data axis, run on that
   many of its rows (emulated devices share the cores: one image on one device gets them all);
+- compute dtype ``auto`` (the serving and job default): the checkpoint's or preset's, except
+  float32 in place of a bfloat16 default on a CPU without bf16 instructions, where XLA:CPU
+  emulates bf16 matmuls and the forward is slower than in float32 (and inexact);
 - chunks: on CPU, images per data shard and step such that a step's widest activation stays
   within ``CPU_CHUNK_BYTES`` (XLA:CPU's GEMMs lose a third of their speed at ViT-B batch-32
   shapes); elsewhere whole buckets; ``chunk_images`` overrides (0: never chunk).
@@ -29,6 +32,29 @@ CPU_CHUNK_BYTES = 10 << 20
 # Emulated CPU devices on the data axis of a single-process CPU host, by compute dtype.
 CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
 CPU_DEVICES = max(CPU_DATA_PARALLEL.values())  # what the server asks XLA for
+
+
+# CPU flags (/proc/cpuinfo) of bf16 dot-product instructions: x86's AVX512_BF16 and AMX, Arm's
+# FEAT_BF16. Without them XLA:CPU converts bf16 matmul inputs to f32 and back: on a Zen 3 host
+# (AVX2 only) the forward ran 34-38% slower in bf16 than in f32 for ViT-B/16, 25-57% for ViT-S
+# and ViT-Ti at batches 1-32 (benchmarks/NOTES.md, "A CPU without bf16 instructions").
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+AUTO_DTYPE = "auto"
+
+
+def auto_compute_dtype(default: str, platform: str,
+                       cpu_flags: frozenset[str] | None) -> tuple[str, str]:
+    """The compute dtype ``auto`` resolves to, and why when it is not ``default`` (else "").
+
+    ``default``: the checkpoint's or preset's; ``cpu_flags``: the host's (None: unknown, and
+    the default stands). OpenVINO's CPU plugin treats its bf16 hint the same way."""
+    if default != "bfloat16" or platform != "cpu" or cpu_flags is None:
+        return default, ""
+    if cpu_flags & CPU_BF16_FLAGS:
+        return default, ""
+    return "float32", ("float32 in place of the model's bfloat16: this CPU has no bf16 "
+                       "instructions (avx512_bf16, amx_bf16 or Arm's bf16), where bf16 runs "
+                       "slower than float32; --compute-dtype bfloat16 forces it")
 
 
 def batch_buckets(max_batch_images: int, data_size: int) -> tuple[int, ...]:

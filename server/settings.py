@@ -8,7 +8,14 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from vit22b.clients.settings import check, non_negative, positive, setting
+from vit22b.clients.settings import (
+    COMPUTE_DTYPE_HELP,
+    check,
+    compute_dtype,
+    non_negative,
+    positive,
+    setting,
+)
 from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
 
@@ -80,14 +87,6 @@ def default_http_connections() -> int:
     return 4096 if soft == resource.RLIM_INFINITY else max(1, min(4096, soft // 2))
 
 
-def _dtype(text: str) -> str | None:
-    if text in ("", "none", "None"):
-        return None
-    if text not in ("bfloat16", "float32"):
-        raise argparse.ArgumentTypeError(f"--compute-dtype is bfloat16 or float32, got {text!r}")
-    return text
-
-
 @dataclass
 class ServeConfig:
     model: str | None = setting(None, "preset name (default: the embedded default, or the "
@@ -100,9 +99,7 @@ class ServeConfig:
     seed: int = setting(0, "seed of the random weights when no checkpoint is given")
     mesh: str = setting("auto", "device mesh, e.g. data=2,model=4 (auto: all devices on data; "
                         "on a CPU host two emulated devices)")
-    compute_dtype: str | None = setting(
-        None, "matmul input dtype: bfloat16, or float32 for exact features (default: the "
-        "checkpoint's, else the preset's)", parse=_dtype)
+    compute_dtype: str | None = setting("auto", COMPUTE_DTYPE_HELP, parse=compute_dtype)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port; 0 picks a free one", check=_port)
     metrics_port: int | None = setting(

@@ -96,13 +96,14 @@ def test_sigkill_three_times_then_resume_is_bit_identical(server, dataset, tmp_p
 
 @pytest.fixture
 def victim():
-    """A `vit22b serve` process on the same mesh and seed as the in-process servers."""
+    """A `vit22b serve` process on the same mesh, seed and compute dtype (the preset's, on any
+    host) as the in-process servers."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0", "--metrics-port",
          "-1", "--mesh", MESH, "--max-batch-images", "8", "--max-delay-ms", "25",
-         "--batch-wait", "delay", "--log-level", "WARNING"],
+         "--batch-wait", "delay", "--compute-dtype", "none", "--log-level", "WARNING"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

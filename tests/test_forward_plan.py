@@ -16,11 +16,13 @@ from vit22b.model.checkpoint import expected_shapes, flatten
 from vit22b.model.features import Features
 from vit22b.model.forward import MATMUL_KERNELS, cast_matmul_kernels, chunked_apply
 from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
+from vit22b.server import cpu_devices
 from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.plan import (
     CPU_CHUNK_BYTES,
     CPU_DATA_PARALLEL,
     Plan,
+    auto_compute_dtype,
     largest_divisor,
     step_bytes_per_image,
 )
@@ -325,3 +327,44 @@ def test_server_cli_asks_for_wide_vectors_only_on_avx512_and_unless_the_user_cho
     assert ("--xla_cpu_prefer_vector_width=512" in flags) == avx512, flags
     flags = _after_cli_import("--xla_cpu_prefer_vector_width=128")[1]
     assert "--xla_cpu_prefer_vector_width=128" in flags and "=512" not in flags, flags
+
+
+def test_auto_compute_dtype_is_float32_only_where_bf16_would_be_emulated():
+    avx2 = frozenset({"fma", "avx2"})
+    for flags in ({"avx512f", "avx512_bf16"}, {"amx_bf16", "amx_tile"}, {"asimd", "bf16"}):
+        assert auto_compute_dtype("bfloat16", "cpu", frozenset(flags)) == ("bfloat16", "")
+    dtype, why = auto_compute_dtype("bfloat16", "cpu", avx2)
+    assert dtype == "float32" and "no bf16 instructions" in why
+    assert auto_compute_dtype("float32", "cpu", avx2) == ("float32", "")
+    assert auto_compute_dtype("bfloat16", "gpu", avx2) == ("bfloat16", "")
+    assert auto_compute_dtype("bfloat16", "cpu", None) == ("bfloat16", "")  # unknown host
+
+
+def test_cpu_flags_read_this_host():
+    flags = cpu_devices.cpu_flags()
+    if sys.platform.startswith("linux"):
+        assert flags and ("fpu" in flags or "fp" in flags)  # x86 and Arm both list them
+
+
+def test_engine_load_resolves_auto_by_the_host(monkeypatch, caplog):
+    """``auto`` (the server's and local jobs' default) on a host without bf16 instructions
+    computes float32, which every served identity then names; an explicit bf16 there is kept
+    and warned about; ``None`` keeps the preset's everywhere."""
+    import vit22b.server.engine as engine_module
+
+    mesh = make_mesh("data=1,model=1", jax.devices()[:1])
+    monkeypatch.setattr(engine_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with caplog.at_level("INFO", logger=engine_module.__name__):
+        auto = Engine.load("vit-22b-tiny/16", mesh=mesh, compute_dtype="auto")
+    assert auto.cfg.compute_dtype == auto.identity.compute_dtype == "float32"
+    assert "no bf16 instructions" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=engine_module.__name__):
+        forced = Engine.load("vit-22b-tiny/16", mesh=mesh, compute_dtype="bfloat16")
+    assert forced.cfg.compute_dtype == "bfloat16" and "slower than float32" in caplog.text
+    assert Engine.load("vit-22b-tiny/16", mesh=mesh).cfg.compute_dtype == "bfloat16"
+    monkeypatch.setattr(engine_module, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert Engine.load("vit-22b-tiny/16", mesh=mesh, compute_dtype="auto").cfg.compute_dtype \
+        == "bfloat16"
+    for engine in (auto, forced):
+        engine.close()

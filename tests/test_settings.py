@@ -59,6 +59,20 @@ def test_bad_values_are_refused_naming_the_flag():
         parse([], {"VIT22B_HTTP_MAX_CONNECTIONS": "-1"}).check()
 
 
+def test_compute_dtype_defaults_to_auto_for_serving_and_local_jobs():
+    from vit22b.clients.embed_cli import EmbedSettings
+
+    assert parse([], {}).compute_dtype == "auto"
+    assert parse(["--compute-dtype", "none"], {}).compute_dtype is None  # the model's, anywhere
+    assert parse(["--compute-dtype", "bfloat16"], {}).compute_dtype == "bfloat16"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    settings.add_arguments(parser, EmbedSettings, {"VIT22B_COMPUTE_DTYPE": "float32"})
+    assert settings.from_args(EmbedSettings, parser.parse_args([])).compute_dtype == "float32"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    settings.add_arguments(parser, EmbedSettings, {})
+    assert settings.from_args(EmbedSettings, parser.parse_args([])).compute_dtype == "auto"
+
+
 def test_http_client_bounds_are_settings():
     config = parse(["--http-body-timeout", "2.5"], {"VIT22B_HTTP_HEADER_TIMEOUT": "3",
                                                     "VIT22B_HTTP_BODY_TIMEOUT": "9"})
