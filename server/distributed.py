@@ -52,7 +52,7 @@ from .app import FeatureServer, build_engine, serve_started
 from .cpu_devices import cpu_flags
 from .engine import Engine
 from .infer import run_loop
-from .plan import CPU_BF16_FLAGS
+from .plan import cpu_bf16
 from .service import SERVICE_NAME
 from .settings import ServeConfig
 
@@ -298,8 +298,7 @@ def settings(config: ServeConfig, group: Group) -> dict:
         "mesh": config.mesh,
         "compute_dtype": config.compute_dtype,
         # what "auto" resolves by on a CPU: hosts that differ would compute different programs
-        "cpu_bf16": (bool((cpu_flags() or frozenset()) & CPU_BF16_FLAGS)
-                     if jax.devices()[0].platform == "cpu" else None),
+        "cpu_bf16": cpu_bf16(cpu_flags()) if jax.devices()[0].platform == "cpu" else None,
         "max_batch_images": config.max_batch_images,
         "max_batch_patches": config.max_batch_patches,
         "warm_outputs": [repr(o) for o in config.warm_outputs],

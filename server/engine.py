@@ -51,7 +51,7 @@ from vit22b.model.sharding import (
 from vit22b.model.vit import position_table
 
 from .cpu_devices import cpu_flags
-from .plan import AUTO_DTYPE, CPU_BF16_FLAGS, Plan, auto_compute_dtype, auto_data_devices
+from .plan import AUTO_DTYPE, Plan, auto_compute_dtype, auto_data_devices, cpu_bf16
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ def chosen_dtype(default: str, asked: str | None, platform: str) -> str:
             log.info("compute dtype: %s", why)
         return dtype
     dtype = asked or default
-    flags = cpu_flags()
-    if dtype == "bfloat16" and platform == "cpu" and flags is not None and not (
-            flags & CPU_BF16_FLAGS):
+    if dtype == "bfloat16" and platform == "cpu" and cpu_bf16(cpu_flags()) is False:
         log.warning("compute dtype bfloat16 on a CPU without bf16 instructions: slower than "
                     "float32 here (--compute-dtype auto or float32 is faster and exact)")
     return dtype

@@ -42,15 +42,18 @@ CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 AUTO_DTYPE = "auto"
 
 
+def cpu_bf16(cpu_flags: frozenset[str] | None) -> bool | None:
+    """Whether a CPU with these flags has bf16 instructions (None: the flags are unknown)."""
+    return None if cpu_flags is None else bool(cpu_flags & CPU_BF16_FLAGS)
+
+
 def auto_compute_dtype(default: str, platform: str,
                        cpu_flags: frozenset[str] | None) -> tuple[str, str]:
     """The compute dtype ``auto`` resolves to, and why when it is not ``default`` (else "").
 
     ``default``: the checkpoint's or preset's; ``cpu_flags``: the host's (None: unknown, and
     the default stands). OpenVINO's CPU plugin treats its bf16 hint the same way."""
-    if default != "bfloat16" or platform != "cpu" or cpu_flags is None:
-        return default, ""
-    if cpu_flags & CPU_BF16_FLAGS:
+    if default != "bfloat16" or platform != "cpu" or cpu_bf16(cpu_flags) is not False:
         return default, ""
     return "float32", ("float32 in place of the model's bfloat16: this CPU has no bf16 "
                        "instructions (avx512_bf16, amx_bf16 or Arm's bf16), where bf16 runs "
