@@ -193,7 +193,7 @@ class FeatureServer:
             from .http import ClientLimits, HttpDoor  # FastAPI, uvicorn: only with the door
 
             clients = ClientLimits(config.http_header_timeout_s, config.http_body_timeout_s,
-                                   config.http_max_connections)
+                                   config.http_max_connections, config.http_min_body_rate)
             self.http = HttpDoor(self.infer, self.metrics, self.service.info, clients, tokens)
             self.http_port = await self.http.start(
                 config.host, config.http_port, config.tls_cert, config.tls_key

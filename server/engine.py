@@ -223,13 +223,15 @@ class Engine:
         """
         from vit22b.model import checkpoint  # orbax: only when serving
 
+        stored = (checkpoint.read_metadata(checkpoint_dir).config if checkpoint_dir
+                  else get_config(model or DEFAULT_MODEL))
+        dtype = chosen_dtype(stored.compute_dtype, compute_dtype, _platform(mesh))  # once
+
         def with_dtype(cfg: ViTConfig) -> ViTConfig:
-            return cfg.replace(compute_dtype=chosen_dtype(cfg.compute_dtype, compute_dtype,
-                                                          _platform(mesh)))
+            return cfg.replace(compute_dtype=dtype)
 
         if mesh == "auto":
-            config = checkpoint.read_metadata(checkpoint_dir).config if checkpoint_dir else None
-            mesh = auto_mesh(with_dtype(config or get_config(model or DEFAULT_MODEL)))
+            mesh = auto_mesh(with_dtype(stored))
         mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
         if checkpoint_dir:
             expect = get_config(model) if model else None
@@ -237,7 +239,7 @@ class Engine:
                                                    verify=verify)
             return cls(with_dtype(cfg), params, mesh, fingerprint=meta.fingerprint,
                        source=meta.source, **kwargs)
-        cfg = with_dtype(get_config(model or DEFAULT_MODEL))
+        cfg = with_dtype(stored)
         params = init_sharded(cfg, mesh, seed)
         fingerprint = checkpoint.fingerprint(params)
         return cls(cfg, params, mesh, fingerprint=fingerprint, source=seeded_source(seed),

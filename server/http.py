@@ -14,9 +14,10 @@ Image URLs are refused: this server does not fetch. A client that disconnects, o
 
 Slow or silent clients are bounded by the connection class (``_Connection``): headers must be
 complete within ``--http-header-timeout`` (408, or a close when nothing was sent) and under
-``MAX_HEADER_BYTES`` (431), a body may not stall for ``--http-body-timeout`` (408; read whole
-before admission, so a stalled one holds no place in the queue), nor a response go unread that
-long (the connection is cut), and ``--http-max-connections`` bound the open connections (503).
+``MAX_HEADER_BYTES`` (431), a body may not stall for ``--http-body-timeout`` nor, after that
+long, average under ``--http-min-body-rate`` (408; read whole before admission, so a stalled or
+dripped one holds no place in the queue), nor a response go unread that long (the connection is
+cut), and ``--http-max-connections`` bound the open connections (503).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class ClientLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections: int
+    min_body_rate: int  # bytes/s a body must average after its first body_timeout_s; 0: none
 
 
 
@@ -338,7 +340,7 @@ class HttpDoor:
         self.models = {"object": "list", "data": [model_json(info, int(time.time()))]}
         self.app = self._app()
         self.asgi = _Guard(self.app, self, tuple(t.encode() for t in tokens),
-                           infer.limits.max_message_bytes, limits.body_timeout_s)
+                           infer.limits.max_message_bytes, limits)
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -576,13 +578,13 @@ class _Server(uvicorn.Server):
 
 class _Guard:
     """Before a route reads anything: the bearer token, then the body limit (``Content-Length``
-    at once, else while the body arrives) and its stall timeout; the body is handed on whole,
-    so a route (and the facade's admission) starts only once it has all of it."""
+    at once, else while the body arrives), its stall timeout and its rate floor; the body is
+    handed on whole, so a route (and the facade's admission) starts only once it has all of it."""
 
     def __init__(self, app, door: HttpDoor, tokens: tuple[bytes, ...], limit: int,
-                 body_timeout_s: float):
+                 clients: ClientLimits):
         self.app, self.door, self.tokens, self.limit = app, door, tokens, limit
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.min_rate = clients.body_timeout_s, clients.min_body_rate
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -600,13 +602,15 @@ class _Guard:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self.door.refuse(route, self._too_large(int(declared)))(
                 scope, receive, send)
-        chunks, size = [], 0
+        chunks, size, start = [], 0, time.monotonic()
         while True:
+            since = time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), self._wait(start, size))
             except asyncio.TimeoutError:
-                err = RequestTimeout(f"no request body bytes for {self.body_timeout_s:g} s "
-                                     "(--http-body-timeout)")
+                stalled = time.monotonic() - since >= self.body_timeout_s  # else the floor
+                err = self._slow(start, size) if not stalled else RequestTimeout(
+                    f"no request body bytes for {self.body_timeout_s:g} s (--http-body-timeout)")
                 return await self.door.refuse(route, err)(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return None
@@ -626,6 +630,21 @@ class _Guard:
             return message
 
         return await self.app(scope, replay, send)
+
+    def _wait(self, start: float, size: int) -> float:
+        """How long the next body bytes may take: the stall timeout, or less where the rate
+        floor ends sooner (with none arriving, the average falls under it at ``start + size /
+        rate``; it applies from ``start + body_timeout_s``)."""
+        if not self.min_rate:
+            return self.body_timeout_s
+        floor = max(self.body_timeout_s, size / self.min_rate) - (time.monotonic() - start)
+        return min(self.body_timeout_s, floor)
+
+    def _slow(self, start: float, size: int) -> RequestTimeout:
+        elapsed = time.monotonic() - start
+        return RequestTimeout(
+            f"request body too slow: {size} bytes in {elapsed:.1f} s ({size / elapsed:.0f} "
+            f"bytes/s), under the floor of {self.min_rate} bytes/s (--http-min-body-rate)")
 
     def _allowed(self, headers: dict) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")

@@ -123,6 +123,14 @@ class ServeConfig:
         30.0, "seconds a request body may go without a byte arriving (then 408), and a "
         "response without the client reading any (then the connection is cut): nginx's "
         "client_body_timeout and send_timeout", flag="--http-body-timeout", check=positive)
+    # The stall timeout alone lets a client drip a byte every 29 s and hold its connection for
+    # days: a floor on the average rate bounds a body's time by its size (Kestrel's
+    # MinRequestBodyDataRate). 16 KiB/s is 128 kbit/s, under any uplink that sends photos: a
+    # --max-message-mb body arrives within its size / rate.
+    http_min_body_rate: int = setting(
+        16384, "bytes per second a request body must average once it has had "
+        "--http-body-timeout to start (then 408); 0 turns the floor off",
+        check=non_negative)
     http_max_connections: int = setting(
         help="open HTTP connections; one more is answered 503 and closed at once, so idle "
         "clients cannot take every file descriptor (default: half of `ulimit -n`, at most "

@@ -366,5 +366,11 @@ def test_engine_load_resolves_auto_by_the_host(monkeypatch, caplog):
     monkeypatch.setattr(engine_module, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert Engine.load("vit-22b-tiny/16", mesh=mesh, compute_dtype="auto").cfg.compute_dtype \
         == "bfloat16"
-    for engine in (auto, forced):
+    caplog.clear()
+    monkeypatch.setattr(engine_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with caplog.at_level("INFO", logger=engine_module.__name__):  # the auto mesh's path too
+        on_auto_mesh = Engine.load("vit-22b-tiny/16", compute_dtype="auto")
+    assert on_auto_mesh.cfg.compute_dtype == "float32"
+    assert caplog.text.count("no bf16 instructions") == 1  # decided, and said, once
+    for engine in (auto, forced, on_auto_mesh):
         engine.close()

@@ -1,14 +1,15 @@
 """Slow and silent HTTP clients, with raw sockets on loopback against a real server with short
-bounds: a silent connection, a slowloris, a stalled body, oversized headers, a client that
-does not read its responses, and more connections than the cap; each is closed (or answered
-408 / 431 / 503) in about its bound and not before, and well-behaved clients, slow ones and
-kept-alive ones included, are still served."""
+bounds: a silent connection, a slowloris, a stalled body, a dripped one, oversized headers, a
+client that does not read its responses, and more connections than the cap; each is closed (or
+answered 408 / 431 / 503) in about its bound and not before, and well-behaved clients, slow ones
+and kept-alive ones included, are still served."""
 
 from __future__ import annotations
 
 import base64
 import json
 import math
+import select
 import socket
 import time
 
@@ -17,6 +18,7 @@ import pytest
 from serving import metric, metrics, png, random_images, start_server, wait_for
 
 T = 0.5  # the module server's header and body timeouts, seconds
+RATE = 2000  # its body rate floor, bytes/s
 EARLY = 0.05  # timer and clock granularity: a bound may not fire sooner than this before T
 SLACK = 3.0  # a loaded machine's scheduling; a missing bound waits past it and fails
 HEALTH = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
@@ -25,7 +27,8 @@ OK = b"HTTP/1.1 200 "
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server(http_port=0, http_header_timeout_s=T, http_body_timeout_s=T)
+    srv = start_server(http_port=0, http_header_timeout_s=T, http_body_timeout_s=T,
+                       http_min_body_rate=RATE)
     yield srv
     assert srv.stop()
 
@@ -202,6 +205,31 @@ def test_a_slow_body_that_keeps_coming_is_served(server):
         assert time.monotonic() - start > T
     assert reply.startswith(OK), reply[:300]
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["outputs"]["pooled"]["shape"] == [1, 64]
+
+
+def test_a_dripped_body_is_408_once_it_averages_under_the_floor(server):
+    """Bytes every T / 3, never a stall: only the rate floor ends it, after its grace of T; a
+    body that sent 3,000 bytes at once earned 3000 / RATE seconds (an average, not each gap)."""
+    route = {"method": "POST /v1/features", "code": "DEADLINE_EXCEEDED"}
+    before = metric(metrics(server), "vit22b_requests_total", **route)
+    for upfront, bound in ((0, T), (3000, 3000 / RATE)):
+        with connect(server) as sock:
+            sock.settimeout(bound + SLACK)
+            sock.sendall(features_request(100_000) + b'{"images": [' + b" " * upfront)
+            start = time.monotonic()
+            while time.monotonic() - start < bound + SLACK:  # drip until the server answers
+                if select.select([sock], [], [], T / 3)[0]:
+                    break
+                sock.sendall(b" " * 10)
+            reply = until_closed(sock)
+            elapsed = time.monotonic() - start
+        error = refusal(reply, 408, "--http-min-body-rate")
+        assert "bytes/s" in error["message"] and error["code"] == "DEADLINE_EXCEEDED"
+        assert bound - EARLY <= elapsed < bound + SLACK, (upfront, elapsed)
+    samples = metrics(server)
+    assert metric(samples, "vit22b_requests_total", **route) == before + 2
+    assert metric(samples, "vit22b_queue_images") == 0  # read before admission: nothing held
+    still_serves(server)
 
 
 def test_headers_over_the_limit_are_431(server):

@@ -78,6 +78,8 @@ def test_http_client_bounds_are_settings():
                                                     "VIT22B_HTTP_BODY_TIMEOUT": "9"})
     assert (config.http_header_timeout_s, config.http_body_timeout_s) == (3.0, 2.5)
     assert parse(["--http-max-connections", "7"], {}).http_max_connections == 7
+    assert parse([], {}).http_min_body_rate == 16384
+    assert parse([], {"VIT22B_HTTP_MIN_BODY_RATE": "0"}).http_min_body_rate == 0  # no floor
 
 
 def test_the_connection_cap_defaults_to_half_the_open_file_limit():
