@@ -602,18 +602,21 @@ class _Guard:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self.door.refuse(route, self._too_large(int(declared)))(
                 scope, receive, send)
-        chunks, size, start = [], 0, time.monotonic()
+        chunks, size = [], 0
+        first = last = time.monotonic()  # the first and the latest body bytes (headers: none yet)
         while True:
-            since = time.monotonic()
+            stall, floor = last + self.body_timeout_s, self._floor(first, size)
             try:
-                message = await asyncio.wait_for(receive(), self._wait(start, size))
-            except asyncio.TimeoutError:
-                stalled = time.monotonic() - since >= self.body_timeout_s  # else the floor
-                err = self._slow(start, size) if not stalled else RequestTimeout(
+                message = await asyncio.wait_for(receive(), min(stall, floor) - time.monotonic())
+            except asyncio.TimeoutError:  # a tie is the stall: nothing came for the whole timeout
+                err = self._slow(first, size) if floor < stall else RequestTimeout(
                     f"no request body bytes for {self.body_timeout_s:g} s (--http-body-timeout)")
                 return await self.door.refuse(route, err)(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return None
+            last = time.monotonic()
+            if not chunks:
+                first = last
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
@@ -631,17 +634,17 @@ class _Guard:
 
         return await self.app(scope, replay, send)
 
-    def _wait(self, start: float, size: int) -> float:
-        """How long the next body bytes may take: the stall timeout, or less where the rate
-        floor ends sooner (with none arriving, the average falls under it at ``start + size /
-        rate``; it applies from ``start + body_timeout_s``)."""
+    def _floor(self, first: float, size: int) -> float:
+        """When the body's average rate falls under the floor with no more bytes: ``first +
+        size / rate``, and never before its grace (``first + body_timeout_s``). Measured from
+        the first body bytes, so a body that came with its headers and then stopped is a stall
+        (both bounds end at once), not a slow body."""
         if not self.min_rate:
-            return self.body_timeout_s
-        floor = max(self.body_timeout_s, size / self.min_rate) - (time.monotonic() - start)
-        return min(self.body_timeout_s, floor)
+            return math.inf
+        return first + max(self.body_timeout_s, size / self.min_rate)
 
-    def _slow(self, start: float, size: int) -> RequestTimeout:
-        elapsed = time.monotonic() - start
+    def _slow(self, first: float, size: int) -> RequestTimeout:
+        elapsed = time.monotonic() - first
         return RequestTimeout(
             f"request body too slow: {size} bytes in {elapsed:.1f} s ({size / elapsed:.0f} "
             f"bytes/s), under the floor of {self.min_rate} bytes/s (--http-min-body-rate)")
