@@ -29,7 +29,7 @@ from .embed import (
 )
 from .embed_inputs import InputListError, enumerate_inputs
 from .embed_ray import MAX_RETRIES
-from .embed_store import JobMismatch
+from .embed_store import JobMismatch, OutputStore
 from .embed_video import video_arrays
 from .outputs import OutputsError
 from .settings import COMPUTE_DTYPE_HELP, compute_dtype, positive, setting
@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             video=sampling,
         )
         items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
+        OutputStore.prepare(config.output)
         backend = make_backend(options, spec)
         if options.runner == "ray":
             summary = backend.run(config, items)

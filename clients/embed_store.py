@@ -109,12 +109,11 @@ class OutputStore:
              about: dict | None = None) -> OutputStore:
         """Create or resume ``directory``; JobMismatch if it holds a job with other settings."""
         store = cls(directory, identity, arrays, num_shards, about)
+        cls.prepare(directory)
         try:
-            store.where.makedirs(SHARDS_DIR)
             locked = store.where.lock(LOCK)
-        except OSError as err:  # e.g. the output is a file, or under one; no permission
-            raise OutputsError(f"output {directory}: cannot be a folder of outputs: "
-                               f"{err.strerror or err} ({err.filename or directory})") from None
+        except OSError as err:
+            raise _not_a_folder(directory, err) from None
         if not locked:
             raise JobMismatch(f"another vit22b embed is writing to {directory} (its lock is held)")
         try:
@@ -126,6 +125,15 @@ class OutputStore:
             store.close()
             raise
         return store
+
+    @staticmethod
+    def prepare(directory: str) -> None:
+        """Make ``directory`` a folder of outputs, or OutputsError: a job checks this before it
+        loads a model, so a wrong ``--output`` is said at once."""
+        try:
+            Location(directory).makedirs(SHARDS_DIR)
+        except OSError as err:  # e.g. the output is a file, or under one; no permission
+            raise _not_a_folder(directory, err) from None
 
     def close(self) -> None:
         self.where.unlock()
@@ -200,3 +208,8 @@ class OutputStore:
             self._write_errors()
             self._write_manifest()
         self.close()
+
+
+def _not_a_folder(directory: str, err: OSError) -> OutputsError:
+    return OutputsError(f"output {directory}: cannot be a folder of outputs: "
+                        f"{err.strerror or err} ({err.filename or directory})")
