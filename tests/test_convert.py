@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from parity import check_parity
+from parity import check_parity, compiled_apply
 from peers import import_timm, perturb, rel_err, uses_stand_in
 from safetensors.torch import save_file
 from vit22b.clients.cli import main
@@ -35,7 +35,7 @@ def _pixels(n: int = 2, size: int = 32, seed: int = 0) -> torch.Tensor:
 
 def _ours(converted, pixels: torch.Tensor, request: OutputRequest = EVERYTHING) -> dict:
     cfg = converted.config.replace(compute_dtype="float32")
-    return apply(cfg, converted.params, pixels.permute(0, 2, 3, 1).numpy(), request)
+    return compiled_apply(cfg, converted.params, pixels.permute(0, 2, 3, 1).numpy(), request)
 
 
 def _timm_outputs(model, pixels: torch.Tensor) -> dict:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import compiled_apply
 from tiny_models import SEQUENTIAL
 from vit22b.model import ConfigError, OutputRequest, ViTConfig, apply, get_config, init_params, vit
 from vit22b.model.info import model_info
@@ -21,6 +22,11 @@ TINY_SEQUENTIAL = SEQUENTIAL.replace(depth=3)  # the sharding tests' standard Vi
 def _images(cfg: ViTConfig, n: int = 2, seed: int = 1) -> jax.Array:
     shape = (n, cfg.image_size, cfg.image_size, cfg.channels)
     return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _compiled(block):
+    """A block's apply compiled whole (``compiled_apply``'s reason)."""
+    return jax.jit(block.apply, static_argnums=2)
 
 
 def _rel(a, b) -> float:
@@ -64,7 +70,7 @@ def _block_with_scaled_qk(cfg: ViTConfig, scale: float):
     hd = cfg.head_dim
     w_in = params["w_in"].at[:, :, : 2 * hd].multiply(scale)  # q and k columns of every head
     x = jax.random.normal(jax.random.key(2), (2, cfg.num_tokens, cfg.width))
-    out, (entropy, _) = ParallelBlock(cfg).apply({"params": {**params, "w_in": w_in}}, x, True)
+    out, (entropy, _) = _compiled(ParallelBlock(cfg))({"params": {**params, "w_in": w_in}}, x, True)
     return out, entropy
 
 
@@ -168,7 +174,7 @@ def test_fused_parallel_block_equals_separate_matrices():
     mlp_out = _np_gelu(n @ w1 + b1) @ w2
     expected = x + attn + mlp_out + p["b_out"]
 
-    got, _ = ParallelBlock(cfg).apply({"params": params}, jnp.asarray(x, jnp.float32), False)
+    got, _ = _compiled(ParallelBlock(cfg))({"params": params}, jnp.asarray(x, jnp.float32), False)
     assert _rel(got, expected) < 1e-5
 
 
@@ -187,7 +193,8 @@ def test_sequential_block_equals_textbook_pre_norm():
     n2 = _np_norm(x1, "layernorm", cfg.norm_eps, p["norm2"]["scale"], p["norm2"]["bias"])
     expected = x1 + _np_gelu(n2 @ p["w_fc1"] + p["b_fc1"]) @ p["w_fc2"] + p["b_fc2"]
 
-    got, _ = SequentialBlock(cfg).apply({"params": params}, jnp.asarray(x, jnp.float32), False)
+    got, _ = _compiled(SequentialBlock(cfg))({"params": params}, jnp.asarray(x, jnp.float32),
+                                             False)
     assert _rel(got, expected) < 1e-5
 
 
@@ -198,7 +205,7 @@ def test_sequential_block_equals_textbook_pre_norm():
 def test_intermediate_layers_equal_running_the_blocks_one_by_one(cfg):
     params = init_params(cfg, jax.random.key(0))
     images = _images(cfg)
-    out = apply(cfg, params, images, OutputRequest(pooled=True, patch_layers=(0, -1, 1)))
+    out = compiled_apply(cfg, params, images, OutputRequest(pooled=True, patch_layers=(0, -1, 1)))
     assert sorted(out["patch_tokens"]) == [0, 1, cfg.depth - 1]
 
     # The embedding in numpy: patches in (ph, pw, c) order, position embedding, class token.
@@ -210,10 +217,10 @@ def test_intermediate_layers_equal_running_the_blocks_one_by_one(cfg):
     if cfg.class_token:
         x = np.concatenate([np.broadcast_to(np.asarray(params["cls"]), (b, 1, cfg.width)), x], 1)
     x = jnp.asarray(x + np.asarray(params["pos_embedding"]), jnp.float32)
-    block = (ParallelBlock if cfg.block == "parallel" else SequentialBlock)(cfg)
+    block = _compiled((ParallelBlock if cfg.block == "parallel" else SequentialBlock)(cfg))
     n_cls = int(cfg.class_token)
     for i in range(cfg.depth):
-        x, _ = block.apply({"params": params[f"block_{i}"]}, x, False)
+        x, _ = block({"params": params[f"block_{i}"]}, x, False)
         if i in out["patch_tokens"]:
             assert out["patch_tokens"][i].shape == (b, cfg.num_patches, cfg.width)
             assert _rel(out["patch_tokens"][i], x[:, n_cls:]) < 1e-5
@@ -236,9 +243,10 @@ def test_only_what_is_asked_is_computed():
     early = _primitives(cfg, params, OutputRequest(pooled=False, patch_layers=(0,)))
     assert early.count("dot_general") < plain.count("dot_general") / 2
 
-    out = apply(cfg, params, _images(cfg), OutputRequest())
+    out = compiled_apply(cfg, params, _images(cfg), OutputRequest())
     assert set(out) == {"pooled"}
-    stats = apply(cfg, params, _images(cfg), OutputRequest(pooled=False, attention_stats=True))
+    stats = compiled_apply(cfg, params, _images(cfg),
+                           OutputRequest(pooled=False, attention_stats=True))
     assert stats["attention_entropy"].shape == (2, cfg.depth, cfg.heads)
     assert stats["attention_max_logit"].shape == (2, cfg.depth, cfg.heads)
 
@@ -246,7 +254,7 @@ def test_only_what_is_asked_is_computed():
 def test_class_token_and_out_of_range_layers():
     cfg = TINY_SEQUENTIAL
     params = init_params(cfg, jax.random.key(0))
-    out = apply(cfg, params, _images(cfg), OutputRequest(pooled=True, class_token=True))
+    out = compiled_apply(cfg, params, _images(cfg), OutputRequest(pooled=True, class_token=True))
     np.testing.assert_array_equal(out["pooled"], out["class_token"])  # head='cls'
     with pytest.raises(ValueError, match="layer index 3 is out of range"):
         apply(cfg, params, _images(cfg), OutputRequest(patch_layers=(3,)))
@@ -265,8 +273,8 @@ def test_bf16_policy_stays_close_to_f32():
     bf16 = TINY_PARALLEL.replace(compute_dtype="bfloat16")
     params = init_params(f32, jax.random.key(0))
     images = _images(f32, n=4)
-    a = apply(f32, params, images, OutputRequest())["pooled"]
-    b = apply(bf16, params, images, OutputRequest())["pooled"]
+    a = compiled_apply(f32, params, images, OutputRequest())["pooled"]
+    b = compiled_apply(bf16, params, images, OutputRequest())["pooled"]
     assert b.dtype == jnp.float32  # f32 accumulation and residual stream
     assert _rel(b, a) < 1e-2
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import check_parity
+from parity import check_parity, compiled_apply
 from peers import perturb
 from test_backbones import HF_CASES, TIMM_CASES, _hf, timm_converted, timm_outputs
 from vit22b.model import OutputRequest, apply, get_config, init_params
@@ -147,7 +147,7 @@ def test_the_native_model_runs_at_any_grid_and_refuses_partial_patches():
     cfg = get_config("vit-22b-tiny/16").replace(compute_dtype="float32")
     params = init_params(cfg, jax.random.key(0))
     images = np.random.default_rng(0).standard_normal((2, 48, 80, 3)).astype(np.float32)
-    out = apply(cfg, params, images, OutputRequest(patch_layers=(-1,)))
+    out = compiled_apply(cfg, params, images, OutputRequest(patch_layers=(-1,)))
     assert out["pooled"].shape == (2, 64) and out["patch_tokens"][3].shape == (2, 15, 64)
     with pytest.raises(ConfigError, match="50x80 pixels is not a whole number of 16x16"):
         apply(cfg, params, np.zeros((1, 50, 80, 3), np.float32), OutputRequest())
