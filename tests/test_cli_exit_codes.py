@@ -60,6 +60,10 @@ def test_embed_bad_options_exit_2(tmp_path):
                  "--output", str(tmp_path / "a-file"))
     assert job.returncode == 2 and "Traceback" not in job.stderr, job.stderr
     assert "cannot be a folder of outputs: Not a directory" in job.stderr
+    # checked before any model is loaded: an unknown preset is not even looked up
+    job = vit22b("embed", str(tmp_path / "x" / "data"), "--local", "--model", "nope",
+                 "--output", str(tmp_path / "a-file"))
+    assert job.returncode == 2 and "cannot be a folder of outputs" in job.stderr, job.stderr
 
 
 def test_info_refuses_a_mesh_that_cuts_through_heads():
