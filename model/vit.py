@@ -536,7 +536,8 @@ def position_table(cfg: ViTConfig, params: dict, grid: Grid) -> Array | None:
 def init_params(cfg: ViTConfig, rng: Array) -> dict:
     """All parameters of the model (every head the config has); the position table at its own
     grid (``cfg.table_grid``). Compiled whole: run op by op, the forward that Flax's init goes
-    through compiles each of its operations alone (3x the time for a tiny model on XLA:CPU)."""
+    through compiles each of its operations alone (over 4x the time for a tiny model on XLA:CPU,
+    benchmarks/compile_cost.py)."""
     side = cfg.table_grid[0] * cfg.patch
     dummy = jnp.zeros((1, side, side, cfg.channels), F32)
     return ViT(cfg).init(rng, dummy, _init_request(cfg))["params"]
