@@ -2,20 +2,25 @@
 
 Sides, each in its own process (XLA reads its flags once, at start), rounds alternating:
 
-- ``ynnpack``: the engine with XLA:CPU's default library alone (YNNPACK; ``--xla_cpu_use_onednn=
-  false``; the weights are the compiled forward's arguments, packed into the kernels' layout on
-  every call);
+- ``ynnpack``: the engine as it serves, XLA:CPU's default library alone (YNNPACK;
+  ``--xla_cpu_use_onednn=false``; the weights are the compiled forward's arguments, packed into
+  the kernels' layout on every call);
 - ``constants``: the same forward with the weights closed over, so XLA compiles them in as
   constants: YNNPACK then packs them once, when it builds its runtime (PyTorch's "freezing"
   idea), at the cost of a copy of the weights inside every compiled bucket;
 - ``onednn``: XLA's own oneDNN fusions for dots (``--xla_cpu_use_onednn=true
-  --xla_cpu_experimental_onednn_fusion_type=dot``, what ``vit22b serve`` sets on Intel CPUs):
-  they take the dots YNNPACK leaves (this jaxlib: float32 x float32, and any dot with a bf16
-  output), YNNPACK keeps the rest;
+  --xla_cpu_experimental_onednn_fusion_type=dot``): they take the dots YNNPACK leaves (this
+  jaxlib: float32 x float32, and any dot with a bf16 output), YNNPACK keeps the rest. Measured,
+  not adopted: this jaxlib's oneDNN fusion killed a process with SIGILL on an optax training
+  step's fusion (benchmarks/NOTES.md);
 - ``onednn_only``: the same with YNNPACK's fusions off (``--xla_cpu_experimental_ynn_fusion_
   type=``), so every dot reaches oneDNN's fusion (bf16 dots as float32: this jaxlib's oneDNN
   fusion takes float32 only).
 Each side reports how many of the compiled program's fusions are oneDNN's and YNNPACK's.
+
+Then one optax training step of the video probe's attention pool (float32, ``probes/video.py``)
+runs in a process of its own under each flag set, and its exit status is reported: under the
+oneDNN flags this jaxlib prints "partition compile failed" and dies of SIGILL (status -4).
 
 Each side: ViT-B/16 with seeded weights, the engine's own mesh, bucket and chunks, ``--repeats``
 timed forwards of one batch per round after a warm-up; img/s medians over all rounds, the
@@ -41,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from peers import rel_err  # noqa: E402  (the parity tests' measure of agreement)
 
 ONEDNN_FLAGS = "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot"
-YNNPACK_ONLY = "--xla_cpu_use_onednn=false"  # over the server's own choice (server/cpu_devices.py)
+YNNPACK_ONLY = "--xla_cpu_use_onednn=false"  # explicit, over any XLA_FLAGS of the caller
 FLAGS = {"ynnpack": YNNPACK_ONLY, "constants": YNNPACK_ONLY, "onednn": ONEDNN_FLAGS,
          "onednn_only": f"{ONEDNN_FLAGS} --xla_cpu_experimental_ynn_fusion_type="}
 SIDES = ("ynnpack", "constants", "onednn", "onednn_only")
@@ -105,15 +110,52 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
             "ynn_fusions": hlo.count('"__ynn_fusion"'), "bucket": bucket}
 
 
+def training_step() -> dict:
+    """One jitted optax step of ``AttentionPool`` (float32 dots forward and backward)."""
+    import jax
+    import numpy as np
+    import optax
+    from vit22b.probes.video import AttentionPool
+
+    x = np.random.default_rng(0).standard_normal((90, 8, 32)).astype(np.float32)
+    y = np.arange(90) % 3
+    module = AttentionPool(3, 8, 32, 4)
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), x[:1])
+    optimizer = optax.adamw(1e-2)
+
+    @jax.jit
+    def step(params, state):
+        def loss(p):
+            return optax.softmax_cross_entropy_with_integer_labels(module.apply(p, x), y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    return {"loss": float(step(params, optimizer.init(params))[2])}
+
+
+def run_side(name: str, flags: str, args, out: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+    return subprocess.run([sys.executable, __file__, "--side", name, "--dtype", args.dtype,
+                           "--batch", str(args.batch), "--repeats", str(args.repeats),
+                           "--out", out], env=env, capture_output=True, text=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--side", choices=(*SIDES, "training"),
+                        help=argparse.SUPPRESS)  # a child process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.side == "training":
+        print(json.dumps(training_step()))
+        return 0
     if args.side:
         print(json.dumps(side(args.side, args.dtype, args.batch, args.repeats, args.out)))
         return 0
@@ -124,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {name: [] for name in SIDES}
     for _ in range(args.rounds):
         for name in SIDES:
-            env = dict(os.environ)
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAGS[name]}".strip()
             out = os.path.join(folder.name, f"{name}.npy")
-            done = subprocess.run([sys.executable, __file__, "--side", name, "--dtype", args.dtype,
-                                   "--batch", str(args.batch), "--repeats", str(args.repeats),
-                                   "--out", out], env=env, capture_output=True, text=True)
+            done = run_side(name, FLAGS[name], args, out)
             if done.returncode:
                 raise SystemExit(f"side {name} failed:\n{done.stderr[-3000:]}")
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -147,9 +185,17 @@ def main(argv: list[str] | None = None) -> int:
             "pooled_rel_err_vs_ynnpack": float(f"{rel_err(pooled, reference):.2g}"),
         }
         log(f"{name:10s} {rate:7.3f} img/s  {summary[name]}")
+    training = {}
+    for name in ("ynnpack", "onednn"):
+        done = run_side("training", FLAGS[name], args)
+        said = [line for line in done.stderr.splitlines() if "partition compile failed" in line]
+        training[name] = {"exit_status": done.returncode, "partition_compile_failed": bool(said)}
+        log(f"training step under the {name} flags: exit status {done.returncode}"
+            + (" (partition compile failed)" if said else ""))
     base = summary["ynnpack"]["images_per_s"]
     emit({"benchmark": "xla_routes", "model": "vit-b/16", "dtype": args.dtype,
           "batch": args.batch, "bucket": results["ynnpack"][-1]["bucket"], "sides": summary,
+          "training_step": training,
           **{f"ratio_{n}_to_ynnpack": round(s["images_per_s"] / base, 3)
              for n, s in summary.items() if n != "ynnpack"},
           "machine": machine()})

@@ -13,9 +13,9 @@ import functools
 from collections import defaultdict
 from collections.abc import Sequence
 
-from vit22b.server.cpu_devices import codegen_flags
+from vit22b.server.cpu_devices import prefer_wide_vectors
 
-codegen_flags()  # the server's XLA:CPU codegen settings, before jax starts (if not already)
+prefer_wide_vectors()  # the server's XLA:CPU codegen setting, before jax starts (if not already)
 
 import numpy as np  # noqa: E402
 from vit22b.model.config import ViTConfig  # noqa: E402

@@ -9,14 +9,14 @@ import os
 import socket
 
 import pytest
-from vit22b.server.cpu_devices import codegen_flags  # jax-free
+from vit22b.server.cpu_devices import prefer_wide_vectors  # jax-free
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 # The server's XLA:CPU code generation here too, and in every process a test starts (they
 # inherit it): a job's engine workers must compute what this process computes, bit for bit.
-codegen_flags()
+prefer_wide_vectors()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

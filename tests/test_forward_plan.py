@@ -329,68 +329,6 @@ def test_server_cli_asks_for_wide_vectors_only_on_avx512_and_unless_the_user_cho
     assert "--xla_cpu_prefer_vector_width=128" in flags and "=512" not in flags, flags
 
 
-def test_server_cli_routes_dots_to_onednn_only_on_intel_and_unless_the_user_chose():
-    intel = cpu_devices.cpu_vendor() == "GenuineIntel"
-    flags = _after_cli_import(None)[1]
-    assert (cpu_devices.ONEDNN_DOTS in flags) == intel, flags
-    flags = _after_cli_import("--xla_cpu_use_onednn=false")[1]
-    assert "--xla_cpu_use_onednn=false" in flags and "=true" not in flags, flags
-
-
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", None])
-def test_onednn_dots_rule_by_vendor(vendor):
-    """The rule itself, on each vendor, in a process where jax has not started (after it, a
-    flag would change nothing and none is set)."""
-    code = ("import vit22b.server.cpu_devices as c\n"
-            f"c.cpu_vendor = lambda: {vendor!r}\n"
-            "env = {'XLA_FLAGS': '--x=1'}\n"
-            "print(c.onednn_float32_dots(env), env['XLA_FLAGS'])\n"
-            "import jax\n"
-            "env = {}\n"
-            "print(c.onednn_float32_dots(env), env)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    before, after = out.stdout.strip().splitlines()[-2:]
-    if vendor == "GenuineIntel":
-        assert before == f"True --x=1 {cpu_devices.ONEDNN_DOTS}"
-    else:
-        assert before == "False --x=1"
-    assert after == "False {}"
-
-
-def _onednn_bodies(program: str) -> list[str]:
-    """The computations a compiled program's oneDNN fusions call, as text."""
-    names = re.findall(r'calls=(%[\w.]+),[^\n]*"__onednn_fusion"', program)
-    return [program[program.index(f"\n{n} "):].split("\n}\n", 1)[0] for n in names]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_onednn_takes_float32_dots_only(dtype):
-    """Where the rule is on (this process's flags, as the server's), the float32 forward's dots
-    run in oneDNN fusions, and the bf16 forward's bf16 dots stay YNNPACK's (the forward measured
-    without the rule): a oneDNN fusion there holds only float32 (the MAP head's one-query
-    attention). Where the rule is off, no oneDNN fusion at all."""
-    cfg = PARALLEL.replace(compute_dtype=dtype)
-    mesh = make_mesh("data=1,model=1", jax.devices()[:1])
-    engine = Engine(cfg, random_params(cfg), mesh, fingerprint="f", source="s",
-                    max_batch_images=2)
-    try:
-        program = engine.compiled(2, engine.resolve(REQUEST), engine.grid).as_text()
-    finally:
-        engine.close()
-    bodies = _onednn_bodies(program)
-    assert len(bodies) == program.count('"__onednn_fusion"')
-    if cpu_devices.ONEDNN_DOTS not in os.environ.get("XLA_FLAGS", ""):
-        assert not bodies
-        return
-    assert all(" dot(" in body and "bf16[" not in body for body in bodies), bodies
-    if dtype == "float32":
-        assert len(bodies) >= 3 * cfg.depth  # the blocks' dots: at least three a block
-    else:
-        assert "bf16[" in program  # the bf16 dots are there, outside oneDNN
-
-
 def test_auto_compute_dtype_is_float32_only_where_bf16_would_be_emulated():
     avx2 = frozenset({"fma", "avx2"})
     for flags in ({"avx512f", "avx512_bf16"}, {"amx_bf16", "amx_tile"}, {"asimd", "bf16"}):
