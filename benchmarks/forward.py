@@ -12,7 +12,7 @@ OpenVINO; f32 and bf16 (the engine's bf16 policy: bf16 matmul inputs, f32 accumu
 activations; torch as bf16 weights and under ``torch.autocast``; OpenVINO's bf16 inference
 precision). Each repeat runs every side once, in turn (engine, then the peers), after warm-up;
 medians are compared, and the ratio is the engine's over the BEST peer of that dtype and batch.
-MFU is achieved FLOP/s (``model.info.flops_per_image``) over (a) the best GEMM GFLOP/s measured
+MFU is achieved FLOP/s (``ViTConfig.flops_per_image``) over (a) the best GEMM GFLOP/s measured
 in this run (JAX or torch, same dtype; ``benchlib.CPU_GEMMS``) and (b) the CPU's theoretical
 peak (``benchlib.theoretical_peak``: cores x FMA units x lanes x 2 x clock, assumptions stated).
 
@@ -126,13 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     import torch
-    from vit22b.model.info import flops_per_image
     from vit22b.model.sharding import make_mesh, shard_params
     from vit22b.server.engine import Engine, auto_mesh
 
     peer = hf_peer(args.model, args.seed)
     cfg, params, source = imported(peer, args.model)
-    flops = flops_per_image(cfg)
+    flops = cfg.flops_per_image()
     log(f"{args.model}: {flops / 1e9:.1f} GFLOP/image; torch threads {torch.get_num_threads()}, "
         f"jax devices {jax.device_count()}, attention {peer.config._attn_implementation}")
     peaks = {} if args.no_peak else matmul_peaks()

@@ -12,7 +12,7 @@ peer, a CUDA torch and timm (run through tests/peers.py's torchvision stand-in).
   timm's own seeded init, eager, ``inference_mode``; skipped (and said so) if it does not fit;
 - peak: the best bf16 GEMM (f32 accumulation, n = 8192 and 16384) of JAX and torch on this GPU,
   same run;
-- MFU: ``model.info.flops_per_image`` x images/s over that peak (and over the datasheet figure
+- MFU: ``ViTConfig.flops_per_image`` x images/s over that peak (and over the datasheet figure
   given by ``--datasheet-tflops``, for reference only).
 Each repeat runs the engine then the peer, after warm-up; medians are compared.
 
@@ -108,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     from vit22b.model import get_config
-    from vit22b.model.info import flops_per_image
     from vit22b.model.outputs import POOLED
     from vit22b.model.sharding import init_sharded, shard_params
     from vit22b.server.engine import Engine, auto_mesh
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"no GPU visible to jax (platform {platform!r}); use --dry-run to check on CPU")
         return 2
     cfg = get_config(args.model)
-    flops = flops_per_image(cfg)
+    flops = cfg.flops_per_image()
     mesh = auto_mesh(cfg)
     log(f"{cfg.name}: {flops / 1e12:.2f} TFLOP/image, {jax.devices()[0].device_kind}, "
         f"mesh {dict(mesh.shape)}")

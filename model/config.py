@@ -210,6 +210,21 @@ class ViTConfig:
         """Tokens of a sequence at ``grid``: the patches and the prefix tokens."""
         return grid[0] * grid[1] + self.num_prefix_tokens
 
+    def flops_per_image(self, grid: tuple[int, int] | None = None) -> int:
+        """Multiply-adds x 2 of one forward with the pooled output at ``grid`` (default: the
+        model's own): matmuls and attention products."""
+        n = grid[0] * grid[1] if grid else self.num_patches
+        t, d, h, hd = n + self.num_prefix_tokens, self.width, self.heads, self.head_dim
+        patch_embed = n * self.patch * self.patch * self.channels * d
+        mlp_mats = 3 if self.mlp == "swiglu" else 2  # SwiGLU adds its gate
+        block_dense = t * (4 * d * d + mlp_mats * d * self.mlp_dim)  # q, k, v, out + MLP
+        block_attn = 2 * h * t * t * hd  # logits and the weighted sum of values
+        macs = patch_embed + self.depth * (block_dense + block_attn)
+        if self.head == "map":
+            macs += n * 2 * d * d + 2 * d * d + 2 * h * n * hd + 2 * d * self.map_mlp_dim
+        macs += d * (self.num_classes + self.projection_dim)
+        return 2 * macs
+
     @property
     def num_prefix_tokens(self) -> int:
         """Tokens before the patches: the class token and the registers."""

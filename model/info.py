@@ -20,20 +20,6 @@ def count(tree) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
 
 
-def flops_per_image(cfg: ViTConfig) -> int:
-    """Multiply-adds x 2 of one forward with the pooled output: matmuls and attention products."""
-    t, n, d, h, hd = cfg.num_tokens, cfg.num_patches, cfg.width, cfg.heads, cfg.head_dim
-    patch_embed = n * cfg.patch * cfg.patch * cfg.channels * d
-    mlp_mats = 3 if cfg.mlp == "swiglu" else 2  # SwiGLU adds its gate
-    block_dense = t * (4 * d * d + mlp_mats * d * cfg.mlp_dim)  # q, k, v, out + MLP
-    block_attn = 2 * h * t * t * hd  # logits and the weighted sum of values
-    macs = patch_embed + cfg.depth * (block_dense + block_attn)
-    if cfg.head == "map":
-        macs += n * 2 * d * d + 2 * d * d + 2 * h * n * hd + 2 * d * cfg.map_mlp_dim
-    macs += d * (cfg.num_classes + cfg.projection_dim)
-    return 2 * macs
-
-
 def model_info(cfg: ViTConfig, mesh: str | None = None, dtype: str | None = None) -> dict:
     params = abstract_params(cfg)
     total = count(params)
@@ -44,7 +30,7 @@ def model_info(cfg: ViTConfig, mesh: str | None = None, dtype: str | None = None
         "head_param_count": head,
         "total_param_count": total,
         "params_per_block": count(params["block_0"]),
-        "flops_per_image": flops_per_image(cfg),
+        "flops_per_image": cfg.flops_per_image(),
         "tokens": cfg.num_tokens,
         "image_size": cfg.image_size,
         "width": cfg.width,

@@ -135,7 +135,7 @@ class LocalExecutor:
         pass
 
     def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
-        place = engine.placement(bucket)
+        place = engine.placement(bucket, engine.cfg.grid_at(*pixels.shape[1:3]))
         batch = jax.device_put(pixels, place.batch_sharding)
         return jax.tree.map(np.asarray, engine.call(bucket, outputs, place, batch))
 
@@ -380,13 +380,14 @@ class Engine:
         )
         return fn
 
-    def placement(self, bucket: int) -> Placement:
-        """Where a bucket runs: the mesh, or its first data rows (small buckets).
+    def placement(self, bucket: int, grid: Grid | None = None) -> Placement:
+        """Where a bucket of ``grid`` images runs: the mesh, or its first data rows
+        (``Plan.rows``: small buckets, little work).
 
         A row's devices already hold the parameters (they are replicated over data): the
         smaller mesh's arrays are views of those buffers, not copies.
         """
-        rows = self.plan.rows(bucket)
+        rows = self.plan.rows(bucket, grid)
         with self._lock:
             if rows not in self._placements:
                 mesh = Mesh(self.mesh.devices[:rows], self.mesh.axis_names)
@@ -421,7 +422,7 @@ class Engine:
                                                     batch)
 
     def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid):
-        cfg, place = self.cfg, self.placement(bucket)
+        cfg, place = self.cfg, self.placement(bucket, grid)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
         fold = self.plan.fold_heads

@@ -10,6 +10,8 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
   compiled forward per bucket, padding at most doubles a batch;
 - small buckets: on a single-process CPU host also 1, 2, 4 .. below the data axis, run on that
   many of its rows (emulated devices share the cores: one image on one device gets them all);
+- rows by work: there too, a bucket runs on as many rows as each get ``CPU_MIN_ROW_FLOPS`` of
+  work at its grid (a row's program costs a fixed CPU time whatever its batch);
 - compute dtype ``auto`` (the serving and job default): the checkpoint's or preset's, except
   float32 in place of a bfloat16 default on a CPU without bf16 instructions, where XLA:CPU
   emulates bf16 matmuls and the forward is slower than in float32 (and inexact);
@@ -29,6 +31,11 @@ from vit22b.model.config import ViTConfig
 # A step's widest activation (f32, tokens x the MLP hidden, plus q/k/v in a parallel block) is
 # kept to about a third of a 32 MB L3: ViT-B/16 runs 4 images per device and step.
 CPU_CHUNK_BYTES = 10 << 20
+# A data row's program costs a fixed CPU time whatever its batch (XLA:CPU's runtime per
+# operation): for the 4-block tiny model about 0.7 ms of 1.3 at batch 2. Below this much work a
+# row a bucket runs on fewer rows: the tiny model's buckets of 2-8 images (8.5 MFLOP an image) on
+# one, ViT-Ti/16 (2.5 GFLOP) and larger on every row (benchmarks/NOTES.md, "Rows by work").
+CPU_MIN_ROW_FLOPS = 50_000_000
 # Emulated CPU devices on the data axis of a single-process CPU host, by compute dtype.
 CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
 CPU_DEVICES = max(CPU_DATA_PARALLEL.values())  # what the server asks XLA for
@@ -104,6 +111,7 @@ class Plan:
     chunk_override: int | None = None
     max_batch_patches: int = 0  # a batch's padded patches (0: images alone bound it)
     model: int = 1  # the mesh's model axis
+    fewer_rows: bool = False  # buckets may run on fewer data rows (small buckets, rows by work)
 
     @classmethod
     def make(
@@ -127,7 +135,7 @@ class Plan:
         buckets = below + batch_buckets(max_batch_images, data)
         if max_batch_patches < 0:
             raise ValueError(f"max_batch_patches must be >= 0, got {max_batch_patches}")
-        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model)
+        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model, small)
 
     @property
     def max_batch_images(self) -> int:
@@ -158,13 +166,20 @@ class Plan:
         ones and would gather q, k and v on every block."""
         return self.model == 1
 
-    def rows(self, bucket: int) -> int:
-        """Data rows of the mesh a bucket runs on (fewer than all for small buckets)."""
-        return min(bucket, self.data)
+    def rows(self, bucket: int, grid: tuple[int, int] | None = None) -> int:
+        """Data rows of the mesh a bucket of ``grid`` images runs on (default: the model's own
+        grid): every row, or with ``fewer_rows`` no more than it has images, nor than get
+        ``CPU_MIN_ROW_FLOPS`` of work each (a divisor of the bucket)."""
+        rows = min(bucket, self.data)
+        if self.fewer_rows:
+            work = bucket * self.cfg.flops_per_image(grid)
+            while rows > 1 and (bucket % rows or work < rows * CPU_MIN_ROW_FLOPS):
+                rows -= 1
+        return rows
 
     def chunk_images(self, bucket: int, grid: tuple[int, int] | None = None) -> int:
         """Images per data shard in each sequential step of this bucket's forward."""
-        local = bucket // self.rows(bucket)
+        local = bucket // self.rows(bucket, grid)
         if self.chunk_override is not None:
             override = self.chunk_override
             return local if override == 0 else largest_divisor(local, override)

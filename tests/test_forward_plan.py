@@ -21,6 +21,7 @@ from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.plan import (
     CPU_CHUNK_BYTES,
     CPU_DATA_PARALLEL,
+    CPU_MIN_ROW_FLOPS,
     Plan,
     auto_compute_dtype,
     largest_divisor,
@@ -287,7 +288,42 @@ def test_a_batch_smaller_than_the_data_axis_runs_on_one_row(tiny_engines):
     pixels = images(auto.cfg, n=1)
     want = padded.forward(pixels, request)
     _assert_same(auto.forward(pixels, request), want, TOLERANCE["bfloat16"])
-    assert auto.placement(2) is auto.placement(8)  # two images or more: the whole mesh
+    assert auto.placement(2) is row  # the tiny model's 2-8 images: too little work for two
+
+
+def test_a_bucket_takes_the_rows_its_work_pays_for(tiny_engines):
+    """Rows by work (``CPU_MIN_ROW_FLOPS``): a row's program costs a fixed CPU time, so a bucket
+    runs on as many data rows as each get enough work, at the grid of its images."""
+    auto, padded = tiny_engines["auto"], tiny_engines["precast"]
+    tiny = auto.cfg
+    assert 8 * tiny.flops_per_image() < 2 * CPU_MIN_ROW_FLOPS <= 16 * tiny.flops_per_image()
+    assert [auto.plan.rows(b) for b in auto.buckets] == [1, 1, 1, 1]
+    assert [padded.plan.rows(b) for b in padded.buckets] == [2, 2, 2]  # fewer rows off: all
+    assert auto.plan.rows(2, (16, 16)) == 2  # 257 tokens an image: both rows
+    assert auto.placement(2, (16, 16)) is auto.placement(8, (16, 16))
+    assert dict(auto.placement(2, (16, 16)).mesh.shape) == {"data": 2, "model": 4}
+
+    def plan(name: str, data: int, max_images: int, **kw) -> Plan:
+        return Plan.make(get_config(name), platform="cpu", data=data, process_count=1,
+                         max_batch_images=max_images, **kw)
+
+    bigger = plan("vit-22b-tiny/16", 2, 64)
+    assert [(b, bigger.rows(b)) for b in bigger.buckets] == [
+        (1, 1), (2, 1), (4, 1), (8, 1), (16, 2), (32, 2), (64, 2)]
+    assert bigger.chunk_images(8) == 8 and bigger.chunk_images(16) == 8  # per row
+    vit_ti = plan("vit-ti/16", 2, 8)
+    assert [vit_ti.rows(b) for b in vit_ti.buckets] == [1, 2, 2, 2]
+    odd = plan("vit-ti/16", 3, 12)  # a row count that must divide the bucket
+    assert [(b, odd.rows(b)) for b in odd.buckets] == [(1, 1), (2, 2), (3, 3), (6, 3), (12, 3)]
+    group = Plan.make(tiny, platform="cpu", data=2, process_count=2, max_batch_images=8)
+    assert [group.rows(b) for b in group.buckets] == [2, 2, 2]  # every process takes part
+    gpu = Plan.make(tiny, platform="gpu", data=2, process_count=1, max_batch_images=8)
+    assert [gpu.rows(b) for b in gpu.buckets] == [2, 2, 2]
+    # a bucket on one row computes what the mesh computes
+    request = auto.resolve(OutputRequest(pooled=True, patch_layers=(0,)))
+    pixels = images(tiny, n=7)
+    _assert_same(auto.forward(pixels, request), padded.forward(pixels, request),
+                 TOLERANCE["bfloat16"])
 
 
 def test_negative_chunk_override_is_refused():
