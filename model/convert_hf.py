@@ -222,6 +222,11 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
     return out
 
 
+# the backbone's prefix in transformers' task models other than ViT's (Dinov2ForImageClassification
+# reads [CLS, mean of the patches] into its classifier)
+_TASK_WRAPPERS = ("dinov2.", "dinov2_with_registers.", "dinov3_vit.", "clip.", "siglip.")
+
+
 def _family_of_keys(t: SourceTensors) -> str:
     if "layer.0.norm1.weight" in t:
         return "dinov3_vit"
@@ -231,9 +236,12 @@ def _family_of_keys(t: SourceTensors) -> str:
         return "clip_vision_model" if "embeddings.class_embedding" in t else "siglip_vision_model"
     if "encoder.layer.0.layernorm_before.weight" in t:
         return "vit"
+    wrapped = sorted({k.split(".")[0] for k in t.tensors if k.startswith(_TASK_WRAPPERS)})
     raise ConvertError(
         f"hf checkpoint: not a supported vision model (ViT, DINOv2, DINOv3 ViT, CLIP or SigLIP "
         f"vision tower); its keys begin: {t.some_keys()}"
+        + (f" (a task model around {', '.join(wrapped)}: only ViTForImageClassification's head "
+           "is supported; save and convert its backbone model alone)" if wrapped else "")
     )
 
 
@@ -258,9 +266,26 @@ def family(t: SourceTensors, side: dict) -> str:
     return model_type
 
 
+def _image_size(side: dict) -> int | None:
+    """config.json's ``image_size`` (an int, or [height, width]) as one side; None where it
+    gives none. The model's grid is square: a non-square size is refused, not read as one."""
+    size = side.get("image_size")
+    if size is None:
+        return None
+    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    if len(sides) != 2 or not all(isinstance(v, int) and v > 0 for v in sides):
+        raise ConvertError(f"hf checkpoint: config.json has image_size={size!r}: expected a "
+                           "positive int or [height, width]")
+    if sides[0] != sides[1]:
+        raise ConvertError(f"hf checkpoint: config.json has image_size={size!r}, a non-square "
+                           "input; only square patch grids are supported")
+    return sides[0]
+
+
 def _check_side(side: dict, cfg: ViTConfig) -> None:
     """config.json's sizes, where it gives them, must be the weights'."""
     swiglu = cfg.mlp == "swiglu" or side.get("use_swiglu_ffn")  # its intermediate_size is unused
+    size = _image_size(side)
     weights = {
         "hidden_size": cfg.width,
         "num_hidden_layers": cfg.depth,
@@ -269,7 +294,10 @@ def _check_side(side: dict, cfg: ViTConfig) -> None:
         "num_register_tokens": cfg.num_registers,
         "projection_dim": cfg.projection_dim or None,
     }
-    check_claims("hf", "config.json", {k: (side.get(k), v) for k, v in weights.items()})
+    claims = {k: (side.get(k), v) for k, v in weights.items()}
+    # the position table's grid; transformers crops a size that is not whole patches
+    claims["image_size // patch_size"] = (None if size is None else size // cfg.patch, cfg.grid)
+    check_claims("hf", "config.json", claims)
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
@@ -280,7 +308,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     b = lay.block.format(i=0)
     class_token = lay.cls is not None
     if lay.pos is None:  # DINOv3: rotary; the grid is the config's image size
-        grid = int(side.get("image_size", 224)) // patch
+        grid = (_image_size(side) or 224) // patch
         covers_cls = False
     else:
         grid, covers_cls = grid_of(t.shape(lay.pos)[-2], class_token)
@@ -301,7 +329,11 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp_dim = t.shape(b + lay.fc1 + ".weight")[0]
     if "layer_norm_eps" not in side:
         t.notes.append(f"no config.json: LayerNorm epsilon {lay.eps} ({name}'s default)")
-    heads = infer_heads(t, hints, None, width, side.get("num_attention_heads"))
+    said = side.get("num_attention_heads")
+    if hints.heads and said and hints.heads != said:
+        raise ConvertError(f"hf checkpoint: --heads {hints.heads} contradicts config.json's "
+                           f"num_attention_heads={said}")
+    heads = infer_heads(t, hints, None, width, said)
     head = "cls" if class_token else "map" if "head.probe" in t else "gap"
     if head == "gap":
         t.notes.append("no class token and no attention-pooling head: the pooled output is the "

@@ -62,14 +62,22 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             f"{t.source} checkpoint: not a timm VisionTransformer (no patch_embed.proj and "
             f"blocks.0.norm1 / blocks.0.in_norm); its keys begin: {t.some_keys()}"
         )
+    _refuse_architecture(t, side)
     for key, what in (
         ("dist_token", "a distillation token"),
+        ("blocks.0.mlp.fc1_g.weight", "a SwiGLU MLP with its gate and value apart (timm SwiGLU; "
+         "the packed SwiGLUPacked is supported)"),
         ("fc_norm.weight", "a norm after average pooling (timm fc_norm)"),
         ("patch_embed.norm.weight", "a norm inside the patch embedding"),
         ("attn_pool.q_norm.weight", "QK-norm in the attention-pooling head"),
         ("attn_pool.pos_embed", "a position embedding in the attention-pooling head"),
     ):
         t.refuse(key, what)
+    if "norm.weight" not in t:
+        raise ConvertError(
+            f"{t.source} checkpoint: no final norm ('norm.weight'): models without one (timm "
+            "final_norm=False) are not supported"
+        )
     if "pos_embed" not in t:
         raise ConvertError(
             f"{t.source} checkpoint: no 'pos_embed': models without a learned "
@@ -83,6 +91,10 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     registers = t.shape("reg_token")[1] if "reg_token" in t else 0
     _refuse_registers_in_table(t, model_args, class_token, registers)
     grid, covers_cls = grid_of(t.shape("pos_embed")[1], class_token)
+    sized = model_args.get("img_size") or (side.get("pretrained_cfg") or {}).get("input_size")
+    if sized is None:  # nothing tells a non-square input apart
+        t.notes.append(f"no timm config.json giving img_size: the position table read as a "
+                       f"square {grid}x{grid} grid")
     first_norm = "blocks.0.in_norm" if parallel else "blocks.0.norm1"
     layernorm = f"{first_norm}.bias" in t
     norm = "layernorm" if layernorm else "rmsnorm"
@@ -120,18 +132,20 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
                            "class token (timm's default, global_pool='token')")
     elif pool in (None, "avg"):
         head = "gap"
+        if pool is None:  # max and avgmax pooled models' weights look the same
+            t.notes.append("no timm config.json giving global_pool: pooled output read as the "
+                           "average of the patch tokens (global_pool='avg')")
     else:
         raise ConvertError(f"{t.source} checkpoint: global_pool={pool!r} is not supported")
     head_mlp = t.shape("attn_pool.mlp.fc1.weight")[0] if head == "map" else None
     gated = not parallel and t.shape("blocks.0.mlp.fc1.weight")[0] == 2 * mlp_dim  # SwiGLUPacked
-    mlp, gelu_exact = ("swiglu", True) if gated else _activation(side, t)
+    mlp, gelu_exact = _gated(side, t) if gated else _activation(side, t)
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     cfg = sizes.config(
         patch_bias="patch_embed.proj.bias" in t,  # timm's pre-norm models have none
         block="parallel" if parallel else "sequential",
         norm=norm,
-        # timm's CLIP towers build their LayerNorms with OpenAI's eps; every other ViT with 1e-6
-        norm_eps=1e-5 if "_clip_" in str(side.get("architecture", "")) else 1e-6,
+        norm_eps=_norm_eps(side, t),
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,
@@ -197,6 +211,55 @@ def _activation(side: dict, t: SourceTensors) -> tuple[str, bool]:
     return "gelu", True
 
 
+def _norm_eps(side: dict, t: SourceTensors) -> float:
+    """timm's CLIP towers build their LayerNorms with OpenAI's eps; every other ViT with 1e-6."""
+    architecture = str(side.get("architecture", ""))
+    if not architecture and "norm_pre.weight" in t:
+        t.notes.append("no timm config.json naming the architecture: LayerNorm epsilon read as "
+                       "1e-6 (timm's ViTs; its CLIP towers, which have this norm before the "
+                       "blocks too, use 1e-5)")
+    return 1e-5 if "_clip_" in architecture else 1e-6
+
+
+def _gated(side: dict, t: SourceTensors) -> tuple[str, bool]:
+    """A packed gated MLP: SwiGLU (SiLU on the first half: timm's SwiGLUPacked as its DINOv2
+    giants build it). timm's Block hands its act_layer to the MLP, so config.json's must be
+    SiLU; another packed GLU (GluMlp's gate is the second half) is refused."""
+    args = side.get("model_args") or {}
+    act, layer = args.get("act_layer"), args.get("mlp_layer")
+    if layer is not None and layer != "SwiGLUPacked":
+        raise ConvertError(f"{t.source} checkpoint: mlp_layer={layer!r} is not supported "
+                           "(a gated MLP must be SwiGLUPacked)")
+    if act is not None and act not in ("silu", "swish"):
+        raise ConvertError(f"{t.source} checkpoint: a gated MLP with act_layer={act!r} is not "
+                           "supported (only silu: SwiGLU)")
+    if act is None:
+        t.notes.append("no timm config.json giving act_layer: the gated MLP read as SwiGLU (SiLU "
+                       "on the first half, timm's SwiGLUPacked)")
+    return "swiglu", True
+
+
+# timm models whose weights can look like a VisionTransformer's but compute otherwise: post-norm
+# residual blocks (ResPostBlock, the *_rpn_* models) and rotary position embeddings (timm's
+# eva.py: eva*, vit_*_rope_*, vit_pe_*), told by config.json's architecture and model_args
+_OTHER_BLOCKS = {"ResPostBlock": "post-norm residual blocks (ResPostBlock)"}
+
+
+def _refuse_architecture(t: SourceTensors, side: dict) -> None:
+    architecture = str(side.get("architecture", ""))
+    args = side.get("model_args") or {}
+    why = None
+    if "_rpn_" in architecture or args.get("block_fn") in _OTHER_BLOCKS:
+        why = _OTHER_BLOCKS["ResPostBlock"]
+    elif args.get("block_fn") not in (None, "Block", "ParallelScalingBlock"):
+        why = f"block_fn={args['block_fn']!r}"
+    elif (architecture.startswith(("eva", "vit_pe_")) or "_rope_" in architecture
+          or args.get("use_rot_pos_emb")):
+        why = "timm's Eva models (rotary position embeddings, their own blocks)"
+    if why:
+        raise ConvertError(f"{t.source} checkpoint: not supported: {why}")
+
+
 def _square_count(n: int) -> bool:
     return math.isqrt(n) ** 2 == n
 
@@ -214,6 +277,10 @@ def _refuse_registers_in_table(t: SourceTensors, model_args: dict, class_token: 
         n_pos = t.shape("pos_embed")[1]
         rows = n_pos - class_token - registers
         covered = not _square_count(n_pos) and rows > 0 and _square_count(rows)
+        if not covered and rows > 0 and _square_count(rows):  # both readings square
+            t.notes.append(f"no timm config.json giving no_embed_class: the position table's "
+                           f"{n_pos} rows read as the patches' alone (timm's default for register "
+                           f"models), not as {rows} patches after the prefix tokens")
     if covered:
         raise ConvertError(
             f"{t.source} checkpoint: its position table covers the class and {registers} "

@@ -336,9 +336,8 @@ class MAPHead(nn.Module):
         y = y + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         z = _norm(cfg, "norm")(y)
         z = dot("btd,df->btf", z, self.param("w_fc1", _xavier(), (d, cfg.map_mlp_dim), pdt), cdt)
-        z = gelu(
-            z + self.param("b_fc1", _zeros, (cfg.map_mlp_dim,), pdt).astype(F32), cfg.gelu_exact
-        )
+        # the blocks' nonlinearity: timm's and transformers' pooling heads take the model's
+        z = activation(z + self.param("b_fc1", _zeros, (cfg.map_mlp_dim,), pdt).astype(F32), cfg)
         z = dot("btf,fd->btd", z, self.param("w_fc2", _xavier(), (cfg.map_mlp_dim, d), pdt), cdt)
         z = z + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
         return (y + z)[:, 0]

@@ -142,6 +142,15 @@ HF_CASES = {
         True,
         {"head": "map", "gelu_exact": False, "class_token": False},
     ),
+    # the pooling head's MLP takes the model's activation too (transformers' hidden_act)
+    "siglip-quick-gelu": (
+        "SiglipVisionModel",
+        "SiglipVisionConfig",
+        dict(intermediate_size=96, hidden_act="quick_gelu"),
+        _siglip_outputs,
+        True,
+        {"head": "map", "mlp": "quick_gelu"},
+    ),
 }
 
 
@@ -205,6 +214,42 @@ def test_hf_config_that_contradicts_the_weights_names_both(tmp_path):
         convert("hf", tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "swin"}))
     with pytest.raises(ConvertError, match="model_type='swin', which is not supported"):
+        convert("hf", tmp_path / "m")
+    # the image size must be the position table's grid, and square (a 3x5 table plus the class
+    # token is 16 rows: it would read as a 4x4 grid without one)
+    grid = config["image_size"] // config["patch_size"]
+    for size, message in (
+        ([16, 24], r"image_size=\[16, 24\], a non-square input"),
+        (config["image_size"] * 2,
+         rf"image_size // patch_size: config.json has {2 * grid}, the weights have {grid}"),
+        ("16", "image_size='16': expected a positive int or \\[height, width\\]"),
+    ):
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "image_size": size}))
+        with pytest.raises(ConvertError, match=message):
+            convert("hf", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError, match="--heads 2 contradicts config.json's "
+                                           f"num_attention_heads={config['num_attention_heads']}"):
+        convert("hf", tmp_path / "m", Hints(heads=2))
+    assert convert("hf", tmp_path / "m", Hints(heads=config["num_attention_heads"])).config
+
+
+def test_hf_rotary_model_with_a_non_square_size_is_refused(tmp_path):
+    model = _hf("DINOv3ViTModel", "DINOv3ViTConfig", seed=4, intermediate_size=96)
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "image_size": [16, 32]}))
+    with pytest.raises(ConvertError, match="a non-square input"):
+        convert("hf", tmp_path / "m")
+
+
+def test_a_task_model_around_a_backbone_names_what_is_unsupported(tmp_path):
+    import transformers
+
+    config = transformers.Dinov2Config(**SHAPE, num_labels=3)
+    transformers.Dinov2ForImageClassification(config).save_pretrained(tmp_path / "m")
+    with pytest.raises(ConvertError, match="a task model around dinov2: only "
+                                           "ViTForImageClassification's head is supported"):
         convert("hf", tmp_path / "m")
 
 

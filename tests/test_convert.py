@@ -417,6 +417,52 @@ def _convert_state(state, tmp_path, **hints):
     return convert("timm", tmp_path / "s.safetensors", Hints(**hints))
 
 
+def _convert_with_config(model, tmp_path, architecture: str, **model_args):
+    """``model``'s weights beside a timm config.json naming ``architecture`` and ``model_args``."""
+    folder = tmp_path / architecture
+    folder.mkdir()
+    save_file(model.state_dict(), str(folder / "model.safetensors"))
+    config = {"architecture": architecture, "num_classes": model.num_classes,
+              "model_args": {"num_heads": TINY["num_heads"], **model_args}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return convert("timm", folder)
+
+
+def test_timm_models_that_compute_otherwise_are_refused_not_misread(tmp_path):
+    """Weights laid out as a VisionTransformer's whose code computes something else: what
+    config.json says of the architecture and the MLP decides, and a bare file's guesses are
+    named in the notes."""
+    from timm.layers import SwiGLU, SwiGLUPacked
+
+    post_norm = timm.create_model("vit_base_patch16_rpn_224", pretrained=False,
+                                  **{**TINY, "img_size": 32}, fc_norm=False)
+    with pytest.raises(ConvertError, match=r"post-norm residual blocks \(ResPostBlock\)"):
+        _convert_with_config(post_norm, tmp_path, "vit_base_patch16_rpn_224")
+    plain = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY)
+    with pytest.raises(ConvertError, match="timm's Eva models"):  # rotary: no weights show it
+        _convert_with_config(plain, tmp_path, "vit_base_patch16_rope_reg1_gap_256")
+    packed = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY,
+                               mlp_layer=SwiGLUPacked, mlp_ratio=4)
+    with pytest.raises(ConvertError, match="a gated MLP with act_layer='gelu'"):
+        _convert_with_config(packed, tmp_path, "vit_a", act_layer="gelu")
+    with pytest.raises(ConvertError, match="mlp_layer='GluMlp' is not supported"):
+        _convert_with_config(packed, tmp_path, "vit_b", mlp_layer="GluMlp")
+    bare = _convert_state(packed.state_dict(), tmp_path, heads=4)
+    assert any("gated MLP read as SwiGLU" in note for note in bare.notes)
+    apart = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY, mlp_layer=SwiGLU)
+    with pytest.raises(ConvertError, match="a SwiGLU MLP with its gate and value apart"):
+        _convert_state(apart.state_dict(), tmp_path, heads=4)
+    no_norm = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY,
+                                final_norm=False)
+    with pytest.raises(ConvertError, match=r"no final norm \('norm.weight'\)"):
+        _convert_state(no_norm.state_dict(), tmp_path, heads=4)
+    averaged = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY,
+                                 class_token=False, global_pool="avg", fc_norm=False)
+    notes = _convert_state(averaged.state_dict(), tmp_path, heads=4).notes
+    assert any("read as the average of the patch tokens" in note for note in notes)
+    assert any("read as a square 4x4 grid" in note for note in notes)
+
+
 def test_missing_unexpected_and_misshaped_keys_are_named(timm_state, tmp_path):
     state = dict(timm_state)
     del state["blocks.1.attn_out_proj.weight"]
