@@ -2,14 +2,15 @@
 
 Each ``--side NAME:OPTIONS`` is one engine on the same seeded weights: ``mesh=SPEC`` (on the
 first data x model devices; default: the engine's own ``auto``), ``chunk=N`` (images per shard
-and step; 0: none). Every round runs every side once per batch size (``--calls`` forwards, after
+and step; 0: none), ``small=0`` (every bucket on every data row: no small buckets, no rows by
+work). Every round runs every side once per batch size (``--calls`` forwards, after
 warm-up), so a drift of the machine's speed falls on all sides alike; reported per side and
 batch are the medians over rounds of wall and process-CPU microseconds per forward, and each
 side's ratios to the first side. Pooled features are checked against the first side's (their
 largest relative difference is printed: a plan changes where rows run, not what they compute).
 
-    python benchmarks/plan_ab.py --model vit-22b-tiny/16 --side two:mesh=data=2 \
-        --side one:mesh=data=1 --batches 2 4 8 16                # small buckets on one row
+    python benchmarks/plan_ab.py --model vit-22b-tiny/16 --side every-row:small=0 \
+        --side plan: --batches 2 4 8 16 32                       # rows by work
     python benchmarks/plan_ab.py --dtype bfloat16 --batches 8 --side data:mesh=data=2 \
         --side model:mesh=data=1,model=2                         # ViT-B/16: the model axis
     python benchmarks/plan_ab.py --dtype bfloat16 --batches 8 --side c4:chunk=4 --side c2:chunk=2
@@ -28,22 +29,23 @@ from benchlib import emit, log, machine, median
 
 
 def parse_side(text: str) -> tuple[str, dict]:
-    """``NAME:key=value,...`` where a value may itself hold ``=`` and ``,`` only for ``mesh``
+    """``NAME:key=value,...``; a value may itself hold ``=`` and ``,`` only for ``mesh``
     (``one:mesh=data=1,model=1,chunk=2``: ``mesh`` takes every ``axis=n`` after it)."""
     name, _, rest = text.partition(":")
     options: dict = {}
     key = None
     for part in filter(None, rest.split(",")):
         head, _, value = part.partition("=")
-        if head in ("mesh", "chunk"):
+        if head in ("mesh", "chunk", "small"):
             key = head
             options[key] = value
         elif key == "mesh":  # another axis of the mesh spec
             options["mesh"] += "," + part
         else:
-            raise SystemExit(f"--side {text!r}: unknown option {head!r} (mesh=, chunk=)")
-    if "chunk" in options:
-        options["chunk"] = int(options["chunk"])
+            raise SystemExit(f"--side {text!r}: unknown option {head!r} (mesh=, chunk=, small=)")
+    for key in ("chunk", "small"):
+        if key in options:
+            options[key] = int(options[key])
     return name, options
 
 
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[8])
     parser.add_argument("--side", action="append", required=True, dest="sides",
-                        help="NAME:mesh=SPEC,chunk=N (repeatable; the first is the reference)")
+                        help="NAME:mesh=SPEC,chunk=N,small=0 (repeatable; the first is the "
+                        "reference)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=0,
                         help="forwards per side, batch and round (default: about 2 s of work)")
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             mesh = auto_mesh(cfg)
         engines[name] = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="plan_ab",
                                source="seeded", max_batch_images=max(args.batches),
-                               chunk_images=options.get("chunk"))
+                               chunk_images=options.get("chunk"),
+                               small_buckets=None if options.get("small", 1) else False)
         log(f"{name}: {engines[name].mesh_spec}, buckets {engines[name].buckets}")
     reference = next(iter(engines))
     rng = np.random.default_rng(0)
