@@ -86,6 +86,9 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             )
         grid = hints.preset.grid
     head = "map" if "MAPHead_0/probe" in t else "cls" if class_token else "gap"
+    if head == "gap":  # big_vision's pool_type is code: '0' and 'none' leave the same weights
+        t.notes.append("no class token and no MAPHead: pooled output read as the average of the "
+                       "patch tokens (big_vision pool_type 'gap'; '0' would take the first token)")
     mlp_dim = t.shape("Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel")[1]
     head_mlp = t.shape("MAPHead_0/MlpBlock_0/Dense_0/kernel")[1] if head == "map" else None
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)

@@ -75,6 +75,12 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         ("transformer.resblocks.0.mlp.ln.weight", "a norm inside the MLP (scale_fc)"),
     ):
         t.refuse(key, what)
+    if any(key.startswith("trunk.") for key in t.tensors):
+        raise ConvertError(
+            "open_clip checkpoint: an image tower built on a timm model (vision_cfg."
+            "timm_model_name, keys 'trunk.*') is not supported; only open_clip's own "
+            "VisionTransformer is"
+        )
     model_cfg = side.get("model_cfg", {})
     vision = model_cfg.get("vision_cfg", {})
     if vision.get("pool_type", "tok") != "tok" or vision.get("attentional_pool"):
@@ -83,6 +89,10 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             f"attentional_pool={vision.get('attentional_pool')!r}: only class-token pooling "
             "('tok') is supported"
         )
+    if not vision:  # a bare tower: what is code, not weights, is assumed and said
+        t.notes.append("no open_clip_config.json: pooling read as the class token (pool_type "
+                       "'tok'), LayerNorm epsilon 1e-5 and the exact GELU (norm_kwargs and "
+                       "act_kwargs unset)")
     width, channels, patch, _ = t.shape("conv1.weight")
     depth = count_blocks(t, r"transformer\.resblocks\.(\d+)\.")
     grid, covers_cls = grid_of(t.shape("positional_embedding")[0], True)
@@ -149,13 +159,26 @@ def _check_side(model_cfg: dict, cfg: ViTConfig) -> None:
     weights'."""
     vision = model_cfg.get("vision_cfg") or {}
     size = vision.get("image_size")
+    if isinstance(size, (list, tuple)):
+        if len(size) != 2 or size[0] != size[1]:
+            raise ConvertError(f"open_clip checkpoint: vision_cfg.image_size={size!r}, a "
+                               "non-square input: only square patch grids are supported")
+        size = size[0]
+    if size and size % cfg.patch:  # open_clip's conv drops the rest: its crop is not the grid's
+        raise ConvertError(f"open_clip checkpoint: vision_cfg.image_size={size} is not a whole "
+                           f"number of {cfg.patch}-pixel patches (open_clip's patch embedding "
+                           f"drops the last {size % cfg.patch} pixels of its crop), which is not "
+                           "supported")
     ratio = vision.get("mlp_ratio")
+    head_width = vision.get("head_width")
     claims = {
         "vision_cfg.width": (vision.get("width"), cfg.width),
         "vision_cfg.layers": (vision.get("layers"), cfg.depth),
         "vision_cfg.patch_size": (vision.get("patch_size"), cfg.patch),
-        "vision_cfg.image_size": (size[0] if isinstance(size, list) else size, cfg.image_size),
-        "vision_cfg.head_width": (vision.get("head_width"), cfg.head_dim),
+        "vision_cfg.image_size": (size, cfg.image_size),
+        # open_clip floors the head count: width // head_width heads of width // heads
+        "heads (vision_cfg.width // head_width)": (
+            head_width and vision.get("width", cfg.width) // head_width, cfg.heads),
         "the MLP width (vision_cfg.mlp_ratio x width)": (
             ratio and int(ratio * vision.get("width", cfg.width)),
             cfg.mlp_dim,

@@ -15,8 +15,10 @@ import signal
 import threading
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from vit22b.v1 import features_pb2 as pb
 
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
@@ -31,6 +33,43 @@ from .tracing import Tracing
 log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 IDLE_CONNECTION_MS = 5 * 60 * 1000
+
+
+def _v1_reflection_file() -> descriptor_pb2.FileDescriptorProto:
+    """grpc/reflection/v1/reflection.proto, which grpcio-reflection does not ship: v1alpha's
+    file with the package renamed (v1 renamed nothing else)."""
+    alpha, v1 = reflection_pb2.DESCRIPTOR.package, REFLECTION_V1.rpartition(".")[0]
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", v1
+    for message in proto.message_type:
+        for field in message.field:
+            if field.HasField("type_name"):  # messages and enums only
+                field.type_name = field.type_name.replace(f".{alpha}.", f".{v1}.")
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(f".{alpha}.", f".{v1}.")
+        method.output_type = method.output_type.replace(f".{alpha}.", f".{v1}.")
+    return proto
+
+
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    """The files reflection describes: every service it lists, v1's included (a client that
+    describes each listed service, as grpcurl's ``describe`` and Postman do, must find them
+    all); a pool of its own, so the process's default pool never holds a v1 file of ours."""
+    pool = descriptor_pool.DescriptorPool()
+
+    def add(file) -> None:
+        for dependency in file.dependencies:
+            add(dependency)
+        try:
+            pool.FindFileByName(file.name)
+        except KeyError:
+            pool.AddSerializedFile(file.serialized_pb)
+
+    for file in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        add(file)
+    pool.AddSerializedFile(_v1_reflection_file().SerializeToString())
+    return pool
 
 
 def _add_reflection(servicer: reflection.aio.ReflectionServicer,
@@ -177,7 +216,8 @@ class FeatureServer:
         library = ParsingRegistrar(server)  # their bodies parsed by their handlers
         health_pb2_grpc.add_HealthServicer_to_server(self.health, library)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
-        _add_reflection(reflection.aio.ReflectionServicer(names), library)
+        _add_reflection(reflection.aio.ReflectionServicer(names, pool=_reflection_pool()),
+                        library)
         address = f"{config.host}:{config.port}"
         if config.tls_cert:
             creds = server_credentials(config.tls_cert, config.tls_key)

@@ -532,6 +532,34 @@ def test_open_clip_without_its_config_needs_the_activation(tmp_path):
         "open_clip", tmp_path / "visual.safetensors", Hints(heads=4, mlp="quick_gelu")
     )
     assert converted.config.mlp == "quick_gelu"
+    assert any("no open_clip_config.json: pooling read as the class token" in note
+               for note in converted.notes)  # what a bare tower's code could have said
+
+
+def test_open_clip_head_counts_sizes_and_towers_as_open_clip_reads_them(tmp_path):
+    """open_clip floors width // head_width (72 // 32: 2 heads of 36); an image size that is
+    not whole patches, a non-square one and a timm-built tower are refused by name."""
+    vision = {**OPEN_CLIP_CFG["vision_cfg"], "width": 72, "head_width": 32}
+    peer_model = _open_clip_folder(tmp_path / "oc", {**OPEN_CLIP_CFG, "vision_cfg": vision},
+                                   seed=9)
+    converted = convert("open_clip", tmp_path / "oc")
+    assert (converted.config.heads, converted.config.head_dim) == (2, 36)
+    pixels = _pixels()
+    with torch.no_grad():
+        pooled = peer_model.visual(pixels)
+    check_parity("open_clip-floored-heads", "open_clip CLIP", converted, pixels.numpy(),
+                 {"pooled": pooled.numpy()}, True)
+    config = json.loads((tmp_path / "oc" / "open_clip_config.json").read_text())
+    for size, message in ((18, "image_size=18 is not a whole number of 4-pixel patches"),
+                          ([16, 32], r"image_size=\[16, 32\], a non-square input")):
+        config["model_cfg"]["vision_cfg"]["image_size"] = size
+        (tmp_path / "oc" / "open_clip_config.json").write_text(json.dumps(config))
+        with pytest.raises(ConvertError, match=message):
+            convert("open_clip", tmp_path / "oc")
+    save_file({"visual.trunk.patch_embed.proj.weight": torch.zeros(48, 3, 4, 4)},
+              str(tmp_path / "timm_tower.safetensors"))
+    with pytest.raises(ConvertError, match="an image tower built on a timm model"):
+        convert("open_clip", tmp_path / "timm_tower.safetensors", Hints(heads=4, mlp="gelu"))
 
 
 # ------------------------------------------------------------------------------------------

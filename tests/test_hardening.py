@@ -4,6 +4,7 @@ non-finite outputs, log floods, and random or mutated bytes on every method."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import queue
 import threading
@@ -125,6 +126,39 @@ def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):
             assert "vit22b.v1.FeatureService" in names
     finally:
         srv.stop()
+
+
+def test_a_client_that_knows_only_reflection_resolves_every_service_and_calls_embed(server):
+    """What grpcurl's ``describe`` and Postman do: every listed service's schema from reflection
+    (v1 and v1alpha alike), then a call built from it alone, the messages made at run time."""
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(server.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        pool = descriptor_pool.DescriptorPool(database)
+        listed = database.get_services()
+        assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection",
+                "grpc.health.v1.Health", "vit22b.v1.FeatureService"} <= set(listed)
+        methods = {name: [m.name for m in pool.FindServiceByName(name).methods]
+                   for name in listed}
+        assert methods["grpc.reflection.v1.ServerReflection"] == ["ServerReflectionInfo"]
+        assert pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest").fields
+        embed = pool.FindServiceByName("vit22b.v1.FeatureService").methods_by_name["Embed"]
+        request_type = message_factory.GetMessageClass(embed.input_type)
+        response_type = message_factory.GetMessageClass(embed.output_type)
+        encoded = base64.b64encode(png(random_images(1)[0])).decode()
+        request = json_format.ParseDict(
+            {"images": [{"id": "a", "encoded": encoded}], "outputs": ["OUTPUT_KIND_POOLED"]},
+            request_type())
+        call = channel.unary_unary(SERVICE + "Embed",
+                                   request_serializer=request_type.SerializeToString,
+                                   response_deserializer=response_type.FromString)
+        answer = json_format.MessageToDict(call(request, timeout=30))
+    width = str(server.engine.cfg.width)
+    assert answer["ids"] == ["a"] and answer["pooled"]["shape"] == ["1", width]
 
 
 class _OpenStream:
