@@ -178,7 +178,7 @@ def _check_side(model_cfg: dict, cfg: ViTConfig) -> None:
         "vision_cfg.image_size": (size, cfg.image_size),
         # open_clip floors the head count: width // head_width heads of width // heads
         "heads (vision_cfg.width // head_width)": (
-            head_width and vision.get("width", cfg.width) // head_width, cfg.heads),
+            head_width and cfg.width // head_width, cfg.heads),
         "the MLP width (vision_cfg.mlp_ratio x width)": (
             ratio and int(ratio * vision.get("width", cfg.width)),
             cfg.mlp_dim,

@@ -32,9 +32,10 @@ from vit22b.model.config import ViTConfig
 # kept to about a third of a 32 MB L3: ViT-B/16 runs 4 images per device and step.
 CPU_CHUNK_BYTES = 10 << 20
 # A data row's program costs a fixed CPU time whatever its batch (XLA:CPU's runtime per
-# operation): for the 4-block tiny model about 0.7 ms of 1.3 at batch 2. Below this much work a
-# row a bucket runs on fewer rows: the tiny model's buckets of 2-8 images (8.5 MFLOP an image) on
-# one, ViT-Ti/16 (2.5 GFLOP) and larger on every row (benchmarks/NOTES.md, "Rows by work").
+# operation): the 4-block tiny model's batch of 2 took 2.5 ms of CPU on two rows, 1.7 on one.
+# Below this much work a row a bucket runs on fewer rows: the tiny model's buckets of 2-8
+# images (8.5 MFLOP an image) on one, ViT-Ti/16 (2.5 GFLOP) and larger on every row
+# (benchmarks/NOTES.md, "Rows by work").
 CPU_MIN_ROW_FLOPS = 50_000_000
 # Emulated CPU devices on the data axis of a single-process CPU host, by compute dtype.
 CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
