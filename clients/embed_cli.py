@@ -94,6 +94,10 @@ class EmbedSettings:
         0, "local --dense: patches per image at most (default: twice the square grid at "
         "--resolution); a server states its own", check=lambda v: None if v >= 0 else
         "must be >= 0")
+    max_image_pixels: int = setting(
+        0, "local: the largest decoded image, in pixels (a decompression bomb guard; default "
+        "the server's, 40,000,000); a server states its own",
+        check=lambda v: None if v >= 0 else "must be >= 0")
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(
@@ -135,6 +139,8 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
         raise ValueError(f"unknown output {sorted(unknown)[0]!r}; choose from {OUTPUT_CHOICES}")
     if options.dense and (options.frames or options.stride_seconds):
         raise ValueError("--dense is for images: a video job stores frames of one grid")
+    if options.max_image_pixels and options.server:
+        raise ValueError("--max-image-pixels is the local job's bound (a server states its own)")
     if options.max_dense_patches and (options.server or not options.dense):
         raise ValueError("--max-dense-patches is the local --dense bound (a server states its "
                          "own)")
@@ -178,7 +184,8 @@ def make_backend(args: EmbedSettings, spec: OutputSpec):
 
     backend = LocalBackend(spec, model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
                            seed=args.seed, compute_dtype=args.compute_dtype,
-                           batch_size=args.batch_size, concurrency=args.concurrency)
+                           batch_size=args.batch_size, concurrency=args.concurrency,
+                           max_image_pixels=args.max_image_pixels)
     backend.warm_up()
     return backend
 
@@ -191,7 +198,8 @@ def ray_runner(args: EmbedSettings):
         actors = ServerActors(tuple(args.server), token=args.token, tls=args.tls)
     else:
         actors = EngineActors(model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
-                              seed=args.seed, compute_dtype=args.compute_dtype)
+                              seed=args.seed, compute_dtype=args.compute_dtype,
+                              max_image_pixels=args.max_image_pixels)
     return RayRunner(actors, concurrency=args.concurrency, address=args.ray_address,
                      max_retries=args.ray_max_retries)
 

@@ -23,7 +23,12 @@ from vit22b.model.errors import InvalidImage  # noqa: E402
 from vit22b.model.features import Features  # noqa: E402
 from vit22b.model.identity import seeded_source  # noqa: E402
 from vit22b.model.outputs import OutputRequest  # noqa: E402
-from vit22b.model.pixels import Geometry, check_pixels, decode  # noqa: E402
+from vit22b.model.pixels import (  # noqa: E402
+    DEFAULT_MAX_IMAGE_PIXELS,
+    Geometry,
+    check_pixels,
+    decode,
+)
 from vit22b.server.engine import Engine, auto_mesh  # noqa: E402
 from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 
@@ -101,7 +106,9 @@ class LocalBackend:
         batch_size: int = 32,
         concurrency: int = 2,
         engine: Engine | None = None,
+        max_image_pixels: int = 0,
     ):
+        """``max_image_pixels``: the decoded-size guard (0: the server's default)."""
         self.engine = engine or Engine.load(
             model, checkpoint, mesh, seed=seed, compute_dtype=compute_dtype,
             max_batch_images=batch_size,
@@ -116,7 +123,8 @@ class LocalBackend:
         if spec.resolution or spec.dense:
             self.model = self.model.at(cfg, self.geometry)
         self.local = LocalInfer(self.engine, resolutions=(size,),
-                                max_dense_patches=self.geometry.max_patches)
+                                max_dense_patches=self.geometry.max_patches,
+                                max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
 
     def warm_up(self) -> None:
         """Compile every batch bucket before the clock (and the progress bar) starts (dense:

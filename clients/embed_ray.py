@@ -114,13 +114,15 @@ class EngineActors:
     compute_dtype: str | None = None
     num_gpus: float | None = None
     num_cpus: float = 1.0
+    max_image_pixels: int = 0  # LocalBackend's (0: the default)
 
     def backend(self, spec: OutputSpec, batch_size: int):
         from .embed_local import LocalBackend  # jax, in the actor's process
 
         return LocalBackend(spec, model=self.model, checkpoint=self.checkpoint, mesh=self.mesh,
                             seed=self.seed, compute_dtype=self.compute_dtype,
-                            batch_size=batch_size, concurrency=1)
+                            batch_size=batch_size, concurrency=1,
+                            max_image_pixels=self.max_image_pixels)
 
     def identity(self, spec: OutputSpec, batch_size: int) -> ModelIdentity:
         """Loaded once in a Ray task on an actor's resources (the driver may have no GPU and

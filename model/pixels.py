@@ -210,8 +210,8 @@ def check_pixels(pixels: np.ndarray, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS)
 # ---- decoding ---------------------------------------------------------------------------------
 def _limit(max_pixels: int) -> str:
     return (
-        f"over the limit of {max_pixels} (the server's --max-image-pixels; a decompression bomb "
-        "guard)"
+        f"over the limit of {max_pixels} (--max-image-pixels of the server or the local job; a "
+        "decompression bomb guard)"
     )
 
 

@@ -334,6 +334,30 @@ def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):
         open_outputs(str(out), verify=True)
 
 
+def test_the_local_jobs_decoded_size_guard_is_its_own_setting(tmp_path, capsys):
+    """A local job's --max-image-pixels (a server states its own): images over it fail by
+    name, the others are embedded; with --server the option is refused."""
+    from vit22b.clients.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, (w, h) in {"small.png": (20, 20), "large.png": (40, 30)}.items():
+        Image.new("RGB", (w, h), (10, 20, 30)).save(data / name)
+    out = tmp_path / "out"
+    rc = main(["embed", str(data), "--output", str(out), "--max-image-pixels", "1000",
+               "--batch-size", "2", "--quiet"])
+    assert rc == 0
+    result = open_outputs(str(out))
+    assert result.ids == ["small.png"]
+    assert [f["id"] for f in result.failed] == ["large.png"]
+    assert ("40x30 = 1200 pixels, over the limit of 1000 (--max-image-pixels of the server or "
+            "the local job" in result.failed[0]["reason"])
+    capsys.readouterr()
+    assert main(["embed", str(data), "--output", str(tmp_path / "o2"), "--server",
+                 "127.0.0.1:1", "--max-image-pixels", "1000"]) == 2
+    assert "--max-image-pixels is the local job's bound" in capsys.readouterr().err
+
+
 def test_cli_local_with_list_file_and_extension_filter(engine, tmp_path, capsys):
     from vit22b.clients.cli import main
 
