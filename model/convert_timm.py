@@ -239,18 +239,16 @@ def _gated(side: dict, t: SourceTensors) -> tuple[str, bool]:
     return "swiglu", True
 
 
-# timm models whose weights can look like a VisionTransformer's but compute otherwise: post-norm
-# residual blocks (ResPostBlock, the *_rpn_* models) and rotary position embeddings (timm's
-# eva.py: eva*, vit_*_rope_*, vit_pe_*), told by config.json's architecture and model_args
-_OTHER_BLOCKS = {"ResPostBlock": "post-norm residual blocks (ResPostBlock)"}
-
-
 def _refuse_architecture(t: SourceTensors, side: dict) -> None:
+    """timm models whose weights can look like a VisionTransformer's but compute otherwise:
+    post-norm residual blocks (ResPostBlock, the *_rpn_* models) and rotary position embeddings
+    (timm's eva.py: eva*, vit_*_rope_*, vit_pe_*), told by config.json's architecture and
+    model_args."""
     architecture = str(side.get("architecture", ""))
     args = side.get("model_args") or {}
     why = None
-    if "_rpn_" in architecture or args.get("block_fn") in _OTHER_BLOCKS:
-        why = _OTHER_BLOCKS["ResPostBlock"]
+    if "_rpn_" in architecture or args.get("block_fn") == "ResPostBlock":
+        why = "post-norm residual blocks (ResPostBlock)"
     elif args.get("block_fn") not in (None, "Block", "ParallelScalingBlock"):
         why = f"block_fn={args['block_fn']!r}"
     elif (architecture.startswith(("eva", "vit_pe_")) or "_rope_" in architecture
