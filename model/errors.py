@@ -18,7 +18,7 @@ class InvalidImage(InvalidRequest):
     def __init__(self, reason: str, index: int | None = None, image_id: str = ""):
         self.reason, self.index, self.image_id = reason, index, image_id
         named = image_id and image_id != str(index)  # ids default to the position
-        where = "" if index is None else f"image {index}" + (f" (id {_shown(image_id)})"
+        where = "" if index is None else f"image {index}" + (f" (id {quoted(image_id)})"
                                                               if named else "")
         super().__init__(f"{where}: {reason}" if where else reason)
 
@@ -26,14 +26,17 @@ class InvalidImage(InvalidRequest):
         return InvalidImage(self.reason, index, image_id)
 
 
-SHOWN_ID_CHARS = 80  # a message quotes this much of an image's id (ids are the client's text)
+SHOWN_CHARS = 80  # a message quotes this much of the client's text (an id, a name, a kind)
 
 
-def _shown(image_id: str) -> str:
-    """An id as a message quotes it: repr'd, and cut with a note past ``SHOWN_ID_CHARS``."""
-    if len(image_id) <= SHOWN_ID_CHARS:
-        return repr(image_id)
-    return f"{image_id[:SHOWN_ID_CHARS]!r}... ({len(image_id)} characters)"
+def quoted(text: object) -> str:
+    """The client's text as a message quotes it: repr'd, and cut with a note past
+    ``SHOWN_CHARS`` (a 60 MB model name must not come back in its refusal)."""
+    if not isinstance(text, str):
+        return repr(text)[:SHOWN_CHARS]
+    if len(text) <= SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 class TooLarge(InvalidRequest):

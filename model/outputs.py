@@ -7,11 +7,11 @@ defaults and the layer resolution: the server, the engine and every client spell
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, replace
 
 from .config import ViTConfig
-from .errors import InvalidRequest
+from .errors import InvalidRequest, quoted
 
 # The output kinds, in wire order (features.proto's OutputKind).
 KINDS = (
@@ -48,6 +48,16 @@ def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:
     return tuple(kind for kind in KINDS if has[kind])
 
 
+MAX_SPELLED = 1024  # outputs or layers one request may list, repeats included (depths are below)
+
+
+def check_listed(what: str, items: Sized) -> None:
+    """Refuses a list of ``what`` (outputs, layers) longer than ``MAX_SPELLED``: a door calls
+    this before it converts a client's list item by item."""
+    if len(items) > MAX_SPELLED:
+        raise InvalidRequest(f"{len(items)} {what} requested; at most {MAX_SPELLED}")
+
+
 @dataclass(frozen=True)
 class OutputRequest:
     """What one forward returns; anything not asked for is not computed.
@@ -76,8 +86,13 @@ class OutputRequest:
         imply patch tokens; patch tokens without layers mean the last block's.
 
         Every request of every door is spelled here, mostly the same few ways: the spellings
-        are remembered (``_spelled``, bounded), which makes this a look-up."""
-        spelling = (tuple(kinds), tuple(layers), bool(norm_patches))
+        are remembered (``_spelled``, bounded), which makes this a look-up. So a spelling is
+        bounded too (``MAX_SPELLED``), checked before anything is built from it: the cache would
+        otherwise hold every client's longest list (a 38 MB list of layers pinned 150 MB)."""
+        check_listed("layers", layers)
+        kinds = tuple(kinds)
+        check_listed("outputs", kinds)
+        spelling = (kinds, tuple(layers), bool(norm_patches))
         try:
             hash(spelling)
         except TypeError:  # an unhashable layer: spelled anew, to the same error or result
@@ -89,7 +104,7 @@ class OutputRequest:
         kinds = set(kinds) or (set() if layers else set(DEFAULT_KINDS))
         unknown = sorted(kinds - set(KINDS))
         if unknown:
-            raise InvalidRequest(f"unknown output {unknown[0]!r}; known: {', '.join(KINDS)}")
+            raise InvalidRequest(f"unknown output {quoted(unknown[0])}; known: {', '.join(KINDS)}")
         layers = tuple(dict.fromkeys(int(layer) for layer in layers))
         if "patch_tokens" in kinds and not layers:
             layers = DEFAULT_PATCH_LAYERS

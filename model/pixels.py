@@ -320,8 +320,10 @@ def _upright(image: Image.Image, name: str) -> Image.Image:
 def _rgb_of(image: Image.Image, name: str) -> np.ndarray:
     mode = image.mode
     if mode in _SIXTEEN_BIT:
-        values = np.asarray(image).astype(np.uint32)
-        grey = ((values * 255 + 32767) // 65535).astype(np.uint8)  # round(v / 257), no ties
+        values = np.asarray(image)
+        grey = np.empty(values.shape, np.uint8)
+        for band in _bands(values.shape):  # round(v / 257), no ties
+            grey[band] = (values[band].astype(np.uint32) * 255 + 32767) // 65535
         rgb = np.repeat(grey[..., None], 3, axis=2)
         if isinstance(image.info.get("transparency"), int):  # PNG tRNS: one transparent grey
             rgb[values == image.info["transparency"]] = BACKGROUND
@@ -342,10 +344,23 @@ def _rgb_of(image: Image.Image, name: str) -> np.ndarray:
 
 def _over_background(colour: np.ndarray, alpha: np.ndarray, premultiplied: bool) -> np.ndarray:
     """Composite over BACKGROUND, rounded to the nearest level (no ties: 255 is odd)."""
-    alpha = alpha.astype(np.uint32)
-    background = np.asarray(BACKGROUND, np.uint32) * (255 - alpha)
-    weighted = colour.astype(np.uint32) * (255 if premultiplied else alpha)
-    return np.minimum((weighted + background + 127) // 255, 255).astype(np.uint8)
+    out = np.empty(colour.shape, np.uint8)
+    for band in _bands(colour.shape):
+        a = alpha[band].astype(np.uint32)
+        weighted = colour[band].astype(np.uint32) * (255 if premultiplied else a)
+        weighted += np.asarray(BACKGROUND, np.uint32) * (255 - a) + 127
+        out[band] = np.minimum(weighted // 255, 255)
+    return out
+
+
+BAND_PIXELS = 1 << 20
+
+
+def _bands(shape: tuple[int, ...]) -> list[slice]:
+    """Rows in bands of about ``BAND_PIXELS``: the 32-bit arithmetic of a whole image would hold
+    several 4-byte copies of it (a 6000 x 6000 RGBA PNG composited whole took 2 GB)."""
+    step = max(1, BAND_PIXELS // max(1, shape[1]))
+    return [slice(top, top + step) for top in range(0, shape[0], step)]
 
 
 # ---- geometry, resize, crop, normalise -------------------------------------------------------

@@ -59,9 +59,10 @@ from vit22b.model.errors import (
     NotReady,
     TooLarge,
     Unauthenticated,
+    quoted,
 )
 from vit22b.model.features import ARRAYS
-from vit22b.model.outputs import KINDS, POOLED, OutputRequest
+from vit22b.model.outputs import KINDS, MAX_SPELLED, POOLED, OutputRequest
 from vit22b.model.pixels import Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
@@ -121,7 +122,7 @@ class _Body(BaseModel):
 
 class Tensor(_Body):
     dtype: str = Field(description="float32, bfloat16, float16 or uint8")
-    shape: list[int]
+    shape: list[int]  # its length is the image's to refuse (wire.from_tensor), not the call's
     data: str = Field(description="base64 of the little-endian C-order bytes")
 
 
@@ -134,9 +135,10 @@ class Image(_Body):
 
 class FeaturesRequest(_Body):
     images: list[Image | str] = Field(description="images; a string is an image's `data`")
-    outputs: list[str] = Field([], description=f"{', '.join(KINDS)} (default: pooled)")
-    layers: list[int] = Field([], description="blocks whose patch tokens to return (negative "
-                              "count from the end; imply patch_tokens)")
+    outputs: list[str] = Field([], max_length=MAX_SPELLED,
+                               description=f"{', '.join(KINDS)} (default: pooled)")
+    layers: list[int] = Field([], max_length=MAX_SPELLED, description="blocks whose patch tokens "
+                              "to return (negative count from the end; imply patch_tokens)")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
     l2_normalize: bool = Field(False, description="L2-normalise pooled features")
     normalize_patches: bool = Field(False, description="apply the final norm to patch tokens")
@@ -234,7 +236,25 @@ def _image(item: Image | str) -> ImageInput:
     return image_input(pb.Image(id=item.id, pixels=tensor))
 
 
-def _parse(body: bytes, model: type[BaseModel]):
+BASE64_RATIO = 4 / 3
+FLOAT_TEXT_RATIO = 25 / 4  # a float32 in JSON: at most 24 characters and a comma, for 4 bytes
+
+# Commas one image may bring to a body: its keys, a raw tensor's fields and shape, a data: URI's
+# comma, and commas in its id. Base64 has none.
+COMMAS_PER_IMAGE = 64
+
+
+def _parse(body: bytes, model: type[BaseModel], max_commas: int):
+    """``body`` validated as ``model``. pydantic builds every item of a list before it checks
+    the list's length, holding the interpreter lock: a 64 MiB body of 20 million empty strings
+    took 8.6 s, during which neither door answered anything. Outside strings a list has one
+    comma per item after the first, so a body with more commas than a request of the allowed
+    size can hold is refused unread, in the time of one scan."""
+    commas = body.count(b",")
+    if commas > max_commas:
+        raise InvalidRequest(f"request body holds {commas} commas, more than a request of at most "
+                             f"the allowed images, outputs and layers can ({max_commas}; "
+                             "commas in ids count too)")
     try:
         return model.model_validate_json(body)
     except ValidationError as err:
@@ -254,7 +274,7 @@ def _deadline(request: Request) -> float | None:
     except ValueError:
         seconds = math.nan
     if not seconds > 0 or math.isinf(seconds):
-        raise InvalidRequest(f"X-Request-Timeout is seconds > 0, got {text!r}")
+        raise InvalidRequest(f"X-Request-Timeout is seconds > 0, got {quoted(text)}")
     return time.monotonic() + seconds
 
 
@@ -281,7 +301,7 @@ def _prefers_safetensors(accept: str) -> bool:
     weights = {}
     for part in accept.split(","):
         kind, *params = (p.strip() for p in part.split(";"))
-        q = next((p[2:] for p in params if p.startswith("q=")), "1")
+        q = next((p[2:] for p in params if p[:2].lower() == "q="), "1")  # names: any case
         try:
             weights[kind.lower()] = float(q)
         except ValueError:
@@ -337,6 +357,8 @@ class HttpDoor:
                  tokens: tuple[str, ...] = ()):
         self.infer, self.metrics, self.info, self.limits = infer, metrics, info, limits
         self.serving = False  # set by the server once every bucket is compiled
+        self.max_commas = (COMMAS_PER_IMAGE * infer.limits.max_request_images
+                           + 2 * MAX_SPELLED + COMMAS_PER_IMAGE)
         self.models = {"object": "list", "data": [model_json(info, int(time.time()))]}
         self.app = self._app()
         self.asgi = _Guard(self.app, self, tuple(t.encode() for t in tokens),
@@ -431,20 +453,22 @@ class HttpDoor:
         return _json(self.models)
 
     async def _embeddings(self, request: Request) -> Response:
-        body = _parse(await request.body(), EmbeddingsRequest)
+        body = _parse(await request.body(), EmbeddingsRequest, self.max_commas)
         name, width = self.info.model.name, self.info.pooled_dim or self.info.width
         if body.model != name:
-            raise InvalidRequest(f"model {body.model!r} is not served here; this server serves "
-                                 f"{name!r} (GET /v1/models)")
+            raise InvalidRequest(f"model {quoted(body.model)} is not served here; this server "
+                                 f"serves {name!r} (GET /v1/models)")
         if body.dimensions is not None and body.dimensions != width:
             raise InvalidRequest(f"dimensions={body.dimensions} is not supported: {name}'s "
                                  f"embeddings have {width} (no truncation); omit dimensions")
         inputs = [body.input] if isinstance(body.input, str) else body.input
+        self.infer.limits.check_images(len(inputs))
         call = EmbedCall([_image(text) for text in inputs], POOLED, l2_normalize=True,
                          deadline=_deadline(request))
-        result = await self._run(request, call)
+        base64_out = body.encoding_format == "base64"
+        result = await self._run(request, call, BASE64_RATIO if base64_out else FLOAT_TEXT_RATIO)
         rows = result.features.pooled
-        if body.encoding_format == "base64":
+        if base64_out:
             vectors = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in rows]
         else:
             vectors = rows.tolist()
@@ -458,7 +482,8 @@ class HttpDoor:
         })
 
     async def _features(self, request: Request) -> Response:
-        body = _parse(await request.body(), FeaturesRequest)
+        body = _parse(await request.body(), FeaturesRequest, self.max_commas)
+        self.infer.limits.check_images(len(body.images))
         call = EmbedCall(
             images=[_image(item) for item in body.images],
             outputs=OutputRequest.of(body.outputs, body.layers, body.normalize_patches),
@@ -468,7 +493,8 @@ class HttpDoor:
             deadline=_deadline(request),
             geometry=Geometry(body.resolution, body.dense),
         )
-        result = await self._run(request, call)
+        as_safetensors = _prefers_safetensors(request.headers.get("accept", ""))
+        result = await self._run(request, call, 1.0 if as_safetensors else BASE64_RATIO)
         arrays, patches = self.infer.tensors(call, result)
         ref = json_format.MessageToDict(self.info.model, preserving_proto_field_name=True)
         ref["preprocess_hash"] = result.preprocess_hash or ref["preprocess_hash"]
@@ -483,7 +509,7 @@ class HttpDoor:
             "timings": {"queue_ms": t.queue_s * 1e3, "preprocess_ms": t.preprocess_s * 1e3,
                         "compute_ms": t.compute_s * 1e3, "total_ms": t.total_s * 1e3},
         }
-        if _prefers_safetensors(request.headers.get("accept", "")):
+        if as_safetensors:
             tensors = {**arrays, **{f"patch_tokens.{k}": v for k, v in patches.items()}}
             tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
             metadata = {k: json.dumps(v, separators=(",", ":")) for k, v in meta.items()}
@@ -494,11 +520,12 @@ class HttpDoor:
         return _json({**meta, "outputs": outputs})
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    async def _run(self, request: Request, call: EmbedCall) -> EmbedResult:
+    async def _run(self, request: Request, call: EmbedCall, text_ratio: float) -> EmbedResult:
         """Validate, admit and run ``call``; its images are dropped if the client goes away or
-        the deadline passes first."""
+        the deadline passes first. ``text_ratio``: the response's bytes per tensor byte."""
         outputs = self.infer.validate(call)
-        check_response_size(self.info, call, outputs, self.infer.limits.max_message_bytes)
+        check_response_size(self.info, call, outputs, self.infer.limits.max_message_bytes,
+                            text_ratio)
         admitted = await self.infer.admit(call, outputs)
         work = asyncio.ensure_future(self.infer.run(admitted))
         gone = asyncio.ensure_future(_disconnected(request))

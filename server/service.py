@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
@@ -21,12 +22,12 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from google.protobuf.message import DecodeError
 from vit22b.model.errors import Draining, InvalidRequest, TooLarge
-from vit22b.model.outputs import OutputRequest
+from vit22b.model.outputs import OutputRequest, check_listed
 from vit22b.model.pixels import OWN_GEOMETRY, Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
-from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer
+from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
 from .status import status_of
 
@@ -53,8 +54,11 @@ def parse(raw: bytes, message: type):
         raise InvalidRequest(f"request body is not a {name}: {err}") from None
 
 
-def to_call(request: pb.EmbedRequest, context, streamed: bool = False) -> EmbedCall:
+def to_call(request: pb.EmbedRequest, context, limits: Limits, streamed: bool = False
+            ) -> EmbedCall:
+    limits.check_images(len(request.images))
     remaining = context.time_remaining()
+    check_listed("outputs", request.outputs)
     kinds = [wire.kind_name(code) for code in request.outputs]
     return EmbedCall(
         images=[image_input(image) for image in request.images],
@@ -216,7 +220,7 @@ class FeatureService:
 
     async def Embed(self, raw: bytes, context):
         async with self._call("Embed", context):
-            call = to_call(parse(raw, pb.EmbedRequest), context)
+            call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
             self._check_size(call, outputs)
             result = await self.infer.run(await self.infer.admit(call, outputs))
@@ -270,7 +274,8 @@ class FeatureService:
                     waiting = False
                 if self.infer.draining.is_set():
                     raise Draining(DRAIN_RESEND)
-                call = to_call(parse(raw, pb.EmbedRequest), context, streamed=True)
+                call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits,
+                               streamed=True)
                 outputs = self.infer.validate(call)
                 self._check_size(call, outputs)
                 admitted = await self.infer.admit(call, outputs)
@@ -323,13 +328,17 @@ class FeatureService:
 
 
 def check_response_size(
-    info: pb.ModelInfo, call: EmbedCall, outputs: OutputRequest, limit: int
+    info: pb.ModelInfo, call: EmbedCall, outputs: OutputRequest, limit: int,
+    text_ratio: float = 1.0,
 ) -> None:
-    """``TooLarge`` when the call's response would not fit the message limit."""
+    """``TooLarge`` when the call's response would not fit the message limit. ``text_ratio``:
+    the bytes the response's encoding spends per tensor byte (1 for protobuf and safetensors;
+    more for JSON, which carries tensors as base64 or numbers)."""
     layers = list(call.outputs.patch_layers)
     g = call.geometry
     patches = wire.patches_at(info, g.resolution, g.dense)
     row = wire.row_bytes(info, list(outputs.kinds), layers, call.dtype, patches)
+    row = math.ceil(row * text_ratio)
     size = wire.response_bytes(row, [image.id for image in call.images])
     if size > limit:
         raise TooLarge(

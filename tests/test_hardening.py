@@ -425,3 +425,30 @@ def test_fuzzed_bytes_on_every_method_get_only_deliberate_codes(server):
         assert code in DELIBERATE, (METHODS[i % 3], body[:40], code, details)
     assert seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 0
     assert stub(server.address).Embed(embed_request(1), timeout=30).indices == [0]  # still up
+
+
+def test_long_lists_are_refused_before_they_are_read_or_remembered():
+    """A client's lists are counted before anything is built from them: the output request's
+    spellings are cached (a 38 MB list of layers once pinned 150 MB there), and a message of
+    30 million empty images took the event loop 100 s to read before its count was checked."""
+    from vit22b.model import outputs as outputs_module
+    from vit22b.model.errors import InvalidRequest
+    from vit22b.server.infer import Limits
+    from vit22b.server.service import to_call
+
+    cached = outputs_module._spelled.cache_info().currsize
+    for kinds, layers, what in (((), [0] * 1025, "1025 layers"),
+                                (["pooled"] * 1025, (), "1025 outputs")):
+        with pytest.raises(InvalidRequest, match=f"{what} requested; at most 1024"):
+            outputs_module.OutputRequest.of(kinds, layers)
+    assert outputs_module._spelled.cache_info().currsize == cached
+    assert outputs_module.OutputRequest.of((), [0] * 1024).patch_layers == (0,)
+
+    class Deadline:  # the part of a gRPC context to_call reads
+        def time_remaining(self):
+            return None
+
+    request = pb.EmbedRequest(images=[pb.Image(encoded=b"x")] * 5)
+    with pytest.raises(InvalidRequest, match="5 images in one request exceed the limit of 4"):
+        to_call(request, Deadline(), Limits(max_request_images=4))
+    assert len(to_call(request, Deadline(), Limits(max_request_images=5)).images) == 5

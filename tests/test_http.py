@@ -122,6 +122,25 @@ def test_raw_pixels_data_uris_bfloat16_and_l2(server, http):
     np.testing.assert_array_equal(pooled, want.astype(ml_dtypes.bfloat16))
 
 
+def test_a_json_response_is_sized_as_json(server, http):
+    """JSON carries tensors as base64, 4/3 of their bytes: a call whose safetensors body fits
+    the message limit is 413 as JSON (it was sent, over the limit)."""
+    info = stub(server.address).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    layers, limit = list(range(info.depth)), 256 << 10  # the fixture's --max-message-mb 0.25
+    row = wire.row_bytes(info, ["pooled", "patch_tokens"], layers, "float32", info.num_patches)
+    n = next(n for n in range(1, MAX_REQUEST + 1)
+             if wire.response_bytes(row * 4 // 3, [""] * n) > limit)
+    assert wire.response_bytes(row, [""] * n) <= limit
+    body = {"images": [b64(png(GOOD))] * n, "layers": layers,  # a small body
+            "outputs": ["pooled", "patch_tokens"]}
+    as_json = http.post("/v1/features", json=body)
+    assert as_json.status_code == 413, as_json.text[:200]
+    assert "the response for" in as_json.json()["error"]["message"]
+    as_safetensors = http.post("/v1/features", json=body,
+                               headers={"Accept": "application/vnd.safetensors"})
+    assert as_safetensors.status_code == 200 and len(as_safetensors.content) <= limit
+
+
 def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
     images = random_images(3, seed=23)
     body = {"images": [pngs(images)[0], "junk", *pngs(images)[1:]], "layers": [-1],
@@ -146,6 +165,7 @@ def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
     ("application/json;q=0.5, application/vnd.safetensors", True),
     ("application/vnd.safetensors;q=0, application/json", False),  # refused by its weight
     ("application/vnd.safetensors;q=0.2, application/json;q=0.9", False),
+    ("application/vnd.safetensors;Q=0.2, application/json;q=0.9", False),  # names: any case
     ("*/*", False),
 ])
 def test_the_accept_header_is_weighed(http, accept, safetensors):
@@ -257,6 +277,9 @@ HTTP_REASONS = {
     "unknown output kind": "unknown output 'kind99'",
     "unknown dtype": "unknown output dtype 'code77'",
     "uint8 output dtype": "unknown output dtype 'uint8'",
+    # pydantic counts the lists first, by the same bounds
+    "too many layers": "layers: List should have at most 1024 items",
+    "too many outputs": "outputs: List should have at most 1024 items",
 }
 HTTP_STATUS = {"response over the message limit": 413}
 
@@ -321,13 +344,20 @@ HTTP_ONLY = {
     "no images field": ({"outputs": ["pooled"]}, 400, "images: Field required"),
     "l2 without pooled": ({"images": [b64(png(GOOD))], "outputs": ["patch_tokens"],
                            "l2_normalize": True}, 400, "l2_normalize applies to pooled"),
+    # refused unread: pydantic would build every item first, holding the interpreter lock
+    "more items than any request": ({"images": [""] * 30_000}, 400, "holds 29999 commas"),
+    "a long model name": (None, 400, "'mmmm"),
 }
 
 
 @pytest.mark.parametrize("case", list(HTTP_ONLY))
 def test_http_bad_input_is_named(http, case):
     body, status, reason = HTTP_ONLY[case]
-    response = http.post("/v1/features", json=body)
+    if case == "a long model name":  # quoted in part: the refusal does not echo 100 kB back
+        response = http.post("/v1/embeddings", json={"model": "m" * 100_000, "input": "x"})
+        assert len(response.content) < 1000 and "(100000 characters)" in response.text
+    else:
+        response = http.post("/v1/features", json=body)
     assert response.status_code == status, response.text
     assert reason in response.json()["error"]["message"]
 

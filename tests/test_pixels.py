@@ -49,6 +49,14 @@ def over_white(colour: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return np.round(colour * a + WHITE * (1 - a)).astype(np.uint8)
 
 
+@pytest.fixture(params=["whole", "bands"])
+def bands(request, monkeypatch):
+    """The integer arithmetic on a whole image, and in bands of 3 rows of 9 (27 pixels: the
+    images below split into ragged bands): the same pixels either way."""
+    if request.param == "bands":
+        monkeypatch.setattr(contract, "BAND_PIXELS", 27)
+
+
 def png_chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
@@ -171,7 +179,7 @@ def test_bilevel_and_grey():
 
 
 @pytest.mark.parametrize("fmt, mode", [("PNG", "I;16"), ("TIFF", "I;16"), ("TIFF", "I;16B")])
-def test_16_bit_grey_is_scaled_not_clipped(fmt, mode):
+def test_16_bit_grey_is_scaled_not_clipped(fmt, mode, bands):
     values = RNG.integers(0, 65536, (17, 11)).astype(np.uint16)
     values[0, :4] = [0, 128, 65407, 65535]  # the ends and the rounding points of /257
     raw = values.astype(">u2" if mode == "I;16B" else "<u2").tobytes()
@@ -198,7 +206,7 @@ def test_16_bit_colour_png_keeps_the_high_byte():
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF", "WEBP"])
-def test_alpha_is_composited_over_the_background(fmt):
+def test_alpha_is_composited_over_the_background(fmt, bands):
     rgba = rgb(8, 9, seed=3)
     alpha = RNG.integers(0, 256, (8, 9), dtype=np.uint8)
     alpha[0, :3] = [0, 255, 128]
@@ -214,7 +222,7 @@ def test_grey_with_alpha(fmt):
     np.testing.assert_array_equal(decode(data), over_white(np.dstack([grey] * 3), alpha))
 
 
-def test_premultiplied_grey_alpha_tiff():
+def test_premultiplied_grey_alpha_tiff(bands):
     grey, alpha = (RNG.integers(0, 256, (8, 9), dtype=np.uint8) for _ in range(2))
     premultiplied = np.round(grey * (alpha / 255.0)).astype(np.uint8)
     data = encode(Image.fromarray(np.dstack([premultiplied, alpha]), mode="LA"), "TIFF")

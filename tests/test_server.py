@@ -264,9 +264,27 @@ BAD_INPUTS = {
         "[height, width, 3]",
     ),
     "zero-sized": (pb.EmbedRequest(images=[_raw(np.zeros((0, 8, 3), np.uint8))]), "zero-sized"),
+    "raw with 66 dimensions": (  # numpy holds 64: its own error was INTERNAL
+        pb.EmbedRequest(images=[pb.Image(id="bad", pixels=pb.Tensor(
+            dtype=pb.DTYPE_UINT8, shape=[1] * 65 + [3], data=b"\0" * 3))]),
+        "tensor has 66 dimensions; at most 8",
+    ),
+    "raw shape beyond any array": (  # no bytes, yet sides whose product overflows
+        pb.EmbedRequest(images=[pb.Image(id="bad", pixels=pb.Tensor(
+            dtype=pb.DTYPE_UINT8, shape=[1 << 40, 1 << 40, 0]))]),
+        "is beyond any array's size",
+    ),
     "unknown output kind": (
         pb.EmbedRequest(images=[raw_image(GOOD)], outputs=[99]),
         "unknown output kind 99",
+    ),
+    "too many layers": (  # a client's long list is refused before it is spelled (or cached)
+        pb.EmbedRequest(images=[raw_image(GOOD)], patch_layers=[0] * 1025),
+        "1025 layers requested; at most 1024",
+    ),
+    "too many outputs": (
+        pb.EmbedRequest(images=[raw_image(GOOD)], outputs=[pb.OUTPUT_KIND_POOLED] * 1025),
+        "1025 outputs requested; at most 1024",
     ),
     "layer out of range": (
         pb.EmbedRequest(images=[raw_image(GOOD)], patch_layers=[4]),
@@ -300,6 +318,8 @@ IMAGE_LEVEL = {
     "raw wrong dtype",
     "raw wrong channels",
     "zero-sized",
+    "raw with 66 dimensions",
+    "raw shape beyond any array",
 }
 
 

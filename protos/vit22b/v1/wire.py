@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
+from vit22b.model.errors import quoted
 from vit22b.v1 import features_pb2 as pb
 
 if sys.byteorder != "little":  # bfloat16 has no byte-swapped numpy dtype; keep the contract simple
@@ -63,7 +64,7 @@ def dtype_code(name: str) -> int:
     try:
         return DTYPES[name]
     except KeyError:
-        raise WireError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+        raise WireError(f"unknown dtype {quoted(name)}; known: {', '.join(DTYPES)}") from None
 
 
 def dtype_name(code: int) -> str:
@@ -86,7 +87,7 @@ def kind_code(name: str) -> int:
         return OUTPUT_KINDS[name]
     except KeyError:
         known = ", ".join(OUTPUT_KINDS)
-        raise WireError(f"unknown output kind {name!r}; known: {known}") from None
+        raise WireError(f"unknown output kind {quoted(name)}; known: {known}") from None
 
 
 def kind_name(code: int) -> str:
@@ -108,14 +109,21 @@ def to_tensor(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
     return pb.Tensor(dtype=code, shape=array.shape, data=array.tobytes())
 
 
+MAX_TENSOR_DIMS = 8  # the service's tensors have at most 4; numpy holds at most 64
+
+
 def from_tensor(tensor: pb.Tensor, copy: bool = True) -> np.ndarray:
     """The numpy array a Tensor message holds; checks dtype, shape and byte length agree."""
     dtype = _NUMPY.get(tensor.dtype)
     if dtype is None:
         raise WireError(f"tensor dtype {tensor.dtype} is unknown; known: {list(DTYPES)}")
+    if len(tensor.shape) > MAX_TENSOR_DIMS:
+        raise WireError(f"tensor has {len(tensor.shape)} dimensions; at most {MAX_TENSOR_DIMS}")
     shape = tuple(int(s) for s in tensor.shape)
     if any(s < 0 for s in shape):
         raise WireError(f"tensor shape {list(shape)} has a negative dimension")
+    if math.prod(s for s in shape if s) > sys.maxsize:  # numpy's sizes are C integers
+        raise WireError(f"tensor shape {list(shape)} is beyond any array's size")
     expected = math.prod(shape) * dtype.itemsize
     if len(tensor.data) != expected:
         raise WireError(
