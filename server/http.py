@@ -73,6 +73,7 @@ from .service import check_response_size, image_input, server_version
 from .status import (
     INTERNAL,
     RETRY_AFTER_S,
+    STATUSES,
     ConnectionRefusal,
     HeadersTooLarge,
     RequestTimeout,
@@ -180,6 +181,36 @@ class EmbeddingsResponse(BaseModel):
     usage: Usage
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="the failure's class")
+    code: str = Field(description="the gRPC status of the same failure")
+    index: int | None = Field(None, description="the image at fault, when one is")
+    id: str | None = Field(None, description="its id")
+    reason: str | None = Field(None, description="what is wrong with it")
+
+
+class ErrorBody(BaseModel):
+    """Every refusal's body: OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+# What each refusal means, for the OpenAPI document (the statuses: server/status.py).
+REFUSALS = {
+    400: "malformed: the message names the image and the reason",
+    401: "missing or wrong bearer token (a server with a token file)",
+    408: "headers or body too slow",
+    413: "a body or response over the message limit",
+    422: "NaN or Inf in the outputs in the asked dtype",
+    429: "queue or compile cache full (Retry-After)",
+    431: "headers over the limit",
+    503: "draining, not ready, or too many connections (Retry-After)",
+    504: "the X-Request-Timeout deadline passed; the images were not computed",
+}
+ANY_ROUTE = (408, 431, 503)  # the connection layer's, before any route
+
+
 class ImageError(BaseModel):
     index: int
     id: str
@@ -278,6 +309,10 @@ def _deadline(request: Request) -> float | None:
     return time.monotonic() + seconds
 
 
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
 def _tensor(array: np.ndarray) -> dict:
     array = np.ascontiguousarray(array)
     return {"dtype": array.dtype.name, "shape": list(array.shape),
@@ -291,9 +326,10 @@ _ROUTING = {404: ("NotFound", grpc.StatusCode.NOT_FOUND),
 async def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
     """No such path, or not that method on it: the refusals' own shape (``error_response``)."""
     kind, code = _ROUTING.get(exc.status_code, ("HTTPException", grpc.StatusCode.UNKNOWN))
-    error = {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": kind,
-             "code": code.name}
-    return _json({"error": error}, exc.status_code, dict(exc.headers or {}))
+    error = ErrorDetail(message=f"{exc.detail}: {request.method} {request.url.path}",
+                        type=kind, code=code.name)
+    return _json(ErrorBody(error=error).model_dump(exclude_none=True), exc.status_code,
+                 dict(exc.headers or {}))
 
 
 def _prefers_safetensors(accept: str) -> bool:
@@ -317,10 +353,10 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 def error_response(err: BaseException, status: Status) -> Response:
     """OpenAI's error shape, plus the gRPC code name and, for one image, its index and reason."""
-    error = {"message": str(err) or type(err).__name__, "type": type(err).__name__,
-             "code": status.grpc.name}
+    error = ErrorDetail(message=str(err) or type(err).__name__, type=type(err).__name__,
+                        code=status.grpc.name)
     if isinstance(err, InvalidImage) and err.index is not None:
-        error.update(index=err.index, id=err.image_id, reason=err.reason)
+        error.index, error.id, error.reason = err.index, err.image_id, err.reason
     headers = {}
     if isinstance(err, ConnectionRefusal):
         headers["Connection"] = "close"
@@ -328,7 +364,7 @@ def error_response(err: BaseException, status: Status) -> Response:
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if status.http == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return _json({"error": error}, status.http, headers)
+    return _json(ErrorBody(error=error).model_dump(exclude_none=True), status.http, headers)
 
 
 _INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
@@ -357,6 +393,7 @@ class HttpDoor:
                  tokens: tuple[str, ...] = ()):
         self.infer, self.metrics, self.info, self.limits = infer, metrics, info, limits
         self.serving = False  # set by the server once every bucket is compiled
+        self.guarded = bool(tokens)
         self.max_commas = (COMMAS_PER_IMAGE * infer.limits.max_request_images
                            + 2 * MAX_SPELLED + COMMAS_PER_IMAGE)
         self.models = {"object": "list", "data": [model_json(info, int(time.time()))]}
@@ -386,18 +423,47 @@ class HttpDoor:
                 schema = get_openapi(title=app.title, version=app.version,
                                      description=app.description, routes=app.routes)
                 schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-                for path, model in bodies.items():
+                for model in (*bodies.values(), ErrorBody):
                     named = model.model_json_schema(ref_template="#/components/schemas/{model}")
                     schemas.update(named.pop("$defs", {}))
                     schemas[model.__name__] = named
-                    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                for path, model in bodies.items():
                     schema["paths"][path]["post"]["requestBody"] = {
-                        "required": True, "content": {"application/json": {"schema": ref}}}
+                        "required": True, "content": {"application/json": {"schema": _ref(model)}}}
+                features = schema["paths"]["/v1/features"]["post"]["responses"]["200"]
+                features["content"][SAFETENSORS] = {"schema": {"type": "string",
+                                                               "format": "binary"}}
+                self._document_refusals(schema)
                 app.openapi_schema = schema
             return app.openapi_schema
 
         app.openapi = openapi
         return app
+
+    def _document_refusals(self, schema: dict) -> None:
+        """Each operation's refusals in the document (code generators and schema-driven
+        testers take undeclared statuses for defects), and the bearer scheme when tokens
+        guard the server."""
+        if self.guarded:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                                  "scheme": "bearer"}}
+        for path, operations in schema["paths"].items():
+            for method, operation in operations.items():
+                statuses = set(ANY_ROUTE)
+                if method == "post":
+                    statuses |= {s.http for s in STATUSES.values() if s.http in REFUSALS}
+                if path not in OPEN_PATHS:
+                    statuses.add(401)
+                    if self.guarded:
+                        operation["security"] = [{"bearer": []}]
+                for status in sorted(statuses):
+                    body = _ref(ErrorBody)
+                    if (path, status) == ("/ready", 503):  # NOT_SERVING is its own answer
+                        body = {"anyOf": [body, {"type": "object", "properties": {
+                            "status": {"type": "string", "enum": ["NOT_SERVING"]}}}]}
+                    operation["responses"][str(status)] = {
+                        "description": REFUSALS[status],
+                        "content": {"application/json": {"schema": body}}}
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self, host: str, port: int, cert: str | None = None,

@@ -266,6 +266,17 @@ def test_health_ready_models_and_openapi(server, http):
     assert {"images", "outputs", "layers", "dtype", "skip_invalid"} <= set(
         schemas["FeaturesRequest"]["properties"])
     assert "Image" in schemas and "EmbeddingsRequest" in schemas
+    # every refusal declared with its body; safetensors beside JSON
+    responses = doc["paths"]["/v1/features"]["post"]["responses"]
+    assert {"400", "401", "408", "413", "422", "429", "431", "503", "504"} <= set(responses)
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    assert responses["413"]["content"]["application/json"]["schema"] == error
+    assert "application/vnd.safetensors" in responses["200"]["content"]
+    assert {"error"} == set(schemas["ErrorBody"]["properties"])
+    assert "401" not in doc["paths"]["/health"]["get"]["responses"]  # open
+    assert "securitySchemes" not in doc["components"]  # this server holds no token
+    refused = http.post("/v1/features", json={"images": []}).json()
+    assert set(refused["error"]) <= set(schemas["ErrorDetail"]["properties"])
 
 
 # ---- bad input: the gRPC tests' cases, each with its HTTP status and message ---------------
@@ -445,6 +456,11 @@ def test_tls_and_token_shared_with_grpc(secure):
                 assert "bearer token" in response.json()["error"]["message"]
         for path in ("/health", "/ready", "/openapi.json"):  # open, like gRPC health
             assert client.get(path).status_code == 200
+        doc = client.get("/openapi.json").json()
+        assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http",
+                                                                   "scheme": "bearer"}}
+        assert doc["paths"]["/v1/features"]["post"]["security"] == [{"bearer": []}]
+        assert "security" not in doc["paths"]["/health"]["get"]
         ok = client.post("/v1/features", json={"images": image},
                          headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 200
