@@ -55,16 +55,35 @@ def from_response(response: pb.EmbedResponse, sent: Sequence[int]) -> Embeddings
     # possible tensors; asking each by HasField costs more than the rest of this on small calls)
     arrays = {field.name: wire.from_tensor(value) for field, value in response.ListFields()
               if field.name in wire.TENSOR_FIELDS}
+    patches = {int(k): wire.from_tensor(t) for k, t in response.patch_tokens.items()}
+    rows = len(response.ids)
+    if len(response.indices) != rows:
+        raise wire.WireError(f"malformed response: {len(response.indices)} indices for {rows} "
+                             "ids")
+    for name, array in (*arrays.items(), *(((f"patch_tokens[{k}]"), a) for k, a in
+                                           patches.items())):
+        if array.ndim < 2 or array.shape[0] != rows:  # every output is [images, ...]
+            raise wire.WireError(f"malformed response: {name} of shape {list(array.shape)} "
+                                 f"for {rows} images")
     return Embeddings(
         **arrays,
-        patch_tokens={int(k): wire.from_tensor(t) for k, t in response.patch_tokens.items()},
+        patch_tokens=patches,
         ids=list(response.ids),
-        indices=np.array([sent[i] for i in response.indices], np.int64),
-        errors=[ImageError(sent[e.index], e.id, e.reason) for e in response.errors],
+        indices=np.array([_sent(sent, i) for i in response.indices], np.int64),
+        errors=[ImageError(_sent(sent, e.index), e.id, e.reason) for e in response.errors],
         model=response.model,
         timings=[response.timings],
         grid=(response.grid_rows, response.grid_cols) if response.grid_rows else None,
     )
+
+
+def _sent(sent: Sequence[int], index: int) -> int:
+    """The caller's index of the request's ``index``-th image; a server's index outside the
+    request is refused (a negative one would count from the end: another image's row)."""
+    if not 0 <= index < len(sent):
+        raise wire.WireError(f"malformed response: image index {index} is not one of the "
+                             f"request's {len(sent)} images")
+    return sent[index]
 
 
 def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) -> Embeddings:

@@ -120,8 +120,15 @@ def open_encoded(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
     image = _open(data, max_pixels)
     name = _name(image.format)
     check_size(image.height, image.width, max_pixels, f"declared size of the {name}")
+    if image.format == "TIFF":  # libtiff allocates a whole declared tile, whatever the image
+        tile = image.tag_v2.get(TIFF_TILE_WIDTH, 0), image.tag_v2.get(TIFF_TILE_LENGTH, 0)
+        if all(isinstance(side, int) and side > 0 for side in tile):  # a tiled TIFF
+            check_size(tile[1], tile[0], max_pixels, "declared tile of the TIFF")
     _check_mode(image.mode, name)  # before any pixel is decoded
     return image
+
+
+TIFF_TILE_WIDTH, TIFF_TILE_LENGTH = 322, 323  # an 8x8 TIFF's 16384^2 tile took 770 MiB
 
 
 def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from vit22b.clients import (
     MixedModelsError,
     Retry,
 )
-from vit22b.clients.client import EmbedOptions, build_request, chunk_items
+from vit22b.clients.client import EmbedOptions, build_request, chunk_items, chunk_result
 from vit22b.clients.embeddings import ImageError, merge
 from vit22b.clients.inputs import as_images, items, to_proto
 from vit22b.model import OutputRequest
@@ -333,3 +334,39 @@ def test_sdk_inputs_follow_the_pixel_contract():
     np.testing.assert_array_equal(got[1, 1], np.broadcast_to(BACKGROUND, (3,)))
     with pytest.raises(InvalidImage, match="image 2.*mode F"):
         to_proto(Item(2, Image.fromarray(np.zeros((2, 2), np.float32)), "c", 0))
+
+
+def _response(ids, indices, pooled, patch=None, **fields) -> pb.EmbedResponse:
+    response = pb.EmbedResponse(ids=ids, indices=indices, **fields)
+    response.pooled.CopyFrom(wire.to_tensor(np.asarray(pooled, np.float32)))
+    if patch is not None:
+        response.patch_tokens[-1].CopyFrom(wire.to_tensor(np.asarray(patch, np.float32)))
+    return response
+
+
+@pytest.mark.parametrize("response, reason", [
+    (_response(["a"], [0], np.zeros((3, 4))), "pooled of shape [3, 4] for 1 images"),
+    (_response(["a", "b"], [0, 1], np.zeros(8)), "pooled of shape [8] for 2 images"),
+    (_response(["a", "b"], [0, 1], np.zeros((2, 4)), patch=np.zeros((5, 4, 4))),
+     "patch_tokens[-1] of shape [5, 4, 4] for 2 images"),
+    (_response(["a", "b"], [1], np.zeros((1, 4))), "1 indices for 2 ids"),
+    (_response(["a"], [-1], np.zeros((1, 4))), "image index -1 is not one of the request's 2"),
+    (_response(["a"], [5], np.zeros((1, 4))), "image index 5 is not one of"),
+    (_response([], [], np.zeros((0, 4)), errors=[pb.ImageError(index=-2, id="b", reason="x")]),
+     "image index -2"),
+])
+def test_a_malformed_response_is_refused_not_misattributed(response, reason):
+    """The SDK checks a response's rows against its ids and its indices against the request:
+    a row count that disagrees or a negative index was returned silently, and after a merge
+    another image's row stood under an id (found by fuzzing responses)."""
+    with pytest.raises(wire.WireError, match=re.escape(f"malformed response: {reason}")):
+        chunk_result(response, [10, 11], [])
+    good = chunk_result(_response(["a", "b"], [1, 0], np.eye(2, 4)), [10, 11], [])
+    assert good.indices.tolist() == [11, 10] and good.pooled.shape == (2, 4)
+
+
+def test_float_tensor_shapes_beyond_any_array_are_wire_errors():
+    for dtype in ("float32", "float16", "bfloat16"):  # 0 bytes, yet 2**62 items of 2-4 bytes
+        tensor = pb.Tensor(dtype=wire.dtype_code(dtype), shape=[0, 1 << 62])
+        with pytest.raises(wire.WireError, match="beyond any array's size"):
+            wire.from_tensor(tensor)

@@ -655,3 +655,28 @@ def test_mutated_jpegs_get_pillows_answer(monkeypatch):
                 np.testing.assert_array_equal(got, reference)
                 outcomes["pixels"] += 1
     assert min(outcomes.values()) > 50  # both kinds of answer were exercised
+
+
+def tiled_tiff(side: int, tile: int, values: np.ndarray) -> bytes:
+    """A grey, deflated TIFF of ``side`` x ``side`` pixels held in one ``tile`` x ``tile`` tile
+    (``values``: the tile's pixels), written by hand: Pillow writes strips only."""
+    payload = zlib.compress(values.astype(np.uint8).tobytes())
+    tags = [(256, 4, side), (257, 4, side), (258, 3, 8), (259, 3, 8), (262, 3, 1), (277, 3, 1),
+            (284, 3, 1), (322, 4, tile), (323, 4, tile), (324, 4, 0), (325, 4, len(payload))]
+    tags[-2] = (324, 4, 8 + 2 + len(tags) * 12 + 4)  # the tile's offset: after the IFD
+    ifd = struct.pack("<H", len(tags)) + b"".join(
+        struct.pack("<HHIHH" if kind == 3 else "<HHII", tag, kind, 1, value, *(
+            (0,) if kind == 3 else ())) for tag, kind, value in tags)
+    return b"II*\0" + struct.pack("<I", 8) + ifd + b"\0\0\0\0" + payload
+
+
+def test_a_tiffs_declared_tile_counts_against_the_pixel_limit():
+    """libtiff allocates a whole declared tile whatever the image's size (an 8x8 TIFF declaring
+    a 16384^2 tile took 770 MiB before it failed): the tile is checked like the image."""
+    tile = RNG.integers(0, 256, (16, 16), dtype=np.uint8)
+    data = tiled_tiff(8, 16, tile)
+    np.testing.assert_array_equal(decode(data), np.repeat(tile[:8, :8, None], 3, 2))
+    with pytest.raises(InvalidImage, match="declared tile of the TIFF is 16x16 = 256 pixels"):
+        decode(data, max_pixels=200)  # the image's 64 pixels fit, its tile does not
+    with pytest.raises(InvalidImage, match="tile of the TIFF is 16384x16384"):
+        decode(tiled_tiff(8, 16384, tile))  # the bytes hold 16x16; refused before reading them

@@ -122,7 +122,7 @@ def from_tensor(tensor: pb.Tensor, copy: bool = True) -> np.ndarray:
     shape = tuple(int(s) for s in tensor.shape)
     if any(s < 0 for s in shape):
         raise WireError(f"tensor shape {list(shape)} has a negative dimension")
-    if math.prod(s for s in shape if s) > sys.maxsize:  # numpy's sizes are C integers
+    if math.prod(s for s in shape if s) * dtype.itemsize > sys.maxsize:  # numpy's: C integers
         raise WireError(f"tensor shape {list(shape)} is beyond any array's size")
     expected = math.prod(shape) * dtype.itemsize
     if len(tensor.data) != expected:
