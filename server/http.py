@@ -433,12 +433,24 @@ class HttpDoor:
                 features = schema["paths"]["/v1/features"]["post"]["responses"]["200"]
                 features["content"][SAFETENSORS] = {"schema": {"type": "string",
                                                                "format": "binary"}}
+                self._document_this_server(schemas)
                 self._document_refusals(schema)
                 app.openapi_schema = schema
             return app.openapi_schema
 
         app.openapi = openapi
         return app
+
+    def _document_this_server(self, schemas: dict) -> None:
+        """What this server accepts that the models cannot say: its model's name and its image
+        count per request (a schema-driven tester sent an empty list and a model '' as valid)."""
+        count = {"minItems": 1, "maxItems": self.infer.limits.max_request_images}
+        schemas["FeaturesRequest"]["properties"]["images"].update(count)
+        embeddings = schemas["EmbeddingsRequest"]["properties"]
+        embeddings["model"]["enum"] = [self.info.model.name]
+        for branch in embeddings["input"]["anyOf"]:
+            if branch.get("type") == "array":
+                branch.update(count)
 
     def _document_refusals(self, schema: dict) -> None:
         """Each operation's refusals in the document (code generators and schema-driven

@@ -275,6 +275,8 @@ def test_health_ready_models_and_openapi(server, http):
     assert {"error"} == set(schemas["ErrorBody"]["properties"])
     assert "401" not in doc["paths"]["/health"]["get"]["responses"]  # open
     assert "securitySchemes" not in doc["components"]  # this server holds no token
+    assert schemas["FeaturesRequest"]["properties"]["images"]["maxItems"] == MAX_REQUEST
+    assert schemas["EmbeddingsRequest"]["properties"]["model"]["enum"] == [MODEL]
     refused = http.post("/v1/features", json={"images": []}).json()
     assert set(refused["error"]) <= set(schemas["ErrorDetail"]["properties"])
 
