@@ -209,6 +209,7 @@ REFUSALS = {
     504: "the X-Request-Timeout deadline passed; the images were not computed",
 }
 ANY_ROUTE = (408, 431, 503)  # the connection layer's, before any route
+UNREAD = 499  # a caller that went away: nobody reads its answer, so no document declares it
 
 
 class ImageError(BaseModel):
@@ -463,7 +464,7 @@ class HttpDoor:
             for method, operation in operations.items():
                 statuses = set(ANY_ROUTE)
                 if method == "post":
-                    statuses |= {s.http for s in STATUSES.values() if s.http in REFUSALS}
+                    statuses |= {s.http for s in STATUSES.values()} - {UNREAD}  # all described
                 if path not in OPEN_PATHS:
                     statuses.add(401)
                     if self.guarded:
