@@ -14,12 +14,15 @@ at ViT-B/16's MLP shapes (width 768, hidden 3072), 8 images of 197 tokens:
   - ``xla_bf16_outputs``: the same with bf16 GEMM outputs;
   - ``torch``: bf16 throughout (its autocast's policy);
   - ``onednn_*``: the JAX chain with its GEMMs as oneDNN custom calls (kernels/onednn_matmul.cc,
-    built here with g++ against the system's oneDNN: Debian ``libdnnl-dev``; skipped with a note
-    without them): weights as given (``plain``) or reordered once into oneDNN's blocked layout
-    (``packed``), f32 or bf16 outputs, the GELU fused into fc1 (``gelu``).
+    built here with g++ against the system's oneDNN, Debian's ``libdnnl-dev`` (2.x), or the one
+    under ``ONEDNN_ROOT``: PyPI's CPU-only ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``
+    (3.x) installed with ``pip install --prefix``; skipped with a note without them): weights
+    as given (``plain``) or reordered once into oneDNN's blocked layout (``packed``), f32 or
+    bf16 outputs, the GELU fused into fc1 (``gelu``).
   GFLOP/s counts the GEMMs' FLOPs over the whole chain's time.
 
-``python benchmarks/gemm_chain.py [--devices 1]`` (results: benchmarks/NOTES.md, "An AMX host").
+``[ONEDNN_ROOT=PREFIX] python benchmarks/gemm_chain.py [--devices 1]`` (results:
+benchmarks/NOTES.md, "An AMX host" and "oneDNN 3 from PyPI").
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ def build_onednn(folder: str) -> str | None:
     import jax
 
     cxx = shutil.which("g++")
-    if cxx is None or not os.path.isfile("/usr/include/oneapi/dnnl/dnnl.hpp"):
-        log("oneDNN sides skipped: needs g++ and oneDNN's headers (apt install libdnnl-dev)")
+    root = os.environ.get("ONEDNN_ROOT", "/usr")
+    if cxx is None or not os.path.isfile(f"{root}/include/oneapi/dnnl/dnnl.hpp"):
+        log("oneDNN sides skipped: needs g++ and oneDNN's headers (apt install libdnnl-dev, or "
+            "ONEDNN_ROOT=<prefix> of pip's onednn-cpu-gomp and onednn-devel-cpu-gomp)")
         return None
     out = os.path.join(folder, "onednn_matmul.so")
     done = subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
-                           "-I", jax.ffi.include_dir(), str(KERNELS), "-o", out, "-ldnnl"],
+                           "-I", jax.ffi.include_dir(), "-I", f"{root}/include", str(KERNELS),
+                           "-o", out, f"-L{root}/lib", f"-Wl,-rpath,{root}/lib", "-ldnnl"],
                           capture_output=True, text=True)
     if done.returncode:
         log(f"oneDNN sides skipped: the build failed:\n{done.stderr[-2000:]}")

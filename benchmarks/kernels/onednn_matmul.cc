@@ -1,4 +1,4 @@
-// oneDNN GEMMs as XLA:CPU FFI custom calls, for benchmarks/onednn_chain.py only (a measurement:
+// oneDNN GEMMs as XLA:CPU FFI custom calls, for benchmarks/gemm_chain.py only (a measurement:
 // what routing the model's bf16 GEMMs through oneDNN would buy; not used by the engine).
 //
 // vit22b_packed_bytes(m, k, n): bytes of a [k, n] bf16 weight in oneDNN's own blocked layout.
@@ -34,7 +34,11 @@ dnnl::matmul::primitive_desc describe(int64_t m, int64_t k, int64_t n, bool pack
   dnnl::primitive_attr attr;
   if (gelu) {
     dnnl::post_ops ops;
+#if DNNL_VERSION_MAJOR >= 3
+    ops.append_eltwise(dnnl::algorithm::eltwise_gelu_erf, 0.f, 0.f);
+#else
     ops.append_eltwise(1.f, dnnl::algorithm::eltwise_gelu_erf, 0.f, 0.f);
+#endif
     attr.set_post_ops(ops);
   }
 #if DNNL_VERSION_MAJOR >= 3
