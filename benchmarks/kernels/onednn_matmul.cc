@@ -5,6 +5,7 @@
 // Pack: a [k, n] bf16 weight -> that layout (once, as an engine would at load).
 // MatmulF32 / MatmulBf16: x [..., k] bf16 times w (plain [k, n], or packed) -> y [..., n], f32
 // accumulation, output f32 or bf16; "gelu" fuses an exact GELU into the output (a post-op).
+// MatmulBiasGeluBf16: x w + bias [n] (f32), the exact GELU, bf16 out.
 // Each calling thread keeps its own stream and primitives (XLA:CPU runs each emulated device on
 // its own threads); "threads" sets the OpenMP threads of the call.
 #include <omp.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <unordered_map>
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -28,9 +30,10 @@ dnnl::engine& engine() {
 }
 
 dnnl::matmul::primitive_desc describe(int64_t m, int64_t k, int64_t n, bool packed, dt out,
-                                      bool gelu) {
+                                      bool gelu, bool bias = false) {
   dnnl::memory::desc a({m, k}, dt::bf16, tag::ab), c({m, n}, out, tag::ab);
   dnnl::memory::desc b({k, n}, dt::bf16, packed ? tag::any : tag::ab);
+  dnnl::memory::desc bias_md({1, n}, dt::f32, tag::ab);
   dnnl::primitive_attr attr;
   if (gelu) {
     dnnl::post_ops ops;
@@ -42,8 +45,12 @@ dnnl::matmul::primitive_desc describe(int64_t m, int64_t k, int64_t n, bool pack
     attr.set_post_ops(ops);
   }
 #if DNNL_VERSION_MAJOR >= 3
+  if (bias) return dnnl::matmul::primitive_desc(engine(), a, b, bias_md, c, attr);
   return dnnl::matmul::primitive_desc(engine(), a, b, c, attr);
 #else
+  if (bias) {
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, bias_md, c), attr, engine());
+  }
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine());
 #endif
 }
@@ -74,18 +81,20 @@ ffi::Error Pack(ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::U8> out, int64_
 }
 
 template <ffi::DataType T>
-ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer w, ffi::ResultBuffer<T> y, int64_t n,
-                  int64_t threads, int64_t packed, int64_t packed_m, int64_t gelu) {
+ffi::Error Run(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer w, const float* bias,
+               ffi::ResultBuffer<T> y, int64_t n, int64_t threads, int64_t packed,
+               int64_t packed_m, int64_t gelu) {
   auto xd = x.dimensions();
   int64_t k = xd.back(), m = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) m *= xd[i];
   const dt out = T == ffi::DataType::F32 ? dt::f32 : dt::bf16;
   omp_set_num_threads(static_cast<int>(threads));
   Context& ctx = context();
-  Key key{m, k, n, threads, packed, gelu, static_cast<int64_t>(out)};
+  const bool has_bias = bias != nullptr;
+  Key key{m, k, n, threads, packed, gelu * 2 + has_bias, static_cast<int64_t>(out)};
   auto found = ctx.primitives.find(key);
   if (found == ctx.primitives.end()) {
-    auto pd = describe(m, k, n, packed, out, gelu);
+    auto pd = describe(m, k, n, packed, out, gelu, has_bias);
     if (packed && pd.weights_desc() != describe(packed_m, k, n, true, dt::f32, false)
                                            .weights_desc()) {
       return ffi::Error::Internal("the packed layout differs at this row count");
@@ -97,9 +106,28 @@ ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer w, ffi::ResultBuffer<
   dnnl::memory a({{m, k}, dt::bf16, tag::ab}, engine(), x.untyped_data());
   dnnl::memory b(pd.weights_desc(), engine(), w.untyped_data());
   dnnl::memory c({{m, n}, out, tag::ab}, engine(), y->untyped_data());
-  found->second.execute(ctx.stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}};
+  if (has_bias) {
+    args.emplace(DNNL_ARG_BIAS, dnnl::memory({{1, n}, dt::f32, tag::ab}, engine(),
+                                             const_cast<float*>(bias)));
+  }
+  found->second.execute(ctx.stream, args);
   ctx.stream.wait();
   return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer w, ffi::ResultBuffer<T> y, int64_t n,
+                  int64_t threads, int64_t packed, int64_t packed_m, int64_t gelu) {
+  return Run<T>(x, w, nullptr, y, n, threads, packed, packed_m, gelu);
+}
+
+// x w + bias, then the exact GELU, rounded to bf16: an MLP's first layer in one call.
+ffi::Error BiasGelu(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> bias,
+                    ffi::ResultBuffer<ffi::BF16> y, int64_t n, int64_t threads, int64_t packed,
+                    int64_t packed_m) {
+  return Run<ffi::DataType::BF16>(x, w, bias.typed_data(), y, n, threads, packed, packed_m, 1);
 }
 
 }  // namespace
@@ -116,6 +144,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulF32, Matmul<ffi::DataType::F32>,
                               VIT22B_MATMUL_BINDING(ffi::DataType::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulBf16, Matmul<ffi::DataType::BF16>,
                               VIT22B_MATMUL_BINDING(ffi::DataType::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulBiasGeluBf16, BiasGelu,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("n").Attr<int64_t>("threads")
+                                  .Attr<int64_t>("packed").Attr<int64_t>("packed_m"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackWeights, Pack,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::U8>>().Attr<int64_t>("m"));
