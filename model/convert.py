@@ -142,6 +142,12 @@ def convert(
         raise ConvertError(f"{source} checkpoint: missing key {err.args[0]!r}") from None
     except ConfigError as err:
         raise ConvertError(f"{source} checkpoint gives an invalid config: {err}") from err
+    if cfg.channels != 3:  # every image is decoded to RGB: the server's first request would fail
+        raise ConvertError(
+            f"{t.source} checkpoint: its patch embedding takes {cfg.channels}-channel images "
+            "(timm in_chans, Hugging Face num_channels), which is not supported: the pixel "
+            "contract serves RGB images (3 channels)"
+        )
     cfg = cfg.replace(param_dtype=hints.dtype or t.float_dtype())
     if hints.preset is not None:
         cfg = _with_preset(cfg, hints.preset, notes)

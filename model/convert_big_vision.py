@@ -17,6 +17,7 @@ from .convert_common import (
     count_blocks,
     grid_of,
     norm_params,
+    patch_conv,
 )
 from .convert_preprocess import SourcePreprocess
 
@@ -71,13 +72,13 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     t.refuse("pre_logits/kernel", "a representation (pre-logits) layer")
-    patch, _, channels, width = t.shape("embedding/kernel")
+    width, channels, patch = patch_conv(t, "embedding/kernel", hwio=True)
     depth = count_blocks(t, r"Transformer/encoderblock_(\d+)/")
     a = "Transformer/encoderblock_0/MultiHeadDotProductAttention_0/"
     _, heads, _ = t.shape(a + "query/kernel")
     class_token = "cls" in t
     if "pos_embedding" in t:
-        grid, _ = grid_of(t.shape("pos_embedding")[1], False)
+        grid, _ = grid_of(t.shape("pos_embedding")[1], False, t.source)
     else:
         if hints.preset is None:
             raise ConvertError(

@@ -267,13 +267,25 @@ def count_blocks(t: SourceTensors, pattern: str) -> int:
     return depth
 
 
-def grid_of(n_pos: int, class_token: bool) -> tuple[int, bool]:
+def grid_of(n_pos: int, class_token: bool, source: str) -> tuple[int, bool]:
     """Grid side and whether the position table covers the class token."""
     if class_token and math.isqrt(n_pos - 1) ** 2 == n_pos - 1:
         return math.isqrt(n_pos - 1), True
     if math.isqrt(n_pos) ** 2 == n_pos:
         return math.isqrt(n_pos), False
-    raise ConvertError(f"position embedding of {n_pos} tokens is not a square grid")
+    raise ConvertError(f"{source} checkpoint: its position embedding of {n_pos} tokens is not a "
+                       "square grid (nor one after a class token): only square grids are supported")
+
+
+def patch_conv(t: SourceTensors, key: str, hwio: bool = False) -> tuple[int, int, int]:
+    """(width, channels, patch side) of the patch embedding's kernel ``key`` (OIHW, or HWIO);
+    non-square patches are refused by name (the model's patches are square)."""
+    shape = t.shape(key)
+    width, channels, height, across = (shape[3], shape[2], *shape[:2]) if hwio else shape
+    if height != across:
+        raise ConvertError(f"{t.source} checkpoint: {key} {shape} embeds {height}x{across} "
+                           "patches: only square patches are supported")
+    return width, channels, height
 
 
 def infer_heads(

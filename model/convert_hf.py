@@ -29,6 +29,7 @@ from .convert_common import (
     grid_of,
     infer_heads,
     json_beside,
+    patch_conv,
     patch_kernel,
     split_heads_in,
     split_heads_out,
@@ -156,11 +157,16 @@ LAYOUTS = {
 }
 # config.json model_type -> layout (two-tower configs keep the vision one in vision_config)
 _MODEL_TYPES = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
-# name -> (gelu_exact, mlp)
+# transformers' ACT2FN name -> (gelu_exact, mlp); gelu_python is the erf form in Python,
+# gelu_fast, gelu_accurate and gelu_python_tanh the tanh form spelled otherwise
 _ACTIVATIONS = {
     "gelu": (True, "gelu"),
+    "gelu_python": (True, "gelu"),
     "gelu_new": (False, "gelu"),
     "gelu_pytorch_tanh": (False, "gelu"),
+    "gelu_python_tanh": (False, "gelu"),
+    "gelu_fast": (False, "gelu"),
+    "gelu_accurate": (False, "gelu"),
     "quick_gelu": (True, "quick_gelu"),
 }
 # PIL's resampling filters by number, as preprocessor_config.json's resample gives them
@@ -303,15 +309,16 @@ def _check_side(side: dict, cfg: ViTConfig) -> None:
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     name = t.family = family(t, side)
     lay = LAYOUTS[name]
-    width, channels, patch, _ = t.shape(lay.patch + ".weight")
+    width, channels, patch = patch_conv(t, lay.patch + ".weight")
+    size = _image_size(side)  # a non-square one refused by name before the table is read
     depth = count_blocks(t, "^" + re.escape(lay.block).replace(r"\{i\}", r"(\d+)"))
     b = lay.block.format(i=0)
     class_token = lay.cls is not None
     if lay.pos is None:  # DINOv3: rotary; the grid is the config's image size
-        grid = (_image_size(side) or 224) // patch
+        grid = (size or 224) // patch
         covers_cls = False
     else:
-        grid, covers_cls = grid_of(t.shape(lay.pos)[-2], class_token)
+        grid, covers_cls = grid_of(t.shape(lay.pos)[-2], class_token, t.source)
     act = side.get("hidden_act", lay.act)
     fc1, fc2, gated = lay.mlp_names(t, b)
     if gated:  # DINOv2's SwiGLU is silu whatever hidden_act says; DINOv3's uses hidden_act

@@ -26,6 +26,7 @@ from .convert_common import (
     grid_of,
     infer_heads,
     json_beside,
+    patch_conv,
     patch_kernel,
     split_heads_out,
     torch_linear,
@@ -71,8 +72,14 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     for key, what in (
         ("attn_pool.query", "an attentional pooler (CoCa)"),
-        ("transformer.resblocks.0.attn.ln_inner.weight", "a norm inside attention (scale_attn)"),
+        ("transformer.resblocks.0.attn.ln_inner.weight",
+         "a norm inside attention (scale_attn_inner)"),
         ("transformer.resblocks.0.mlp.ln.weight", "a norm inside the MLP (scale_fc)"),
+        ("transformer.resblocks.0.ln_attn.weight", "a norm after attention (scale_attn)"),
+        ("transformer.resblocks.0.attn.head_scale", "a learned scale per head (scale_heads)"),
+        ("transformer.resblocks.0.attn.ln_q.weight", "QK-norm (qk_norm)"),
+        ("transformer.resblocks.0.attn.logit_scale", "cosine attention with a learned "
+         "temperature (scaled_cosine_attn)"),
     ):
         t.refuse(key, what)
     if any(key.startswith("trunk.") for key in t.tensors):
@@ -93,9 +100,9 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         t.notes.append("no open_clip_config.json: pooling read as the class token (pool_type "
                        "'tok'), LayerNorm epsilon 1e-5 and the exact GELU (norm_kwargs and "
                        "act_kwargs unset)")
-    width, channels, patch, _ = t.shape("conv1.weight")
+    width, channels, patch = patch_conv(t, "conv1.weight")
     depth = count_blocks(t, r"transformer\.resblocks\.(\d+)\.")
-    grid, covers_cls = grid_of(t.shape("positional_embedding")[0], True)
+    grid, covers_cls = grid_of(t.shape("positional_embedding")[0], True, t.source)
     heads = infer_heads(t, hints, None, width, _heads_from(vision, width))
     if "quick_gelu" in model_cfg:
         mlp = "quick_gelu" if model_cfg["quick_gelu"] else "gelu"

@@ -26,6 +26,7 @@ from .convert_common import (
     grid_of,
     infer_heads,
     json_beside,
+    patch_conv,
     patch_kernel,
     split_heads_in,
     split_heads_out,
@@ -42,8 +43,33 @@ SIDE_FILES = ("config.json",)
 
 def side_files(path: Path) -> dict:
     """timm's hub config.json (architecture, num_classes, global_pool, model_args,
-    pretrained_cfg)."""
-    return json_beside(path, "config.json")
+    pretrained_cfg); its model_args over what the architecture passes itself (``_own_args``)."""
+    side = json_beside(path, "config.json")
+    own = _own_args(str(side.get("architecture", "")))
+    if own:
+        side["model_args"] = {**own, **(side.get("model_args") or {})}
+    return side
+
+
+# SigLIP 2's towers in timm's vision_transformer.py pass act_layer='gelu_tanh' themselves; the
+# SigLIP 1 ones (vit_base_patch16_siglip_224, ...) keep nn.GELU's exact form
+_SIGLIP2 = ("vit_base_patch32_siglip_256", "vit_large_patch16_siglip_512",
+            "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384",
+            "vit_so400m_patch16_siglip_512", "vit_giantopt_patch16_siglip_256",
+            "vit_giantopt_patch16_siglip_384")
+_GELU_TANH = frozenset(_SIGLIP2 + tuple(n.replace("_siglip_", "_siglip_gap_") for n in _SIGLIP2))
+
+
+def _own_args(architecture: str) -> dict:
+    """The model_args timm's registration of ``architecture`` passes itself (timm 1.0.x) that
+    change the numbers but not the weights' names: a hub config.json records the caller's
+    arguments only. (The CLIP towers' LayerNorm epsilon is ``_norm_eps``'s.)"""
+    args = {}
+    if "quickgelu" in architecture:
+        args["act_layer"] = "quick_gelu"
+    elif architecture in _GELU_TANH:
+        args["act_layer"] = "gelu_tanh"
+    return args
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -56,6 +82,8 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     if side.get("architecture"):  # every message names it
         t.source = f"timm {side['architecture']}"
+    t.refuse("blocks.0.attns.0.norm.weight", "a block of parallel attention and MLP branches "
+             "(timm ParallelThingsBlock, the *_18x2_* models)")
     blocks = "blocks.0.norm1.weight" in t or "blocks.0.in_norm.weight" in t
     if "patch_embed.proj.weight" not in t or not blocks:
         raise ConvertError(
@@ -71,6 +99,12 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         ("patch_embed.norm.weight", "a norm inside the patch embedding"),
         ("attn_pool.q_norm.weight", "QK-norm in the attention-pooling head"),
         ("attn_pool.pos_embed", "a position embedding in the attention-pooling head"),
+        ("blocks.0.attn.norm.weight", "a norm inside attention (timm scale_attn_norm)"),
+        ("blocks.0.mlp.norm.weight", "a norm inside the MLP (timm scale_mlp_norm)"),
+        ("blocks.0.attn.lambda_q1", "differential attention (timm attn_layer='diff')"),
+        ("blocks.0.lambda_q1", "differential attention (timm DiffParallelScalingBlock)"),
+        ("blocks.0.gamma_1", "an Eva block's LayerScale (timm's Eva models: rotary position "
+         "embeddings, their own blocks)"),
     ):
         t.refuse(key, what)
     if "norm.weight" not in t:
@@ -84,25 +118,14 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             "position embedding are not supported"
         )
     model_args = side.get("model_args") or {}
-    width, channels, patch, _ = t.shape("patch_embed.proj.weight")
+    width, channels, patch = patch_conv(t, "patch_embed.proj.weight")
     depth = count_blocks(t, r"blocks\.(\d+)\.")
     parallel = "blocks.0.in_proj.weight" in t
     class_token = "cls_token" in t
     registers = t.shape("reg_token")[1] if "reg_token" in t else 0
-    _refuse_registers_in_table(t, model_args, class_token, registers)
-    grid, covers_cls = grid_of(t.shape("pos_embed")[1], class_token)
-    sized = model_args.get("img_size") or (side.get("pretrained_cfg") or {}).get("input_size")
-    if sized is None:  # nothing tells a non-square input apart
-        t.notes.append(f"no timm config.json giving img_size: the position table read as a "
-                       f"square {grid}x{grid} grid")
+    grid, covers_cls = _table_grid(t, side, patch, class_token, registers)
     first_norm = "blocks.0.in_norm" if parallel else "blocks.0.norm1"
-    layernorm = f"{first_norm}.bias" in t
-    norm = "layernorm" if layernorm else "rmsnorm"
-    if not layernorm:
-        if hints.preset and hints.preset.norm in ("rmsnorm", "layernorm_nobias"):
-            norm = hints.preset.norm
-        else:
-            t.notes.append("norms without a bias read as RMSNorm (timm's bias-free norm)")
+    norm = _norm(t, model_args, hints, f"{first_norm}.bias" in t)
     qk_key = "blocks.0.q_norm.weight" if parallel else "blocks.0.attn.q_norm.weight"
     heads = infer_heads(t, hints, qk_key, width, model_args.get("num_heads"))
     if parallel:
@@ -175,8 +198,7 @@ def _check_side(t: SourceTensors, side: dict, cfg: ViTConfig) -> None:
         "model_args.depth": (args.get("depth"), cfg.depth),
         "model_args.num_heads": (args.get("num_heads"), cfg.heads),
         "model_args.patch_size": (_square(args.get("patch_size")), cfg.patch),
-        "model_args.img_size": (_square(args.get("img_size")), cfg.image_size),
-    }
+    }  # model_args.img_size is the position table's (_table_grid)
     check_claims(t.source, "config.json", claims)
 
 
@@ -187,14 +209,37 @@ def _square(size) -> int | None:
     return size
 
 
+# timm's norm_layer names (timm.layers.create_norm) -> ours; the fp32 ones compute in float32 as
+# the others do here. SimpleNorm (x / sqrt(unbiased var(x))) is neither.
+_NORMS = {"layernorm": "layernorm", "layernormfp32": "layernorm", "rmsnorm": "rmsnorm",
+          "rmsnormfp32": "rmsnorm"}
+
+
+def _norm(t: SourceTensors, model_args: dict, hints: Hints, biased: bool) -> str:
+    """config.json's model_args.norm_layer where given; else a norm with a bias is LayerNorm and
+    one without RMSNorm (a preset may say LayerNorm without bias)."""
+    named = model_args.get("norm_layer")
+    if named is not None:
+        if named not in _NORMS:
+            raise ConvertError(f"{t.source} checkpoint: norm_layer={named!r} is not supported "
+                               f"(supported: {', '.join(_NORMS)})")
+        return _NORMS[named]
+    if biased:
+        return "layernorm"
+    if hints.preset and hints.preset.norm in ("rmsnorm", "layernorm_nobias"):
+        return hints.preset.norm
+    t.notes.append("norms without a bias read as RMSNorm (timm's bias-free norm)")
+    return "rmsnorm"
+
+
 # timm's act_layer names (timm.layers.create_act) -> (mlp, gelu_exact)
 _ACTIVATIONS = {"gelu": ("gelu", True), "gelu_tanh": ("gelu", False),
                 "quick_gelu": ("quick_gelu", True)}
 
 
 def _activation(side: dict, t: SourceTensors) -> tuple[str, bool]:
-    """timm's MLP activation is code, not weights: config.json's model_args.act_layer where
-    given, else the architecture (its name marks the quick-GELU ones)."""
+    """timm's MLP activation is code, not weights: config.json's model_args.act_layer, or the
+    architecture's own (``_own_args``); else timm's default, the exact GELU."""
     act = (side.get("model_args") or {}).get("act_layer")
     if act is not None:
         if act not in _ACTIVATIONS:
@@ -203,22 +248,21 @@ def _activation(side: dict, t: SourceTensors) -> tuple[str, bool]:
                 f"(supported: {', '.join(_ACTIVATIONS)})"
             )
         return _ACTIVATIONS[act]
-    architecture = str(side.get("architecture", ""))
-    if "quickgelu" in architecture:
-        return "quick_gelu", True
-    if not architecture:
+    if not side.get("architecture"):
         t.notes.append("no timm config.json naming the architecture: the MLP's GELU read as exact")
     return "gelu", True
 
 
 def _norm_eps(side: dict, t: SourceTensors) -> float:
-    """timm's CLIP towers build their LayerNorms with OpenAI's eps; every other ViT with 1e-6."""
+    """timm's CLIP towers build their norms with OpenAI's eps, 1e-5, as its BEiT-3 and AIMv2
+    registrations do; every other ViT with 1e-6."""
     architecture = str(side.get("architecture", ""))
     if not architecture and "norm_pre.weight" in t:
         t.notes.append("no timm config.json naming the architecture: LayerNorm epsilon read as "
                        "1e-6 (timm's ViTs; its CLIP towers, which have this norm before the "
                        "blocks too, use 1e-5)")
-    return 1e-5 if "_clip_" in architecture else 1e-6
+    wide = "_clip_" in architecture or architecture.startswith(("beit3_", "aimv2_"))
+    return 1e-5 if wide else 1e-6
 
 
 def _gated(side: dict, t: SourceTensors) -> tuple[str, bool]:
@@ -239,11 +283,15 @@ def _gated(side: dict, t: SourceTensors) -> tuple[str, bool]:
     return "swiglu", True
 
 
+# timm's eva.py architectures (1.0.x); eva_large_patch14_* are vision_transformer.py's own
+_EVA_PREFIXES = ("eva02_", "eva_giant_", "vit_pe_")
+_EVA_MARKS = ("_rope_", "_dinov3", "_lingbot", "_sapiens2")
+
+
 def _refuse_architecture(t: SourceTensors, side: dict) -> None:
     """timm models whose weights can look like a VisionTransformer's but compute otherwise:
     post-norm residual blocks (ResPostBlock, the *_rpn_* models) and rotary position embeddings
-    (timm's eva.py: eva*, vit_*_rope_*, vit_pe_*), told by config.json's architecture and
-    model_args."""
+    (timm's eva.py), told by config.json's architecture and model_args."""
     architecture = str(side.get("architecture", ""))
     args = side.get("model_args") or {}
     why = None
@@ -251,7 +299,7 @@ def _refuse_architecture(t: SourceTensors, side: dict) -> None:
         why = "post-norm residual blocks (ResPostBlock)"
     elif args.get("block_fn") not in (None, "Block", "ParallelScalingBlock"):
         why = f"block_fn={args['block_fn']!r}"
-    elif (architecture.startswith(("eva", "vit_pe_")) or "_rope_" in architecture
+    elif (architecture.startswith(_EVA_PREFIXES) or any(m in architecture for m in _EVA_MARKS)
           or args.get("use_rot_pos_emb")):
         why = "timm's Eva models (rotary position embeddings, their own blocks)"
     if why:
@@ -262,29 +310,54 @@ def _square_count(n: int) -> bool:
     return math.isqrt(n) ** 2 == n
 
 
-def _refuse_registers_in_table(t: SourceTensors, model_args: dict, class_token: bool,
-                               registers: int) -> None:
-    """timm's ``no_embed_class=False`` with register tokens gives the class and register tokens
-    rows of the position table too, which the model cannot express (it adds the table to the
-    patches, and optionally the class token). Told by config.json, or by the table's length:
-    a square grid plus every prefix token."""
-    if not registers:
-        return
-    covered = model_args.get("no_embed_class") is False
-    if model_args.get("no_embed_class") is None:  # a square table is read as patches alone
-        n_pos = t.shape("pos_embed")[1]
-        rows = n_pos - class_token - registers
-        covered = not _square_count(n_pos) and rows > 0 and _square_count(rows)
-        if not covered and rows > 0 and _square_count(rows):  # both readings square
-            t.notes.append(f"no timm config.json giving no_embed_class: the position table's "
-                           f"{n_pos} rows read as the patches' alone (timm's default for register "
-                           f"models), not as {rows} patches after the prefix tokens")
-    if covered:
-        raise ConvertError(
-            f"{t.source} checkpoint: its position table covers the class and {registers} "
-            "register tokens (timm no_embed_class=False), which is not supported: register "
-            "models are supported with no_embed_class=True (timm's and DINOv2's default)"
-        )
+def _table_grid(t: SourceTensors, side: dict, patch: int, class_token: bool,
+                registers: int) -> tuple[int, bool]:
+    """The position table's grid side and whether it covers the class token.
+
+    timm's ``no_embed_class=False`` (its default) gives the prefix tokens rows of the table too,
+    which the model expresses for a class token alone (it adds the table to the patches, and
+    optionally the class token), not for registers. model_args.img_size, the size the model was
+    built at, tells the grid where config.json gives it (a non-square one is refused). Without
+    it the table is read as a square grid, after the prefix tokens or not by its length, and a
+    note says so."""
+    args = side.get("model_args") or {}
+    n_pos, prefix = t.shape("pos_embed")[1], int(class_token) + registers
+    covered = ConvertError(
+        f"{t.source} checkpoint: its position table covers the {'class and ' * class_token}"
+        f"{registers} register tokens (timm no_embed_class=False), which is not supported: "
+        "register models are supported with no_embed_class=True (DINOv2's)"
+    )
+    size = args.get("img_size")
+    if size is not None:
+        height, width = size if isinstance(size, (list, tuple)) else (size, size)
+        if height != width:
+            raise ConvertError(f"{t.source} checkpoint: config.json's model_args.img_size={size}, "
+                               "a non-square input: only square patch grids are supported")
+        grid = height // patch
+        extra = n_pos - grid * grid
+        if registers and extra == prefix:
+            raise covered
+        if extra not in (0, int(class_token)):
+            raise ConvertError(
+                f"{t.source} checkpoint: its position table's {n_pos} rows are not the "
+                f"{grid}x{grid} patches of model_args.img_size={size} (with or without the "
+                f"{prefix} prefix tokens)"
+            )
+        return grid, extra == 1
+    rows = n_pos - prefix
+    if registers and args.get("no_embed_class") is False:
+        raise covered
+    if registers and args.get("no_embed_class") is None and rows > 0 and _square_count(rows):
+        if not _square_count(n_pos):
+            raise covered
+        t.notes.append(f"no timm config.json giving no_embed_class: the position table's {n_pos} "
+                       f"rows read as the patches' alone, not as {rows} patches after the prefix "
+                       "tokens")
+    grid, covers_cls = grid_of(n_pos, class_token, t.source)
+    if not (side.get("pretrained_cfg") or {}).get("input_size"):
+        t.notes.append(f"no timm config.json giving img_size: the position table read as a "
+                       f"square {grid}x{grid} grid")
+    return grid, covers_cls
 
 
 def preprocessing(side: dict, image_size: int) -> SourcePreprocess:

@@ -243,6 +243,28 @@ def test_hf_rotary_model_with_a_non_square_size_is_refused(tmp_path):
         convert("hf", tmp_path / "m")
 
 
+def test_hf_activation_names_compute_as_transformers_does():
+    """Every hidden_act the converter reads is transformers' own function to float32's precision
+    (gelu_python, gelu_fast, gelu_accurate, gelu_python_tanh were refused: the same two GELUs
+    spelled otherwise)."""
+    import jax.numpy as jnp
+    from peers import rel_err
+    from transformers.activations import ACT2FN
+    from vit22b.model import ViTConfig
+    from vit22b.model.convert_hf import _ACTIVATIONS
+    from vit22b.model.vit import activation
+
+    names = ("gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
+             "gelu_fast", "gelu_accurate", "quick_gelu")
+    assert set(_ACTIVATIONS) == set(names)
+    x = np.linspace(-8, 8, 2001, dtype=np.float32)
+    for name in names:
+        gelu_exact, mlp = _ACTIVATIONS[name]
+        cfg = ViTConfig(mlp=mlp, gelu_exact=gelu_exact)
+        expected = ACT2FN[name](torch.from_numpy(x)).numpy()
+        assert rel_err(activation(jnp.asarray(x), cfg), expected) < 1e-6, name
+
+
 def test_a_task_model_around_a_backbone_names_what_is_unsupported(tmp_path):
     import transformers
 
@@ -297,6 +319,9 @@ TIMM_CASES = {
     "dinov2-giant-swiglu": ("vit_giant_patch14_dinov2", {"mlp": "swiglu"}),
     # attention-pool head (AttentionPoolLatent), no class token
     "siglip": ("vit_base_patch16_siglip_224", {"head": "map", "class_token": False}),
+    # SigLIP 2's towers pass act_layer='gelu_tanh' themselves, which config.json does not
+    # record: read by the architecture's name (was the exact GELU: pooled 1e-4 off)
+    "siglip2-gelu-tanh": ("vit_so400m_patch16_siglip_256", {"head": "map", "gelu_exact": False}),
     # OpenAI CLIP in timm: norm_pre, quick-GELU (named by the architecture), projection as head
     "clip-quickgelu": (
         "vit_base_patch16_clip_quickgelu_224",
@@ -317,7 +342,7 @@ TIMM_CASES = {
 def timm_converted(name: str, folder, seed: int, preprocess=None, **kw):
     """A perturbed timm model saved as timm does (safetensors + config.json), and converted
     (``preprocess``: PreprocessFlags over what its pretrained_cfg says)."""
-    model = timm.create_model(name, pretrained=False, **TIMM_SHAPE, **kw).eval()
+    model = timm.create_model(name, pretrained=False, **{**TIMM_SHAPE, **kw}).eval()
     perturb(model, seed=seed)
     folder.mkdir()
     save_file(model.state_dict(), str(folder / "model.safetensors"))
@@ -369,7 +394,18 @@ def test_a_timm_dynamic_size_export_keeps_its_table_and_resamples_it_as_timm_doe
 @pytest.mark.parametrize("kwargs, message", [
     (dict(global_pool="avg", fc_norm=False, pool_include_prefix=True), "pool_include_prefix"),
     (dict(reg_tokens=4, no_embed_class=False), "covers the class and 4 register tokens"),
+    # timm's default no_embed_class=False, and a table of 2x2 + 5 rows that reads as a 3x3 grid
+    (dict(img_size=8, reg_tokens=4), "covers the class and 4 register tokens"),
     (dict(act_layer="relu"), "act_layer='relu' is not supported"),
+    # SimpleNorm (x / sqrt(unbiased var)) has no bias either: it was read as RMSNorm
+    (dict(norm_layer="simplenorm"), "norm_layer='simplenorm' is not supported"),
+    (dict(img_size=[16, 24]), r"model_args.img_size=\[16, 24\], a non-square input"),
+    (dict(img_size=[16, 32], patch_size=[4, 8]), "embeds 4x8 patches: only square patches"),
+    (dict(scale_attn_norm=True), r"a norm inside attention \(timm scale_attn_norm\)"),
+    (dict(scale_mlp_norm=True), r"a norm inside the MLP \(timm scale_mlp_norm\)"),
+    (dict(attn_layer="diff"), r"differential attention \(timm attn_layer='diff'\)"),
+    # converted, then every served (RGB) request failed on the compiled program's 4 channels
+    (dict(in_chans=4), "takes 4-channel images"),
 ])
 def test_timm_options_the_model_cannot_express_are_refused_by_name(kwargs, message, tmp_path):
     with pytest.raises(ConvertError, match=message):
@@ -512,10 +548,19 @@ def test_open_clip_norm_and_activation_arguments_are_the_configs(tmp_path):
                  {"pooled": pooled.numpy(), "patch_tokens": tokens.numpy()}, True)
 
 
-def test_open_clip_arguments_it_cannot_express_are_refused(tmp_path):
-    vision = {**OPEN_CLIP_CFG["vision_cfg"], "norm_kwargs": {"elementwise_affine": False}}
+@pytest.mark.parametrize("vision, message", [
+    ({"norm_kwargs": {"elementwise_affine": False}}, "norm_kwargs.elementwise_affine"),
+    ({"scale_heads": True}, r"a learned scale per head \(scale_heads\)"),
+    ({"scale_attn": True}, r"a norm after attention \(scale_attn\)"),
+    ({"scale_attn_inner": True}, r"a norm inside attention \(scale_attn_inner\)"),
+    ({"qk_norm": True}, r"QK-norm \(qk_norm\)"),
+    ({"scaled_cosine_attn": True}, r"\(scaled_cosine_attn\)"),
+])
+def test_open_clip_arguments_it_cannot_express_are_refused(vision, message, tmp_path):
+    """vision_cfg's custom-block options are refused by name (were unexpected keys)."""
+    vision = {**OPEN_CLIP_CFG["vision_cfg"], **vision}
     _open_clip_folder(tmp_path / "oc", {**OPEN_CLIP_CFG, "vision_cfg": vision})
-    with pytest.raises(ConvertError, match="norm_kwargs.elementwise_affine"):
+    with pytest.raises(ConvertError, match=message):
         convert("open_clip", tmp_path / "oc")
 
 

@@ -442,8 +442,15 @@ def test_timm_models_that_compute_otherwise_are_refused_not_misread(tmp_path):
     with pytest.raises(ConvertError, match=r"post-norm residual blocks \(ResPostBlock\)"):
         _convert_with_config(post_norm, tmp_path, "vit_base_patch16_rpn_224")
     plain = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY)
-    with pytest.raises(ConvertError, match="timm's Eva models"):  # rotary: no weights show it
-        _convert_with_config(plain, tmp_path, "vit_base_patch16_rope_reg1_gap_256")
+    for eva in ("vit_base_patch16_rope_reg1_gap_256", "vit_base_patch16_dinov3"):
+        with pytest.raises(ConvertError, match="timm's Eva models"):  # rotary: no weights show it
+            _convert_with_config(plain, tmp_path, eva)
+    # vision_transformer.py's own eva_large_* are plain ViTs (were refused as rotary)
+    assert _convert_with_config(plain, tmp_path, "eva_large_patch14_196").config.heads == 4
+    branches = timm.create_model("vit_small_patch16_18x2_224", pretrained=False, **TINY)
+    with pytest.raises(ConvertError, match=r"parallel attention and MLP branches \(timm "
+                                           "ParallelThingsBlock"):  # was: not a ViT
+        _convert_with_config(branches, tmp_path, "vit_small_patch16_18x2_224")
     packed = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY,
                                mlp_layer=SwiGLUPacked, mlp_ratio=4)
     with pytest.raises(ConvertError, match="a gated MLP with act_layer='gelu'"):
@@ -464,6 +471,31 @@ def test_timm_models_that_compute_otherwise_are_refused_not_misread(tmp_path):
     notes = _convert_state(averaged.state_dict(), tmp_path, heads=4).notes
     assert any("read as the average of the patch tokens" in note for note in notes)
     assert any("read as a square 4x4 grid" in note for note in notes)
+
+
+def test_timm_architectures_own_activation_and_epsilon_are_read_by_name():
+    """What timm's registrations pass VisionTransformer themselves is not in a hub config.json:
+    the converter reads the MLP's activation and the norms' epsilon of every registered
+    architecture by its name, as timm builds it (SigLIP 2's tanh GELU was read as exact)."""
+    from timm.layers import GELUTanh, QuickGELU
+    from vit22b.model.convert_common import SourceTensors
+    from vit22b.model.convert_timm import _norm_eps, _own_args
+
+    built_as = {GELUTanh: "gelu_tanh", QuickGELU: "quick_gelu", torch.nn.GELU: "gelu"}
+    for name in timm.list_models(module="vision_transformer"):
+        with torch.device("meta"):  # the architecture's own modules, no memory
+            model = timm.create_model(name, pretrained=False, img_size=16, patch_size=4,
+                                      embed_dim=32, depth=1, num_heads=2)
+        modules = list(model.modules())
+        if any(isinstance(m, torch.nn.SiLU) for m in modules):
+            continue  # a gated MLP: refused, or read as SwiGLU
+        acts = {next(act for kind, act in built_as.items() if isinstance(m, kind))
+                for m in modules if isinstance(m, tuple(built_as))}
+        assert acts == {_own_args(name).get("act_layer", "gelu")}, name
+        mapped = ("norm", "norm1", "norm2", "in_norm", "norm_pre", "q_norm", "k_norm")
+        eps = {m.eps for path, m in model.named_modules() if path.split(".")[-1] in mapped
+               and isinstance(m, torch.nn.LayerNorm | timm.layers.RmsNorm)}
+        assert eps <= {_norm_eps({"architecture": name}, SourceTensors({}, "timm"))}, name
 
 
 def test_missing_unexpected_and_misshaped_keys_are_named(timm_state, tmp_path):
