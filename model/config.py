@@ -118,6 +118,11 @@ class ViTConfig:
     posemb_covers_cls: bool = False
     # a norm on the embedded tokens before the first block (timm pre_norm: CLIP, the *_xp_* ViTs)
     pre_norm: bool = False
+    # the final norm on the pooled feature instead of the tokens (timm fc_norm: its
+    # average-pooled ViTs, the SBB *_gap_* ones, EVA-L, BEiT-3); the tokens have no norm, so
+    # they come out as the last block leaves them, norm_patches or not (as timm's
+    # forward_features and forward_intermediates(norm=True) give them)
+    pool_norm: bool = False
     gelu_exact: bool = True
     # the blocks' MLP: GELU (exact or tanh, gelu_exact), CLIP's quick-GELU x*sigmoid(1.702x), or
     # SwiGLU silu(x W_gate) * (x W_fc1) (DINOv2-g, DINOv3-7B); the MAP head's MLP is always GELU
@@ -171,6 +176,8 @@ class ViTConfig:
             raise ConfigError(
                 f"{self.name}: image_size={self.image_size} is not divisible by patch={self.patch}"
             )
+        if self.pool_norm and self.head == "none":
+            raise ConfigError(f"{self.name}: pool_norm=True needs a pooling head")
         if self.head == "cls" and not self.class_token:
             raise ConfigError(f"{self.name}: head='cls' needs class_token=True")
         if self.posemb_covers_cls and not self.class_token:

@@ -95,7 +95,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         ("dist_token", "a distillation token"),
         ("blocks.0.mlp.fc1_g.weight", "a SwiGLU MLP with its gate and value apart (timm SwiGLU; "
          "the packed SwiGLUPacked is supported)"),
-        ("fc_norm.weight", "a norm after average pooling (timm fc_norm)"),
         ("patch_embed.norm.weight", "a norm inside the patch embedding"),
         ("attn_pool.q_norm.weight", "QK-norm in the attention-pooling head"),
         ("attn_pool.pos_embed", "a position embedding in the attention-pooling head"),
@@ -107,7 +106,11 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
          "embeddings, their own blocks)"),
     ):
         t.refuse(key, what)
-    if "norm.weight" not in t:
+    pool_norm = "fc_norm.weight" in t  # timm's fc_norm: the final norm after average pooling
+    if pool_norm:
+        t.refuse("norm.weight", "a norm on the tokens and another after pooling (timm norm "
+                 "and fc_norm together)")
+    elif "norm.weight" not in t:
         raise ConvertError(
             f"{t.source} checkpoint: no final norm ('norm.weight'): models without one (timm "
             "final_norm=False) are not supported"
@@ -148,14 +151,15 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         head = "map"
         if t.shape("attn_pool.latent")[1] != 1:
             t.refuse("attn_pool.latent", "an attention-pooling head with several latent queries")
-    elif class_token and pool in (None, "token"):
+    elif class_token and (pool == "token" or (pool is None and not pool_norm)):
         head = "cls"
         if pool is None:  # a bare state dict: an average-pooled model's weights look the same
             t.notes.append("no timm config.json giving global_pool: pooled output read as the "
                            "class token (timm's default, global_pool='token')")
     elif pool in (None, "avg"):
         head = "gap"
-        if pool is None:  # max and avgmax pooled models' weights look the same
+        if pool is None:  # max and avgmax pooled models' weights look the same (timm gives
+            # them fc_norm too; a bare file with fc_norm and a class token is read so as well)
             t.notes.append("no timm config.json giving global_pool: pooled output read as the "
                            "average of the patch tokens (global_pool='avg')")
     else:
@@ -174,6 +178,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         mlp_bias=mlp_bias,
         qk_norm=qk_key in t,
         head=head,
+        pool_norm=pool_norm,
         class_token=class_token,
         num_registers=registers,
         posemb_covers_cls=covers_cls,
@@ -482,7 +487,7 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     params = {
         "patch_embed": patch_kernel(t.take("patch_embed.proj.weight", (d, c, p, p))),
         "pos_embedding": t.take("pos_embed", (1, table, d)),
-        "encoder_norm": torch_norm(t, "norm", cfg),
+        "encoder_norm": torch_norm(t, "fc_norm" if cfg.pool_norm else "norm", cfg),
     }
     if cfg.patch_bias:
         params["patch_bias"] = t.take("patch_embed.proj.bias", (d,))

@@ -412,7 +412,7 @@ class ViT(nn.Module):
                 entropies.append(st[0])
                 max_logits.append(st[1])
             if i in layers:
-                tokens = encoder_norm(x) if request.norm_patches else x
+                tokens = encoder_norm(x) if request.norm_patches and not cfg.pool_norm else x
                 patches[i] = tokens[:, n_prefix:]
         if patches:
             out["patch_tokens"] = patches
@@ -422,7 +422,8 @@ class ViT(nn.Module):
         if not needs_head:
             return out
 
-        x = encoder_norm(x)
+        if not cfg.pool_norm:
+            x = encoder_norm(x)
         if request.class_token:
             if not cfg.class_token:
                 raise ValueError(f"model {cfg.name} has no class token")
@@ -440,6 +441,8 @@ class ViT(nn.Module):
                 pooled = x[:, 0]
             else:
                 pooled = x[:, n_prefix:].mean(axis=1)
+            if cfg.pool_norm:
+                pooled = encoder_norm(pooled)
             if request.pre_projection:
                 if not cfg.projection_dim:
                     raise ValueError(f"model {cfg.name} has no projection (projection_dim=0)")

@@ -109,6 +109,20 @@ TIMM_CASES = {
         ),
         "safetensors",
     ),
+    # timm's fc_norm: average pooling, the final norm on the pooled feature, the tokens un-normed
+    # (the SBB *_gap_* ViTs: registers, no class token)
+    "gap-fc-norm": (
+        "vit_base_patch16_224",
+        dict(class_token=False, reg_tokens=2, no_embed_class=True, global_pool="avg"),
+        "config",
+    ),
+    # with a class token (EVA-L's layout), a bare state dict: fc_norm itself says average pooling
+    "cls-gap-fc-norm": ("vit_base_patch16_224", dict(global_pool="avg", fc_norm=True), "pth"),
+    # fc_norm asked for beside class-token pooling: the norm on the class token alone
+    "cls-fc-norm": ("vit_base_patch16_224", dict(fc_norm=True), "config"),
+    # and after attention pooling
+    "map-fc-norm": ("vit_base_patch16_224", dict(class_token=False, global_pool="map",
+                                                 fc_norm=True), "config"),
     # the paper's head: no class token, multi-head attention pooling
     "xp-map": (
         "vit_base_patch16_xp_224",
@@ -142,6 +156,7 @@ def test_timm_parity(case, tmp_path):
     assert cfg.block == ("parallel" if "xp" in case else "sequential")
     assert cfg.heads == 4 and cfg.width == 64 and cfg.depth == 2 and cfg.image_size == 32
     assert cfg.num_classes == model.num_classes
+    assert cfg.pool_norm == ("fc-norm" in case)
     pixels = _pixels()
     _assert_parity(converted, _timm_outputs(model, pixels), pixels, logits=model.num_classes > 0)
     if how == "config":
@@ -514,7 +529,8 @@ def test_missing_unexpected_and_misshaped_keys_are_named(timm_state, tmp_path):
 @pytest.mark.parametrize(
     "key, shape, what",
     [
-        ("fc_norm.weight", (64,), "a norm after average pooling"),
+        # timm's fc_norm is taken in place of the tokens' norm, not beside it
+        ("norm.weight", (64,), "a norm on the tokens and another after pooling"),
         ("dist_token", (1, 1, 64), "a distillation token"),
     ],
 )
@@ -522,6 +538,8 @@ def test_keys_the_model_cannot_express_are_refused_not_dropped(
     timm_state, tmp_path, key, shape, what
 ):
     state = dict(timm_state) | {key: torch.zeros(shape)}
+    if key == "norm.weight":
+        state["fc_norm.weight"] = torch.zeros(shape)
     with pytest.raises(ConvertError, match=re.escape(f"key {key!r} {tuple(shape)} is {what}")):
         _convert_state(state, tmp_path)
 

@@ -290,6 +290,7 @@ def test_bf16_policy_stays_close_to_f32():
         ({"image_size": 70}, "image_size=70"),
         ({"norm": "batchnorm"}, "norm='batchnorm'"),
         ({"head": "cls"}, "class_token"),
+        ({"head": "none", "pool_norm": True}, "pool_norm=True needs a pooling head"),
     ],
 )
 def test_bad_configs_fail_at_construction_naming_the_field(changes, field):
