@@ -465,6 +465,16 @@ def draw(index: int, seed: int, folder: Path) -> tuple[Case, Peer]:
     raise RuntimeError(f"case {index}: no config the peer builds in 50 draws")
 
 
+def named(index: int, architecture: str, folder: Path) -> tuple[Case, Peer]:
+    """timm's registered ``architecture`` at one small shape (``--architectures``)."""
+    torch.manual_seed(index)
+    spec = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0,
+                architecture=architecture)
+    words = _timm_architectures().get(architecture, ())
+    peer = build_timm(spec, folder / f"case{index}", seed=index)
+    return Case(index, "timm", spec, {"architecture": architecture}, words), peer
+
+
 def names_an_option(message: str, case: Case) -> bool:
     """Whether a refusal names one of the options the case varied, or a key and what it is
     (``SourceTensors.refuse``'s words)."""
@@ -542,15 +552,22 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", type=int, nargs="*", help="replay these case indices")
     parser.add_argument("--verbose", action="store_true", help="tracebacks and notes")
+    parser.add_argument("--architectures", nargs="+", metavar="NAME",
+                        help="instead of random cases: these registered timm architectures, "
+                        "each at one small shape")
     args = parser.parse_args()
-    indices = args.only if args.only else range(args.cases)
+    indices = range(len(args.architectures)) if args.architectures else (
+        args.only if args.only else range(args.cases))
     cases = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         print("| # | family | class | detail | config |")
         print("|---|---|---|---|---|")
         for index in indices:
-            case, peer = draw(index, args.seed, Path(tmp))
+            if args.architectures:
+                case, peer = named(index, args.architectures[index], Path(tmp))
+            else:
+                case, peer = draw(index, args.seed, Path(tmp))
             run_case(case, peer, args.verbose)
             cases.append(case)
             detail = case.detail.replace("\n", " ")[:300]
