@@ -116,6 +116,9 @@ class ViTConfig:
     # big_vision adds position embeddings to patches only, then prepends the class token;
     # timm and Hugging Face prepend first and embed the class token's position too.
     posemb_covers_cls: bool = False
+    # timm's no_embed_class=False with registers: the table has a row for every prefix token
+    # (the class token's and the registers'), kept as they are when it is resampled
+    posemb_covers_registers: bool = False
     # a norm on the embedded tokens before the first block (timm pre_norm: CLIP, the *_xp_* ViTs)
     pre_norm: bool = False
     # the final norm on the pooled feature instead of the tokens (timm fc_norm: its
@@ -180,6 +183,14 @@ class ViTConfig:
             raise ConfigError(f"{self.name}: pool_norm=True needs a pooling head")
         if self.head == "cls" and not self.class_token:
             raise ConfigError(f"{self.name}: head='cls' needs class_token=True")
+        if self.posemb_covers_registers and (
+            not self.num_registers or self.posemb != "learn"
+            or self.posemb_covers_cls != self.class_token
+        ):
+            raise ConfigError(
+                f"{self.name}: posemb_covers_registers=True needs registers, a learned table "
+                "and posemb_covers_cls=class_token (a row for every prefix token)"
+            )
         if self.posemb_covers_cls and not self.class_token:
             raise ConfigError(f"{self.name}: posemb_covers_cls=True needs class_token=True")
         if self.num_classes and self.head == "none":
@@ -231,6 +242,15 @@ class ViTConfig:
             macs += n * 2 * d * d + 2 * d * d + 2 * h * n * hd + 2 * d * self.map_mlp_dim
         macs += d * (self.num_classes + self.projection_dim)
         return 2 * macs
+
+    @property
+    def posemb_prefix_rows(self) -> int:
+        """Rows of the learned table before the patches' (prefix tokens it covers)."""
+        return int(self.posemb_covers_cls) + self.num_registers * self.posemb_covers_registers
+
+    def table_rows(self, grid: tuple[int, int]) -> int:
+        """Rows of the learned position table at ``grid``: its prefix rows and the patches'."""
+        return grid[0] * grid[1] + self.posemb_prefix_rows
 
     @property
     def num_prefix_tokens(self) -> int:

@@ -513,7 +513,7 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     if cfg.patch_bias:
         params["patch_bias"] = t.take(lay.patch + ".bias", (d,))
     if cfg.posemb == "learn":
-        n_pos = cfg.table_grid[0] * cfg.table_grid[1] + int(cfg.posemb_covers_cls)
+        n_pos = cfg.table_rows(cfg.table_grid)
         shape = (n_pos, d) if lay.pos.endswith(".weight") else (1, n_pos, d)
         params["pos_embedding"] = t.take(lay.pos, shape).reshape(1, n_pos, d)
     if cfg.class_token:

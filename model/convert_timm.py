@@ -126,7 +126,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     parallel = "blocks.0.in_proj.weight" in t
     class_token = "cls_token" in t
     registers = t.shape("reg_token")[1] if "reg_token" in t else 0
-    grid, covers_cls = _table_grid(t, side, patch, class_token, registers)
+    grid, covers_cls, covers_registers = _table_grid(t, side, patch, class_token, registers)
     first_norm = "blocks.0.in_norm" if parallel else "blocks.0.norm1"
     norm = _norm(t, model_args, hints, f"{first_norm}.bias" in t)
     qk_key = "blocks.0.q_norm.weight" if parallel else "blocks.0.attn.q_norm.weight"
@@ -182,6 +182,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         class_token=class_token,
         num_registers=registers,
         posemb_covers_cls=covers_cls,
+        posemb_covers_registers=covers_registers,
         posemb_resample="bicubic_antialias",  # resample_abs_pos_embed's defaults
         pre_norm="norm_pre.weight" in t,
         gelu_exact=gelu_exact,
@@ -316,22 +317,16 @@ def _square_count(n: int) -> bool:
 
 
 def _table_grid(t: SourceTensors, side: dict, patch: int, class_token: bool,
-                registers: int) -> tuple[int, bool]:
-    """The position table's grid side and whether it covers the class token.
+                registers: int) -> tuple[int, bool, bool]:
+    """The position table's grid side and whether it covers the class token and the registers.
 
-    timm's ``no_embed_class=False`` (its default) gives the prefix tokens rows of the table too,
-    which the model expresses for a class token alone (it adds the table to the patches, and
-    optionally the class token), not for registers. model_args.img_size, the size the model was
-    built at, tells the grid where config.json gives it (a non-square one is refused). Without
-    it the table is read as a square grid, after the prefix tokens or not by its length, and a
-    note says so."""
+    timm's ``no_embed_class=False`` (its default) gives every prefix token a row of the table
+    too; ``no_embed_class=True`` none. model_args.img_size, the size the model was built at,
+    tells the grid where config.json gives it (a non-square one is refused). Without it the
+    table is read as a square grid, after the prefix tokens or not by its length, and a note
+    says so."""
     args = side.get("model_args") or {}
     n_pos, prefix = t.shape("pos_embed")[1], int(class_token) + registers
-    covered = ConvertError(
-        f"{t.source} checkpoint: its position table covers the {'class and ' * class_token}"
-        f"{registers} register tokens (timm no_embed_class=False), which is not supported: "
-        "register models are supported with no_embed_class=True (DINOv2's)"
-    )
     size = args.get("img_size")
     if size is not None:
         height, width = size if isinstance(size, (list, tuple)) else (size, size)
@@ -341,28 +336,29 @@ def _table_grid(t: SourceTensors, side: dict, patch: int, class_token: bool,
         grid = height // patch
         extra = n_pos - grid * grid
         if registers and extra == prefix:
-            raise covered
+            return grid, class_token, True
         if extra not in (0, int(class_token)):
             raise ConvertError(
                 f"{t.source} checkpoint: its position table's {n_pos} rows are not the "
                 f"{grid}x{grid} patches of model_args.img_size={size} (with or without the "
                 f"{prefix} prefix tokens)"
             )
-        return grid, extra == 1
+        return grid, extra == 1, False
     rows = n_pos - prefix
-    if registers and args.get("no_embed_class") is False:
-        raise covered
-    if registers and args.get("no_embed_class") is None and rows > 0 and _square_count(rows):
-        if not _square_count(n_pos):
-            raise covered
-        t.notes.append(f"no timm config.json giving no_embed_class: the position table's {n_pos} "
-                       f"rows read as the patches' alone, not as {rows} patches after the prefix "
-                       "tokens")
+    if registers and rows > 0 and _square_count(rows):
+        covered = args.get("no_embed_class") is False or (
+            args.get("no_embed_class") is None and not _square_count(n_pos))
+        if covered:
+            return math.isqrt(rows), class_token, True
+        if args.get("no_embed_class") is None:
+            t.notes.append(f"no timm config.json giving no_embed_class: the position table's "
+                           f"{n_pos} rows read as the patches' alone, not as {rows} patches "
+                           "after the prefix tokens")
     grid, covers_cls = grid_of(n_pos, class_token, t.source)
     if not (side.get("pretrained_cfg") or {}).get("input_size"):
         t.notes.append(f"no timm config.json giving img_size: the position table read as a "
                        f"square {grid}x{grid} grid")
-    return grid, covers_cls
+    return grid, covers_cls, False
 
 
 def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
@@ -483,7 +479,7 @@ def _timm_map_head(t: SourceTensors, cfg: ViTConfig) -> dict:
 
 def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     d, c, p = cfg.width, cfg.channels, cfg.patch
-    table = math.prod(cfg.table_grid) + cfg.posemb_covers_cls  # the stored grid (posemb_grid)
+    table = cfg.table_rows(cfg.table_grid)  # the stored grid (posemb_grid)
     params = {
         "patch_embed": patch_kernel(t.take("patch_embed.proj.weight", (d, c, p, p))),
         "pos_embedding": t.take("pos_embed", (1, table, d)),

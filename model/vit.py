@@ -357,7 +357,7 @@ class ViT(nn.Module):
     (N = rows * cols, row-major); ``attention_entropy`` and ``attention_max_logit``
     [B, depth, heads]; ``logits`` [B, classes].
 
-    ``pos``: the learned position table at the images' grid ([1, N (+1), d],
+    ``pos``: the learned position table at the images' grid ([1, prefix rows + N, d],
     ``position_table``); without it the stored table is used, which must be at that grid.
     """
 
@@ -467,7 +467,7 @@ class ViT(nn.Module):
         cfg = self.cfg
         b, d, pdt = x.shape[0], cfg.width, cfg.param_dtype
         if cfg.posemb == "learn":
-            n_pos = table_rows(cfg, cfg.table_grid)
+            n_pos = cfg.table_rows(cfg.table_grid)
             table = self.param("pos_embedding", nn.initializers.normal(0.02), (1, n_pos, d), pdt)
             if pos is None:
                 if grid != cfg.table_grid:
@@ -476,40 +476,33 @@ class ViT(nn.Module):
                         f"{grid}: pass pos=position_table(cfg, params, grid)"
                     )
                 pos = table
-            if pos.shape != (1, table_rows(cfg, grid), d):
+            if pos.shape != (1, cfg.table_rows(grid), d):
                 raise ValueError(f"pos of shape {pos.shape} is not the table for grid {grid}")
             pos = pos.astype(F32)
         elif cfg.posemb == "sincos2d":
             pos = jnp.asarray(sincos2d(*grid, d))[None]
         else:  # rope
             pos = 0.0
+        prefix = []  # the class token, then the registers
         if cfg.class_token:
             cls = self.param("cls", _zeros, (1, 1, d), pdt).astype(F32)
-            cls = jnp.broadcast_to(cls, (b, 1, d))
-            if cfg.posemb_covers_cls:
-                x = jnp.concatenate([cls, x], axis=1) + pos
-            else:
-                x = jnp.concatenate([cls, x + pos], axis=1)
-        else:
-            x = x + pos
+            prefix.append(jnp.broadcast_to(cls, (b, 1, d)))
         if cfg.num_registers:
-            n_cls = int(cfg.class_token)
             shape = (1, cfg.num_registers, d)
             reg = self.param("registers", nn.initializers.normal(0.02), shape, pdt).astype(F32)
-            reg = jnp.broadcast_to(reg, (b, *shape[1:]))
-            x = jnp.concatenate([x[:, :n_cls], reg, x[:, n_cls:]], axis=1)
-        return x
-
-
-def table_rows(cfg: ViTConfig, grid: Grid) -> int:
-    """Rows of the learned position table at ``grid`` (plus the class token's, if it covers it)."""
-    return grid[0] * grid[1] + int(cfg.posemb_covers_cls)
+            prefix.append(jnp.broadcast_to(reg, (b, *shape[1:])))
+        if cfg.posemb_covers_registers:  # a table row for every prefix token
+            return jnp.concatenate([*prefix, x], axis=1) + pos
+        if cfg.class_token and cfg.posemb_covers_cls:
+            x = jnp.concatenate([prefix[0], x], axis=1) + pos
+            return jnp.concatenate([x[:, :1], *prefix[1:], x[:, 1:]], axis=1)
+        return jnp.concatenate([*prefix, x + pos], axis=1)
 
 
 def position_table(cfg: ViTConfig, params: dict, grid: Grid) -> Array | None:
-    """The learned table at ``grid`` [1, N (+1), d], resampled as the checkpoint's source does
+    """The learned table at ``grid`` [1, prefix rows + N, d], resampled as its source does
     (``cfg.posemb_resample``, model/posemb.py): in float32, cast back to the parameter dtype
-    (timm and DINOv2 do the same); the class token's row untouched. None for sin-cos and RoPE
+    (timm and DINOv2 do the same); the prefix tokens' rows untouched. None for sin-cos and RoPE
     (computed for the grid inside the forward). The stored table itself at its own grid.
 
     Works on concrete arrays (the engine calls it once per grid) and inside a trace."""
@@ -524,7 +517,7 @@ def position_table(cfg: ViTConfig, params: dict, grid: Grid) -> Array | None:
             f"{cfg.name}: its position table is for a {old[0]}x{old[1]} grid only "
             f"(posemb_resample='none'); a {grid[0]}x{grid[1]} grid was asked for"
         )
-    n_cls, d = int(cfg.posemb_covers_cls), cfg.width
+    n_cls, d = cfg.posemb_prefix_rows, cfg.width
     patches = table[0, n_cls:].astype(F32).reshape(*old, d)
     wy, wx = (resample_weights(o, n, cfg.posemb_resample) for o, n in zip(old, grid))
     hi = jax.lax.Precision.HIGHEST

@@ -336,6 +336,19 @@ TIMM_CASES = {
         {"mlp": "quick_gelu", "pre_norm": True},
         dict(act_layer="quick_gelu", pre_norm=True),
     ),
+    # timm's default no_embed_class=False with registers: a table row for every prefix token
+    # (the SBB so150m2 ViTs)
+    "reg-covered": (
+        "vit_base_patch16_224",
+        {"num_registers": 4, "posemb_covers_cls": True, "posemb_covers_registers": True},
+        dict(reg_tokens=4),
+    ),
+    "reg-covered-no-class": (
+        "vit_base_patch16_224",
+        {"num_registers": 2, "class_token": False, "posemb_covers_registers": True,
+         "pool_norm": True},
+        dict(reg_tokens=2, class_token=False, global_pool="avg"),
+    ),
 }
 
 
@@ -359,8 +372,9 @@ def timm_outputs(model, pixels) -> dict:
             "pooled": model.forward_head(tokens, pre_logits=True),
             "patch_tokens": tokens[:, prefix:],
         }
-        if prefix > int(model.cls_token is not None):
-            peer["register_tokens"] = tokens[:, 1:prefix]
+        n_cls = int(model.cls_token is not None)
+        if prefix > n_cls:
+            peer["register_tokens"] = tokens[:, n_cls:prefix]
     return {k: v.numpy() for k, v in peer.items()}
 
 
@@ -393,9 +407,6 @@ def test_a_timm_dynamic_size_export_keeps_its_table_and_resamples_it_as_timm_doe
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(global_pool="avg", fc_norm=False, pool_include_prefix=True), "pool_include_prefix"),
-    (dict(reg_tokens=4, no_embed_class=False), "covers the class and 4 register tokens"),
-    # timm's default no_embed_class=False, and a table of 2x2 + 5 rows that reads as a 3x3 grid
-    (dict(img_size=8, reg_tokens=4), "covers the class and 4 register tokens"),
     (dict(act_layer="relu"), "act_layer='relu' is not supported"),
     # SimpleNorm (x / sqrt(unbiased var)) has no bias either: it was read as RMSNorm
     (dict(norm_layer="simplenorm"), "norm_layer='simplenorm' is not supported"),
@@ -412,12 +423,26 @@ def test_timm_options_the_model_cannot_express_are_refused_by_name(kwargs, messa
         timm_converted("vit_base_patch16_224", tmp_path / "m", 3, num_classes=0, **kwargs)
 
 
-def test_a_timm_table_covering_its_registers_is_refused_without_a_config_too(tmp_path):
+def test_a_timm_table_covering_its_registers_is_read_by_its_length_or_its_config(tmp_path):
+    """Without a config.json, 64 + 1 + 4 rows are a table covering every prefix token (64 + 5
+    is no square); with one, model_args.img_size tells 2x2 + 5 rows from a 3x3 grid. Both are
+    served as timm computes them, the second also resampled to another grid."""
     model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0,
                               **{**TIMM_SHAPE, "img_size": 32}, reg_tokens=4, no_embed_class=False)
-    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))  # 64 + 1 + 4 rows
-    with pytest.raises(ConvertError, match="covers the class and 4 register tokens"):
-        convert("timm", tmp_path / "m.safetensors", Hints(heads=4))
+    perturb(model, seed=4)
+    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    converted = convert("timm", tmp_path / "m.safetensors", Hints(heads=4))
+    assert converted.config.table_grid == (8, 8) and converted.config.posemb_covers_registers
+    pixels = _pixels(size=32)
+    check_parity("timm-reg-covered-bare", "timm vit_base_patch16_224", converted,
+                 pixels.numpy(), timm_outputs(model, pixels), True)
+    model, converted = timm_converted("vit_base_patch16_224", tmp_path / "small", 6,
+                                      num_classes=0, img_size=8, reg_tokens=4,
+                                      dynamic_img_size=True)
+    assert converted.config.table_grid == (2, 2) and converted.config.posemb_covers_registers
+    pixels = _pixels(size=12)  # a 3x3 grid: the table resampled, its 5 prefix rows kept
+    check_parity("timm-reg-covered-resampled", "timm vit_base_patch16_224", converted,
+                 pixels.numpy(), timm_outputs(model, pixels), True)
 
 
 def test_a_bare_timm_state_dict_says_how_its_pooling_was_read(tmp_path):
