@@ -422,6 +422,11 @@ class Engine:
                                                     batch)
 
     def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid):
+        return self.lowered(bucket, outputs, grid).compile()
+
+    def lowered(self, bucket: int, outputs: OutputRequest, grid: Grid):
+        """The forward for a bucket at ``grid``, lowered and not yet compiled (what ``compiled``
+        compiles; benchmarks compile it under other XLA options)."""
         cfg, place = self.cfg, self.placement(bucket, grid)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
@@ -438,7 +443,7 @@ class Engine:
         )
         shape = (bucket, grid[0] * cfg.patch, grid[1] * cfg.patch, cfg.channels)
         images = jax.ShapeDtypeStruct(shape, np.float32, sharding=place.batch_sharding)
-        return fn.lower(place.params, pos, images).compile()
+        return fn.lower(place.params, pos, images)
 
     def warm_up(
         self, output_sets: Sequence[OutputRequest] = (POOLED,), grids: Sequence[Grid] = ()
