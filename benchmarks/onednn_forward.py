@@ -29,7 +29,7 @@ import re
 import tempfile
 import time
 
-from benchlib import emit, log, machine, median
+from benchlib import alternate, emit, log, machine, median
 from gemm_chain import build_onednn
 
 # vit.dot's equations that are one matmul of the activations' last axis with the weight's first
@@ -181,12 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     pooled = {name: np.asarray(run()["pooled"], np.float64) for name, run in sides.items()}
     rel = {name: float(f"{np.linalg.norm(p - pooled['xla']) / np.linalg.norm(pooled['xla']):.2g}")
            for name, p in pooled.items() if name != "xla"}
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, run in sides.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - start)
+    times = alternate({name: lambda run=run: jax.block_until_ready(run())
+                       for name, run in sides.items()}, args.repeats)
     rates = {name: round(bucket / median(t), 3) for name, t in times.items()}
     ratios = {name: round(rate / rates["xla"], 3) for name, rate in rates.items() if name != "xla"}
     for name, rate in rates.items():

@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 
-from benchlib import emit, log, machine, median
+from benchlib import alternate, emit, log, machine, median
 
 
 def parse_side(text: str) -> tuple[str, dict]:
@@ -77,12 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     base = pooled[reference]
     rel = {name: float(f"{np.linalg.norm(p - base) / np.linalg.norm(base):.2g}")
            for name, p in pooled.items()}
-    times: dict[str, list[float]] = {name: [] for name in compiled}
-    for _ in range(args.repeats):
-        for name, fn in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(place.params, pos, x))
-            times[name].append(time.perf_counter() - start)
+    times = alternate({name: lambda fn=fn: jax.block_until_ready(fn(place.params, pos, x))
+                       for name, fn in compiled.items()}, args.repeats)
     rates = {name: round(bucket / median(t), 3) for name, t in times.items()}
     ratios = {name: round(rate / rates[reference], 3) for name, rate in rates.items()}
     for name in compiled:

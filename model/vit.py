@@ -517,14 +517,14 @@ def position_table(cfg: ViTConfig, params: dict, grid: Grid) -> Array | None:
             f"{cfg.name}: its position table is for a {old[0]}x{old[1]} grid only "
             f"(posemb_resample='none'); a {grid[0]}x{grid[1]} grid was asked for"
         )
-    n_cls, d = cfg.posemb_prefix_rows, cfg.width
-    patches = table[0, n_cls:].astype(F32).reshape(*old, d)
+    n_prefix, d = cfg.posemb_prefix_rows, cfg.width
+    patches = table[0, n_prefix:].astype(F32).reshape(*old, d)
     wy, wx = (resample_weights(o, n, cfg.posemb_resample) for o, n in zip(old, grid))
     hi = jax.lax.Precision.HIGHEST
     patches = jnp.einsum("xj,ijd->ixd", wx, patches, precision=hi)  # torch: the width pass,
     patches = jnp.einsum("yi,ixd->yxd", wy, patches, precision=hi)  # then the height pass
     patches = patches.reshape(1, grid[0] * grid[1], d).astype(table.dtype)
-    return jnp.concatenate([table[:, :n_cls], patches], axis=1)
+    return jnp.concatenate([table[:, :n_prefix], patches], axis=1)
 
 
 @functools.partial(jax.jit, static_argnums=0)
