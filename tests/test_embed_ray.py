@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,12 @@ def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, serve
             victim = min(seen[0])
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
+            # Ray restarts the actor on its own while the survivor drains the shards, which on
+            # a slow host can end the job first: the driver waits here (bounded) to see it
+            deadline = time.monotonic() + 60
+            while not actor_pids() - seen[0] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            seen.append(actor_pids())
 
     # shards of 2 images, one per batch: 17 shards of >= 25 ms each over 2 actors
     summary = embed_with_ray(config(data, tmp_path / "out", batch_size=1, shard_size=2,
