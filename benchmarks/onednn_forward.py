@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = get_config(args.model).replace(compute_dtype="bfloat16")
     mesh = auto_mesh(cfg)
     params = jax.jit(lambda r: vit.init_params(cfg, r))(jax.random.PRNGKey(0))
+    # kernels as stored ([in, out]): the routes below read them so, and the `xla` side is the
+    # engine as it served when this was measured (before the plan's transposed kernels)
     engine = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="bench",
-                    source="seeded", max_batch_images=max(args.batch, 8))
+                    source="seeded", max_batch_images=max(args.batch, 8), transpose_kernels=False)
     outputs, grid = engine.resolve(POOLED), engine.grid
     bucket = engine.bucket(args.batch)
     place = engine.placement(bucket)
@@ -93,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
     packed_equations: set[str] = set()  # the side being traced: whose weights come packed
 
-    def onednn_dot(equation, a, w, compute_dtype):
+    def onednn_dot(equation, a, w, compute_dtype, transposed=False):
         match = MATMUL.match(equation)
-        if not match or jnp.dtype(compute_dtype) != jnp.bfloat16:
-            return xla_dot(equation, a, w, compute_dtype)
+        if not match or transposed or jnp.dtype(compute_dtype) != jnp.bfloat16:
+            return xla_dot(equation, a, w, compute_dtype, transposed)
         packed = equation in packed_equations
         out_axes = w.shape[1:]
         k, n = a.shape[-1], int(np.prod(out_axes))

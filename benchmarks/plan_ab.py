@@ -3,7 +3,8 @@
 Each ``--side NAME:OPTIONS`` is one engine on the same seeded weights: ``mesh=SPEC`` (on the
 first data x model devices; default: the engine's own ``auto``), ``chunk=N`` (images per shard
 and step; 0: none), ``small=0`` (every bucket on every data row: no small buckets, no rows by
-work). Every round runs every side once per batch size (``--calls`` forwards, after
+work), ``transposed=0|1`` (the down projections' kernels stored transposed, off or on; default:
+the host's rule). Every round runs every side once per batch size (``--calls`` forwards, after
 warm-up), so a drift of the machine's speed falls on all sides alike; reported per side and
 batch are the medians over rounds of wall and process-CPU microseconds per forward, and each
 side's ratios to the first side. Pooled features are checked against the first side's (their
@@ -14,6 +15,8 @@ largest relative difference is printed: a plan changes where rows run, not what 
     python benchmarks/plan_ab.py --dtype bfloat16 --batches 8 --side data:mesh=data=2 \
         --side model:mesh=data=1,model=2                         # ViT-B/16: the model axis
     python benchmarks/plan_ab.py --dtype bfloat16 --batches 8 --side c4:chunk=4 --side c2:chunk=2
+    python benchmarks/plan_ab.py --dtype bfloat16 --batches 8 32 --side as-stored:transposed=0 \
+        --side transposed:transposed=1                           # kernels stored transposed
 
 Ends with one JSON line.
 """
@@ -36,14 +39,15 @@ def parse_side(text: str) -> tuple[str, dict]:
     key = None
     for part in filter(None, rest.split(",")):
         head, _, value = part.partition("=")
-        if head in ("mesh", "chunk", "small"):
+        if head in ("mesh", "chunk", "small", "transposed"):
             key = head
             options[key] = value
         elif key == "mesh":  # another axis of the mesh spec
             options["mesh"] += "," + part
         else:
-            raise SystemExit(f"--side {text!r}: unknown option {head!r} (mesh=, chunk=, small=)")
-    for key in ("chunk", "small"):
+            raise SystemExit(f"--side {text!r}: unknown option {head!r} "
+                             "(mesh=, chunk=, small=, transposed=)")
+    for key in ("chunk", "small", "transposed"):
         if key in options:
             options[key] = int(options[key])
     return name, options
@@ -55,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[8])
     parser.add_argument("--side", action="append", required=True, dest="sides",
-                        help="NAME:mesh=SPEC,chunk=N,small=0 (repeatable; the first is the "
-                        "reference)")
+                        help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1 (repeatable; the "
+                        "first is the reference)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=0,
                         help="forwards per side, batch and round (default: about 2 s of work)")
@@ -87,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         engines[name] = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="plan_ab",
                                source="seeded", max_batch_images=max(args.batches),
                                chunk_images=options.get("chunk"),
-                               small_buckets=None if options.get("small", 1) else False)
+                               small_buckets=None if options.get("small", 1) else False,
+                               transpose_kernels=None if "transposed" not in options
+                               else bool(options["transposed"]))
         log(f"{name}: {engines[name].mesh_spec}, buckets {engines[name].buckets}")
     reference = next(iter(engines))
     rng = np.random.default_rng(0)
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mesh": engine.mesh_spec,
                 "rows": engine.plan.rows(engine.bucket(batch)),
                 "chunk_images": engine.plan.chunk_images(engine.bucket(batch)),
+                "transposed": sorted(engine.plan.transposed_kernels),
                 "wall_us": round(median(wall[name])),
                 "cpu_us": round(median(cpu[name])),
                 "wall_range_us": [round(min(wall[name])), round(max(wall[name]))],

@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     compiled, fusions = {}, {}
     for name, options in args.sides:
         start = time.perf_counter()
-        compiled[name] = lowered.compile(compiler_options=options or None)
+        # the plan's own options under each side's (a side may override them)
+        compiled[name] = lowered.compile(
+            compiler_options={**engine.plan.compiler_options, **options} or None)
         fusions[name] = compiled[name].as_text().count('"__ynn_fusion"')
         log(f"{name}: compiled in {time.perf_counter() - start:.1f}s, "
             f"{fusions[name]} YNNPACK fusions")

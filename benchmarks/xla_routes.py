@@ -79,13 +79,14 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
     start = time.perf_counter()
     if name == "constants":
         chunk, shards = engine.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
-        weights, fold = place.params, engine.plan.fold_heads
+        weights, fold, tr = place.params, engine.plan.fold_heads, engine.plan.transposed_kernels
         fn = jax.jit(lambda pos, images: chunked_apply(cfg, weights, images, outputs, chunk,
-                                                       shards, pos, fold),
+                                                       shards, pos, fold, tr),
                      in_shardings=(None if pos is None else place.param_shardings["pos_embedding"],
                                    place.batch_sharding))
         compiled = fn.lower(pos, jax.ShapeDtypeStruct(shape, np.float32,
-                                                      sharding=place.batch_sharding)).compile()
+                                                      sharding=place.batch_sharding)).compile(
+            compiler_options=engine.plan.compiler_options or None)
 
         def run(x):
             return compiled(pos, x)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ViTConfig
-from .vit import OutputRequest, apply
+from .vit import CONTRACTED_AXES, OutputRequest, apply
 
 # Every parameter that only ever enters ``dot`` as its weight (model/vit.py).
 MATMUL_KERNELS = frozenset(
@@ -63,6 +63,23 @@ def cast_matmul_kernels(cfg: ViTConfig, params):
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def store_transposed(params, names: frozenset[str]):
+    """``params`` with the kernels ``names`` stored with their contracted axes last
+    (``vit.kernel``); for ``apply(..., transposed=names)``."""
+
+    def move(path, leaf):
+        name = _name(path)
+        if name not in names:
+            return leaf
+        c = CONTRACTED_AXES[name]
+        axes = tuple(range(c, leaf.ndim)) + tuple(range(c))
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(tuple(leaf.shape[a] for a in axes), leaf.dtype)
+        return jnp.transpose(leaf, axes)
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
 def chunked_apply(
     cfg: ViTConfig,
     params,
@@ -72,6 +89,7 @@ def chunked_apply(
     shards: int = 1,
     pos: jax.Array | None = None,
     fold_heads: bool = False,
+    transposed: frozenset[str] = frozenset(),
 ) -> dict:
     """``apply`` over ``images`` [B, ...] in ``B / (shards * chunk)`` sequential steps.
 
@@ -88,7 +106,7 @@ def chunked_apply(
         )
     steps = b // (shards * chunk)
     if steps == 1:
-        return apply(cfg, params, images, request, pos, fold_heads)
+        return apply(cfg, params, images, request, pos, fold_heads, transposed)
 
     def to_steps(x):  # [B, ...] -> [steps, shards * chunk, ...]
         x = x.reshape(shards, steps, chunk, *x.shape[1:]).swapaxes(0, 1)
@@ -98,5 +116,6 @@ def chunked_apply(
         y = y.reshape(steps, shards, chunk, *y.shape[2:]).swapaxes(0, 1)
         return y.reshape(b, *y.shape[3:])
 
-    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos, fold_heads), to_steps(images))
+    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos, fold_heads, transposed),
+                      to_steps(images))
     return jax.tree.map(from_steps, out)

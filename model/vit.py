@@ -34,8 +34,17 @@ F32 = jnp.float32
 # ------------------------------------------------------------------------------------------
 
 
-def dot(equation: str, x: Array, w: Array, compute_dtype: str) -> Array:
-    """einsum with inputs cast to the compute dtype and f32 accumulation (the precision policy)."""
+def dot(equation: str, x: Array, w: Array, compute_dtype: str, transposed: bool = False) -> Array:
+    """einsum with inputs cast to the compute dtype and f32 accumulation (the precision policy).
+
+    ``transposed``: the kernel ``w`` is stored with its contracted axes last (``kernel``); the
+    equation still spells them first.
+    """
+    if transposed:
+        inputs, out = equation.split("->")
+        xs, ws = inputs.split(",")
+        c = sum(axis not in out for axis in ws)
+        equation = f"{xs},{ws[c:]}{ws[:c]}->{out}"
     dtype = jnp.dtype(compute_dtype)
     precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
     return jnp.einsum(
@@ -57,14 +66,30 @@ def cast(x: Array, dtype) -> Array:
     return jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
-def dot_heads(x: Array, w: Array, compute_dtype: str) -> Array:
+def dot_heads(x: Array, w: Array, compute_dtype: str, transposed: bool = False) -> Array:
     """``bthf,hfd->btd``: the heads and their features contracted as one axis, in that order.
 
     As an einsum, XLA:CPU contracted (f, h) and transposed both the activations and the
     kernel to match before every call (benchmarks/NOTES.md); the reshapes are free.
     """
     b, t, h, f = x.shape
-    return dot("btk,kd->btd", x.reshape(b, t, h * f), w.reshape(h * f, w.shape[-1]), compute_dtype)
+    w = w.reshape(w.shape[0], h * f) if transposed else w.reshape(h * f, w.shape[-1])
+    return dot("btk,kd->btd", x.reshape(b, t, h * f), w, compute_dtype, transposed)
+
+
+# The axes each matmul kernel that may be stored transposed contracts: its leading ones, in its
+# canonical shape. A name means that kernel in every module (the blocks' and the MAP head's).
+CONTRACTED_AXES = {"w_in": 1, "w_out": 2, "w_qkv": 1, "w_o": 2, "w_fc1": 1, "w_gate": 1,
+                   "w_fc2": 1}
+
+
+def kernel(module: nn.Module, name: str, init, shape: tuple[int, ...]) -> Array:
+    """The matmul kernel ``name`` of shape ``shape`` (contracted axes first) or, where the
+    module's ``transposed`` names it, stored with its contracted axes last."""
+    if name in module.transposed:
+        c = CONTRACTED_AXES[name]
+        shape = shape[c:] + shape[:c]
+    return module.param(name, init, shape, module.cfg.param_dtype)
 
 
 # erf(x) ~ x P(x^2) / Q(x^2) on [-4, 4]: our rational fit (benchmarks/erf_fit.py prints it and
@@ -237,6 +262,7 @@ class ParallelBlock(nn.Module):
 
     cfg: ViTConfig
     fold_heads: bool = False  # attend's
+    transposed: frozenset[str] = frozenset()  # kernel's
 
     @nn.compact
     def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
@@ -244,11 +270,12 @@ class ParallelBlock(nn.Module):
         d, h, hd = cfg.width, cfg.heads, cfg.head_dim
         m = cfg.mlp_dim // h  # MLP hidden units per head group
         pdt = cfg.param_dtype
-        w_in = self.param("w_in", _lecun((0,)), (d, h, 3 * hd + m), pdt)
-        w_out = self.param("w_out", _lecun((0, 1)), (h, hd + m, d), pdt)
+        w_in = kernel(self, "w_in", _lecun((0,)), (d, h, 3 * hd + m))
+        w_out = kernel(self, "w_out", _lecun((0, 1)), (h, hd + m, d))
+        tr = self.transposed
 
         y = _norm(cfg, "norm")(x)
-        z = dot("btd,dhf->bthf", y, w_in, cfg.compute_dtype)
+        z = dot("btd,dhf->bthf", y, w_in, cfg.compute_dtype, "w_in" in tr)
         q, k, v, u = jnp.split(z, [hd, 2 * hd, 3 * hd], axis=-1)
         if cfg.qkv_bias:
             b_qkv = self.param("b_qkv", _zeros, (h, 3 * hd), pdt).astype(F32)
@@ -261,7 +288,7 @@ class ParallelBlock(nn.Module):
         q, k = _rope(cfg, grid, q, k)
         o, st = attend(q, k, v, cfg.compute_dtype, stats, self.fold_heads)
         u = activation(u, cfg)
-        out = dot_heads(jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype)
+        out = dot_heads(jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype, "w_out" in tr)
         if cfg.out_bias or cfg.mlp_bias:  # attention and MLP out-biases add up into one
             out = out + self.param("b_out", _zeros, (d,), pdt).astype(F32)
         return x + out, st
@@ -272,6 +299,7 @@ class SequentialBlock(nn.Module):
 
     cfg: ViTConfig
     fold_heads: bool = False  # attend's
+    transposed: frozenset[str] = frozenset()  # kernel's
 
     @nn.compact
     def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
@@ -280,7 +308,9 @@ class SequentialBlock(nn.Module):
         pdt, cdt = cfg.param_dtype, cfg.compute_dtype
 
         y = _norm(cfg, "norm1")(x)
-        qkv = dot("btd,dhf->bthf", y, self.param("w_qkv", _lecun((0,)), (d, h, 3 * hd), pdt), cdt)
+        tr = self.transposed
+        w_qkv = kernel(self, "w_qkv", _lecun((0,)), (d, h, 3 * hd))
+        qkv = dot("btd,dhf->bthf", y, w_qkv, cdt, "w_qkv" in tr)
         if cfg.qkv_bias:
             qkv = qkv + self.param("b_qkv", _zeros, (h, 3 * hd), pdt).astype(F32)
         q, k, v = jnp.split(qkv, 3, axis=-1)
@@ -289,7 +319,7 @@ class SequentialBlock(nn.Module):
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
         q, k = _rope(cfg, grid, q, k)
         o, st = attend(q, k, v, cdt, stats, self.fold_heads)
-        o = dot_heads(o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
+        o = dot_heads(o, kernel(self, "w_o", _lecun((0, 1)), (h, hd, d)), cdt, "w_o" in tr)
         if cfg.out_bias:
             o = o + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         x = x + o
@@ -300,15 +330,15 @@ class SequentialBlock(nn.Module):
             u = jax.nn.silu(self._dense(y, "gate", (d, mlp))) * u
         else:
             u = activation(u, cfg)
-        y = dot("btf,fd->btd", u, self.param("w_fc2", _xavier(), (mlp, d), pdt), cdt)
+        y = dot("btf,fd->btd", u, kernel(self, "w_fc2", _xavier(), (mlp, d)), cdt, "w_fc2" in tr)
         if cfg.mlp_bias:
             y = y + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
         return x + y, st
 
     def _dense(self, y: Array, name: str, shape: tuple[int, int]) -> Array:
         cfg = self.cfg
-        kernel = self.param(f"w_{name}", _xavier(), shape, cfg.param_dtype)
-        y = dot("btd,df->btf", y, kernel, cfg.compute_dtype)
+        w = kernel(self, f"w_{name}", _xavier(), shape)
+        y = dot("btd,df->btf", y, w, cfg.compute_dtype, f"w_{name}" in self.transposed)
         if cfg.mlp_bias:
             y = y + self.param(f"b_{name}", _zeros, shape[1:], cfg.param_dtype).astype(F32)
         return y
@@ -319,6 +349,7 @@ class MAPHead(nn.Module):
 
     cfg: ViTConfig
     fold_heads: bool = False  # attend's
+    transposed: frozenset[str] = frozenset()  # kernel's (the blocks' names)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -332,13 +363,16 @@ class MAPHead(nn.Module):
         kv = kv + self.param("b_kv", _zeros, (h, 2 * hd), pdt).astype(F32)
         k, v = jnp.split(kv, 2, axis=-1)
         o, _ = attend(q, k, v, cdt, False, self.fold_heads)
-        y = dot_heads(o, self.param("w_o", _xavier(), (h, hd, d), pdt), cdt)
+        tr = self.transposed
+        y = dot_heads(o, kernel(self, "w_o", _xavier(), (h, hd, d)), cdt, "w_o" in tr)
         y = y + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         z = _norm(cfg, "norm")(y)
-        z = dot("btd,df->btf", z, self.param("w_fc1", _xavier(), (d, cfg.map_mlp_dim), pdt), cdt)
+        w_fc1 = kernel(self, "w_fc1", _xavier(), (d, cfg.map_mlp_dim))
+        z = dot("btd,df->btf", z, w_fc1, cdt, "w_fc1" in tr)
         # the blocks' nonlinearity: timm's and transformers' pooling heads take the model's
         z = activation(z + self.param("b_fc1", _zeros, (cfg.map_mlp_dim,), pdt).astype(F32), cfg)
-        z = dot("btf,fd->btd", z, self.param("w_fc2", _xavier(), (cfg.map_mlp_dim, d), pdt), cdt)
+        w_fc2 = kernel(self, "w_fc2", _xavier(), (cfg.map_mlp_dim, d))
+        z = dot("btf,fd->btd", z, w_fc2, cdt, "w_fc2" in tr)
         z = z + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
         return (y + z)[:, 0]
 
@@ -363,6 +397,7 @@ class ViT(nn.Module):
 
     cfg: ViTConfig
     fold_heads: bool = False  # in attention: a speed-up where the heads are not sharded
+    transposed: frozenset[str] = frozenset()  # kernels stored transposed, by name (kernel)
 
     @nn.compact
     def __call__(
@@ -406,7 +441,7 @@ class ViT(nn.Module):
         out: dict = {}
         patches, entropies, max_logits = {}, [], []
         for i in range(last + 1):
-            block = block_cls(cfg, self.fold_heads, name=f"block_{i}")
+            block = block_cls(cfg, self.fold_heads, self.transposed, name=f"block_{i}")
             x, st = block(x, request.attention_stats, grid)
             if st is not None:
                 entropies.append(st[0])
@@ -436,7 +471,8 @@ class ViT(nn.Module):
             if cfg.head == "none":
                 raise ValueError(f"model {cfg.name} has no pooling head (head='none')")
             if cfg.head == "map":
-                pooled = MAPHead(cfg, self.fold_heads, name="map_head")(x[:, n_prefix:])
+                head = MAPHead(cfg, self.fold_heads, self.transposed, name="map_head")
+                pooled = head(x[:, n_prefix:])
             elif cfg.head == "cls":
                 pooled = x[:, 0]
             else:
@@ -561,6 +597,7 @@ def apply(
     request: OutputRequest,
     pos: Array | None = None,
     fold_heads: bool = False,
+    transposed: frozenset[str] = frozenset(),
 ) -> dict:
     """The forward at the images' grid; ``pos``: ``position_table`` at that grid, computed here
     when not given (the engine passes the one it computed once for the grid). ``fold_heads``:
@@ -568,4 +605,4 @@ def apply(
     only for a mesh that does not shard the heads (``attend``)."""
     if pos is None:
         pos = position_table(cfg, params, cfg.grid_at(images.shape[1], images.shape[2]))
-    return ViT(cfg, fold_heads).apply({"params": params}, images, request, pos)
+    return ViT(cfg, fold_heads, transposed).apply({"params": params}, images, request, pos)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from vit22b.model.config import DEFAULT_MODEL, ViTConfig, get_config
 from vit22b.model.errors import QueueFull
 from vit22b.model.features import Features
-from vit22b.model.forward import cast_matmul_kernels, chunked_apply
+from vit22b.model.forward import cast_matmul_kernels, chunked_apply, store_transposed
 from vit22b.model.identity import ModelIdentity, seeded_source
 from vit22b.model.info import count
 from vit22b.model.outputs import POOLED, OutputRequest
@@ -156,8 +156,10 @@ class Engine:
         precast: bool = True,
         small_buckets: bool | None = None,
         executor: Executor | None = None,
+        transpose_kernels: bool | None = None,
     ):
-        """``chunk_images`` / ``small_buckets`` / ``max_batch_patches``: see ``Plan.make``.
+        """``chunk_images`` / ``small_buckets`` / ``max_batch_patches`` / ``transpose_kernels``:
+        see ``Plan.make``.
         ``precast=False`` keeps the parameters as given (kernels then cast on every forward:
         for measurements only)."""
         check_mesh_fits(cfg, mesh)
@@ -173,12 +175,16 @@ class Engine:
             max_batch_patches=max_batch_patches,
             chunk_images=chunk_images,
             small_buckets=small_buckets,
+            cpu_flags=cpu_flags() if self.platform == "cpu" else None,
+            transpose_kernels=transpose_kernels,
         )
         self.executor: Executor = executor or LocalExecutor()
         # The parameters count and fingerprint as given; the forward reads the pre-cast tree.
         self.parameter_count = count(params)
         self.param_shardings = param_shardings(cfg, mesh, params)
         params = cast_matmul_kernels(cfg, params) if precast else params
+        # on a model axis of 1 (the plan's rule) every kernel's sharding is whole either way
+        params = store_transposed(params, self.plan.transposed_kernels)
         self.params = jax.device_put(params, self.param_shardings)  # no copy when in place
         self.batch_sharding = batch_sharding(mesh)
         self.identity = ModelIdentity.of(cfg, fingerprint, source)
@@ -422,7 +428,8 @@ class Engine:
                                                     batch)
 
     def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid):
-        return self.lowered(bucket, outputs, grid).compile()
+        options = self.plan.compiler_options or None
+        return self.lowered(bucket, outputs, grid).compile(compiler_options=options)
 
     def lowered(self, bucket: int, outputs: OutputRequest, grid: Grid):
         """The forward for a bucket at ``grid``, lowered and not yet compiled (what ``compiled``
@@ -430,10 +437,10 @@ class Engine:
         cfg, place = self.cfg, self.placement(bucket, grid)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
-        fold = self.plan.fold_heads
+        fold, tr = self.plan.fold_heads, self.plan.transposed_kernels
         fn = jax.jit(
             lambda params, pos, images: chunked_apply(
-                cfg, params, images, outputs, chunk, shards, pos, fold
+                cfg, params, images, outputs, chunk, shards, pos, fold, tr
             ),
             in_shardings=(
                 place.param_shardings,

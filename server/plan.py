@@ -17,7 +17,10 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
   emulates bf16 matmuls and the forward is slower than in float32 (and inexact);
 - chunks: on CPU, images per data shard and step such that a step's widest activation stays
   within ``CPU_CHUNK_BYTES`` (XLA:CPU's GEMMs lose a third of their speed at ViT-B batch-32
-  shapes); elsewhere whole buckets; ``chunk_images`` overrides (0: never chunk).
+  shapes); elsewhere whole buckets; ``chunk_images`` overrides (0: never chunk);
+- transposed kernels: in bf16 compute on a single-process CPU host with AMX and the model axis
+  1, the down projections (``CPU_TRANSPOSED_KERNELS``) stored [out, in] (``vit.kernel``), and
+  XLA's loop-invariant code motion off for the forward (``compiler_options``).
 
 ``Plan.table()`` renders the chosen values (the server logs it at start).
 """
@@ -40,6 +43,20 @@ CPU_MIN_ROW_FLOPS = 50_000_000
 # Emulated CPU devices on the data axis of a single-process CPU host, by compute dtype.
 CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
 CPU_DEVICES = max(CPU_DATA_PARALLEL.values())  # what the server asks XLA for
+# The down projections (the MLP's fc2, the parallel block's fused out-projection) contract
+# their long axis. On an AMX host XLA:CPU's bf16 GEMM ran them faster from a kernel stored
+# [out, in] (contracted axis last) than [in, out]: ViT-B/16's forward 5% faster, vit-22b-base/14's
+# 13%, the tiny model's the same; ViT-B's pooled features the same bits. The up projections (qkv,
+# fc1, the fused in-projection) ran 2% faster to 17% slower that way and stay; in f32 it was
+# neither faster nor slower (benchmarks/NOTES.md, "Kernels stored transposed"). Measured on
+# Intel AMX hosts alone: elsewhere, and in f32, the kernels stay as stored.
+CPU_TRANSPOSED_KERNELS = frozenset({"w_fc2", "w_out"})
+CPU_TRANSPOSE_FLAG = "amx_bf16"
+# XLA's loop-invariant code motion hoists a transposed kernel's transpose out of the chunks'
+# loop and materialises it there: a copy of every such kernel per forward, and the GEMMs back
+# to [in, out]. Off for these forwards; without transposed kernels it was neither faster nor
+# slower for ViT-B/16 (0.998x) or vit-22b-base/14 (1.005x).
+NO_LOOP_MOTION = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 # CPU flags (/proc/cpuinfo) of bf16 dot-product instructions: x86's AVX512_BF16 and AMX, Arm's
@@ -113,6 +130,7 @@ class Plan:
     max_batch_patches: int = 0  # a batch's padded patches (0: images alone bound it)
     model: int = 1  # the mesh's model axis
     fewer_rows: bool = False  # buckets may run on fewer data rows (small buckets, rows by work)
+    transpose: bool = False  # CPU_TRANSPOSED_KERNELS stored transposed
 
     @classmethod
     def make(
@@ -127,7 +145,11 @@ class Plan:
         max_batch_patches: int = 0,
         chunk_images: int | None = None,
         small_buckets: bool | None = None,
+        cpu_flags: frozenset[str] | None = None,
+        transpose_kernels: bool | None = None,
     ) -> Plan:
+        """``cpu_flags``: the host's (``/proc/cpuinfo``; None: unknown); ``small_buckets`` and
+        ``transpose_kernels`` override the host's rules (None: the rule)."""
         if chunk_images is not None and chunk_images < 0:
             raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
         single_host_cpu = platform == "cpu" and process_count == 1
@@ -136,7 +158,11 @@ class Plan:
         buckets = below + batch_buckets(max_batch_images, data)
         if max_batch_patches < 0:
             raise ValueError(f"max_batch_patches must be >= 0, got {max_batch_patches}")
-        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model, small)
+        transpose = (single_host_cpu and model == 1 and cfg.compute_dtype == "bfloat16"
+                     and CPU_TRANSPOSE_FLAG in (cpu_flags or ())
+                     if transpose_kernels is None else transpose_kernels)
+        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model, small,
+                   transpose)
 
     @property
     def max_batch_images(self) -> int:
@@ -167,6 +193,16 @@ class Plan:
         ones and would gather q, k and v on every block."""
         return self.model == 1
 
+    @property
+    def transposed_kernels(self) -> frozenset[str]:
+        """Matmul kernels the forward reads stored transposed (``vit.kernel``)."""
+        return CPU_TRANSPOSED_KERNELS if self.transpose else frozenset()
+
+    @property
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options every forward of this plan compiles with."""
+        return dict(NO_LOOP_MOTION) if self.transpose else {}
+
     def rows(self, bucket: int, grid: tuple[int, int] | None = None) -> int:
         """Data rows of the mesh a bucket of ``grid`` images runs on (default: the model's own
         grid): every row, or with ``fewer_rows`` no more than it has images, nor than get
@@ -190,8 +226,10 @@ class Plan:
 
     def table(self) -> str:
         """The plan as text: one line per bucket."""
+        kernels = ", ".join(sorted(self.transposed_kernels)) or "none"
         lines = [f"plan for {self.cfg.name} on {self.platform}, data axis {self.data}, model axis "
-                 f"{self.model} (attention heads {'' if self.fold_heads else 'not '}folded):"]
+                 f"{self.model} (attention heads {'' if self.fold_heads else 'not '}folded, "
+                 f"kernels stored transposed: {kernels}):"]
         for bucket in self.buckets:
             lines.append(
                 f"  bucket {bucket:>4}: {self.rows(bucket)} data rows, "

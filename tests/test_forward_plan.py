@@ -1,5 +1,6 @@
-"""The engine's execution plan changes speed, never results: pre-cast kernels, chunked batches
-(on one device and sharded over the data axis), the automatic mesh and emulated CPU devices."""
+"""The engine's execution plan changes speed, never results: pre-cast kernels, kernels stored
+transposed, chunked batches (on one device and sharded over the data axis), the automatic mesh and
+emulated CPU devices."""
 
 import os
 import re
@@ -14,14 +15,21 @@ from tiny_models import PARALLEL, SEQUENTIAL, images, random_params
 from vit22b.model import OutputRequest, ViTConfig, apply, get_config
 from vit22b.model.checkpoint import expected_shapes, flatten
 from vit22b.model.features import Features
-from vit22b.model.forward import MATMUL_KERNELS, cast_matmul_kernels, chunked_apply
+from vit22b.model.forward import (
+    MATMUL_KERNELS,
+    cast_matmul_kernels,
+    chunked_apply,
+    store_transposed,
+)
 from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
+from vit22b.model.vit import CONTRACTED_AXES
 from vit22b.server import cpu_devices
 from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.plan import (
     CPU_CHUNK_BYTES,
     CPU_DATA_PARALLEL,
     CPU_MIN_ROW_FLOPS,
+    CPU_TRANSPOSED_KERNELS,
     Plan,
     auto_compute_dtype,
     largest_divisor,
@@ -118,6 +126,80 @@ def test_chunks_that_do_not_divide_the_batch_are_refused():
         chunked_apply(PARALLEL, random_params(PARALLEL), pixels, REQUEST, chunk=4)
     with pytest.raises(ValueError, match="chunks of 2 images on each of 2 shards"):
         chunked_apply(PARALLEL, random_params(PARALLEL), pixels, REQUEST, chunk=2, shards=2)
+
+
+# ---- kernels stored transposed ------------------------------------------------------------------
+
+# every kernel that may be stored transposed, in every module that has one: the parallel block
+# and its MAP head; sequential blocks with GELU and with SwiGLU, and a MAP head whose MLP
+# kernels are square (64 x 64), which a module reading them as stored would take silently
+TRANSPOSABLE = [PARALLEL, SEQUENTIAL.replace(head="map", head_mlp_dim=64),
+                SEQUENTIAL.replace(mlp="swiglu", num_classes=5)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cfg", TRANSPOSABLE, ids=["parallel", "sequential-map", "swiglu"])
+def test_kernels_stored_transposed_give_the_outputs_of_the_kernels_as_stored(cfg, dtype):
+    cfg = cfg.replace(compute_dtype=dtype)
+    names = frozenset(CONTRACTED_AXES)
+    params, pixels = random_params(cfg, seed=8), images(cfg, n=4)
+    stored = store_transposed(params, names)
+    flat, moved = flatten(params), flatten(stored)
+    for path, w in flat.items():  # contracted axes last; everything else as it was
+        c = CONTRACTED_AXES.get(path.rsplit("/", 1)[-1])
+        axes = tuple(range(w.ndim)) if c is None else (*range(c, w.ndim), *range(c))
+        np.testing.assert_array_equal(moved[path], np.transpose(w, axes), err_msg=path)
+    want = _forward(cfg)(params, pixels)
+    got = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, transposed=names))(stored, pixels)
+    _assert_same(got, want, 1e-6)  # the same products summed in the same order
+    stepped = jax.jit(lambda p, x: chunked_apply(cfg, p, x, REQUEST, 1, transposed=names))
+    _assert_same(stepped(stored, pixels), want, TOLERANCE[dtype])
+
+
+def test_the_plan_transposes_the_down_projections_in_bf16_on_a_single_process_amx_cpu_host():
+    amx, avx512 = frozenset({"avx512f", "avx512_bf16", "amx_bf16"}), frozenset({"avx512f"})
+
+    def plan(**kw) -> Plan:
+        return Plan.make(**{"cfg": PARALLEL.replace(compute_dtype="bfloat16"), "platform": "cpu",
+                            "data": 2, "process_count": 1, "max_batch_images": 8,
+                            "cpu_flags": amx, **kw})
+
+    assert plan().transposed_kernels == CPU_TRANSPOSED_KERNELS == {"w_fc2", "w_out"}
+    assert plan().compiler_options and "transposed: w_fc2, w_out" in plan().table()
+    for other in (dict(cpu_flags=avx512), dict(cpu_flags=None), dict(model=2),
+                  dict(process_count=2), dict(platform="gpu"), dict(cfg=PARALLEL),  # f32
+                  dict(transpose_kernels=False)):
+        assert not plan(**other).transposed_kernels and not plan(**other).compiler_options, other
+    assert plan(cpu_flags=None, transpose_kernels=True).transposed_kernels
+
+
+def _weight_copies(hlo: str) -> int:
+    """Copies of an entry parameter to another layout (a kernel materialised anew per call)."""
+    return len(re.findall(r"\{1,0\} copy\(%param", hlo))
+
+
+@pytest.mark.parametrize("cfg", [PARALLEL, SEQUENTIAL], ids=IDS)
+def test_a_chunked_forward_reads_transposed_kernels_where_they_are(cfg):
+    """XLA's loop-invariant code motion would hoist each transposed kernel's transpose out of
+    the chunks' loop and copy it there, every call: the plan compiles with it off."""
+    cfg = cfg.replace(compute_dtype="bfloat16")
+    params, mesh = random_params(cfg, seed=9), make_mesh("data=2,model=1", jax.devices()[:2])
+
+    def engine(transpose: bool) -> Engine:
+        return Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="f", source="s",
+                      max_batch_images=8, chunk_images=1, small_buckets=False,
+                      transpose_kernels=transpose)
+
+    on, off = engine(True), engine(False)
+    assert on.plan.chunk_images(8) == 1  # four steps a forward: a loop
+    request = on.resolve(REQUEST)
+    lowered = on.lowered(8, request, on.grid)
+    assert _weight_copies(on.compiled(8, request).as_text()) == 0
+    assert _weight_copies(lowered.compile().as_text()) > 0  # the pass on: copies
+    pixels = images(cfg, n=8)
+    _assert_same(on.forward(pixels, request), off.forward(pixels, request), 1e-6)
+    on.close()
+    off.close()
 
 
 # ---- attention's heads folded into its batch axis ------------------------------------------------
