@@ -183,7 +183,7 @@ class Engine:
         self.parameter_count = count(params)
         self.param_shardings = param_shardings(cfg, mesh, params)
         params = cast_matmul_kernels(cfg, params) if precast else params
-        # on a model axis of 1 (the plan's rule) every kernel's sharding is whole either way
+        # on a model axis of 1 (Plan.make's condition) every kernel's sharding is whole either way
         params = store_transposed(params, self.plan.transposed_kernels)
         self.params = jax.device_put(params, self.param_shardings)  # no copy when in place
         self.batch_sharding = batch_sharding(mesh)

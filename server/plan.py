@@ -158,6 +158,8 @@ class Plan:
         buckets = below + batch_buckets(max_batch_images, data)
         if max_batch_patches < 0:
             raise ValueError(f"max_batch_patches must be >= 0, got {max_batch_patches}")
+        if transpose_kernels and model != 1:  # the kernels' shardings name their stored axes
+            raise ValueError(f"kernels stored transposed need a model axis of 1, not {model}")
         transpose = (single_host_cpu and model == 1 and cfg.compute_dtype == "bfloat16"
                      and CPU_TRANSPOSE_FLAG in (cpu_flags or ())
                      if transpose_kernels is None else transpose_kernels)

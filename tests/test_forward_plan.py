@@ -171,6 +171,8 @@ def test_the_plan_transposes_the_down_projections_in_bf16_on_a_single_process_am
                   dict(transpose_kernels=False)):
         assert not plan(**other).transposed_kernels and not plan(**other).compiler_options, other
     assert plan(cpu_flags=None, transpose_kernels=True).transposed_kernels
+    with pytest.raises(ValueError, match="need a model axis of 1, not 2"):
+        plan(model=2, transpose_kernels=True)
 
 
 def _weight_copies(hlo: str) -> int:
