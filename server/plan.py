@@ -45,11 +45,11 @@ CPU_DATA_PARALLEL = {"bfloat16": 2, "float32": 2}
 CPU_DEVICES = max(CPU_DATA_PARALLEL.values())  # what the server asks XLA for
 # The down projections (the MLP's fc2, the parallel block's fused out-projection) contract
 # their long axis. On an AMX host XLA:CPU's bf16 GEMM ran them faster from a kernel stored
-# [out, in] (contracted axis last) than [in, out]: ViT-B/16's forward 5% faster, vit-22b-base/14's
-# 13%, the tiny model's the same; ViT-B's pooled features the same bits. The up projections (qkv,
-# fc1, the fused in-projection) ran 2% faster to 17% slower that way and stay; in f32 it was
-# neither faster nor slower (benchmarks/NOTES.md, "Kernels stored transposed"). Measured on
-# Intel AMX hosts alone: elsewhere, and in f32, the kernels stay as stored.
+# [out, in] (contracted axis last) than [in, out]: ViT-B/16's forward 5% faster, ViT-L/16's
+# 10%, vit-22b-base/14's 13%, the tiny model's the same; ViT-B's and ViT-L's features the same
+# bits. The up projections (qkv, fc1, the fused in-projection) ran 2% faster to 17% slower that
+# way and stay; in f32 it was neither faster nor slower (benchmarks/NOTES.md, "Kernels stored
+# transposed"). Measured on Intel AMX hosts alone: elsewhere, and in f32, kernels stay as stored.
 CPU_TRANSPOSED_KERNELS = frozenset({"w_fc2", "w_out"})
 CPU_TRANSPOSE_FLAG = "amx_bf16"
 # XLA's loop-invariant code motion hoists a transposed kernel's transpose out of the chunks'
