@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return x if x.dtype == jnp.bfloat16 else xla_activation(x, cfg)
 
     def forward(p, pos, images):  # one data shard's images
-        return chunked_apply(cfg, p, images, outputs, chunk, 1, pos, engine.plan.fold_heads)
+        return chunked_apply(cfg, p, images, outputs, chunk, 1, pos,
+                             vit.Execution(fold_heads=engine.plan.fold_heads))
 
     packed_params = jax.tree_util.tree_map_with_path(pack, place.params)
     compiled = {}

@@ -4,7 +4,8 @@ Each ``--side NAME:OPTIONS`` is one engine on the same seeded weights: ``mesh=SP
 first data x model devices; default: the engine's own ``auto``), ``chunk=N`` (images per shard
 and step; 0: none), ``small=0`` (every bucket on every data row: no small buckets, no rows by
 work), ``transposed=0|1`` (the down projections' kernels stored transposed, off or on; default:
-the host's rule). Every round runs every side once per batch size (``--calls`` forwards, after
+the host's rule), ``slices=N`` (a sequential block's MLP activation and fc2 in N token slices;
+default: the plan's). Every round runs every side once per batch size (``--calls`` forwards, after
 warm-up), so a drift of the machine's speed falls on all sides alike; reported per side and
 batch are the medians over rounds of wall and process-CPU microseconds per forward, and each
 side's ratios to the first side. Pooled features are checked against the first side's (their
@@ -39,15 +40,15 @@ def parse_side(text: str) -> tuple[str, dict]:
     key = None
     for part in filter(None, rest.split(",")):
         head, _, value = part.partition("=")
-        if head in ("mesh", "chunk", "small", "transposed"):
+        if head in ("mesh", "chunk", "small", "transposed", "slices"):
             key = head
             options[key] = value
         elif key == "mesh":  # another axis of the mesh spec
             options["mesh"] += "," + part
         else:
             raise SystemExit(f"--side {text!r}: unknown option {head!r} "
-                             "(mesh=, chunk=, small=, transposed=)")
-    for key in ("chunk", "small", "transposed"):
+                             "(mesh=, chunk=, small=, transposed=, slices=)")
+    for key in ("chunk", "small", "transposed", "slices"):
         if key in options:
             options[key] = int(options[key])
     return name, options
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[8])
     parser.add_argument("--side", action="append", required=True, dest="sides",
-                        help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1 (repeatable; the "
-                        "first is the reference)")
+                        help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1,slices=N "
+                        "(repeatable; the first is the reference)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=0,
                         help="forwards per side, batch and round (default: about 2 s of work)")
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                chunk_images=options.get("chunk"),
                                small_buckets=None if options.get("small", 1) else False,
                                transpose_kernels=None if "transposed" not in options
-                               else bool(options["transposed"]))
+                               else bool(options["transposed"]),
+                               mlp_slices=options.get("slices"))
         log(f"{name}: {engines[name].mesh_spec}, buckets {engines[name].buckets}")
     reference = next(iter(engines))
     rng = np.random.default_rng(0)
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": engine.plan.rows(engine.bucket(batch)),
                 "chunk_images": engine.plan.chunk_images(engine.bucket(batch)),
                 "transposed": sorted(engine.plan.transposed_kernels),
+                "mlp_slices": engine.plan.mlp_slices(engine.bucket(batch)),
                 "wall_us": round(median(wall[name])),
                 "cpu_us": round(median(cpu[name])),
                 "wall_range_us": [round(min(wall[name])), round(max(wall[name]))],

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ViTConfig
-from .vit import CONTRACTED_AXES, OutputRequest, apply
+from .vit import AS_WRITTEN, CONTRACTED_AXES, Execution, OutputRequest, apply
 
 # Every parameter that only ever enters ``dot`` as its weight (model/vit.py).
 MATMUL_KERNELS = frozenset(
@@ -65,7 +65,7 @@ def cast_matmul_kernels(cfg: ViTConfig, params):
 
 def store_transposed(params, names: frozenset[str]):
     """``params`` with the kernels ``names`` stored with their contracted axes last
-    (``vit.kernel``); for ``apply(..., transposed=names)``."""
+    (``vit.kernel``); for ``apply`` with ``Execution(transposed=names)``."""
 
     def move(path, leaf):
         name = _name(path)
@@ -88,14 +88,13 @@ def chunked_apply(
     chunk: int,
     shards: int = 1,
     pos: jax.Array | None = None,
-    fold_heads: bool = False,
-    transposed: frozenset[str] = frozenset(),
+    execution: Execution = AS_WRITTEN,
 ) -> dict:
     """``apply`` over ``images`` [B, ...] in ``B / (shards * chunk)`` sequential steps.
 
     ``shards`` is the number of contiguous blocks the batch is split into (the data axis of its
     sharding); ``chunk`` images are taken from each block per step. Both must divide B.
-    ``pos``: the position table at the images' grid (``vit.position_table``); ``fold_heads``:
+    ``pos``: the position table at the images' grid (``vit.position_table``); ``execution``:
     as ``apply``'s.
     """
     b = images.shape[0]
@@ -106,7 +105,7 @@ def chunked_apply(
         )
     steps = b // (shards * chunk)
     if steps == 1:
-        return apply(cfg, params, images, request, pos, fold_heads, transposed)
+        return apply(cfg, params, images, request, pos, execution)
 
     def to_steps(x):  # [B, ...] -> [steps, shards * chunk, ...]
         x = x.reshape(shards, steps, chunk, *x.shape[1:]).swapaxes(0, 1)
@@ -116,6 +115,5 @@ def chunked_apply(
         y = y.reshape(steps, shards, chunk, *y.shape[2:]).swapaxes(0, 1)
         return y.reshape(b, *y.shape[3:])
 
-    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos, fold_heads, transposed),
-                      to_steps(images))
+    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos, execution), to_steps(images))
     return jax.tree.map(from_steps, out)

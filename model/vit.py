@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 
 import flax.linen as nn
 import jax
@@ -77,6 +78,28 @@ def dot_heads(x: Array, w: Array, compute_dtype: str, transposed: bool = False) 
     return dot("btk,kd->btd", x.reshape(b, t, h * f), w, compute_dtype, transposed)
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How the forward runs, never what it computes (the engine's plan chooses; the defaults are
+    the model as written):
+
+    - ``fold_heads``: attention's heads folded into its batch axis (``attend``), for a mesh that
+      does not shard the heads;
+    - ``transposed``: the matmul kernels, by name, stored with their contracted axes last
+      (``kernel``);
+    - ``mlp_slices``: a sequential block's MLP activation and second product in this many slices
+      of the tokens, so that each slice's input to that product stays cache-sized (rows do not
+      interact: the same numbers).
+    """
+
+    fold_heads: bool = False
+    transposed: frozenset[str] = field(default_factory=frozenset)
+    mlp_slices: int = 1
+
+
+AS_WRITTEN = Execution()
+
+
 # The axes each matmul kernel that may be stored transposed contracts: its leading ones, in its
 # canonical shape. A name means that kernel in every module (the blocks' and the MAP head's).
 CONTRACTED_AXES = {"w_in": 1, "w_out": 2, "w_qkv": 1, "w_o": 2, "w_fc1": 1, "w_gate": 1,
@@ -85,8 +108,8 @@ CONTRACTED_AXES = {"w_in": 1, "w_out": 2, "w_qkv": 1, "w_o": 2, "w_fc1": 1, "w_g
 
 def kernel(module: nn.Module, name: str, init, shape: tuple[int, ...]) -> Array:
     """The matmul kernel ``name`` of shape ``shape`` (contracted axes first) or, where the
-    module's ``transposed`` names it, stored with its contracted axes last."""
-    if name in module.transposed:
+    module's execution names it, stored with its contracted axes last."""
+    if name in module.execution.transposed:
         c = CONTRACTED_AXES[name]
         shape = shape[c:] + shape[:c]
     return module.param(name, init, shape, module.cfg.param_dtype)
@@ -261,8 +284,7 @@ class ParallelBlock(nn.Module):
     """``y = x + Attn(N(x)) + MLP(N(x))`` with head-grouped fused projections."""
 
     cfg: ViTConfig
-    fold_heads: bool = False  # attend's
-    transposed: frozenset[str] = frozenset()  # kernel's
+    execution: Execution = AS_WRITTEN
 
     @nn.compact
     def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
@@ -272,7 +294,7 @@ class ParallelBlock(nn.Module):
         pdt = cfg.param_dtype
         w_in = kernel(self, "w_in", _lecun((0,)), (d, h, 3 * hd + m))
         w_out = kernel(self, "w_out", _lecun((0, 1)), (h, hd + m, d))
-        tr = self.transposed
+        tr = self.execution.transposed
 
         y = _norm(cfg, "norm")(x)
         z = dot("btd,dhf->bthf", y, w_in, cfg.compute_dtype, "w_in" in tr)
@@ -286,7 +308,7 @@ class ParallelBlock(nn.Module):
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
         q, k = _rope(cfg, grid, q, k)
-        o, st = attend(q, k, v, cfg.compute_dtype, stats, self.fold_heads)
+        o, st = attend(q, k, v, cfg.compute_dtype, stats, self.execution.fold_heads)
         u = activation(u, cfg)
         out = dot_heads(jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype, "w_out" in tr)
         if cfg.out_bias or cfg.mlp_bias:  # attention and MLP out-biases add up into one
@@ -298,8 +320,7 @@ class SequentialBlock(nn.Module):
     """Pre-norm ``x = x + Attn(N1(x)); x = x + MLP(N2(x))`` (the original ViT)."""
 
     cfg: ViTConfig
-    fold_heads: bool = False  # attend's
-    transposed: frozenset[str] = frozenset()  # kernel's
+    execution: Execution = AS_WRITTEN
 
     @nn.compact
     def __call__(self, x: Array, stats: bool, grid: Grid | None = None):
@@ -308,7 +329,7 @@ class SequentialBlock(nn.Module):
         pdt, cdt = cfg.param_dtype, cfg.compute_dtype
 
         y = _norm(cfg, "norm1")(x)
-        tr = self.transposed
+        tr = self.execution.transposed
         w_qkv = kernel(self, "w_qkv", _lecun((0,)), (d, h, 3 * hd))
         qkv = dot("btd,dhf->bthf", y, w_qkv, cdt, "w_qkv" in tr)
         if cfg.qkv_bias:
@@ -318,19 +339,28 @@ class SequentialBlock(nn.Module):
             q = Norm(cfg.norm, cfg.norm_eps, pdt, name="q_norm")(q)
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
         q, k = _rope(cfg, grid, q, k)
-        o, st = attend(q, k, v, cdt, stats, self.fold_heads)
+        o, st = attend(q, k, v, cdt, stats, self.execution.fold_heads)
         o = dot_heads(o, kernel(self, "w_o", _lecun((0, 1)), (h, hd, d)), cdt, "w_o" in tr)
         if cfg.out_bias:
             o = o + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         x = x + o
 
         y = _norm(cfg, "norm2")(x)
-        u = self._dense(y, "fc1", (d, mlp))
+        hidden = [self._dense(y, "fc1", (d, mlp))]
         if cfg.mlp == "swiglu":
-            u = jax.nn.silu(self._dense(y, "gate", (d, mlp))) * u
+            hidden.append(self._dense(y, "gate", (d, mlp)))
+        w_fc2 = kernel(self, "w_fc2", _xavier(), (mlp, d))
+
+        def second(u: Array, gate: Array | None = None) -> Array:  # activation, then fc2
+            u = activation(u, cfg) if gate is None else jax.nn.silu(gate) * u
+            return dot("btf,fd->btd", u, w_fc2, cdt, "w_fc2" in tr)
+
+        slices = min(self.execution.mlp_slices, y.shape[1])
+        if slices > 1:
+            pieces = zip(*(jnp.array_split(a, slices, axis=1) for a in hidden))
+            y = jnp.concatenate([second(*piece) for piece in pieces], axis=1)
         else:
-            u = activation(u, cfg)
-        y = dot("btf,fd->btd", u, kernel(self, "w_fc2", _xavier(), (mlp, d)), cdt, "w_fc2" in tr)
+            y = second(*hidden)
         if cfg.mlp_bias:
             y = y + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
         return x + y, st
@@ -338,7 +368,7 @@ class SequentialBlock(nn.Module):
     def _dense(self, y: Array, name: str, shape: tuple[int, int]) -> Array:
         cfg = self.cfg
         w = kernel(self, f"w_{name}", _xavier(), shape)
-        y = dot("btd,df->btf", y, w, cfg.compute_dtype, f"w_{name}" in self.transposed)
+        y = dot("btd,df->btf", y, w, cfg.compute_dtype, f"w_{name}" in self.execution.transposed)
         if cfg.mlp_bias:
             y = y + self.param(f"b_{name}", _zeros, shape[1:], cfg.param_dtype).astype(F32)
         return y
@@ -348,8 +378,7 @@ class MAPHead(nn.Module):
     """Multi-head attention pooling: a learned probe attends over the tokens, then an MLP."""
 
     cfg: ViTConfig
-    fold_heads: bool = False  # attend's
-    transposed: frozenset[str] = frozenset()  # kernel's (the blocks' names)
+    execution: Execution = AS_WRITTEN
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -362,8 +391,8 @@ class MAPHead(nn.Module):
         q = q + self.param("b_q", _zeros, (h, hd), pdt).astype(F32)
         kv = kv + self.param("b_kv", _zeros, (h, 2 * hd), pdt).astype(F32)
         k, v = jnp.split(kv, 2, axis=-1)
-        o, _ = attend(q, k, v, cdt, False, self.fold_heads)
-        tr = self.transposed
+        o, _ = attend(q, k, v, cdt, False, self.execution.fold_heads)
+        tr = self.execution.transposed
         y = dot_heads(o, kernel(self, "w_o", _xavier(), (h, hd, d)), cdt, "w_o" in tr)
         y = y + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         z = _norm(cfg, "norm")(y)
@@ -396,8 +425,7 @@ class ViT(nn.Module):
     """
 
     cfg: ViTConfig
-    fold_heads: bool = False  # in attention: a speed-up where the heads are not sharded
-    transposed: frozenset[str] = frozenset()  # kernels stored transposed, by name (kernel)
+    execution: Execution = AS_WRITTEN
 
     @nn.compact
     def __call__(
@@ -441,7 +469,7 @@ class ViT(nn.Module):
         out: dict = {}
         patches, entropies, max_logits = {}, [], []
         for i in range(last + 1):
-            block = block_cls(cfg, self.fold_heads, self.transposed, name=f"block_{i}")
+            block = block_cls(cfg, self.execution, name=f"block_{i}")
             x, st = block(x, request.attention_stats, grid)
             if st is not None:
                 entropies.append(st[0])
@@ -471,8 +499,7 @@ class ViT(nn.Module):
             if cfg.head == "none":
                 raise ValueError(f"model {cfg.name} has no pooling head (head='none')")
             if cfg.head == "map":
-                head = MAPHead(cfg, self.fold_heads, self.transposed, name="map_head")
-                pooled = head(x[:, n_prefix:])
+                pooled = MAPHead(cfg, self.execution, name="map_head")(x[:, n_prefix:])
             elif cfg.head == "cls":
                 pooled = x[:, 0]
             else:
@@ -596,13 +623,11 @@ def apply(
     images: Array,
     request: OutputRequest,
     pos: Array | None = None,
-    fold_heads: bool = False,
-    transposed: frozenset[str] = frozenset(),
+    execution: Execution = AS_WRITTEN,
 ) -> dict:
     """The forward at the images' grid; ``pos``: ``position_table`` at that grid, computed here
-    when not given (the engine passes the one it computed once for the grid). ``fold_heads``:
-    attention's heads folded into its batch axis, faster on XLA:CPU and the same numbers, but
-    only for a mesh that does not shard the heads (``attend``)."""
+    when not given (the engine passes the one it computed once for the grid); ``execution``:
+    how it runs on this host (the engine's plan)."""
     if pos is None:
         pos = position_table(cfg, params, cfg.grid_at(images.shape[1], images.shape[2]))
-    return ViT(cfg, fold_heads, transposed).apply({"params": params}, images, request, pos)
+    return ViT(cfg, execution).apply({"params": params}, images, request, pos)

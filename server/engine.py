@@ -48,7 +48,7 @@ from vit22b.model.sharding import (
     mesh_spec,
     param_shardings,
 )
-from vit22b.model.vit import position_table
+from vit22b.model.vit import Execution, position_table
 
 from .cpu_devices import cpu_flags
 from .plan import AUTO_DTYPE, Plan, auto_compute_dtype, auto_data_devices, cpu_bf16
@@ -157,9 +157,10 @@ class Engine:
         small_buckets: bool | None = None,
         executor: Executor | None = None,
         transpose_kernels: bool | None = None,
+        mlp_slices: int | None = None,
     ):
-        """``chunk_images`` / ``small_buckets`` / ``max_batch_patches`` / ``transpose_kernels``:
-        see ``Plan.make``.
+        """``chunk_images`` / ``small_buckets`` / ``max_batch_patches`` / ``transpose_kernels`` /
+        ``mlp_slices``: see ``Plan.make``.
         ``precast=False`` keeps the parameters as given (kernels then cast on every forward:
         for measurements only)."""
         check_mesh_fits(cfg, mesh)
@@ -177,6 +178,7 @@ class Engine:
             small_buckets=small_buckets,
             cpu_flags=cpu_flags() if self.platform == "cpu" else None,
             transpose_kernels=transpose_kernels,
+            mlp_slices=mlp_slices,
         )
         self.executor: Executor = executor or LocalExecutor()
         # The parameters count and fingerprint as given; the forward reads the pre-cast tree.
@@ -437,10 +439,11 @@ class Engine:
         cfg, place = self.cfg, self.placement(bucket, grid)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
-        fold, tr = self.plan.fold_heads, self.plan.transposed_kernels
+        execution = Execution(self.plan.fold_heads, self.plan.transposed_kernels,
+                              self.plan.mlp_slices(bucket, grid))
         fn = jax.jit(
             lambda params, pos, images: chunked_apply(
-                cfg, params, images, outputs, chunk, shards, pos, fold, tr
+                cfg, params, images, outputs, chunk, shards, pos, execution
             ),
             in_shardings=(
                 place.param_shardings,

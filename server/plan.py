@@ -20,7 +20,9 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
   shapes); elsewhere whole buckets; ``chunk_images`` overrides (0: never chunk);
 - transposed kernels: in bf16 compute on a single-process CPU host with AMX and the model axis
   1, the down projections (``CPU_TRANSPOSED_KERNELS``) stored [out, in] (``vit.kernel``), and
-  XLA's loop-invariant code motion off for the forward (``compiler_options``).
+  XLA's loop-invariant code motion off for the forward (``compiler_options``); with them, a
+  sequential block's MLP activation and fc2 in slices of the tokens whose fc2 input per device
+  is about ``CPU_MLP_SLICE_BYTES`` (``mlp_slices``).
 
 ``Plan.table()`` renders the chosen values (the server logs it at start).
 """
@@ -57,6 +59,11 @@ CPU_TRANSPOSE_FLAG = "amx_bf16"
 # to [in, out]. Off for these forwards; without transposed kernels it was neither faster nor
 # slower for ViT-B/16 (0.998x) or vit-22b-base/14 (1.005x).
 NO_LOOP_MOTION = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# With fc2 stored [out, in] (cheap to pack), fc2 and the activation before it ran faster in
+# slices of the tokens whose bf16 fc2 input stays within about this much (a core's L2 is 2 MB):
+# ViT-B/16's step (788 rows per device x 3072) in 4 slices, 5-11% less time; 2 or 8 slices less
+# gained, and with kernels as stored none (benchmarks/NOTES.md, "MLP slices").
+CPU_MLP_SLICE_BYTES = 5 << 18  # 1.25 MiB
 
 
 # CPU flags (/proc/cpuinfo) of bf16 dot-product instructions: x86's AVX512_BF16 and AMX, Arm's
@@ -131,6 +138,7 @@ class Plan:
     model: int = 1  # the mesh's model axis
     fewer_rows: bool = False  # buckets may run on fewer data rows (small buckets, rows by work)
     transpose: bool = False  # CPU_TRANSPOSED_KERNELS stored transposed
+    slices_override: int | None = None  # mlp_slices, where given
 
     @classmethod
     def make(
@@ -147,9 +155,10 @@ class Plan:
         small_buckets: bool | None = None,
         cpu_flags: frozenset[str] | None = None,
         transpose_kernels: bool | None = None,
+        mlp_slices: int | None = None,
     ) -> Plan:
-        """``cpu_flags``: the host's (``/proc/cpuinfo``; None: unknown); ``small_buckets`` and
-        ``transpose_kernels`` override the host's rules (None: the rule)."""
+        """``cpu_flags``: the host's (``/proc/cpuinfo``; None: unknown); ``small_buckets``,
+        ``transpose_kernels`` and ``mlp_slices`` override the host's rules (None: the rule)."""
         if chunk_images is not None and chunk_images < 0:
             raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
         single_host_cpu = platform == "cpu" and process_count == 1
@@ -163,8 +172,10 @@ class Plan:
         transpose = (single_host_cpu and model == 1 and cfg.compute_dtype == "bfloat16"
                      and CPU_TRANSPOSE_FLAG in (cpu_flags or ())
                      if transpose_kernels is None else transpose_kernels)
+        if mlp_slices is not None and mlp_slices < 1:
+            raise ValueError(f"mlp_slices must be >= 1, got {mlp_slices}")
         return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model, small,
-                   transpose)
+                   transpose, mlp_slices)
 
     @property
     def max_batch_images(self) -> int:
@@ -205,6 +216,16 @@ class Plan:
         """XLA options every forward of this plan compiles with."""
         return dict(NO_LOOP_MOTION) if self.transpose else {}
 
+    def mlp_slices(self, bucket: int, grid: tuple[int, int] | None = None) -> int:
+        """Token slices of a sequential block's MLP activation and fc2 in this bucket's steps."""
+        if self.slices_override is not None:
+            return self.slices_override
+        if not self.transpose or self.cfg.block != "sequential":
+            return 1
+        tokens = self.cfg.tokens_at(grid or (self.cfg.grid, self.cfg.grid))
+        rows = self.chunk_images(bucket, grid) * tokens
+        return -(-rows * self.cfg.mlp_dim * 2 // CPU_MLP_SLICE_BYTES)
+
     def rows(self, bucket: int, grid: tuple[int, int] | None = None) -> int:
         """Data rows of the mesh a bucket of ``grid`` images runs on (default: the model's own
         grid): every row, or with ``fewer_rows`` no more than it has images, nor than get
@@ -236,5 +257,7 @@ class Plan:
             lines.append(
                 f"  bucket {bucket:>4}: {self.rows(bucket)} data rows, "
                 f"{self.chunk_images(bucket)} images per shard and step"
+                + (f", MLP in {self.mlp_slices(bucket)} slices" if self.mlp_slices(bucket) > 1
+                   else "")
             )
         return "\n".join(lines)

@@ -22,7 +22,7 @@ from vit22b.model.forward import (
     store_transposed,
 )
 from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
-from vit22b.model.vit import CONTRACTED_AXES
+from vit22b.model.vit import CONTRACTED_AXES, Execution
 from vit22b.server import cpu_devices
 from vit22b.server.engine import Engine, auto_mesh
 from vit22b.server.plan import (
@@ -150,10 +150,15 @@ def test_kernels_stored_transposed_give_the_outputs_of_the_kernels_as_stored(cfg
         axes = tuple(range(w.ndim)) if c is None else (*range(c, w.ndim), *range(c))
         np.testing.assert_array_equal(moved[path], np.transpose(w, axes), err_msg=path)
     want = _forward(cfg)(params, pixels)
-    got = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, transposed=names))(stored, pixels)
-    _assert_same(got, want, 1e-6)  # the same products summed in the same order
-    stepped = jax.jit(lambda p, x: chunked_apply(cfg, p, x, REQUEST, 1, transposed=names))
-    _assert_same(stepped(stored, pixels), want, TOLERANCE[dtype])
+    # and with the MLP's activation and fc2 in token slices (3: of unequal sizes)
+    for execution in (Execution(transposed=names), Execution(transposed=names, mlp_slices=3)):
+        got = jax.jit(lambda p, x, e=execution: apply(cfg, p, x, REQUEST, execution=e))
+        _assert_same(got(stored, pixels), want, 1e-6)  # the same products, summed alike
+        stepped = jax.jit(
+            lambda p, x, e=execution: chunked_apply(cfg, p, x, REQUEST, 1, execution=e))
+        _assert_same(stepped(stored, pixels), want, TOLERANCE[dtype])
+    sliced = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, execution=Execution(mlp_slices=4)))
+    _assert_same(sliced(params, pixels), want, 1e-6)
 
 
 def test_the_plan_transposes_the_down_projections_in_bf16_on_a_single_process_amx_cpu_host():
@@ -171,6 +176,16 @@ def test_the_plan_transposes_the_down_projections_in_bf16_on_a_single_process_am
                   dict(transpose_kernels=False)):
         assert not plan(**other).transposed_kernels and not plan(**other).compiler_options, other
     assert plan(cpu_flags=None, transpose_kernels=True).transposed_kernels
+    # the MLP in slices: with the transposed fc2, for sequential blocks, by the bytes of fc2's
+    # input per device and step (ViT-B/16: 4 images x 197 tokens x 3072 x 2 B = 4.8 MB)
+    vit_b = get_config("vit-b/16").replace(compute_dtype="bfloat16")
+    assert plan(cfg=vit_b).chunk_images(8) == 4 and plan(cfg=vit_b).mlp_slices(8) == 4
+    assert plan(cfg=vit_b, transpose_kernels=False).mlp_slices(8) == 1
+    assert plan().mlp_slices(8) == 1  # a parallel block: its MLP is fused into w_out
+    assert plan(cfg=vit_b, mlp_slices=2).mlp_slices(8) == 2
+    assert "MLP in 4 slices" in plan(cfg=vit_b).table()
+    with pytest.raises(ValueError, match="mlp_slices must be >= 1"):
+        plan(mlp_slices=0)
     with pytest.raises(ValueError, match="need a model axis of 1, not 2"):
         plan(model=2, transpose_kernels=True)
 
@@ -212,7 +227,8 @@ def test_a_chunked_forward_reads_transposed_kernels_where_they_are(cfg):
 def test_folded_heads_give_the_outputs_of_the_unfolded_attention(cfg, dtype):
     cfg = cfg.replace(compute_dtype=dtype)
     params, pixels = random_params(cfg, seed=5), images(cfg, n=4)
-    folded = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, fold_heads=True))(params, pixels)
+    folded = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, execution=Execution(fold_heads=True)))(
+        params, pixels)
     # the same GEMMs per head, the same order of sums: equal up to f32 rounding in both dtypes
     _assert_same(folded, _forward(cfg)(params, pixels), 1e-6)
 
@@ -230,7 +246,7 @@ def test_long_attention_in_query_steps_equals_all_queries_at_once(cfg, fold, mon
     assert cfg.grid ** 2 + int(cfg.class_token) > 2 * vit.QUERY_BLOCK
 
     def forward():
-        fn = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, fold_heads=fold))
+        fn = jax.jit(lambda p, x: apply(cfg, p, x, REQUEST, execution=Execution(fold_heads=fold)))
         return fn(params, pixels), "while" in fn.lower(params, pixels).as_text()
 
     stepped, loops = forward()
