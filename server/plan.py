@@ -61,8 +61,9 @@ CPU_TRANSPOSE_FLAG = "amx_bf16"
 NO_LOOP_MOTION = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 # With fc2 stored [out, in] (cheap to pack), fc2 and the activation before it ran faster in
 # slices of the tokens whose bf16 fc2 input stays within about this much (a core's L2 is 2 MB):
-# ViT-B/16's step (788 rows per device x 3072) in 4 slices, 5-11% less time; 2 or 8 slices less
-# gained, and with kernels as stored none (benchmarks/NOTES.md, "MLP slices").
+# ViT-B/16's step (788 rows per device x 3072) in 4 slices 5-7% less time, DINOv3-B/16's 7%,
+# ViT-L/16's (394 x 4096) in 3 1.5-3%; 2 or 8 slices gained less for ViT-B, and with the
+# kernels as stored slices gained nothing (benchmarks/NOTES.md, "MLP slices").
 CPU_MLP_SLICE_BYTES = 5 << 18  # 1.25 MiB
 
 
