@@ -100,10 +100,10 @@ class Execution:
 AS_WRITTEN = Execution()
 
 
-# The axes each matmul kernel that may be stored transposed contracts: its leading ones, in its
-# canonical shape. A name means that kernel in every module (the blocks' and the MAP head's).
-CONTRACTED_AXES = {"w_in": 1, "w_out": 2, "w_qkv": 1, "w_o": 2, "w_fc1": 1, "w_gate": 1,
-                   "w_fc2": 1}
+# The matmul kernels that may be stored transposed (the down projections: the only ones that
+# ran faster so, benchmarks/NOTES.md), and how many leading axes of their canonical shape they
+# contract. A name means that kernel in every module that has one (a block's, the MAP head's).
+CONTRACTED_AXES = {"w_fc2": 1, "w_out": 2}
 
 
 def kernel(module: nn.Module, name: str, init, shape: tuple[int, ...]) -> Array:
@@ -292,12 +292,11 @@ class ParallelBlock(nn.Module):
         d, h, hd = cfg.width, cfg.heads, cfg.head_dim
         m = cfg.mlp_dim // h  # MLP hidden units per head group
         pdt = cfg.param_dtype
-        w_in = kernel(self, "w_in", _lecun((0,)), (d, h, 3 * hd + m))
+        w_in = self.param("w_in", _lecun((0,)), (d, h, 3 * hd + m), pdt)
         w_out = kernel(self, "w_out", _lecun((0, 1)), (h, hd + m, d))
-        tr = self.execution.transposed
 
         y = _norm(cfg, "norm")(x)
-        z = dot("btd,dhf->bthf", y, w_in, cfg.compute_dtype, "w_in" in tr)
+        z = dot("btd,dhf->bthf", y, w_in, cfg.compute_dtype)
         q, k, v, u = jnp.split(z, [hd, 2 * hd, 3 * hd], axis=-1)
         if cfg.qkv_bias:
             b_qkv = self.param("b_qkv", _zeros, (h, 3 * hd), pdt).astype(F32)
@@ -310,7 +309,8 @@ class ParallelBlock(nn.Module):
         q, k = _rope(cfg, grid, q, k)
         o, st = attend(q, k, v, cfg.compute_dtype, stats, self.execution.fold_heads)
         u = activation(u, cfg)
-        out = dot_heads(jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype, "w_out" in tr)
+        out = dot_heads(jnp.concatenate([o, u], axis=-1), w_out, cfg.compute_dtype,
+                        "w_out" in self.execution.transposed)
         if cfg.out_bias or cfg.mlp_bias:  # attention and MLP out-biases add up into one
             out = out + self.param("b_out", _zeros, (d,), pdt).astype(F32)
         return x + out, st
@@ -329,9 +329,7 @@ class SequentialBlock(nn.Module):
         pdt, cdt = cfg.param_dtype, cfg.compute_dtype
 
         y = _norm(cfg, "norm1")(x)
-        tr = self.execution.transposed
-        w_qkv = kernel(self, "w_qkv", _lecun((0,)), (d, h, 3 * hd))
-        qkv = dot("btd,dhf->bthf", y, w_qkv, cdt, "w_qkv" in tr)
+        qkv = dot("btd,dhf->bthf", y, self.param("w_qkv", _lecun((0,)), (d, h, 3 * hd), pdt), cdt)
         if cfg.qkv_bias:
             qkv = qkv + self.param("b_qkv", _zeros, (h, 3 * hd), pdt).astype(F32)
         q, k, v = jnp.split(qkv, 3, axis=-1)
@@ -340,7 +338,7 @@ class SequentialBlock(nn.Module):
             k = Norm(cfg.norm, cfg.norm_eps, pdt, name="k_norm")(k)
         q, k = _rope(cfg, grid, q, k)
         o, st = attend(q, k, v, cdt, stats, self.execution.fold_heads)
-        o = dot_heads(o, kernel(self, "w_o", _lecun((0, 1)), (h, hd, d)), cdt, "w_o" in tr)
+        o = dot_heads(o, self.param("w_o", _lecun((0, 1)), (h, hd, d), pdt), cdt)
         if cfg.out_bias:
             o = o + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         x = x + o
@@ -353,7 +351,7 @@ class SequentialBlock(nn.Module):
 
         def second(u: Array, gate: Array | None = None) -> Array:  # activation, then fc2
             u = activation(u, cfg) if gate is None else jax.nn.silu(gate) * u
-            return dot("btf,fd->btd", u, w_fc2, cdt, "w_fc2" in tr)
+            return dot("btf,fd->btd", u, w_fc2, cdt, "w_fc2" in self.execution.transposed)
 
         slices = min(self.execution.mlp_slices, y.shape[1])
         if slices > 1:
@@ -367,8 +365,8 @@ class SequentialBlock(nn.Module):
 
     def _dense(self, y: Array, name: str, shape: tuple[int, int]) -> Array:
         cfg = self.cfg
-        w = kernel(self, f"w_{name}", _xavier(), shape)
-        y = dot("btd,df->btf", y, w, cfg.compute_dtype, f"w_{name}" in self.execution.transposed)
+        kernel = self.param(f"w_{name}", _xavier(), shape, cfg.param_dtype)
+        y = dot("btd,df->btf", y, kernel, cfg.compute_dtype)
         if cfg.mlp_bias:
             y = y + self.param(f"b_{name}", _zeros, shape[1:], cfg.param_dtype).astype(F32)
         return y
@@ -392,16 +390,14 @@ class MAPHead(nn.Module):
         kv = kv + self.param("b_kv", _zeros, (h, 2 * hd), pdt).astype(F32)
         k, v = jnp.split(kv, 2, axis=-1)
         o, _ = attend(q, k, v, cdt, False, self.execution.fold_heads)
-        tr = self.execution.transposed
-        y = dot_heads(o, kernel(self, "w_o", _xavier(), (h, hd, d)), cdt, "w_o" in tr)
+        y = dot_heads(o, self.param("w_o", _xavier(), (h, hd, d), pdt), cdt)
         y = y + self.param("b_o", _zeros, (d,), pdt).astype(F32)
         z = _norm(cfg, "norm")(y)
-        w_fc1 = kernel(self, "w_fc1", _xavier(), (d, cfg.map_mlp_dim))
-        z = dot("btd,df->btf", z, w_fc1, cdt, "w_fc1" in tr)
+        z = dot("btd,df->btf", z, self.param("w_fc1", _xavier(), (d, cfg.map_mlp_dim), pdt), cdt)
         # the blocks' nonlinearity: timm's and transformers' pooling heads take the model's
         z = activation(z + self.param("b_fc1", _zeros, (cfg.map_mlp_dim,), pdt).astype(F32), cfg)
         w_fc2 = kernel(self, "w_fc2", _xavier(), (cfg.map_mlp_dim, d))
-        z = dot("btf,fd->btd", z, w_fc2, cdt, "w_fc2" in tr)
+        z = dot("btf,fd->btd", z, w_fc2, cdt, "w_fc2" in self.execution.transposed)
         z = z + self.param("b_fc2", _zeros, (d,), pdt).astype(F32)
         return (y + z)[:, 0]
 
