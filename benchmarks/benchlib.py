@@ -260,3 +260,12 @@ def serve_process(flags: list[str]) -> tuple[subprocess.Popen, str]:
             return proc, match[1]
     raise RuntimeError("the server did not report SERVING")
 
+
+def plan_extras(row: dict) -> str:
+    """The plan's bf16 AMX levers of a result row, as text ("" where none applies)."""
+    text = ""
+    if row.get("engine_transposed"):
+        text += f", {'+'.join(row['engine_transposed'])} stored [out, in]"
+    if row.get("engine_mlp_slices", 1) > 1:
+        text += f", MLP in {row['engine_mlp_slices']} slices"
+    return text

@@ -33,7 +33,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import alternate, emit, log, machine, matmul_peaks, median, theoretical_peak
+from benchlib import (
+    alternate,
+    emit,
+    log,
+    machine,
+    matmul_peaks,
+    median,
+    plan_extras,
+    theoretical_peak,
+)
 from runtimes import runners
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -171,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_mesh": engine.mesh_spec,
                 "engine_bucket": bucket,
                 "engine_chunk_images": engine.plan.chunk_images(bucket),
+                "engine_transposed": sorted(engine.plan.transposed_kernels),
+                "engine_mlp_slices": engine.plan.mlp_slices(bucket),
                 "engine_images_per_s": round(ips["engine"], 2),
                 "peer": best,
                 "peer_images_per_s": round(ips[best], 2) if best else None,
@@ -187,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             figures[f"ratio_{dtype}_b{batch}"] = row["ratio"]
             log(f"{dtype:8s} b={batch:<3d} engine {ips['engine']:6.2f} img/s "
-                f"[{engine.mesh_spec}, chunk {row['engine_chunk_images']}]  "
+                f"[{engine.mesh_spec}, chunk {row['engine_chunk_images']}"
+                f"{plan_extras(row)}]  "
                 + "  ".join(f"{n} {v:6.2f}" for n, v in ips.items() if n != "engine")
                 + f"  ratio {row['ratio']} (vs {best})  rel err {row['pooled_rel_err']}")
         engine.close()

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import cpu_flags, cpu_model, load_average, log
+from benchlib import cpu_flags, cpu_model, load_average, log, plan_extras
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {  # key -> (comparison, threshold)
@@ -142,7 +142,7 @@ def forward_section(r: dict) -> str:
         [
             row["dtype"], row["batch"], row["engine_images_per_s"],
             f"{row['engine_mesh']}, bucket {row['engine_bucket']}, "
-            f"chunk {row['engine_chunk_images']}",
+            f"chunk {row['engine_chunk_images']}{plan_extras(row)}",
             row["peer"], row["peer_images_per_s"],
             ", ".join(f"{k} {v}" for k, v in row["peers_images_per_s"].items()),
             f"**{row['ratio']}**", row["engine_mfu"], row["peer_mfu"],
