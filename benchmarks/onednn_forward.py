@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"routed ({sorted(set(routed))}), {calls} custom calls in the program")
     finally:
         vit.dot, vit.SequentialBlock._dense, vit.activation = xla_dot, xla_dense, xla_activation
-    base = engine.compiled(bucket, outputs, grid)
-    sides = {"xla": lambda: base(place.params, pos, x),
+    engine.compiled(bucket, outputs, grid)
+    sides = {"xla": lambda: engine.call(bucket, outputs, place, x),
              "onednn": lambda: compiled["onednn"](place.params, pos, x),
              "onednn_packed": lambda: compiled["onednn_packed"](packed_params, pos, x),
              "onednn_packed_gelu": lambda: compiled["onednn_packed_gelu"](packed_params, pos, x)}

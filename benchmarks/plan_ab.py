@@ -5,11 +5,13 @@ first data x model devices; default: the engine's own ``auto``), ``chunk=N`` (im
 and step; 0: none), ``small=0`` (every bucket on every data row: no small buckets, no rows by
 work), ``transposed=0|1`` (the down projections' kernels stored transposed, off or on; default:
 the host's rule), ``slices=N`` (a sequential block's MLP activation and fc2 in N token slices;
-default: the plan's). Every round runs every side once per batch size (``--calls`` forwards, after
-warm-up), so a drift of the machine's speed falls on all sides alike; reported per side and
-batch are the medians over rounds of wall and process-CPU microseconds per forward, and each
-side's ratios to the first side. Pooled features are checked against the first side's (their
-largest relative difference is printed: a plan changes where rows run, not what they compute).
+default: the plan's), ``skip=0`` (every chunk step of a bucket runs, the padding's too; default:
+the steps of padding alone are skipped). Every round runs every side once per batch size
+(``--calls`` forwards, after warm-up), so a drift of the machine's speed falls on all sides
+alike; reported per side and batch are the medians over rounds of wall and process-CPU
+microseconds per forward, and each side's ratios to the first side. Pooled features are
+checked against the first side's (their largest relative difference is printed: a plan changes
+where rows run, not what they compute).
 
     python benchmarks/plan_ab.py --model vit-22b-tiny/16 --side every-row:small=0 \
         --side plan: --batches 2 4 8 16 32                       # rows by work
@@ -40,15 +42,15 @@ def parse_side(text: str) -> tuple[str, dict]:
     key = None
     for part in filter(None, rest.split(",")):
         head, _, value = part.partition("=")
-        if head in ("mesh", "chunk", "small", "transposed", "slices"):
+        if head in ("mesh", "chunk", "small", "transposed", "slices", "skip"):
             key = head
             options[key] = value
         elif key == "mesh":  # another axis of the mesh spec
             options["mesh"] += "," + part
         else:
             raise SystemExit(f"--side {text!r}: unknown option {head!r} "
-                             "(mesh=, chunk=, small=, transposed=, slices=)")
-    for key in ("chunk", "small", "transposed", "slices"):
+                             "(mesh=, chunk=, small=, transposed=, slices=, skip=)")
+    for key in ("chunk", "small", "transposed", "slices", "skip"):
         if key in options:
             options[key] = int(options[key])
     return name, options
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1,slices=N "
                         "(repeatable; the first is the reference)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-batch", type=int, default=0,
+                        help="the engines' max_batch_images (default: the largest batch)")
     parser.add_argument("--calls", type=int, default=0,
                         help="forwards per side, batch and round (default: about 2 s of work)")
     args = parser.parse_args(argv)
@@ -90,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             mesh = auto_mesh(cfg)
         engines[name] = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="plan_ab",
-                               source="seeded", max_batch_images=max(args.batches),
+                               source="seeded",
+                               max_batch_images=args.max_batch or max(args.batches),
                                chunk_images=options.get("chunk"),
                                small_buckets=None if options.get("small", 1) else False,
                                transpose_kernels=None if "transposed" not in options
                                else bool(options["transposed"]),
-                               mlp_slices=options.get("slices"))
+                               mlp_slices=options.get("slices"),
+                               skip_padding=bool(options.get("skip", 1)))
         log(f"{name}: {engines[name].mesh_spec}, buckets {engines[name].buckets}")
     reference = next(iter(engines))
     rng = np.random.default_rng(0)

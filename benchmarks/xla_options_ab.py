@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     x = jax.device_put(np.random.default_rng(0).standard_normal(shape, np.float32),
                        place.batch_sharding)
 
+    steps = np.int32(engine.steps(bucket))  # every chunk step: a full bucket
     compiled, fusions = {}, {}
     for name, options in args.sides:
         start = time.perf_counter()
@@ -74,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: compiled in {time.perf_counter() - start:.1f}s, "
             f"{fusions[name]} YNNPACK fusions")
     reference = args.sides[0][0]
-    pooled = {name: np.asarray(fn(place.params, pos, x)["pooled"], np.float64)
+    pooled = {name: np.asarray(fn(place.params, pos, x, steps)["pooled"], np.float64)
               for name, fn in compiled.items()}
     base = pooled[reference]
     rel = {name: float(f"{np.linalg.norm(p - base) / np.linalg.norm(base):.2g}")
            for name, p in pooled.items()}
-    times = alternate({name: lambda fn=fn: jax.block_until_ready(fn(place.params, pos, x))
+    times = alternate({name: lambda fn=fn: jax.block_until_ready(fn(place.params, pos, x, steps))
                        for name, fn in compiled.items()}, args.repeats)
     rates = {name: round(bucket / median(t), 3) for name, t in times.items()}
     ratios = {name: round(rate / rates[reference], 3) for name, rate in rates.items()}

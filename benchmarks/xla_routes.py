@@ -96,7 +96,7 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
         compiled = engine.compiled(bucket, outputs, grid)
 
         def run(x):
-            return compiled(place.params, pos, x)
+            return engine.call(bucket, outputs, place, x)
     compile_s = time.perf_counter() - start
     hlo = compiled.as_text()
     x = jax.device_put(np.random.default_rng(0).standard_normal(shape, np.float32),

@@ -11,6 +11,9 @@
   in a ViT, so each row's result is the unchunked one. With the batch sharded over ``shards``
   devices (the mesh's data axis) every chunk takes ``chunk`` rows from each shard: the
   reshape [B] -> [shards, n, chunk] -> [n, shards * chunk] keeps every row on its device.
+  Given ``active``, only that many leading steps run (a loop with a trip count known at run
+  time, one program for every count): a batch padded to its bucket skips the steps that hold
+  padding alone, where the caller puts each shard's images in its leading rows.
 """
 
 from __future__ import annotations
@@ -89,13 +92,16 @@ def chunked_apply(
     shards: int = 1,
     pos: jax.Array | None = None,
     execution: Execution = AS_WRITTEN,
+    active: jax.Array | None = None,
 ) -> dict:
     """``apply`` over ``images`` [B, ...] in ``B / (shards * chunk)`` sequential steps.
 
     ``shards`` is the number of contiguous blocks the batch is split into (the data axis of its
     sharding); ``chunk`` images are taken from each block per step. Both must divide B.
     ``pos``: the position table at the images' grid (``vit.position_table``); ``execution``:
-    as ``apply``'s.
+    as ``apply``'s. ``active``: an int32 scalar, run only the first ``active`` steps (rows
+    ``[i * chunk, (i + 1) * chunk)`` of every shard for step i); the skipped steps' rows come
+    back as zeros. None: every step.
     """
     b = images.shape[0]
     if chunk <= 0 or b % (shards * chunk):
@@ -115,5 +121,19 @@ def chunked_apply(
         y = y.reshape(steps, shards, chunk, *y.shape[2:]).swapaxes(0, 1)
         return y.reshape(b, *y.shape[3:])
 
-    out = jax.lax.map(lambda x: apply(cfg, params, x, request, pos, execution), to_steps(images))
+    def step(x):
+        return apply(cfg, params, x, request, pos, execution)
+
+    xs = to_steps(images)
+    if active is None:
+        return jax.tree.map(from_steps, jax.lax.map(step, xs))
+
+    def body(i, out):
+        y = step(jax.lax.dynamic_index_in_dim(xs, i, keepdims=False))
+        return jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0),
+                            out, y)
+
+    shapes = jax.eval_shape(step, xs[0])
+    out = jax.tree.map(lambda s: jnp.zeros((steps, *s.shape), s.dtype), shapes)
+    out = jax.lax.fori_loop(0, jnp.clip(active, 0, steps), body, out)
     return jax.tree.map(from_steps, out)

@@ -2,10 +2,10 @@
 
 Every process joins the group (``jax.distributed``), restores its own shards of the checkpoint
 onto the global mesh and compiles the same forwards. Process 0 runs the gRPC front end and the
-batcher; for each batch it posts a header (run or stop, bucket, output set) in the coordination
-service's key-value store and broadcasts the pixels; every process runs the forward together and
-the features are gathered back. Workers do nothing else: they follow the headers until process 0
-says stop.
+batcher; for each batch it posts a header (run or stop, bucket, output set, chunk steps to run)
+in the coordination service's key-value store and broadcasts the pixels; every process runs the
+forward together and the features are gathered back. Workers do nothing else: they follow the
+headers until process 0 says stop.
 
 Liveness. With the runtime's defaults a dead peer takes everyone down: the coordination service
 (in process 0) propagates the missed heartbeats as a fatal error and the survivors abort. Process 0
@@ -102,8 +102,8 @@ def outputs_from_dict(fields: dict) -> OutputRequest:
 class GroupExecutor:
     """Runs each batch across every process of the group: process 0 leads, workers follow.
 
-    Batch ``k``'s header (run or stop, bucket, output set) is the coordination service's key
-    ``vit22b/batch/k``: a worker waits for it there, not in a collective, because XLA's CPU
+    Batch ``k``'s header (run or stop, bucket, output set, steps) is the coordination service's
+    key ``vit22b/batch/k``: a worker waits for it there, not in a collective, because XLA's CPU
     collectives give up after 30 minutes and a server may idle for longer. Then every process
     makes the same collectives in the same order: the pixels' broadcast, the forward, the gather.
     Its health is the facade's admission check (``check``) and the server's health service
@@ -132,12 +132,14 @@ class GroupExecutor:
         if self.lost is not None:
             raise GroupLost(f"the serving group lost a process ({self.lost}); retry elsewhere")
 
-    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
+    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray,
+            active: int | None = None):
         """Process 0: the batch through every process; returns the host outputs."""
         self.check()
         grid = engine.cfg.grid_at(*pixels.shape[1:3])
         engine.compiled(bucket, outputs, grid)  # a compile error here leaves the group in step
-        step = self._collectives.submit(self._lead_step, engine, "run", bucket, outputs, pixels)
+        step = self._collectives.submit(self._lead_step, engine, "run", bucket, outputs, pixels,
+                                        active)
         while True:
             try:
                 return step.result(timeout=BEAT_S / 5)
@@ -170,22 +172,26 @@ class GroupExecutor:
             if header["command"] == "stop":
                 return
             grid = tuple(header["grid"])
-            self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None, grid)
+            self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None, grid,
+                       header["active"])
 
-    def _lead_step(self, engine: Engine, command: str, bucket: int, outputs, pixels):
+    def _lead_step(self, engine: Engine, command: str, bucket: int, outputs, pixels,
+                   active: int | None = None):
         self._batches += 1
         key = _KEY.format("batch", self._batches)
         header = {"command": command, "bucket": bucket, "outputs": dataclasses.asdict(outputs),
+                  "active": active,
                   "grid": list(engine.grid if pixels is None else
                                engine.cfg.grid_at(*pixels.shape[1:3]))}
         self.client.key_value_set(key, json.dumps(header))
         if command == "stop":
             return None
-        result = self._step(engine, bucket, outputs, pixels)
+        result = self._step(engine, bucket, outputs, pixels, active=active)
         self.client.key_value_delete(key)  # every worker has taken it: they ran the batch
         return result
 
-    def _step(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels, grid=None):
+    def _step(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels, grid=None,
+              active: int | None = None):
         """One batch in step with the group: the pixels' broadcast, the forward, the gather."""
         if pixels is None:  # workers contribute zeros to the broadcast
             cfg, (rows, cols) = engine.cfg, grid or engine.grid
@@ -195,7 +201,7 @@ class GroupExecutor:
         batch = jax.make_array_from_callback(
             pixels.shape, engine.batch_sharding, lambda index: pixels[index]
         )
-        result = engine.call(bucket, outputs, engine.placement(engine.plan.data), batch)
+        result = engine.call(bucket, outputs, engine.placement(engine.plan.data), batch, active)
         return jax.tree.map(np.asarray, multihost_utils.process_allgather(result, tiled=True))
 
 

@@ -124,8 +124,10 @@ class Executor(Protocol):
     def check(self) -> None:
         """Raise ``NotReady`` when no batch can run (a group that lost a process)."""
 
-    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
-        """``pixels`` padded to ``bucket`` -> the forward's output tree on the host."""
+    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray,
+            active: int | None = None):
+        """``pixels`` padded to ``bucket`` -> the forward's output tree on the host;
+        ``active``: the chunk steps that hold images (``Engine.layout``; None: all)."""
 
 
 class LocalExecutor:
@@ -134,10 +136,11 @@ class LocalExecutor:
     def check(self) -> None:
         pass
 
-    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray):
+    def run(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels: np.ndarray,
+            active: int | None = None):
         place = engine.placement(bucket, engine.cfg.grid_at(*pixels.shape[1:3]))
         batch = jax.device_put(pixels, place.batch_sharding)
-        return jax.tree.map(np.asarray, engine.call(bucket, outputs, place, batch))
+        return jax.tree.map(np.asarray, engine.call(bucket, outputs, place, batch, active))
 
 
 class Engine:
@@ -158,11 +161,13 @@ class Engine:
         executor: Executor | None = None,
         transpose_kernels: bool | None = None,
         mlp_slices: int | None = None,
+        skip_padding: bool = True,
     ):
         """``chunk_images`` / ``small_buckets`` / ``max_batch_patches`` / ``transpose_kernels`` /
         ``mlp_slices``: see ``Plan.make``.
         ``precast=False`` keeps the parameters as given (kernels then cast on every forward:
-        for measurements only)."""
+        for measurements only); ``skip_padding=False`` runs every chunk step of a bucket, the
+        padding's too (``layout``; for measurements only)."""
         check_mesh_fits(cfg, mesh)
         self.cfg, self.mesh = cfg, mesh
         self.platform = mesh.devices.flat[0].platform
@@ -181,6 +186,7 @@ class Engine:
             mlp_slices=mlp_slices,
         )
         self.executor: Executor = executor or LocalExecutor()
+        self.skip_padding = skip_padding
         # The parameters count and fingerprint as given; the forward reads the pre-cast tree.
         self.parameter_count = count(params)
         self.param_shardings = param_shardings(cfg, mesh, params)
@@ -423,11 +429,38 @@ class Engine:
         with self._lock:
             return self._positions.setdefault((grid, rows), table)
 
-    def call(self, bucket: int, outputs: OutputRequest, place: Placement, batch: jax.Array):
-        """The compiled forward on a placed batch (its grid from its shape)."""
+    def call(self, bucket: int, outputs: OutputRequest, place: Placement, batch: jax.Array,
+             active: int | None = None):
+        """The compiled forward on a placed batch (its grid from its shape); ``active``: run
+        only the first that many chunk steps (``layout``; None: all of them)."""
         grid = self.cfg.grid_at(batch.shape[1], batch.shape[2])
+        steps = self.steps(bucket, grid)
+        active = np.int32(steps if active is None else min(active, steps))
         return self.compiled(bucket, outputs, grid)(place.params, self.position(grid, place),
-                                                    batch)
+                                                    batch, active)
+
+    def steps(self, bucket: int, grid: Grid | None = None) -> int:
+        """Sequential chunk steps in a forward of ``bucket`` at ``grid``."""
+        grid = grid or self.grid
+        return bucket // (self.plan.rows(bucket, grid) * self.plan.chunk_images(bucket, grid))
+
+    def layout(self, n: int, bucket: int, grid: Grid | None = None) -> tuple[np.ndarray, int]:
+        """Where ``n`` images go in a batch of ``bucket`` rows, and the chunk steps they need.
+
+        Each data row (shard) holds a contiguous block of the batch and runs it in steps of
+        ``chunk`` images. The images fill every shard's leading rows evenly, so the steps that
+        hold padding alone run on no shard and are skipped: 17 images in ViT-B/16's bucket of
+        32 (2 shards of 16, steps of 4) take 3 steps instead of 4. Returns the rows (the i-th
+        image's row) and the steps to run."""
+        grid = grid or self.grid
+        steps = self.steps(bucket, grid)
+        if not self.skip_padding or steps == 1:
+            return np.arange(n), steps
+        shards = self.plan.rows(bucket, grid)
+        local, per = bucket // shards, -(-n // shards)
+        rows = np.concatenate([k * local + np.arange(min(per, n - k * per))
+                               for k in range(shards) if k * per < n])
+        return rows, -(-per // self.plan.chunk_images(bucket, grid))
 
     def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid):
         options = self.plan.compiler_options or None
@@ -442,18 +475,19 @@ class Engine:
         execution = Execution(self.plan.fold_heads, self.plan.transposed_kernels,
                               self.plan.mlp_slices(bucket, grid))
         fn = jax.jit(
-            lambda params, pos, images: chunked_apply(
-                cfg, params, images, outputs, chunk, shards, pos, execution
+            lambda params, pos, images, active: chunked_apply(
+                cfg, params, images, outputs, chunk, shards, pos, execution, active
             ),
             in_shardings=(
                 place.param_shardings,
                 None if pos is None else place.param_shardings["pos_embedding"],
                 place.batch_sharding,
+                None,
             ),
         )
         shape = (bucket, grid[0] * cfg.patch, grid[1] * cfg.patch, cfg.channels)
         images = jax.ShapeDtypeStruct(shape, np.float32, sharding=place.batch_sharding)
-        return fn.lower(place.params, pos, images)
+        return fn.lower(place.params, pos, images, jax.ShapeDtypeStruct((), np.int32))
 
     def warm_up(
         self, output_sets: Sequence[OutputRequest] = (POOLED,), grids: Sequence[Grid] = ()
@@ -477,11 +511,17 @@ class Engine:
         """
         n = images.shape[0]
         size = self.plan.bucket(n)
+        rows, active = self.layout(n, size, self.cfg.grid_at(*images.shape[1:3]))
         pixels = aligned_empty((size, *images.shape[1:]))
-        pixels[:n] = images
-        pixels[n:] = 0
-        tree = self.executor.run(self, size, outputs, pixels)
-        return Features.from_tree(tree).take(slice(0, n))
+        if rows[-1] == n - 1:  # the images in the leading rows, in order
+            pixels[:n] = images
+            pixels[n:] = 0
+            rows = slice(0, n)
+        else:
+            pixels[:] = 0
+            pixels[rows] = images
+        tree = self.executor.run(self, size, outputs, pixels, active)
+        return Features.from_tree(tree).take(rows)
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)

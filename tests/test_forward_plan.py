@@ -120,6 +120,30 @@ def test_chunked_forward_equals_the_whole_batch(cfg, dtype):
         _assert_same(_forward(cfg, chunk=chunk)(params, pixels), want, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_chunked_forward_runs_only_its_active_steps(shards):
+    """With ``active`` k, the first k steps (rows [i * chunk, (i + 1) * chunk) of every shard for
+    step i) equal the whole batch's rows and the skipped steps' rows are zeros; one program
+    serves every k."""
+    cfg = SEQUENTIAL
+    params, pixels = random_params(cfg, seed=5), images(cfg, n=8)
+    want = _outputs(_forward(cfg)(params, pixels))
+    chunk = 2 // shards  # four steps either way
+    fn = jax.jit(lambda p, x, k: chunked_apply(cfg, p, x, REQUEST, chunk, shards, active=k))
+    for active in (0, 1, 3, 4, 9):
+        got = _outputs(fn(params, pixels, np.int32(active)))
+        ran = np.zeros((shards, 4, chunk), bool)
+        ran[:, : min(active, 4)] = True
+        ran = ran.reshape(-1)  # row r of shard s is step (r % (8 / shards)) // chunk
+        assert set(got) == set(want)
+        for key in want:
+            assert got[key].shape == want[key].shape, key
+            if ran.any():
+                assert rel_err(got[key][ran], want[key][ran]) <= 1e-6, (key, active)
+            assert not got[key][~ran].any(), (key, active)
+    assert fn._cache_size() == 1
+
+
 def test_chunks_that_do_not_divide_the_batch_are_refused():
     pixels = images(PARALLEL, n=6)
     with pytest.raises(ValueError, match="chunks of 4 images on each of 1 shards"):
@@ -370,6 +394,53 @@ def test_engine_forward_is_the_same_with_and_without_its_levers(tiny_engines):
     want = plain.forward(pixels, request)
     _assert_same(precast.forward(pixels, request), want, 1e-6)
     _assert_same(chunked.forward(pixels, request), want, TOLERANCE["bfloat16"])
+
+
+def test_a_padded_batch_skips_the_steps_of_padding_alone(tiny_engines):
+    """Chunks of one image on 2 shards of 4 rows (bucket 8): 3 images would go to rows 0, 1
+    (shard 0) and 4 (shard 1) and run in 2 of the 4 steps; the features are those of every step
+    run, in the images' order, and the padding rows the executor gets are zeros."""
+    chunked = tiny_engines["chunked"]
+    every = Engine(chunked.cfg, chunked.params, chunked.mesh, fingerprint="f", source="s",
+                   max_batch_images=8, chunk_images=1, small_buckets=False, precast=False,
+                   skip_padding=False)
+    rows, active = chunked.layout(3, 8)
+    assert rows.tolist() == [0, 1, 4] and active == 2 and chunked.steps(8) == 4
+    rows, active = every.layout(3, 8)
+    assert rows.tolist() == [0, 1, 2] and active == 4  # skip_padding=False: every step
+    rows, active = chunked.layout(5, 8)
+    assert rows.tolist() == [0, 1, 2, 4, 5] and active == 3
+    assert chunked.layout(8, 8)[1] == 4
+    request = chunked.resolve(OutputRequest(pooled=True, patch_layers=(-1,), attention_stats=True))
+    seen = []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def check(self):
+            pass
+
+        def run(self, engine, bucket, outputs, pixels, active=None):
+            seen.append((pixels.copy(), active))
+            return self.inner.run(engine, bucket, outputs, pixels, active)
+
+    chunked.executor = Recording(chunked.executor)
+    try:
+        for n in (3, 5, 6, 8):  # buckets of 4 (two steps, both with images) and 8
+            pixels = images(chunked.cfg, n=n, seed=n)
+            got = chunked.forward(pixels, request)
+            _assert_same(got, every.forward(pixels, request), 1e-6)
+            sent, active = seen[-1]
+            rows, want_active = chunked.layout(n, chunked.bucket(n))
+            assert active == want_active
+            np.testing.assert_array_equal(sent[rows], pixels)
+            assert not np.delete(sent, rows, axis=0).any()
+    finally:
+        chunked.executor = chunked.executor.inner
+    hlo = chunked.compiled(8, request).as_text()
+    assert "all-gather" not in _collectives(hlo), _collectives(hlo)
+    every.close()
 
 
 def test_a_batch_smaller_than_the_data_axis_runs_on_one_row(tiny_engines):

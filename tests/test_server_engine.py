@@ -56,9 +56,9 @@ class _Recording:
     def check(self) -> None:
         self.inner.check()
 
-    def run(self, engine, bucket, outputs, pixels):
+    def run(self, engine, bucket, outputs, pixels, active=None):
         self.seen.append((bucket, pixels.ctypes.data % HOST_ALIGN, pixels.copy()))
-        return self.inner.run(engine, bucket, outputs, pixels)
+        return self.inner.run(engine, bucket, outputs, pixels, active)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
