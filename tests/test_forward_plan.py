@@ -443,6 +443,27 @@ def test_a_padded_batch_skips_the_steps_of_padding_alone(tiny_engines):
     every.close()
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_every_layout_puts_each_image_in_a_step_that_runs(chunk):
+    """For every batch size on 4 data rows: distinct rows inside the bucket, each image's step
+    (its row's place in its shard, over the chunk) below the steps run, and fewer steps only
+    where a step held padding alone."""
+    cfg = get_config("vit-22b-tiny/16").replace(heads=8)
+    mesh = make_mesh("data=4,model=2")
+    engine = Engine(cfg, shard_params(cfg, random_params(cfg, seed=6), mesh), mesh,
+                    fingerprint="f", source="s", max_batch_images=48, chunk_images=chunk,
+                    small_buckets=False)
+    for n in range(1, 49):
+        bucket = engine.bucket(n)
+        rows, active = engine.layout(n, bucket)
+        shards = engine.plan.rows(bucket, engine.grid)
+        local, per_step = bucket // shards, engine.plan.chunk_images(bucket, engine.grid)
+        assert len(rows) == n == len(set(rows.tolist())) and rows.max() < bucket, n
+        steps_of_images = (rows % local) // per_step
+        assert 1 <= active <= engine.steps(bucket) and steps_of_images.max() == active - 1, n
+    engine.close()
+
+
 def test_a_batch_smaller_than_the_data_axis_runs_on_one_row(tiny_engines):
     auto, padded = tiny_engines["auto"], tiny_engines["precast"]
     assert padded.buckets == (2, 4, 8) and auto.buckets == (1, 2, 4, 8)
