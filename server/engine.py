@@ -513,7 +513,7 @@ class Engine:
         size = self.plan.bucket(n)
         rows, active = self.layout(n, size, self.cfg.grid_at(*images.shape[1:3]))
         pixels = aligned_empty((size, *images.shape[1:]))
-        if rows[-1] == n - 1:  # the images in the leading rows, in order
+        if n == 0 or rows[-1] == n - 1:  # the images in the leading rows, in order
             pixels[:n] = images
             pixels[n:] = 0
             rows = slice(0, n)
