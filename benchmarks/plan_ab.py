@@ -65,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1,slices=N "
                         "(repeatable; the first is the reference)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-batch", type=int, default=0,
-                        help="the engines' max_batch_images (default: the largest batch)")
     parser.add_argument("--calls", type=int, default=0,
                         help="forwards per side, batch and round (default: about 2 s of work)")
     args = parser.parse_args(argv)
@@ -94,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             mesh = auto_mesh(cfg)
         engines[name] = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="plan_ab",
-                               source="seeded",
-                               max_batch_images=args.max_batch or max(args.batches),
+                               source="seeded", max_batch_images=max(args.batches),
                                chunk_images=options.get("chunk"),
                                small_buckets=None if options.get("small", 1) else False,
                                transpose_kernels=None if "transposed" not in options

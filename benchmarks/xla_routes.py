@@ -63,7 +63,7 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
     from vit22b.model.forward import chunked_apply
     from vit22b.model.outputs import POOLED
     from vit22b.model.sharding import shard_params
-    from vit22b.model.vit import Execution, init_params
+    from vit22b.model.vit import init_params
     from vit22b.server.engine import Engine, auto_mesh
 
     cfg = get_config("vit-b/16").replace(compute_dtype=dtype)
@@ -80,8 +80,7 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
     if name == "constants":
         chunk, shards = engine.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         weights = place.params
-        execution = Execution(engine.plan.fold_heads, engine.plan.transposed_kernels,
-                              engine.plan.mlp_slices(bucket, grid))
+        execution = engine.execution(bucket, grid)
         fn = jax.jit(lambda pos, images: chunked_apply(cfg, weights, images, outputs, chunk,
                                                        shards, pos, execution),
                      in_shardings=(None if pos is None else place.param_shardings["pos_embedding"],

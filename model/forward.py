@@ -5,7 +5,7 @@
   is a full pass over the weights per forward. Pre-cast kernels give the
   same bf16 values, so the outputs are those of ``apply`` on the original parameters. Norm
   scales, biases, embeddings and the MAP probe stay as they are (they are read in f32).
-- ``chunked_apply``: the batch processed in sequential chunks (``lax.map``), so every GEMM has at
+- ``chunked_apply``: the batch processed in sequential chunks (a loop), so every GEMM has at
   most ``chunk`` images' rows. XLA:CPU's bf16 GEMM loses a third of its speed at ViT-B/16's
   batch-32 shapes (M = 6304 rows); in chunks of a few images it keeps it. Rows never interact
   in a ViT, so each row's result is the unchunked one. With the batch sharded over ``shards``
@@ -125,8 +125,6 @@ def chunked_apply(
         return apply(cfg, params, x, request, pos, execution)
 
     xs = to_steps(images)
-    if active is None:
-        return jax.tree.map(from_steps, jax.lax.map(step, xs))
 
     def body(i, out):
         y = step(jax.lax.dynamic_index_in_dim(xs, i, keepdims=False))
@@ -135,5 +133,6 @@ def chunked_apply(
 
     shapes = jax.eval_shape(step, xs[0])
     out = jax.tree.map(lambda s: jnp.zeros((steps, *s.shape), s.dtype), shapes)
-    out = jax.lax.fori_loop(0, jnp.clip(active, 0, steps), body, out)
+    count = steps if active is None else jnp.clip(active, 0, steps)
+    out = jax.lax.fori_loop(0, count, body, out)
     return jax.tree.map(from_steps, out)

@@ -434,10 +434,14 @@ class Engine:
         """The compiled forward on a placed batch (its grid from its shape); ``active``: run
         only the first that many chunk steps (``layout``; None: all of them)."""
         grid = self.cfg.grid_at(batch.shape[1], batch.shape[2])
-        steps = self.steps(bucket, grid)
-        active = np.int32(steps if active is None else min(active, steps))
+        active = np.int32(self.steps(bucket, grid) if active is None else active)
         return self.compiled(bucket, outputs, grid)(place.params, self.position(grid, place),
                                                     batch, active)
+
+    def execution(self, bucket: int, grid: Grid | None = None) -> Execution:
+        """How the plan runs this bucket's forward at ``grid`` (``vit.Execution``)."""
+        plan = self.plan
+        return Execution(plan.fold_heads, plan.transposed_kernels, plan.mlp_slices(bucket, grid))
 
     def steps(self, bucket: int, grid: Grid | None = None) -> int:
         """Sequential chunk steps in a forward of ``bucket`` at ``grid``."""
@@ -472,8 +476,7 @@ class Engine:
         cfg, place = self.cfg, self.placement(bucket, grid)
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
-        execution = Execution(self.plan.fold_heads, self.plan.transposed_kernels,
-                              self.plan.mlp_slices(bucket, grid))
+        execution = self.execution(bucket, grid)
         fn = jax.jit(
             lambda params, pos, images, active: chunked_apply(
                 cfg, params, images, outputs, chunk, shards, pos, execution, active
