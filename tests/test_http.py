@@ -398,6 +398,81 @@ def test_bodies_that_are_not_json_or_too_large(server, http):
     assert metric(samples, "vit22b_queue_images") == 0
 
 
+def _json_mutations(rng: np.random.Generator, seeds: list[dict], odd: list, count: int):
+    """Bodies a hostile client might send: each seed with a few of its values (at any depth)
+    swapped for an odd one, keys dropped or added, lists repeated or extended."""
+
+    def mutate(value):
+        if rng.random() < 0.15:
+            return odd[int(rng.integers(len(odd)))]
+        if isinstance(value, dict):
+            out = {k: mutate(v) if rng.random() < 0.3 else v for k, v in value.items()
+                   if rng.random() > 0.05}
+            if rng.random() < 0.1:
+                out[str(rng.choice(["id", "data", "pixels", "images", "extra"]))] = mutate(None)
+            return out
+        if isinstance(value, list):
+            out = [mutate(v) if rng.random() < 0.3 else v for v in value]
+            if rng.random() < 0.1:
+                out = out * int(rng.choice([2, 7]))
+            return out + [mutate(None)] if rng.random() < 0.1 else out
+        return value
+
+    for i in range(count):
+        yield i % len(seeds), mutate(seeds[i % len(seeds)])
+
+
+def test_mutated_json_bodies_get_features_or_a_named_400(server, http):
+    """Hundreds of structurally mutated bodies on both POST routes: each is answered 200 with
+    well-formed, finite outputs, or refused with a status and a message; then a good call."""
+    image = random_images(1, seed=5, size=(40, 56))[0]
+    encoded = b64(png(image))
+    seeds = [
+        ("/v1/features", {
+            "images": [{"id": "a", "data": encoded}, encoded,
+                       {"id": "p", "pixels": {"dtype": "uint8", "shape": [40, 56, 3],
+                                              "data": b64(image.tobytes())}}],
+            "outputs": ["pooled", "patch_tokens", "attention_stats"], "layers": [0, -1],
+            "dtype": "float32", "normalize_patches": True, "skip_invalid": True,
+            "resolution": 0, "dense": False}),
+        ("/v1/embeddings", {"input": [encoded, "data:image/png;base64," + encoded],
+                            "model": MODEL, "encoding_format": "float", "user": "u"}),
+    ]
+    odd = [None, True, 0, -1, 2**31, 2**63, -(2**63), 10**30, 1e308, 0.5, "", "x", "\u0000",
+           [], {}, [[]], [None], "NaN", "-0", "data:,", "=", "////", b64(b"\xff\xd8\xff"),
+           b64(png(image[:1, :1])), "float16", "bfloat16", "uint8", "int64", [40, 56, 3],
+           [0, 56, 3], [40, 56, 4], [-1, 56, 3], [2**31, 2, 3], [1] * 300, "A" * 5000]
+    rng = np.random.default_rng(23)
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + 90
+    for which, body in _json_mutations(rng, [b for _, b in seeds], odd, 400):
+        if time.monotonic() > deadline:
+            break
+        route = seeds[which][0]
+        response = http.post(route, content=json.dumps(body).encode(),
+                             headers={"content-type": "application/json"})
+        codes[response.status_code] = codes.get(response.status_code, 0) + 1
+        assert response.status_code in (200, 400, 413), (route, body, response.text[:300])
+        got = response.json()
+        if response.status_code != 200:
+            assert got["error"]["message"] and got["error"]["code"], got
+        elif route == "/v1/features":
+            rows = len(got["indices"])
+            assert rows + len(got["errors"]) == len(body["images"]), got["errors"]
+            for name, value in got["outputs"].items():
+                for t in value.values() if name == "patch_tokens" else [value]:
+                    array = tensor(t)
+                    assert array.shape[0] == rows and np.isfinite(array.astype(np.float32)).all()
+        else:
+            vectors = [item["embedding"] for item in got["data"]]
+            inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+            assert len(vectors) == len(inputs) and np.isfinite(vectors).all()
+    assert sum(codes.values()) >= 100 and codes.get(200, 0) > 0 and codes.get(400, 0) > 0, codes
+    assert http.get("/ready").status_code == 200
+    again = http.post("/v1/features", json={"images": [encoded]})
+    assert again.status_code == 200 and again.json()["indices"] == [0]
+
+
 # ---- non-finite outputs ----------------------------------------------------------------------
 
 
