@@ -219,15 +219,21 @@ def _name(source: VideoSource, name: str | None) -> str:
     return os.fspath(source) if isinstance(source, (str, os.PathLike)) else "<video bytes>"
 
 
+# Tags are read as UTF-8 with undecodable bytes replaced: old muxers and cameras write Latin-1
+# titles (b"Caf\xe9"), and PyAV's strict decoding refused the whole video for them. No tag is
+# used here.
+TAG_ERRORS = "replace"
+
+
 def _open(av, source: VideoSource, name: str):
     try:
         if isinstance(source, (bytes, bytearray)):
             if not source:
                 raise VideoError(name, "empty (0 bytes)")
-            return av.open(io.BytesIO(bytes(source)), "r")
+            return av.open(io.BytesIO(bytes(source)), "r", metadata_errors=TAG_ERRORS)
         if os.path.isfile(source) and os.path.getsize(source) == 0:
             raise VideoError(name, "empty file (0 bytes)")
-        return av.open(os.fspath(source), "r")
+        return av.open(os.fspath(source), "r", metadata_errors=TAG_ERRORS)
     except OSError as err:  # av.error.FileNotFoundError etc.; av's EOFError too
         reason = getattr(err, "strerror", None) or str(err)
         raise VideoError(name, f"cannot open as a video: {reason}") from None

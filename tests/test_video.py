@@ -253,6 +253,38 @@ def test_odd_but_real_videos(tmp_path, monkeypatch):
         read_clip(tmp_path / "late.mkv", Sampling(frames=1))
 
 
+def _titled(folder: Path, suffix: str, title: str) -> Path:
+    """6 indexed frames whose container and stream carry ``title`` (ASCII) as a tag."""
+    path = folder / f"titled{suffix}"
+    with av.open(str(path), "w") as container:
+        container.metadata["title"] = title
+        stream = container.add_stream("mpeg4", rate=FPS)
+        stream.width = stream.height = SIZE
+        stream.metadata["title"] = title
+        for pixels in indexed_frames(6):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".mkv", ".avi", ".mp4"])
+def test_tags_that_are_not_utf8_do_not_refuse_the_video(tmp_path, suffix):
+    """Old muxers and cameras write their tags in Latin-1 (a title "Café" as b"Caf\xe9"): the
+    frames are read as from the same file with clean tags (the tags themselves are not used)."""
+    clean = _titled(tmp_path, suffix, "Cafe_ at night")
+    want = read_clip(clean, Sampling(frames=3))
+    latin = tmp_path / f"latin1{suffix}"
+    data = clean.read_bytes()
+    assert data.count(b"Cafe_") >= 1
+    latin.write_bytes(data.replace(b"Cafe_", b"Caf\xe9_"))  # the same length: nothing moves
+    got = read_clip(latin, Sampling(frames=3))
+    assert got.indices.tolist() == want.indices.tolist() == [1, 3, 5]
+    np.testing.assert_array_equal(got.frames, want.frames)
+    assert probe(latin) == probe(clean) and probe(latin).frame_count == 6
+
+
 def test_importing_the_video_modules_loads_neither_av_nor_jax():
     code = ("import sys\n"
             "import vit22b.clients.video, vit22b.clients.video_features, "
