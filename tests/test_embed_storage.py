@@ -8,6 +8,7 @@ real GCS-compatible one (gcp-storage-emulator, the ``gcs`` fixture).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -15,6 +16,7 @@ import fsspec
 import ml_dtypes
 import numpy as np
 import pytest
+from PIL import Image
 from test_embed import engine, local_job, read_dir, write_bad_files, write_images  # noqa: F401
 from vit22b.clients.embed import OutputSpec
 from vit22b.clients.embed_inputs import enumerate_inputs
@@ -194,6 +196,34 @@ def test_s3_inputs_and_outputs(engine, data, npy, s3, tmp_path):
     assert listed.embedded == 1
     assert [(f["id"], f["reason"]) for f in failed] == [
         (f"{bucket}/photos/missing.jpg", "cannot read file: No such file or directory")]
+
+
+ODD_KEYS = ["with space.jpg", "caf\u00e9/\u00f1.jpg", "a#b.jpg", "q?x=1.jpg", "50%.jpg",
+            "plus+sign.jpg", "bracket[1].jpg", "star*.jpg", "colon:x.jpg", "emoji\U0001f600.png",
+            "dots..jpg", "UPPER.JPG", "amp&eq=.jpg", "semi;curly{a}.jpg"]
+
+
+def test_s3_keys_with_odd_characters_are_read_as_named(engine, s3, tmp_path):
+    """Keys as people name their photos (spaces, accents, an emoji) and with the characters URLs
+    and globs give meaning to (#, ?, %, +, [ ], *): each object is listed, read as itself and
+    kept under its own name."""
+    from serving import assert_same_rows
+    from vit22b.server.infer import LocalInfer
+
+    objects = {}
+    for i, key in enumerate(ODD_KEYS):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((40, 50, 3), 15 * i, np.uint8)).save(
+            buffer, "PNG" if key.endswith(".png") else "JPEG")
+        objects[f"photos/{key}"] = buffer.getvalue()
+    bucket = s3("oddkeys", objects)
+    assert local_job(engine, f"{bucket}/photos", tmp_path / "out").embedded == len(ODD_KEYS)
+    out = open_outputs(str(tmp_path / "out"))
+    assert sorted(out.ids) == sorted(ODD_KEYS) and not out.failed
+    assert out.paths == [f"{bucket}/photos/{key}" for key in out.ids]
+    with LocalInfer(engine) as local:  # each row is its own object's features
+        want = local.embed([objects[f"photos/{key}"] for key in out.ids]).features.pooled
+    assert_same_rows(np.asarray(out["pooled"][:], np.float32), want)
 
 
 def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
