@@ -1,7 +1,8 @@
 """What the SDK accepts as an image, and how it travels.
 
-Paths and bytes travel as the file's encoded bytes (the server decodes JPEG, PNG and WebP);
-PIL images and numpy arrays travel as raw uint8 [H, W, 3] pixels (no lossy re-encoding).
+Paths and bytes (bytes, bytearray, a memoryview) travel as the file's encoded bytes (the
+server decodes them); PIL images and numpy arrays travel as raw uint8 [H, W, 3] pixels (no
+lossy re-encoding).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from vit22b.v1 import wire
 
 from .files import read_local
 
-ImageInput = str | os.PathLike | bytes | bytearray | Image.Image | np.ndarray
+ImageInput = str | os.PathLike | bytes | bytearray | memoryview | Image.Image | np.ndarray
+ENCODED = (bytes, bytearray, memoryview)  # a file's bytes, sent as they are
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class Item:
 def as_images(images) -> Iterable[ImageInput]:
     """A single image (path, bytes, PIL image, [H, W, C] array) or many (a list, an iterable,
     an [N, H, W, C] array)."""
-    if isinstance(images, (str, os.PathLike, bytes, bytearray, Image.Image)):
+    if isinstance(images, (str, os.PathLike, *ENCODED, Image.Image)):
         return [images]
     if isinstance(images, np.ndarray):
         return [images] if images.ndim in (2, 3) else list(images)
@@ -50,8 +52,8 @@ def wire_size(image: ImageInput) -> int:
             return os.path.getsize(image)
         except OSError:
             return 0  # reported when the file is read
-    if isinstance(image, (bytes, bytearray)):
-        return len(image)
+    if isinstance(image, ENCODED):
+        return memoryview(image).nbytes
     if isinstance(image, Image.Image):
         return image.width * image.height * 3
     shape = np.shape(image)
@@ -73,12 +75,12 @@ def to_proto(item: Item) -> pb.Image:
     try:
         if isinstance(image, (str, os.PathLike)):
             return pb.Image(id=item.id, encoded=read_local(os.fspath(image)))
-        if isinstance(image, (bytes, bytearray)):
+        if isinstance(image, ENCODED):
             return pb.Image(id=item.id, encoded=bytes(image))
         if isinstance(image, Image.Image):  # the server's own colour, alpha and EXIF rules
             pixels = to_rgb(image)
         else:
-            pixels = _rgb(np.asarray(image))
+            pixels = _rgb(_array(image))
     except InvalidImage as err:
         raise err.at(item.index, item.id) from None
     except OSError as err:
@@ -86,6 +88,16 @@ def to_proto(item: Item) -> pb.Image:
     except (TypeError, ValueError) as err:
         raise InvalidImage(str(err), item.index, item.id) from None
     return pb.Image(id=item.id, pixels=wire.to_tensor(pixels))
+
+
+def _array(image) -> np.ndarray:
+    """An array-like image (numpy, a torch tensor, nested lists) as an array; anything numpy
+    only wraps (None, a number, a dict) is named by its type."""
+    pixels = np.asarray(image)
+    if pixels.ndim == 0 or pixels.dtype == object:
+        raise ValueError(f"a {type(image).__name__}, not an image: pass a path, encoded bytes, a "
+                         "PIL image or a uint8 [H, W, 3] array")
+    return pixels
 
 
 def _rgb(pixels: np.ndarray) -> np.ndarray:

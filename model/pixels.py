@@ -223,7 +223,8 @@ def _limit(max_pixels: int) -> str:
 
 
 def _name(fmt: str | None) -> str:
-    return {"WEBP": "WebP", "MPO": "JPEG (MPO)"}.get(fmt or "", fmt or "image")
+    """How messages name a format; a PIL image built in memory has none."""
+    return {"WEBP": "WebP", "MPO": "JPEG (MPO)"}.get(fmt or "", fmt or "in-memory")
 
 
 def _allow_in_pillow(max_pixels: int) -> None:

@@ -24,7 +24,7 @@ from vit22b.clients import (
 )
 from vit22b.clients.client import EmbedOptions, build_request, chunk_items, chunk_result
 from vit22b.clients.embeddings import ImageError, merge
-from vit22b.clients.inputs import as_images, items, to_proto
+from vit22b.clients.inputs import Item, as_images, items, to_proto, wire_size
 from vit22b.model import OutputRequest
 from vit22b.model.errors import InvalidRequest
 from vit22b.v1 import features_pb2 as pb
@@ -332,8 +332,24 @@ def test_sdk_inputs_follow_the_pixel_contract():
     got = wire.from_tensor(to_proto(Item(0, rgba, "b", 0)).pixels)
     np.testing.assert_array_equal(got[0, 0], (10, 20, 30))
     np.testing.assert_array_equal(got[1, 1], np.broadcast_to(BACKGROUND, (3,)))
-    with pytest.raises(InvalidImage, match="image 2.*mode F"):
+    with pytest.raises(InvalidImage, match="image 2.*: in-memory image in mode F"):
         to_proto(Item(2, Image.fromarray(np.zeros((2, 2), np.float32)), "c", 0))
+
+
+@pytest.mark.parametrize("value, kind", [(None, "NoneType"), (5, "int"), (2.5, "float"),
+                                         ({"a": 1}, "dict"), (object(), "object")])
+def test_what_is_no_image_is_named_by_its_type(value, kind):
+    with pytest.raises(InvalidImage, match=rf"image 3 \(id 'x'\): a {kind}, not an image: pass "
+                                           r"a path, encoded bytes, a PIL image or a uint8"):
+        to_proto(Item(3, value, "x", 0))
+
+
+def test_a_memoryview_or_bytearray_travels_as_the_files_bytes():
+    encoded = png(random_images(1, 2, (6, 5))[0])
+    for view in (memoryview(encoded), bytearray(encoded)):
+        assert to_proto(Item(0, view, "v", 0)).encoded == encoded
+        assert wire_size(view) == len(encoded)
+        assert list(as_images(view)) == [view]
 
 
 def _response(ids, indices, pooled, patch=None, **fields) -> pb.EmbedResponse:
