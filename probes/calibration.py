@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import log_softmax
+from .metrics import checked_set, log_softmax
 
 DEFAULT_BINS = 15
 
@@ -146,6 +146,12 @@ def calibration_probe(
     bins: int = DEFAULT_BINS,
 ) -> dict:
     """Fit the temperature on the validation split; metrics on the test split before and after."""
+    val_logits, val_labels = checked_set(val_logits, val_labels, "validation", "logits")
+    test_logits, test_labels = checked_set(test_logits, test_labels, "test", "logits")
+    classes = val_logits.shape[1]
+    if test_logits.shape[1] != classes or max(val_labels.max(), test_labels.max()) >= classes:
+        raise ValueError(f"logits of {classes} (validation) and {test_logits.shape[1]} (test) "
+                         f"classes for labels up to {max(val_labels.max(), test_labels.max())}")
     temperature = fit_temperature(val_logits, val_labels)
     before = np.exp(log_softmax(test_logits))
     after = np.exp(log_softmax(np.asarray(test_logits, np.float64) / temperature))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import num_classes_of, trivial_baselines
+from .metrics import checked_sets, num_classes_of, trivial_baselines
 
 DEFAULT_SHOTS = (1, 5, 10, 25)
 DEFAULT_L2 = 2.0**10  # big_vision's usual l2_reg for few-shot linear evaluation
@@ -51,6 +51,7 @@ def fewshot_probe(
     class_names: tuple[str, ...] = (),
 ) -> dict:
     """Top-1 of the ridge classifier for each number of shots: mean, std and per-seed values."""
+    train_x, train_y, test_x, test_y = checked_sets(train_x, train_y, test_x, test_y)
     num_classes = num_classes_of(train_y, test_y, names=class_names)
     per_class = np.bincount(train_y, minlength=num_classes)
     results, skipped = {}, {}

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import classification_scores, num_classes_of, trivial_baselines
+from .metrics import checked_sets, classification_scores, num_classes_of, trivial_baselines
 
 DEFAULT_KS = (10, 20, 100, 200)
 DEFAULT_TEMPERATURE = 0.07
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    x = np.asarray(x, np.float64)  # a norm of float32 values over ~1e19 overflows in float32
+    return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
 def knn_votes(
@@ -57,6 +57,7 @@ def knn_probe(
     temperature: float = DEFAULT_TEMPERATURE,
     class_names: tuple[str, ...] = (),
 ) -> dict:
+    train_x, train_y, test_x, test_y = checked_sets(train_x, train_y, test_x, test_y)
     num_classes = num_classes_of(train_y, test_y, names=class_names)
     votes = knn_votes(train_x, train_y, test_x, ks, num_classes, temperature)
     return {

@@ -12,7 +12,13 @@ import warnings
 
 import numpy as np
 
-from .metrics import classification_scores, num_classes_of, split_indices, trivial_baselines
+from .metrics import (
+    checked_sets,
+    classification_scores,
+    num_classes_of,
+    split_indices,
+    trivial_baselines,
+)
 
 DEFAULT_CS = tuple(float(c) for c in np.logspace(-3, 2, 6))
 
@@ -71,8 +77,16 @@ def linear_probe(
     class_names: tuple[str, ...] = (),
 ) -> dict:
     """Sweep C on a stratified validation split of the training set, refit, score the test set."""
+    train_x, train_y, test_x, test_y = checked_sets(train_x, train_y, test_x, test_y)
     num_classes = num_classes_of(train_y, test_y, names=class_names)
     fit_idx, val_idx = split_indices(train_y, (1 - val_fraction, val_fraction), seed)
+    if len(np.unique(train_y[fit_idx])) < 2 or not len(val_idx):
+        counts = np.bincount(train_y)
+        raise ValueError(
+            f"the linear probe fits on {1 - val_fraction:g} of each class's training images and "
+            f"sweeps C on the rest: that needs 2 classes or more with images on both sides (the "
+            f"training set has {np.count_nonzero(counts)} classes, the largest "
+            f"{counts.max()} images)")
     best_c, sweep = select_c(
         train_x[fit_idx], train_y[fit_idx], train_x[val_idx], train_y[val_idx], cs, max_iter
     )

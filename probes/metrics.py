@@ -1,8 +1,46 @@
-"""Small numpy helpers every classification probe shares: softmax, top-k, baselines, splits."""
+"""Small numpy helpers every classification probe shares: input checks, softmax, top-k,
+baselines, splits."""
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def checked_set(x, y, name: str, rows: str = "features") -> tuple[np.ndarray, np.ndarray]:
+    """One set of a probe's inputs, checked: real-valued, finite [N, D] features and N integer
+    class indices >= 0 (integral floats are taken as integers). Returns (x, y as int64); a
+    ValueError names the set and what is wrong, instead of a silent score or a deep error."""
+    x, y = np.asarray(x), np.asarray(y)
+    real = np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
+    if x.ndim != 2 or not real:
+        raise ValueError(f"{name} {rows} must be a real [N, D] array, got {x.dtype} "
+                         f"{list(x.shape)}")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"{name} labels must be one per row of {rows}: {list(y.shape)} labels "
+                         f"for {len(x)} rows")
+    if not len(x):
+        raise ValueError(f"the {name} set is empty")
+    if np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+        y = y.astype(np.int64)
+    if not np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_:
+        raise ValueError(f"{name} labels must be integer class indices 0..C-1, got {y.dtype}")
+    if y.min() < 0:
+        raise ValueError(f"{name} labels must be class indices >= 0, got {y.min()}")
+    bad = np.flatnonzero(~np.isfinite(x).all(axis=1))
+    if len(bad):
+        raise ValueError(f"{name} {rows}: {len(bad)} of {len(x)} rows hold NaN or Inf (the "
+                         f"first: row {bad[0]})")
+    return x, y.astype(np.int64)
+
+
+def checked_sets(train_x, train_y, test_x, test_y) -> tuple[np.ndarray, ...]:
+    """Both sets of a probe (``checked_set``), with features of one width."""
+    train_x, train_y = checked_set(train_x, train_y, "training")
+    test_x, test_y = checked_set(test_x, test_y, "test")
+    if train_x.shape[1] != test_x.shape[1]:
+        raise ValueError(f"training features have {train_x.shape[1]} dimensions, test features "
+                         f"{test_x.shape[1]}")
+    return train_x, train_y, test_x, test_y
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -356,3 +356,74 @@ def test_probe_targets_must_align_with_the_features():
     holed[3, 1] = np.nan  # a kNN probe scored such rows as if they were features
     with pytest.raises(DataError, match="features pooled hold NaN or infinite values"):
         ProbeData(Features(pooled=holed), labels=np.arange(6))
+
+
+def _sets(seed: int = 0, n: int = 24, d: int = 6, classes: int = 3):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, d)).astype(np.float32), np.arange(n) % classes,
+            rng.standard_normal((9, d)).astype(np.float32), np.arange(9) % classes)
+
+
+def _nan_row(x):
+    x = x.copy()
+    x[4, 2] = np.nan
+    return x
+
+
+PROBES = {"linear": linear.linear_probe, "knn": knn.knn_probe, "fewshot": fewshot.fewshot_probe}
+BAD_SETS = {  # (what is changed, the words of the refusal)
+    "labels short": (lambda s: (s[0], s[1][:-1], s[2], s[3]),
+                     r"training labels must be one per row of features: \[23\] labels for 24"),
+    "NaN feature": (lambda s: (_nan_row(s[0]), *s[1:]),
+                    r"training features: 1 of 24 rows hold NaN or Inf \(the first: row 4\)"),
+    "Inf in test": (lambda s: (*s[:2], s[2] * np.float32(np.inf), s[3]),
+                    r"test features: 9 of 9 rows hold NaN or Inf"),
+    "widths differ": (lambda s: (s[0], s[1], s[2][:, :5], s[3]),
+                      "training features have 6 dimensions, test features 5"),
+    "no test": (lambda s: (*s[:2], s[2][:0], s[3][:0]), "the test set is empty"),
+    "no training": (lambda s: (s[0][:0], s[1][:0], *s[2:]), "the training set is empty"),
+    "negative label": (lambda s: (s[0], s[1] - 1, *s[2:]), "class indices >= 0, got -1"),
+    "fractional labels": (lambda s: (s[0], s[1] + 0.5, *s[2:]),
+                          "integer class indices 0..C-1, got float64"),
+    "string labels": (lambda s: (s[0], s[1].astype(str), *s[2:]), "integer class indices"),
+    "3-d features": (lambda s: (s[0].reshape(24, 3, 2), *s[1:]), r"a real \[N, D\] array"),
+}
+
+
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("case", BAD_SETS)
+def test_probes_refuse_unusable_sets_by_name_instead_of_scoring_them(probe, case):
+    """A probe given features and labels that cannot be scored says which set and what is
+    wrong; before, kNN scored NaN features and an empty training set, few-shot mismatched
+    lengths, and the rest failed deep inside scikit-learn or numpy."""
+    change, words = BAD_SETS[case]
+    with pytest.raises(ValueError, match=words):
+        PROBES[probe](*change(_sets()))
+
+
+def test_integral_float_labels_and_huge_features_are_scored_as_their_integers():
+    train_x, train_y, test_x, test_y = _sets()
+    want = knn.knn_probe(train_x, train_y, test_x, test_y)
+    assert knn.knn_probe(train_x, train_y.astype(float), test_x, test_y.astype(float)) == want
+    # unit vectors of values near 1e30: their float32 norm overflowed, every vector became 0
+    scaled = knn.knn_probe(train_x * np.float32(1e30), train_y, test_x * np.float32(1e30), test_y)
+    assert scaled["by_k"] == want["by_k"]
+
+
+def test_linear_probe_needs_images_on_both_sides_of_its_split():
+    train_x, _, test_x, test_y = _sets(n=3)
+    with pytest.raises(ValueError, match="sweeps C on the rest: that needs 2 classes or more "
+                                         r"with images on both sides \(the training set has 3 "
+                                         "classes, the largest 1 images\\)"):
+        linear.linear_probe(train_x, np.arange(3), test_x, test_y)
+
+
+def test_calibration_refuses_labels_beyond_its_logits():
+    rng = np.random.default_rng(1)
+    logits, labels = rng.standard_normal((30, 5)), np.arange(30) % 5
+    assert calibration.calibration_probe(logits, labels, logits, labels)["temperature"] > 0
+    with pytest.raises(ValueError, match=r"logits of 5 \(validation\) and 5 \(test\) classes "
+                                         "for labels up to 5"):
+        calibration.calibration_probe(logits, labels + 1, logits, labels)
+    with pytest.raises(ValueError, match="validation logits: 1 of 30 rows hold NaN"):
+        calibration.calibration_probe(_nan_row(logits), labels, logits, labels)
