@@ -13,6 +13,8 @@ import importlib
 import os
 import sys
 
+from .settings import spell_bool_flags
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vit22b.model.cli", "list the model presets"),
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=f"vit22b {name}", description=help_)
     handler = module.add_arguments(name, parser)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_args(spell_bool_flags(parser, argv[1:]))
     try:
         return int(handler(args) or 0)
     except BrokenPipeError:  # `vit22b models | head`: the reader left; not an error of ours

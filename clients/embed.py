@@ -340,7 +340,8 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     if config.format not in FORMATS:
         raise ValueError(f"unknown --format {config.format!r}; choose from {FORMAT_CHOICES}")
     FORMATS[config.format].check()
-    items = enumerate_inputs(config.inputs, config.extensions) if items is None else items
+    if items is None:
+        items = enumerate_inputs(config.inputs, config.extensions, config.output)
     arrays = array_specs(model, config.spec)
     if config.video is not None:
         from .embed_video import video_arrays

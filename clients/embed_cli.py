@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             format=options.format,
             video=sampling,
         )
-        items = enumerate_inputs(config.inputs, config.extensions)  # fail fast, before the model
+        # fail fast, before the model
+        items = enumerate_inputs(config.inputs, config.extensions, config.output)
         OutputStore.prepare(config.output)
         backend = make_backend(options, spec)
         if options.runner == "ray":

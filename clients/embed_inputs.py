@@ -13,6 +13,8 @@ The list is sorted by id and de-duplicated, so the same command always sees the 
 same order: shard ``k`` is positions ``k*shard_size ...`` of it, whatever was done before.
 Non-image files are kept: the job records them as failures with the reason, which is what a
 user who pointed it at the folder needs to know. ``extensions`` narrows the walk when wanted.
+The job's own output folder, when it lies below an INPUT (``vit22b embed photos -o
+photos/embeddings``), holds no inputs: its files would change the list on every rerun.
 """
 
 from __future__ import annotations
@@ -167,16 +169,32 @@ def _expand(spec: str, several: bool) -> list[InputItem]:
     return items
 
 
-def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = ()) -> list[InputItem]:
-    """All images named by ``specs``, sorted by id, each once. ``extensions``: keep only these."""
+def _below(output: str | None):
+    """item path -> whether it lies in the folder ``output`` (a local path or a URL)."""
+    if output is None:
+        return lambda path: False
+    if is_url(output):
+        fs, folder = filesystem(output)
+        root = fs.unstrip_protocol(folder).rstrip("/") + "/"
+        return lambda path: path.startswith(root)
+    output = output.removeprefix("file://")
+    roots = {os.path.join(os.path.abspath(output), ""), os.path.join(os.path.realpath(output), "")}
+    return lambda path: path.startswith(tuple(roots))
+
+
+def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = (),
+                     output: str | None = None) -> list[InputItem]:
+    """All images named by ``specs``, sorted by id, each once. ``extensions``: keep only these;
+    ``output``: the job's output folder, whose files are never inputs."""
     if not specs:
         raise InputListError("no INPUT given")
     several = len(specs) > 1
     by_id: dict[str, InputItem] = {}
     wanted = tuple("." + e.lower().lstrip(".") for e in extensions)
+    in_output = _below(output)
     for spec in specs:
         for item in _expand(spec, several):
-            if wanted and not item.path.lower().endswith(wanted):
+            if (wanted and not item.path.lower().endswith(wanted)) or in_output(item.path):
                 continue
             item = InputItem(as_text(item.id), item.path)
             seen = by_id.setdefault(item.id, item)

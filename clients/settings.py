@@ -90,13 +90,36 @@ def _is_bool(field: dataclasses.Field) -> bool:
     return kind.startswith("bool")
 
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in TRUE_WORDS:
         return True
-    if value in ("0", "false", "no", "off"):
+    if value in FALSE_WORDS:
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def spell_bool_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with each boolean flag that no true or false follows spelled ``--flag=true``.
+
+    A boolean flag takes an optional value (``--quiet false`` for the variable's symmetry), so
+    argparse would take the argument after a bare one as its value: ``vit22b embed --quiet
+    photos/ -o out`` refused ``photos/`` as a boolean. What follows a bare flag stays itself."""
+    flags = {option for action in parser._actions if action.type is _bool
+             for option in action.option_strings}
+    spelled = []
+    for at, token in enumerate(args):
+        if token == "--":
+            return spelled + args[at:]
+        after = args[at + 1] if at + 1 < len(args) else "-"
+        if token in flags and not after.startswith("-") and (
+                after.strip().lower() not in TRUE_WORDS + FALSE_WORDS):
+            token += "=true"
+        spelled.append(token)
+    return spelled
 
 
 def _default(field: dataclasses.Field):

@@ -163,7 +163,8 @@ def local_job(engine, data, out, spec: OutputSpec | None = None, **kw):
 
     spec = spec or OutputSpec()
     backend = LocalBackend(spec, engine=engine, concurrency=kw.pop("concurrency", 2))
-    config = JobConfig([str(data)], str(out), spec, quiet=True,
+    inputs = [str(d) for d in data] if isinstance(data, list) else [str(data)]
+    config = JobConfig(inputs, str(out), spec, quiet=True,
                        **{"batch_size": 4, "shard_size": 6, **kw})
     return run_job(config, backend)
 
@@ -287,6 +288,27 @@ def test_resume_skips_done_shards_and_matches_a_full_run(engine, tmp_path):
     assert resumed.skipped == 12  # shards 0 and 2; shards 1 and 3 hold the other 11 inputs
     assert resumed.embedded + resumed.failed == 11
     assert read_dir(partial) == read_dir(tmp_path / "full")  # bit for bit, manifest included
+
+
+def test_an_output_folder_inside_the_input_folder_is_not_an_input(engine, tmp_path):
+    """``vit22b embed photos -o photos/embeddings``: the job's own files are no inputs, so the
+    rerun resumes (it found "the input list changed" when they were) and a job that names the
+    folder through another spelling of the path does too."""
+    data = tmp_path / "data"
+    ids = write_images(data, 5)
+    first = local_job(engine, data, data / "embeddings")
+    assert first.complete and first.embedded == 5 and first.failed == 0
+    again = local_job(engine, data, data / "embeddings")
+    assert again.complete and again.skipped == 5 and again.embedded == again.failed == 0
+    assert open_outputs(str(data / "embeddings")).ids == ids
+    spelled = local_job(engine, f"{data}/", f"{data}/class0/../embeddings")
+    assert spelled.skipped == 5
+    other = tmp_path / "other"  # with a second input (naming one image again): the same rule
+    write_images(other, 5)
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{other}/{ids[0]}\n")
+    mixed = local_job(engine, [other, listed], other / "out")
+    assert mixed.embedded == 5 and local_job(engine, [other, listed], other / "out").skipped == 5
 
 
 def test_resume_refuses_other_options(engine, tmp_path):

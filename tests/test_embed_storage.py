@@ -226,6 +226,17 @@ def test_s3_keys_with_odd_characters_are_read_as_named(engine, s3, tmp_path):
     assert_same_rows(np.asarray(out["pooled"][:], np.float32), want)
 
 
+def test_an_output_inside_a_remote_input_is_not_an_input():
+    fs = fsspec.filesystem("memory")
+    for path in ("below/a.jpg", "below/out/manifest.json", "below/out/shards/0.npy",
+                 "below/outer.jpg"):
+        fs.pipe(path, b"x")
+    for output in ("memory://below/out", "memory://below/out/"):
+        items = enumerate_inputs(["memory://below/"], output=output)
+        assert [i.id for i in items] == ["a.jpg", "outer.jpg"]  # a name that only starts alike
+    assert len(enumerate_inputs(["memory://below"])) == 4
+
+
 def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
     root, good, bad = data
     bucket = gcs("threads", {f"photos/{rel}": (root / rel).read_bytes() for rel in [*good, *bad]})

@@ -108,3 +108,27 @@ def test_embed_options_are_declared_settings_too():
     assert spec.pooled and spec.patch_layers == (-1, 2)
     with pytest.raises(ValueError, match="--batch-size must be positive"):
         settings.check(settings.from_args(EmbedSettings, parser.parse_args(["--batch-size", "0"])))
+
+
+def test_a_bare_boolean_flag_leaves_the_argument_after_it_alone():
+    """``vit22b embed --quiet photos/ -o out`` read ``photos/`` as --quiet's value and refused
+    it; a true or false after the flag is still its value, ``--`` ends the flags."""
+    from vit22b.clients.embed_cli import EmbedSettings
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("inputs", nargs="+")
+    parser.add_argument("--output", "-o")  # as `vit22b embed` declares it
+    settings.add_arguments(parser, EmbedSettings, {})
+
+    def parsed(*argv):
+        args = parser.parse_args(settings.spell_bool_flags(parser, list(argv)))
+        return args.inputs, args.quiet, args.l2_normalize, args.output
+
+    assert parsed("--quiet", "photos/", "-o", "out") == (["photos/"], True, False, "out")
+    assert parsed("--l2-normalize", "photos/", "more/", "-q", "-o", "o") == (
+        ["photos/", "more/"], True, True, "o")
+    assert parsed("-q", "photos/")[:2] == (["photos/"], True)
+    assert parsed("--quiet", "false", "photos/", "-o", "o") == (["photos/"], False, False, "o")
+    assert parsed("photos/", "--quiet", "YES", "--l2-normalize") == (["photos/"], True, True,
+                                                                     None)
+    assert parsed("--quiet", "--", "--l2-normalize") == (["--l2-normalize"], True, False, None)
