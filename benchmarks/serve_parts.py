@@ -3,9 +3,10 @@
     python benchmarks/serve_parts.py            # the tiny model, 64x64 noise JPEGs
 
 Decoding one JPEG (``pixels.decode``, at the contract's reduced size), the resize / crop and the
-normalisation, the whole load; a round trip from an event loop to a thread pool and back
-(``run_in_executor`` of a no-op, asyncio's loop and uvloop's); the preprocessing hash; an
-output request spelled and resolved anew against looked up (what every call does);
+normalisation, the whole load; a round trip from an event loop to another thread and back (a
+no-op through ``run_in_executor`` and through ``server/handoff.py``, one at a time and 32 at
+once, on asyncio's loop and uvloop's); the preprocessing hash; an output request spelled and
+resolved anew against looked up (what every call does);
 ``jax.device_put`` of a batch of 16 from a 16-byte and from a 64-byte aligned host buffer
 (``Engine.forward`` pads into the latter: XLA:CPU then takes it without a copy);
 ``Engine.forward`` (pooled, the engine's own plan) per batch size, wall and process CPU. Medians
@@ -35,23 +36,36 @@ def per_call_us(fn, calls: int) -> float:
     return round((time.perf_counter() - start) / calls * 1e6, 1)
 
 
-def pool_round_trip_us(loop_factory, calls: int) -> float:
-    pool = ThreadPoolExecutor(2)
+def round_trips_us(loop_factory, calls: int) -> dict:
+    """A no-op's round trip from an event loop to another thread and back, per job: one at a
+    time and 32 at once (a burst, as 32 sessions' messages come), through the thread pool
+    (``run_in_executor``) and through the handoff worker that decodes a call's small image."""
+    from vit22b.server.handoff import Handoff
 
-    async def trips() -> float:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(pool, int)
+    pool, handoff = ThreadPoolExecutor(2), Handoff("serve-parts")
+
+    async def trips(submit, burst: int) -> float:
+        await submit()
+        rounds = max(1, calls // burst)
         start = time.perf_counter()
-        for _ in range(calls):
-            await loop.run_in_executor(pool, int)
-        return (time.perf_counter() - start) / calls * 1e6
+        for _ in range(rounds):
+            await asyncio.gather(*(submit() for _ in range(burst)))
+        return round((time.perf_counter() - start) / (rounds * burst) * 1e6, 1)
+
+    async def all_trips() -> dict:
+        loop = asyncio.get_running_loop()
+        ways = {"pool": lambda: loop.run_in_executor(pool, int),
+                "handoff": lambda: handoff.submit(int)}
+        return {way: {burst: await trips(submit, burst) for burst in (1, 32)}
+                for way, submit in ways.items()}
 
     loop = loop_factory()
     try:
-        return round(loop.run_until_complete(trips()), 1)
+        return loop.run_until_complete(all_trips())
     finally:
         loop.close()
         pool.shutdown()
+        handoff.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,14 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             "remembered": per_call_us(lambda: engine.resolve(POOLED), args.calls)},
         "hash_uncached_us": per_call_us(
             lambda: engine.cfg.preprocess_hash(pre.geometry.key(engine.cfg)), args.calls),
-        "pool_round_trip_us": {"asyncio": pool_round_trip_us(asyncio.new_event_loop,
-                                                             args.calls)},
+        "round_trip_us": {"asyncio": round_trips_us(asyncio.new_event_loop, args.calls)},
     }
     try:
         import uvloop
 
-        result["pool_round_trip_us"]["uvloop"] = pool_round_trip_us(uvloop.new_event_loop,
-                                                                    args.calls)
+        result["round_trip_us"]["uvloop"] = round_trips_us(uvloop.new_event_loop, args.calls)
     except ImportError:
         log("uvloop not installed")
     import jax

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -46,6 +46,7 @@ from vit22b.model.pixels import (
 
 from .batcher import Batcher
 from .engine import Engine
+from .handoff import Handoff
 from .metrics import Metrics
 from .tracing import Tracing
 
@@ -59,11 +60,12 @@ _ADMIT_POLL_S = (0.001, 0.05)  # a waiting stream retries admission with this ba
 # the preprocessing pool above it: measured here, 1 MiB takes ~0.3 ms and 16 MiB ~8 ms, which
 # would stall every other call on the loop; a pool round trip costs ~35 us.
 INLINE_FINISH_BYTES = 1 << 20
-# A stream's one-image message whose image is this small (declared pixels, and encoded bytes)
-# decodes on the event loop: the round trip to the preprocessing pool and the two threads' turns
-# on the interpreter lock cost more than decoding it (benchmarks/NOTES.md, "fifth pass").
-INLINE_DECODE_PIXELS = 128 * 128
-INLINE_DECODE_BYTES = 64 << 10
+# A call's one image this small (declared pixels, and encoded bytes) decodes in the handoff
+# worker (server/handoff.py): a round trip to the preprocessing pool cost the event loop more
+# than decoding it, and decoding it on the loop held up every other call (benchmarks/NOTES.md,
+# "fifth pass" and "ninth pass"). Larger ones decode in the pool, side by side.
+SMALL_DECODE_PIXELS = 128 * 128
+SMALL_DECODE_BYTES = 64 << 10
 DRAIN_RESEND = "server is shutting down; resend the requests not answered"  # to a stream
 
 
@@ -163,7 +165,8 @@ class Infer:
         self._idle.set()
         self.draining = asyncio.Event()
         self._preprocessors: dict[Geometry, Preprocessor] = {}  # by the geometry asked for
-        self.inline_decode_pixels = INLINE_DECODE_PIXELS  # 0: always the pool (A/B switch)
+        self._handoff = Handoff("vit22b-decode")
+        self.small_decode_pixels = SMALL_DECODE_PIXELS  # 0: always the pool (A/B switch)
 
     # ---- lifecycle (shared by every door) ------------------------------------------------
     def enter(self) -> None:
@@ -189,6 +192,7 @@ class Infer:
         return True
 
     def close(self) -> None:
+        self._handoff.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- one call ------------------------------------------------------------------------
@@ -329,9 +333,9 @@ class Infer:
 
     # ---- steps -----------------------------------------------------------------------------
     async def _preprocess(self, call: EmbedCall, pre: Preprocessor):
-        if call.streamed and len(call.images) == 1:
+        if len(call.images) == 1:
             try:
-                results = [await self._load_streamed(call.images[0], pre)]
+                results = [await self._load_one(call.images[0], pre)]
             except InvalidImage as err:
                 results = [err]
         else:
@@ -367,39 +371,56 @@ class Infer:
             )
         return (np.stack(good) if good else None), indices, errors
 
-    async def _load_streamed(self, image: ImageInput, pre: Preprocessor) -> np.ndarray:
-        """A stream's one image: a small one here, on the event loop, others in the pool.
+    async def _load_one(self, image: ImageInput, pre: Preprocessor) -> np.ndarray:
+        """A call's one image: a small one in the handoff worker, others in the pool.
 
-        Only a stream's: its reader has admitted the messages behind this one, so the batcher
-        still sees images coming while this one decodes. A unary call is admitted and decoded
-        in one step, and the batcher, seeing none coming, ran almost every call alone
-        (benchmarks/NOTES.md)."""
+        The worker parses the header and sends an image that is larger than its bytes said on
+        to the pool; the loop only awaits. Off the loop either way, so it admits the calls
+        behind this one meanwhile and the batcher sees their images coming."""
+        if self.small_decode_pixels and self._small_bytes(image):
+            loaded = await self._handoff.submit(self._load_if_small, image, pre)
+            if not isinstance(loaded, Future):
+                return loaded
+            return await asyncio.wrap_future(loaded)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._load, 0, image, pre)
+
+    @staticmethod
+    def _small_bytes(image: ImageInput) -> bool:
+        data = image.data
+        if isinstance(data, np.ndarray):
+            return True  # its size is checked in the worker (``_small``)
+        return isinstance(data, (bytes, bytearray, memoryview)) and (
+            len(data) <= SMALL_DECODE_BYTES)
+
+    def _load_if_small(self, image: ImageInput, pre: Preprocessor) -> np.ndarray | Future:
+        """In the handoff worker: a small image decoded, or the pool's future for a larger
+        one (its parsed header passed on)."""
         try:
             here, opened = self._small(image)
         except InvalidImage as err:
             raise err.at(0, image.id) from None
         if here:
             return self._load(0, image, pre, opened)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._load, 0, image, pre, opened)
+        return self._pool.submit(self._load, 0, image, pre, opened)
 
     def _small(self, image: ImageInput) -> tuple[bool, PILImage | None]:
-        """Whether an image is small enough to decode on the loop (``INLINE_DECODE_*``), and
+        """Whether an image is small enough for the handoff worker (``SMALL_DECODE_*``), and
         the header of encoded bytes when it was parsed to tell."""
-        data, limit = image.data, self.inline_decode_pixels
+        data, limit = image.data, self.small_decode_pixels
         if image.error or not limit:
             return False, None
         if isinstance(data, np.ndarray):
             return data.size <= 3 * limit, None
-        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > INLINE_DECODE_BYTES:
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > SMALL_DECODE_BYTES:
             return False, None
         opened = open_encoded(bytes(data), self.limits.max_image_pixels)
         return opened.width * opened.height <= limit, opened
 
     def _load(self, index: int, image: ImageInput, pre: Preprocessor,
               opened: PILImage | None = None) -> np.ndarray:
-        """One image -> model input, in the preprocessing pool (or on the loop for a stream's
-        small one); ``opened``: its header, parsed already by ``_small``."""
+        """One image -> model input, in the preprocessing pool or the handoff worker;
+        ``opened``: its header, parsed already by ``_small``."""
         try:
             if image.error:
                 raise InvalidImage(image.error)

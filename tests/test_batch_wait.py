@@ -87,14 +87,14 @@ def test_a_queued_request_waits_for_images_still_being_decoded(server):
     infer, release = server.server.infer, threading.Event()
     original = infer._load
 
-    def load(index, image, pre):  # the image named "slow" is still decoding while "fast" queues
+    def load(index, image, pre, opened=None):  # "slow" is still decoding while "fast" queues
         if image.id == "slow":
             release.wait(30)
-        return original(index, image, pre)
+        return original(index, image, pre, opened)
 
     pixels = random_images(3, seed=3, size=(64, 64))
     before = batches(server)
-    infer._load = load  # the pool's step (a call of several images)
+    infer._load = load  # the pool's and the handoff worker's step
     try:
         slow = stub(server.address).Embed.future(pb.EmbedRequest(
             images=[raw_image(pixels[0], "slow"), raw_image(pixels[1], "other")]), timeout=60)

@@ -376,22 +376,25 @@ def _assert_still_serving(server) -> None:
     channel.close()
 
 
-def test_one_image_stream_messages_decode_on_either_side_of_the_inline_bound(
+def test_a_calls_one_image_decodes_in_the_handoff_worker_or_the_pool_by_its_size(
         server, monkeypatch):
-    """A stream's one small image decodes on the event loop, a larger one in the pool
-    (server/infer.py, INLINE_DECODE_*): both give what the unary call and the engine give, and
-    a bad small image is refused in the same words."""
+    """A call's one small image (a stream message's or a unary call's) decodes in the handoff
+    worker, a larger one in the pool, also when only its header tells (server/infer.py,
+    SMALL_DECODE_*): both give what the engine gives, and a bad small image is refused in the
+    same words on both doors' calls."""
     import io
 
     from PIL import Image
-    from vit22b.server.infer import INLINE_DECODE_BYTES, INLINE_DECODE_PIXELS, Infer
+    from vit22b.server.infer import SMALL_DECODE_BYTES, SMALL_DECODE_PIXELS, Infer
 
     decoded_on: dict[str, list[str]] = {}
     load = Infer._load
 
     def watched(self, index, image, pre, opened=None):  # where each image was decoded
-        pool = threading.current_thread().name.startswith("vit22b-preprocess")
-        decoded_on.setdefault(image.id, []).append("pool" if pool else "loop")
+        thread = threading.current_thread().name
+        where = "pool" if thread.startswith("vit22b-preprocess") else (
+            "handoff" if thread == "vit22b-decode" else thread)
+        decoded_on.setdefault(image.id, []).append(where)
         return load(self, index, image, pre, opened)
 
     monkeypatch.setattr(Infer, "_load", watched)
@@ -403,8 +406,8 @@ def test_one_image_stream_messages_decode_on_either_side_of_the_inline_bound(
     Image.fromarray(noisy).save(jpeg, format="JPEG", quality=95)
     inputs = {"small png": png(small), "small raw": other, "flat png": png(flat),
               "noisy jpeg": jpeg.getvalue()}
-    assert len(inputs["small png"]) <= INLINE_DECODE_BYTES and 64 * 64 <= INLINE_DECODE_PIXELS
-    assert len(inputs["flat png"]) <= INLINE_DECODE_BYTES < len(inputs["noisy jpeg"])
+    assert len(inputs["small png"]) <= SMALL_DECODE_BYTES and 64 * 64 <= SMALL_DECODE_PIXELS
+    assert len(inputs["flat png"]) <= SMALL_DECODE_BYTES < len(inputs["noisy jpeg"])
 
     def image(name):
         data = inputs[name]
@@ -414,10 +417,11 @@ def test_one_image_stream_messages_decode_on_either_side_of_the_inline_bound(
     s = stub(server.address)
     requests = [pb.EmbedRequest(images=[image(name)]) for name in inputs]
     streamed = [wire.from_tensor(r.pooled) for r in s.EmbedStream(iter(requests), timeout=60)]
-    assert decoded_on == {"small png": ["loop"], "small raw": ["loop"], "flat png": ["pool"],
-                          "noisy jpeg": ["pool"]}
+    want_on = {"small png": ["handoff"], "small raw": ["handoff"], "flat png": ["pool"],
+               "noisy jpeg": ["pool"]}
+    assert decoded_on == want_on
     unary = [wire.from_tensor(s.Embed(r, timeout=60).pooled) for r in requests]
-    assert all(where == ["loop", "pool"] for where in list(decoded_on.values())[:2])
+    assert decoded_on == {name: where * 2 for name, where in want_on.items()}
     want = in_process(server.engine, list(inputs.values()))["pooled"]
     assert_same_rows(np.concatenate(streamed), want)
     assert_same_rows(np.concatenate(unary), want)
