@@ -107,6 +107,7 @@ def thread_group(name: str) -> str:
     """Threads by role (Python threads by their names, native ones by their comm)."""
     for prefix, group in (("vit22b-server", "event loop (gRPC aio, door, facade)"),
                           ("vit22b-preprocess", "preprocessing pool (decode)"),
+                          ("vit22b-decode", "handoff worker (a call's small image)"),
                           ("vit22b-batcher", "batcher (compute thread, XLA dispatch)"),
                           ("vit22b-compile", "compile thread"),
                           ("MainThread", "main thread")):
