@@ -130,6 +130,10 @@ def classification_inputs(data: ProbeData, feature: str = "pooled") -> np.ndarra
 
 def _splits(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     train, val, test = split_indices(labels, (0.6, 0.2, 0.2), seed)
+    if not len(test):
+        raise ValueError(
+            f"{len(labels)} labelled images are too few to test on: the probes hold out 20% of "
+            "each class (rounded), which leaves a test image only in a class of 3 or more")
     return train, val, test
 
 

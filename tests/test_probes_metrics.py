@@ -427,3 +427,13 @@ def test_calibration_refuses_labels_beyond_its_logits():
         calibration.calibration_probe(logits, labels + 1, logits, labels)
     with pytest.raises(ValueError, match="validation logits: 1 of 30 rows hold NaN"):
         calibration.calibration_probe(_nan_row(logits), labels, logits, labels)
+
+
+def test_a_dataset_too_small_to_test_on_says_so():
+    from vit22b.probes.runner import _splits
+
+    with pytest.raises(ValueError, match="2 labelled images are too few to test on: the probes "
+                                         "hold out 20% of each class"):
+        _splits(np.array([0, 1]), 0)
+    train, val, test = _splits(np.array([0, 0, 0, 1]), 0)
+    assert len(test) == 1 and len(train) + len(val) == 3
