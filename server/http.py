@@ -234,6 +234,14 @@ class FeaturesResponse(BaseModel):
 # ---- translation ---------------------------------------------------------------------------
 
 
+_LINE_BREAKS = str.maketrans("", "", " \t\r\n")
+
+
+def from_base64(text: str) -> bytes:
+    """Strict base64, except for line breaks: `base64 FILE` and MIME wrap theirs at 76 columns."""
+    return base64.b64decode(text.translate(_LINE_BREAKS), validate=True)
+
+
 def image_bytes(text: str) -> bytes:
     """An image's ``data``: base64, or a ``data:`` URI with base64 data."""
     if text.startswith("data:"):
@@ -244,7 +252,7 @@ def image_bytes(text: str) -> bytes:
         raise InvalidImage("image URLs are not fetched (fetching is off on this server): send "
                            "the file as base64 or a data: URI")
     try:
-        return base64.b64decode(text, validate=True)
+        return from_base64(text)
     except (binascii.Error, ValueError) as err:
         raise InvalidImage(f"image data is not base64 ({err})") from None
 
@@ -262,7 +270,7 @@ def _image(item: Image | str) -> ImageInput:
             return ImageInput(None, item.id, err.reason)
     try:  # raw pixels read as the gRPC door reads them
         tensor = pb.Tensor(dtype=wire.dtype_code(item.pixels.dtype), shape=item.pixels.shape,
-                           data=base64.b64decode(item.pixels.data, validate=True))
+                           data=from_base64(item.pixels.data))
     except (wire.WireError, binascii.Error, ValueError) as err:
         return ImageInput(None, item.id, f"raw pixels: {err}")
     return image_input(pb.Image(id=item.id, pixels=tensor))

@@ -342,6 +342,28 @@ def test_every_grpc_bad_input_has_its_http_status_and_message(server, http, case
     assert http.post("/v1/features", json={"images": [b64(png(GOOD))]}).status_code == 200
 
 
+def test_base64_wrapped_in_lines_is_read_as_base64(server, http):
+    """`base64 photo.jpg` and MIME wrap their output at 76 columns (CRLF in MIME): the lines
+    decode as one, in a file's data, a data: URI and raw pixels alike."""
+    image = random_images(1, seed=31, size=(40, 56))[0]
+
+    def wrapped(data: bytes, end: str) -> str:
+        text = b64(data)
+        return end.join(text[i : i + 76] for i in range(0, len(text), 76)) + end
+
+    want = http.post("/v1/features", json={"images": [b64(png(image))]}).json()
+    bodies = [
+        {"images": [wrapped(png(image), "\n")]},
+        {"images": [{"data": "data:image/png;base64," + wrapped(png(image), "\r\n")}]},
+        {"images": [{"pixels": {"dtype": "uint8", "shape": [40, 56, 3],
+                                "data": wrapped(image.tobytes(), "\n")}}]},
+    ]
+    for body in bodies:
+        got = http.post("/v1/features", json=body)
+        assert got.status_code == 200, got.text
+        assert got.json()["outputs"]["pooled"] == want["outputs"]["pooled"]
+
+
 HTTP_ONLY = {
     "not base64": ({"images": ["not base64!"]}, 400, "image 0: image data is not base64"),
     "url": ({"images": ["https://example.com/cat.jpg"]}, 400, "fetching is off"),
