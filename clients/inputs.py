@@ -61,10 +61,24 @@ def wire_size(image: ImageInput) -> int:
 
 
 def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
-    ids_iter = iter(ids) if ids is not None else None
-    for index, image in enumerate(as_images(images)):
-        image_id = next(ids_iter) if ids_iter is not None else default_id(image, index)
-        yield Item(index, image, str(image_id), wire_size(image))
+    """Each image with its position, id and wire size. ``ids``: one per image, or a ValueError
+    (misaligned ids would label every row after the gap with another image's id); checked
+    before the first image when both have a length, else as they run out."""
+    images = as_images(images)
+    if ids is None:
+        for index, image in enumerate(images):
+            yield Item(index, image, default_id(image, index), wire_size(image))
+        return
+    if hasattr(images, "__len__") and hasattr(ids, "__len__") and len(ids) != len(images):
+        raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
+    ids_iter, count, end = iter(ids), 0, object()
+    for count, image in enumerate(images, 1):
+        image_id = next(ids_iter, end)
+        if image_id is end:
+            raise ValueError(f"the ids ran out at image {count - 1}: give one id per image")
+        yield Item(count - 1, image, str(image_id), wire_size(image))
+    if next(ids_iter, end) is not end:
+        raise ValueError(f"more ids than the {count} images: give one id per image")
 
 
 def to_proto(item: Item) -> pb.Image:

@@ -386,3 +386,18 @@ def test_float_tensor_shapes_beyond_any_array_are_wire_errors():
         tensor = pb.Tensor(dtype=wire.dtype_code(dtype), shape=[0, 1 << 62])
         with pytest.raises(wire.WireError, match="beyond any array's size"):
             wire.from_tensor(tensor)
+
+
+def test_ids_must_be_one_per_image():
+    """Misaligned ids would label every row after the gap with another image's id: refused,
+    before any image when both have a length, else when they part."""
+    images = [np.zeros((4, 4, 3), np.uint8)] * 2
+    assert [i.id for i in items(images, ["x", "y"])] == ["x", "y"]
+    assert [i.id for i in items(images, (str(i) for i in range(2)))] == ["0", "1"]
+    for ids, words in ((["x"], "1 ids for 2 images"), (["x", "y", "z"], "3 ids for 2 images")):
+        with pytest.raises(ValueError, match=words):
+            list(items(images, ids))
+    with pytest.raises(ValueError, match="the ids ran out at image 1"):
+        list(items(iter(images), iter(["x"])))
+    with pytest.raises(ValueError, match="more ids than the 2 images"):
+        list(items(iter(images), iter(["x", "y", "z"])))
