@@ -408,12 +408,10 @@ class Infer:
         """Whether an image is small enough for the handoff worker (``SMALL_DECODE_*``), and
         the header of encoded bytes when it was parsed to tell."""
         data, limit = image.data, self.small_decode_pixels
-        if image.error or not limit:
+        if image.error or not limit or not self._small_bytes(image):
             return False, None
         if isinstance(data, np.ndarray):
             return data.size <= 3 * limit, None
-        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > SMALL_DECODE_BYTES:
-            return False, None
         opened = open_encoded(bytes(data), self.limits.max_image_pixels)
         return opened.width * opened.height <= limit, opened
 
