@@ -169,16 +169,21 @@ def _expand(spec: str, several: bool) -> list[InputItem]:
     return items
 
 
+def _folder(spec: str) -> str:
+    """A folder as the items below it spell their paths, with a trailing slash."""
+    if is_url(spec):
+        fs, path = filesystem(spec)
+        return fs.unstrip_protocol(path).rstrip("/") + "/"
+    return os.path.join(os.path.abspath(spec.removeprefix("file://")), "")
+
+
 def _below(output: str | None):
     """item path -> whether it lies in the folder ``output`` (a local path or a URL)."""
     if output is None:
         return lambda path: False
-    if is_url(output):
-        fs, folder = filesystem(output)
-        root = fs.unstrip_protocol(folder).rstrip("/") + "/"
-        return lambda path: path.startswith(root)
-    output = output.removeprefix("file://")
-    roots = {os.path.join(os.path.abspath(output), ""), os.path.join(os.path.realpath(output), "")}
+    roots = {_folder(output)}
+    if not is_url(output):
+        roots.add(os.path.join(os.path.realpath(output.removeprefix("file://")), ""))
     return lambda path: path.startswith(tuple(roots))
 
 
@@ -193,6 +198,10 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = (),
     wanted = tuple("." + e.lower().lstrip(".") for e in extensions)
     in_output = _below(output)
     for spec in specs:
+        if output is not None and in_output(_folder(spec)):
+            raise InputListError(f"input {spec!r} lies in the output folder {output!r}, whose "
+                                 "files are no inputs: choose an --output outside the inputs "
+                                 "or below them")
         for item in _expand(spec, several):
             if (wanted and not item.path.lower().endswith(wanted)) or in_output(item.path):
                 continue

@@ -303,6 +303,9 @@ def test_an_output_folder_inside_the_input_folder_is_not_an_input(engine, tmp_pa
     assert open_outputs(str(data / "embeddings")).ids == ids
     spelled = local_job(engine, f"{data}/", f"{data}/class0/../embeddings")
     assert spelled.skipped == 5
+    for output in (data, tmp_path):  # the inputs in the output folder: refused, nothing read
+        with pytest.raises(InputListError, match="lies in the output folder"):
+            local_job(engine, data, output)
     other = tmp_path / "other"  # with a second input (naming one image again): the same rule
     write_images(other, 5)
     listed = tmp_path / "list.txt"

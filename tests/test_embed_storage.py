@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 from test_embed import engine, local_job, read_dir, write_bad_files, write_images  # noqa: F401
 from vit22b.clients.embed import OutputSpec
-from vit22b.clients.embed_inputs import enumerate_inputs
+from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch
 from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
 
@@ -235,6 +235,9 @@ def test_an_output_inside_a_remote_input_is_not_an_input():
         items = enumerate_inputs(["memory://below/"], output=output)
         assert [i.id for i in items] == ["a.jpg", "outer.jpg"]  # a name that only starts alike
     assert len(enumerate_inputs(["memory://below"])) == 4
+    for output in ("memory://below", "memory://"):  # the inputs inside the output: refused
+        with pytest.raises(InputListError, match="lies in the output folder"):
+            enumerate_inputs(["memory://below/"], output=output)
 
 
 def test_gcs_inputs_and_parquet_outputs(engine, data, npy, gcs):
