@@ -15,8 +15,11 @@ DEFAULT_TEMPERATURE = 0.07
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, np.float64)  # a norm of float32 values over ~1e19 overflows in float32
-    return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+    x = np.asarray(x, np.float32)
+    # each row over its largest magnitude first: a norm of values over ~1e19 overflows in
+    # float32, and a float64 copy would double a large bank's memory
+    x = x / np.maximum(np.abs(x).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 def knn_votes(
