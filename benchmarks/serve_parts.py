@@ -3,14 +3,16 @@
     python benchmarks/serve_parts.py            # the tiny model, 64x64 noise JPEGs
 
 Decoding one JPEG (``pixels.decode``, at the contract's reduced size), the resize / crop and the
-normalisation, the whole load; a round trip from an event loop to another thread and back (a
-no-op through ``run_in_executor`` and through ``server/handoff.py``, one at a time and 32 at
-once, on asyncio's loop and uvloop's); the preprocessing hash; an output request spelled and
-resolved anew against looked up (what every call does);
-``jax.device_put`` of a batch of 16 from a 16-byte and from a 64-byte aligned host buffer
-(``Engine.forward`` pads into the latter: XLA:CPU then takes it without a copy);
-``Engine.forward`` (pooled, the engine's own plan) per batch size, wall and process CPU. Medians
-of timed loops, in microseconds. Ends with one JSON line.
+normalisation on the host (the server leaves it to the compiled forward), the server's whole
+load (decode + crop: uint8 levels) and the host-normalised load it replaced; a round trip from
+an event loop to another thread and back (a no-op through ``run_in_executor`` and through
+``server/handoff.py``, one at a time and 32 at once, on asyncio's loop and uvloop's); the
+preprocessing hash; an output request spelled and resolved anew against looked up (what every
+call does); ``jax.device_put`` of a batch of 16 from a 16-byte and from a 64-byte aligned host
+buffer (``Engine.forward`` pads into the latter: XLA:CPU then takes it without a copy), float32
+and the uint8 levels the server sends; ``Engine.forward`` (pooled, the engine's own plan) per
+batch size, wall and process CPU, of uint8 levels (as served: normalised in the forward) and of
+normalised float32 pixels. Medians of timed loops, in microseconds. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -97,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         "normalise_224_us": per_call_us(lambda: pre.normalise(big), args.calls // 4),
         "normalise_formula_224_us": per_call_us(
             lambda: normalise_formula(big, engine.cfg.preprocess), args.calls // 4),
-        "load_us": per_call_us(lambda: pre(decode(data, min_side=pre.min_side)), args.calls),
+        "load_us": per_call_us(lambda: pre.crop(decode(data, min_side=pre.min_side)),
+                               args.calls),
+        "load_normalised_us": per_call_us(lambda: pre(decode(data, min_side=pre.min_side)),
+                                          args.calls),
         "spell_outputs_us": {
             "anew": per_call_us(lambda: OutputRequest._spell(("pooled",), (), False), args.calls),
             "remembered": per_call_us(lambda: OutputRequest.of(("pooled",), (), False),
@@ -124,24 +129,29 @@ def main(argv: list[str] | None = None) -> int:
         copied = np.zeros(copied.size + 4, np.float32)[4:].reshape(copied.shape)
     aligned = aligned_empty(copied.shape)
     aligned[:] = 0
+    levels = aligned_empty(copied.shape, np.uint8)
+    levels[:] = 0
     result["device_put_16_us"] = {
         name: per_call_us(lambda a=array: jax.device_put(a, place.batch_sharding)
                           .block_until_ready(), args.calls)
-        for name, array in (("unaligned", copied), ("aligned", aligned))}
-    outputs, forward = engine.resolve(POOLED), {}
-    for n in BATCHES:
-        images = np.random.default_rng(n).random((n, *pixels.shape), np.float32)
-        for _ in range(10):
-            engine.forward(images, outputs)
-        calls = max(20, args.calls // (10 * n))
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(calls):
-            engine.forward(images, outputs)
-        wall = (time.perf_counter() - wall) / calls * 1e6
-        cpu = (time.process_time() - cpu) / calls * 1e6
-        forward[n] = {"wall_us": round(wall), "cpu_us": round(cpu),
-                      "cpu_us_per_image": round(cpu / n)}
-    result["forward"] = forward
+        for name, array in (("unaligned", copied), ("aligned", aligned),
+                            ("aligned_levels", levels))}
+    outputs = engine.resolve(POOLED)
+    for name, dtype in (("forward", np.uint8), ("forward_normalised", np.float32)):
+        result[name] = {}
+        for n in BATCHES:
+            images = np.random.default_rng(n).integers(0, 256, (n, *pixels.shape), np.uint8)
+            images = images if dtype == np.uint8 else pre.normalise(images)
+            for _ in range(10):
+                engine.forward(images, outputs)
+            calls = max(20, args.calls // (10 * n))
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                engine.forward(images, outputs)
+            wall = (time.perf_counter() - wall) / calls * 1e6
+            cpu = (time.process_time() - cpu) / calls * 1e6
+            result[name][n] = {"wall_us": round(wall), "cpu_us": round(cpu),
+                               "cpu_us_per_image": round(cpu / n)}
     for key, value in result.items():
         log(f"{key}: {value}")
     emit({"benchmark": "serve_parts", "model": args.model, "jpeg_side": args.size, **result,

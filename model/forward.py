@@ -14,6 +14,9 @@
   Given ``active``, only that many leading steps run (a loop with a trip count known at run
   time, one program for every count): a batch padded to its bucket skips the steps that hold
   padding alone, where the caller puts each shard's images in its leading rows.
+- ``from_levels``: uint8 pixel levels normalised inside the forward, step by step, by the pixel
+  contract's table (``model.pixels.level_table``): the host sends a quarter of the bytes and
+  skips a pass over every image, and the values are the host's own, bit for bit.
 """
 
 from __future__ import annotations
@@ -83,6 +86,16 @@ def store_transposed(params, names: frozenset[str]):
     return jax.tree_util.tree_map_with_path(move, params)
 
 
+def from_levels(table, images: jax.Array) -> jax.Array:
+    """uint8 levels [..., C] -> float32 by ``table`` [C, 256] (one look-up per value).
+
+    A look-up and not the formula: XLA compiles a division by a constant into a multiplication
+    by its reciprocal, which rounds differently from the host's division."""
+    channels = images.shape[-1]
+    index = images.astype(jnp.int32) + 256 * jnp.arange(channels, dtype=jnp.int32)
+    return jnp.asarray(table, jnp.float32).reshape(-1).at[index].get(mode="clip")
+
+
 def chunked_apply(
     cfg: ViTConfig,
     params,
@@ -93,6 +106,7 @@ def chunked_apply(
     pos: jax.Array | None = None,
     execution: Execution = AS_WRITTEN,
     active: jax.Array | None = None,
+    levels=None,
 ) -> dict:
     """``apply`` over ``images`` [B, ...] in ``B / (shards * chunk)`` sequential steps.
 
@@ -101,8 +115,13 @@ def chunked_apply(
     ``pos``: the position table at the images' grid (``vit.position_table``); ``execution``:
     as ``apply``'s. ``active``: an int32 scalar, run only the first ``active`` steps (rows
     ``[i * chunk, (i + 1) * chunk)`` of every shard for step i); the skipped steps' rows come
-    back as zeros. None: every step.
+    back as zeros. None: every step. ``levels``: ``images`` are uint8 pixel levels, normalised
+    by this [C, 256] table in each step (``from_levels``); None: they are normalised already.
     """
+    if (images.dtype == jnp.uint8) != (levels is not None):
+        table = "no" if levels is None else "a"
+        raise ValueError("uint8 images need the normalisation's table (levels), normalised ones "
+                         f"none; got {images.dtype} images and {table} table")
     b = images.shape[0]
     if chunk <= 0 or b % (shards * chunk):
         raise ValueError(
@@ -110,8 +129,13 @@ def chunked_apply(
             f"on each of {shards} shards"
         )
     steps = b // (shards * chunk)
+
+    def step(x):
+        x = x if levels is None else from_levels(levels, x)
+        return apply(cfg, params, x, request, pos, execution)
+
     if steps == 1:
-        return apply(cfg, params, images, request, pos, execution)
+        return step(images)
 
     def to_steps(x):  # [B, ...] -> [steps, shards * chunk, ...]
         x = x.reshape(shards, steps, chunk, *x.shape[1:]).swapaxes(0, 1)
@@ -120,9 +144,6 @@ def chunked_apply(
     def from_steps(y):  # [steps, shards * chunk, ...] -> [B, ...]
         y = y.reshape(steps, shards, chunk, *y.shape[2:]).swapaxes(0, 1)
         return y.reshape(b, *y.shape[3:])
-
-    def step(x):
-        return apply(cfg, params, x, request, pos, execution)
 
     xs = to_steps(images)
 

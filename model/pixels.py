@@ -1,5 +1,8 @@
 """The pixel contract: image bytes or raw pixels -> the model's normalised input.
 
+The server stops at the uint8 crop (``Preprocessor.crop``) and the compiled forward normalises
+by ``level_table``; ``Preprocessor.__call__`` / ``load`` apply the whole contract on the host.
+
 jax-free (numpy and Pillow): one module for the server, the batch job and the probes, so all see
 the same pixels. ``Preprocessor.describe()`` is what GetModelInfo publishes; its hash,
 ``ViTConfig.preprocess_hash()``, covers ``cfg.preprocess`` and ``PIXEL_RULES`` (the version of
@@ -64,7 +67,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import ExifTags, Image
 
-from .config import PIXEL_RULES, ViTConfig
+from .config import PIXEL_RULES, Preprocess, ViTConfig
 from .errors import InvalidImage
 
 try:  # the fast decoder for plain JPEGs (``_decode_jfif``); Pillow decodes everything without it
@@ -431,10 +434,25 @@ def normalise_formula(pixels: np.ndarray, p) -> np.ndarray:
     return (pixels.astype(np.float32) / np.float32(255.0) - mean) / std
 
 
+@functools.lru_cache(maxsize=64)
+def level_table(p: Preprocess) -> np.ndarray:
+    """[3, 256] float32, read-only: ``normalise_formula`` at every uint8 level of each channel.
+
+    The normalisation is applied by looking levels up in it, on the host
+    (``Preprocessor.normalise``) and inside the compiled forward (``model.forward.from_levels``:
+    the server sends the device uint8 levels, a quarter of the bytes). Both give the formula's
+    own float32 values bit for bit; XLA would compile the formula itself into a multiplication
+    by 1/255 and by 1/std, which rounds differently."""
+    levels = np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1)
+    table = np.ascontiguousarray(normalise_formula(levels, p).T)
+    table.flags.writeable = False
+    return table
+
+
 @dataclass(frozen=True)
 class Preprocessor:
     """uint8 RGB pixels -> float32 [H, W, 3] at the geometry: resize (and centre crop),
-    normalise."""
+    normalise (the server: ``crop`` here, the normalisation in the forward)."""
 
     cfg: ViTConfig
     geometry: Geometry = OWN_GEOMETRY
@@ -532,18 +550,13 @@ class Preprocessor:
         box = (left * x_scale, top * y_scale, (left + size) * x_scale, (top + size) * y_scale)
         return np.asarray(image.resize((size, size), resample, box=box))
 
-    @functools.cached_property
-    def _levels(self) -> np.ndarray:
-        """[3, 256] float32: ``normalise``'s formula at every uint8 level of each channel."""
-        levels = np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1)
-        return np.ascontiguousarray(normalise_formula(levels, self.cfg.preprocess).T)
-
     def normalise(self, pixels: np.ndarray) -> np.ndarray:
-        """uint8 -> float32 by table look-up: the formula's own float32 values (bit for bit),
-        1.5x faster than computing them at 64x64 and 1.8x at 224x224 (``serve_parts.py``)."""
-        out = np.empty(pixels.shape, np.float32)
+        """uint8 -> float32 by table look-up (``level_table``): the formula's own float32 values
+        (bit for bit), 1.5x faster than computing them at 64x64 and 1.8x at 224x224
+        (``serve_parts.py``). The server leaves this step to the compiled forward."""
+        out, table = np.empty(pixels.shape, np.float32), level_table(self.cfg.preprocess)
         for channel in range(3):
-            np.take(self._levels[channel], pixels[..., channel], out=out[..., channel])
+            np.take(table[channel], pixels[..., channel], out=out[..., channel])
         return out
 
     def __call__(self, pixels: np.ndarray) -> np.ndarray:

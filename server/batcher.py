@@ -32,7 +32,7 @@ from vit22b.model.errors import CallerGone, DeadlineExpired, Draining, QueueFull
 from vit22b.model.features import Features
 from vit22b.model.outputs import OutputRequest
 
-from .engine import Engine
+from .engine import LEVELS, Engine
 from .metrics import Metrics
 from .settings import check_batch_wait
 
@@ -59,7 +59,7 @@ class BatchRecord:
 
 @dataclass(eq=False)
 class Job:
-    images: np.ndarray  # preprocessed float32 [n, H, W, 3]
+    images: np.ndarray  # preprocessed uint8 levels [n, H, W, 3] (the forward normalises them)
     outputs: OutputRequest  # resolved
     grid: tuple[int, int]  # the images' patch grid (rows, cols)
     deadline: float | None  # time.monotonic() deadline, or None
@@ -158,7 +158,10 @@ class Batcher:
         deadline: float | None,
         solo: bool = False,
     ) -> Job:
-        """Queue admitted, preprocessed images; the job's future gets a ``Result``."""
+        """Queue admitted, preprocessed images (uint8 levels at the geometry); the job's
+        future gets a ``Result``."""
+        if images.dtype != LEVELS:  # a float batch would be taken for levels or mixed with them
+            raise TypeError(f"the batcher takes uint8 pixel levels, not {images.dtype}")
         grid = self.engine.cfg.grid_at(images.shape[1], images.shape[2])
         job = Job(images, outputs, grid, deadline, solo)
         with self._cond:

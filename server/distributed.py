@@ -50,7 +50,7 @@ from vit22b.model.outputs import POOLED, OutputRequest
 
 from .app import FeatureServer, build_engine, serve_started
 from .cpu_devices import cpu_flags
-from .engine import Engine
+from .engine import Engine, pixel_dtype
 from .infer import run_loop
 from .plan import cpu_bf16
 from .service import SERVICE_NAME
@@ -137,7 +137,8 @@ class GroupExecutor:
         """Process 0: the batch through every process; returns the host outputs."""
         self.check()
         grid = engine.cfg.grid_at(*pixels.shape[1:3])
-        engine.compiled(bucket, outputs, grid)  # a compile error here leaves the group in step
+        # a compile error here leaves the group in step
+        engine.compiled(bucket, outputs, grid, pixels.dtype)
         step = self._collectives.submit(self._lead_step, engine, "run", bucket, outputs, pixels,
                                         active)
         while True:
@@ -173,7 +174,7 @@ class GroupExecutor:
                 return
             grid = tuple(header["grid"])
             self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None, grid,
-                       header["active"])
+                       header["active"], header["pixels"])
 
     def _lead_step(self, engine: Engine, command: str, bucket: int, outputs, pixels,
                    active: int | None = None):
@@ -182,7 +183,8 @@ class GroupExecutor:
         header = {"command": command, "bucket": bucket, "outputs": dataclasses.asdict(outputs),
                   "active": active,
                   "grid": list(engine.grid if pixels is None else
-                               engine.cfg.grid_at(*pixels.shape[1:3]))}
+                               engine.cfg.grid_at(*pixels.shape[1:3])),
+                  "pixels": None if pixels is None else pixels.dtype.str}
         self.client.key_value_set(key, json.dumps(header))
         if command == "stop":
             return None
@@ -191,12 +193,13 @@ class GroupExecutor:
         return result
 
     def _step(self, engine: Engine, bucket: int, outputs: OutputRequest, pixels, grid=None,
-              active: int | None = None):
-        """One batch in step with the group: the pixels' broadcast, the forward, the gather."""
+              active: int | None = None, dtype: str | None = None):
+        """One batch in step with the group: the pixels' broadcast, the forward, the gather;
+        a worker (``pixels`` None) takes the batch's ``grid`` and ``dtype`` from the header."""
         if pixels is None:  # workers contribute zeros to the broadcast
             cfg, (rows, cols) = engine.cfg, grid or engine.grid
             shape = (bucket, rows * cfg.patch, cols * cfg.patch, cfg.channels)
-            pixels = np.zeros(shape, np.float32)
+            pixels = np.zeros(shape, pixel_dtype(dtype))
         pixels = multihost_utils.broadcast_one_to_all(pixels)
         batch = jax.make_array_from_callback(
             pixels.shape, engine.batch_sharding, lambda index: pixels[index]

@@ -4,6 +4,12 @@
 forwards, one per (bucket, output set), and hands each batch to its executor: ``LocalExecutor``
 for one process, ``GroupExecutor`` (server/distributed.py) for a ``jax.distributed`` group.
 
+Pixels. The serving path hands the engine uint8 levels (``LEVELS``), and the compiled forward
+normalises them by the pixel contract's table (``model.forward.from_levels``): a quarter of the
+bytes on the host and to the device, and no pass over every image on the host's interpreter-
+bound threads. Normalised float32 pixels (``NORMALISED``: tests, benchmarks against peers fed
+floats) have their own compiled forwards; the dtype is part of every compiled forward's key.
+
 Compiled forwards. The warm output sets (by default: pooled features) are compiled for every
 bucket before the server reports SERVING and stay. Any other output set is compiled on first use
 for the bucket it needs, on the engine's compile thread (never the batcher's: warm batches keep
@@ -39,6 +45,7 @@ from vit22b.model.forward import cast_matmul_kernels, chunked_apply, store_trans
 from vit22b.model.identity import ModelIdentity, seeded_source
 from vit22b.model.info import count
 from vit22b.model.outputs import POOLED, OutputRequest
+from vit22b.model.pixels import level_table
 from vit22b.model.posemb import Grid
 from vit22b.model.sharding import (
     batch_sharding,
@@ -108,6 +115,19 @@ def auto_mesh(cfg: ViTConfig, devices: Sequence | None = None) -> Mesh:
         cfg.compute_dtype, devices[0].platform, jax.process_count(), len(devices)
     )
     return make_mesh("auto", devices[:data])
+
+
+LEVELS = np.dtype(np.uint8)  # the pixel contract's levels: the forward normalises them
+NORMALISED = np.dtype(np.float32)  # normalised already (the contract's float32 values)
+
+
+def pixel_dtype(dtype) -> np.dtype:
+    """The input dtype a compiled forward takes: ``LEVELS`` or ``NORMALISED``, nothing else."""
+    dtype = np.dtype(dtype)
+    if dtype not in (LEVELS, NORMALISED):
+        raise ValueError(f"the engine takes uint8 pixel levels or normalised float32 pixels, "
+                         f"not {dtype}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -201,7 +221,7 @@ class Engine:
                                           self.batch_sharding)
         }
         self._max_compiled = max_compiled
-        # compiled forwards by (bucket, output set, grid)
+        # compiled forwards by (bucket, output set, grid, pixel dtype)
         self._compiled: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
         self._used: dict[OutputRequest, float] = {}  # on-demand output set -> last use
         self._warm: dict[tuple, jax.stages.Compiled] = {}
@@ -288,8 +308,9 @@ class Engine:
         return self._resolved(outputs)
 
     # ---- compiled forwards -----------------------------------------------------------------
-    def is_compiled(self, bucket: int, outputs: OutputRequest, grid: Grid | None = None) -> bool:
-        key = (bucket, outputs, grid or self.grid)
+    def is_compiled(self, bucket: int, outputs: OutputRequest, grid: Grid | None = None,
+                    pixels: np.dtype = LEVELS) -> bool:
+        key = (bucket, outputs, tuple(grid or self.grid), pixel_dtype(pixels))
         with self._lock:
             return key in self._warm or key in self._compiled
 
@@ -332,9 +353,10 @@ class Engine:
         outputs: OutputRequest,
         grid: Grid | None = None,
         done: Callable[[], None] | None = None,
+        pixels: np.dtype = LEVELS,
     ) -> Future:
         """Compile on the compile thread (at most one compile at a time); ``done`` after."""
-        key = (bucket, outputs, grid or self.grid)
+        key = (bucket, outputs, tuple(grid or self.grid), pixel_dtype(pixels))
         with self._lock:
             future = self._pending.get(key)
             failed = self._failed.pop(key, None)
@@ -360,13 +382,14 @@ class Engine:
                 self._pending.pop(key, None)
 
     def compiled(
-        self, bucket: int, outputs: OutputRequest, grid: Grid | None = None, warm: bool = False
+        self, bucket: int, outputs: OutputRequest, grid: Grid | None = None,
+        pixels: np.dtype = LEVELS, warm: bool = False,
     ):
-        """The compiled forward for images of ``grid`` (default: the model's own), compiled
-        here, in this thread, when it is not cached yet; it takes (params, position table at
-        the grid, images)."""
-        grid = tuple(grid or self.grid)
-        key = (bucket, outputs, grid)
+        """The compiled forward for ``pixels`` images of ``grid`` (default: the model's own),
+        compiled here, in this thread, when it is not cached yet; it takes (params, position
+        table at the grid, images, active steps)."""
+        grid, pixels = tuple(grid or self.grid), pixel_dtype(pixels)
+        key = (bucket, outputs, grid, pixels)
         with self._lock:
             fn = self._warm.get(key) or self._compiled.get(key)
             if fn is not None:
@@ -374,7 +397,7 @@ class Engine:
                     self._compiled.move_to_end(key)
                 return fn
         start = time.perf_counter()
-        fn = self._compile(bucket, outputs, grid)
+        fn = self._compile(bucket, outputs, grid, pixels)
         with self._lock:
             if warm:
                 self._warm[key] = fn
@@ -383,12 +406,12 @@ class Engine:
                 self._compiled[key] = fn
                 self._used.setdefault(outputs, time.monotonic())
                 while len(self._compiled) > self._max_compiled:
-                    (_, evicted, _), _ = self._compiled.popitem(last=False)
+                    (_, evicted, *_), _ = self._compiled.popitem(last=False)
                     if not any(k[1] == evicted for k in self._compiled):
                         self._used.pop(evicted, None)
         log.info(
-            "compiled forward for bucket %d at grid %dx%d (chunks of %d per shard), %s in "
-            "%.2fs%s", bucket, *grid, self.plan.chunk_images(bucket, grid), outputs,
+            "compiled forward for bucket %d of %s at grid %dx%d (chunks of %d per shard), %s "
+            "in %.2fs%s", bucket, pixels, *grid, self.plan.chunk_images(bucket, grid), outputs,
             time.perf_counter() - start,
             "" if warm else " (on demand)",
         )
@@ -435,8 +458,8 @@ class Engine:
         only the first that many chunk steps (``layout``; None: all of them)."""
         grid = self.cfg.grid_at(batch.shape[1], batch.shape[2])
         active = np.int32(self.steps(bucket, grid) if active is None else active)
-        return self.compiled(bucket, outputs, grid)(place.params, self.position(grid, place),
-                                                    batch, active)
+        fn = self.compiled(bucket, outputs, grid, batch.dtype)
+        return fn(place.params, self.position(grid, place), batch, active)
 
     def execution(self, bucket: int, grid: Grid | None = None) -> Execution:
         """How the plan runs this bucket's forward at ``grid`` (``vit.Execution``)."""
@@ -466,20 +489,22 @@ class Engine:
                                for k in range(shards) if k * per < n])
         return rows, -(-per // self.plan.chunk_images(bucket, grid))
 
-    def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid):
+    def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid, pixels: np.dtype):
         options = self.plan.compiler_options or None
-        return self.lowered(bucket, outputs, grid).compile(compiler_options=options)
+        return self.lowered(bucket, outputs, grid, pixels).compile(compiler_options=options)
 
-    def lowered(self, bucket: int, outputs: OutputRequest, grid: Grid):
-        """The forward for a bucket at ``grid``, lowered and not yet compiled (what ``compiled``
-        compiles; benchmarks compile it under other XLA options)."""
-        cfg, place = self.cfg, self.placement(bucket, grid)
+    def lowered(self, bucket: int, outputs: OutputRequest, grid: Grid,
+                pixels: np.dtype = LEVELS):
+        """The forward for a bucket of ``pixels`` images at ``grid``, lowered and not yet
+        compiled (what ``compiled`` compiles; benchmarks compile it under other XLA options)."""
+        cfg, place, pixels = self.cfg, self.placement(bucket, grid), pixel_dtype(pixels)
+        levels = level_table(cfg.preprocess) if pixels == LEVELS else None
         chunk, shards = self.plan.chunk_images(bucket, grid), place.mesh.shape["data"]
         pos = self.position(grid, place)
         execution = self.execution(bucket, grid)
         fn = jax.jit(
             lambda params, pos, images, active: chunked_apply(
-                cfg, params, images, outputs, chunk, shards, pos, execution, active
+                cfg, params, images, outputs, chunk, shards, pos, execution, active, levels
             ),
             in_shardings=(
                 place.param_shardings,
@@ -489,33 +514,35 @@ class Engine:
             ),
         )
         shape = (bucket, grid[0] * cfg.patch, grid[1] * cfg.patch, cfg.channels)
-        images = jax.ShapeDtypeStruct(shape, np.float32, sharding=place.batch_sharding)
+        images = jax.ShapeDtypeStruct(shape, pixels, sharding=place.batch_sharding)
         return fn.lower(place.params, pos, images, jax.ShapeDtypeStruct((), np.int32))
 
     def warm_up(
-        self, output_sets: Sequence[OutputRequest] = (POOLED,), grids: Sequence[Grid] = ()
+        self, output_sets: Sequence[OutputRequest] = (POOLED,), grids: Sequence[Grid] = (),
+        pixels: np.dtype = LEVELS,
     ) -> float:
         """Compile every bucket a grid allows for each output set at each grid (default: the
-        model's own); returns the seconds it took."""
+        model's own), for ``pixels`` images (default: the serving path's levels); returns the
+        seconds it took."""
         start = time.perf_counter()
         for grid in grids or (self.grid,):
             for outputs in output_sets:
                 resolved = self.resolve(outputs)
                 for size in self.plan.buckets_for(grid):
-                    self.compiled(size, resolved, grid, warm=True)
+                    self.compiled(size, resolved, grid, pixels, warm=True)
         return time.perf_counter() - start
 
     # ---- running ---------------------------------------------------------------------------
     def forward(self, images: np.ndarray, outputs: OutputRequest) -> Features:
-        """Normalised float32 [n, H, W, 3] (H, W multiples of the patch; n <= the grid's
-        ``max_images``) -> host float32 outputs for n rows.
+        """uint8 pixel levels or normalised float32 pixels [n, H, W, 3] (H, W multiples of the
+        patch; n <= the grid's ``max_images``) -> host float32 outputs for n rows.
 
         ``outputs`` must be resolved (see ``resolve``).
         """
         n = images.shape[0]
         size = self.plan.bucket(n)
         rows, active = self.layout(n, size, self.cfg.grid_at(*images.shape[1:3]))
-        pixels = aligned_empty((size, *images.shape[1:]))
+        pixels = aligned_empty((size, *images.shape[1:]), pixel_dtype(images.dtype))
         if n == 0 or rows[-1] == n - 1:  # the images in the leading rows, in order
             pixels[:n] = images
             pixels[n:] = 0
@@ -530,12 +557,14 @@ class Engine:
         self._compiler.shutdown(wait=False, cancel_futures=True)
 
 
-def aligned_empty(shape: tuple[int, ...], align: int = HOST_ALIGN) -> np.ndarray:
-    """An uninitialised float32 host array whose data starts on an ``align``-byte boundary."""
-    nbytes = math.prod(shape) * 4
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype = NORMALISED,
+                  align: int = HOST_ALIGN) -> np.ndarray:
+    """An uninitialised host array whose data starts on an ``align``-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + align, np.uint8)
     skip = -raw.ctypes.data % align
-    return raw[skip : skip + nbytes].view(np.float32).reshape(shape)
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
 def _restrict(leaf: jax.Array, sharding: NamedSharding) -> jax.Array:

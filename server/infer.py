@@ -431,7 +431,7 @@ class Infer:
                 pixels = check_pixels(image.data, self.limits.max_image_pixels)
             else:
                 raise InvalidImage("no image data: send encoded file bytes or raw pixels")
-            return pre(pixels)
+            return pre.crop(pixels)  # uint8 levels: the compiled forward normalises them
         except InvalidImage as err:
             raise err.at(index, image.id) from None
 

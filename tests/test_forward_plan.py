@@ -19,8 +19,10 @@ from vit22b.model.forward import (
     MATMUL_KERNELS,
     cast_matmul_kernels,
     chunked_apply,
+    from_levels,
     store_transposed,
 )
+from vit22b.model.pixels import level_table, normalise_formula
 from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings, shard_params
 from vit22b.model.vit import CONTRACTED_AXES, Execution
 from vit22b.server import cpu_devices
@@ -142,6 +144,44 @@ def test_a_chunked_forward_runs_only_its_active_steps(shards):
                 assert rel_err(got[key][ran], want[key][ran]) <= 1e-6, (key, active)
             assert not got[key][~ran].any(), (key, active)
     assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize("name", ["vit-22b-tiny/16", "vit-b/16", "siglip-b/16", "clip-b/16"])
+def test_levels_are_normalised_in_the_forward_bit_for_bit(name):
+    """``from_levels`` compiled gives the host's table (the contract's float32 formula) at every
+    level of every channel; XLA compiling the formula itself would round differently."""
+    p = get_config(name).preprocess
+    every = np.stack(np.meshgrid(np.arange(256), np.arange(256), indexing="ij"), -1)
+    grid = np.concatenate([every, every[..., :1]], -1).astype(np.uint8)[None]  # [1, 256, 256, 3]
+    got = np.asarray(jax.jit(lambda x: from_levels(level_table(p), x))(grid))
+    want = normalise_formula(grid, p)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_chunked_forward_of_levels_is_the_forward_of_their_normalised_values(shards):
+    """uint8 levels normalised per step give the bits of the host-normalised batch, in one step
+    and in several (a loop over chunks, some skipped); the wrong pairing is refused."""
+    cfg = PARALLEL
+    params = random_params(cfg, seed=9)
+    levels = np.random.default_rng(3).integers(0, 256, images(cfg, n=8).shape, dtype=np.uint8)
+    table = level_table(cfg.preprocess)
+    normalised = normalise_formula(levels, cfg.preprocess)
+    def run(x, chunk, active, table=None):
+        return _outputs(jax.jit(lambda p, x, k: chunked_apply(
+            cfg, p, x, REQUEST, chunk, shards, active=k, levels=table))(params, x, active))
+
+    for chunk in (8 // shards, 1):  # one step; eight steps, of which three run
+        for active in (None, np.int32(3)):
+            floats = run(normalised, chunk, active)
+            of_levels = run(levels, chunk, active, table)
+            assert set(of_levels) == set(floats)
+            for key in floats:
+                np.testing.assert_array_equal(of_levels[key], floats[key], err_msg=key)
+    with pytest.raises(ValueError, match="uint8 images need the normalisation's table"):
+        chunked_apply(cfg, params, levels, REQUEST, 8)
+    with pytest.raises(ValueError, match="got float32 images and a table"):
+        chunked_apply(cfg, params, normalised, REQUEST, 8, levels=table)
 
 
 def test_chunks_that_do_not_divide_the_batch_are_refused():

@@ -11,7 +11,9 @@ from serving import png, random_images, shared_engine
 from vit22b.model import OutputRequest, get_config
 from vit22b.model.errors import InvalidImage, InvalidRequest
 from vit22b.model.pixels import Preprocessor, decode
-from vit22b.server.engine import HOST_ALIGN, aligned_empty
+from vit22b.server.batcher import Batcher
+from vit22b.server.engine import HOST_ALIGN, LEVELS, NORMALISED, aligned_empty
+from vit22b.server.metrics import Metrics
 from vit22b.server.plan import batch_buckets
 
 
@@ -96,6 +98,37 @@ def test_other_output_sets_compile_once_on_demand_and_warm_ones_stay():
     assert not first.patch_tokens
     engine.forward(images, engine.resolve(OutputRequest()))
     assert engine.compilations == before + 1  # pooled was compiled at warm-up
+
+
+def test_compiled_forwards_are_kept_by_pixel_dtype_and_levels_give_the_same_bits():
+    """The server's warm forwards take uint8 levels (what the batcher hands over); normalised
+    floats compile their own on demand, and both give the same features bit for bit."""
+    engine = shared_engine()
+    pre = Preprocessor(engine.cfg)
+    levels = np.stack([pre.crop(p) for p in random_images(3, seed=41)])
+    pooled, bucket = engine.resolve(OutputRequest()), engine.bucket(3)
+    assert engine.is_compiled(bucket, pooled) and engine.is_compiled(bucket, pooled, None, LEVELS)
+    before, had_floats = engine.compilations, engine.is_compiled(bucket, pooled, None, NORMALISED)
+    of_levels = engine.forward(levels, pooled)
+    assert engine.compilations == before  # warm
+    normalised = engine.forward(pre.normalise(levels), pooled)
+    assert engine.is_compiled(bucket, pooled, None, NORMALISED)
+    assert engine.compilations == before + (not had_floats)  # the float32 forward, once
+    np.testing.assert_array_equal(of_levels["pooled"], normalised["pooled"])
+    for dtype in (np.float64, np.int32, np.float16):
+        with pytest.raises(ValueError, match=f"uint8 pixel levels or normalised float32 pixels, "
+                                             f"not {np.dtype(dtype)}"):
+            engine.forward(levels.astype(dtype), pooled)
+
+
+def test_the_batcher_takes_levels_only():
+    """A float batch would be read as levels or stacked with them: refused at the door."""
+    batcher = Batcher(shared_engine(), Metrics())
+    pre = Preprocessor(batcher.engine.cfg)
+    floats = np.stack([pre(p) for p in random_images(1, seed=42)])
+    with pytest.raises(TypeError, match="uint8 pixel levels, not float32"):
+        batcher.submit(floats, batcher.engine.resolve(OutputRequest()), None)
+    assert not batcher._queue
 
 
 def test_preprocessing_resizes_the_shorter_side_then_crops_the_centre():
