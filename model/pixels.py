@@ -41,7 +41,11 @@ Untrusted bytes (``decode``):
   bit for bit (tests/test_pixels.py). The contract's decode of a 64x64 JPEG took half the time
   (``python benchmarks/serve_parts.py``, ``decode_us``), and decoding is most of a small
   image's cost on the server (benchmarks/NOTES.md). Whatever it would warn about (truncated or
-  corrupt data) goes back to Pillow, whose answer or reason stands.
+  corrupt data) goes back to Pillow, whose answer or reason stands. A plain JPEG whose markers
+  alone say so (``plain_jpeg``: one 8-bit frame of 1 or 3 components, at most a standard JFIF
+  segment among the application segments, every segment whole) skips Pillow's header parser
+  too, pure Python as costly as the decode itself at 64x64; its size is checked as Pillow's
+  route checks it, in the same words.
 - Every decoder failure (truncated files, corrupt data) becomes an ``InvalidImage`` with the
   decoder's reason; a known format that cannot be used (zero width or height, an unsupported
   variant) says so.
@@ -111,7 +115,63 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, min_side: in
 
     ``min_side``: the shorter side the resize that follows needs; a JPEG then decodes at a
     reduced size that keeps both sides >= ``DRAFT_MARGIN`` x ``min_side`` (0: full size)."""
+    if (pixels := _decode_plain(data, max_pixels, min_side)) is not None:
+        return pixels
     return decode_opened(open_encoded(data, max_pixels), max_pixels, min_side)
+
+
+# The segments a plain JPEG may hold before its first scan (``plain_jpeg``): quantisation and
+# Huffman tables, restart interval, comment; frames: baseline, extended sequential, progressive.
+_PLAIN_SEGMENTS = frozenset({0xDB, 0xC4, 0xDD, 0xFE})
+_PLAIN_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
+_SOS = 0xDA
+
+
+def plain_jpeg(data: bytes) -> tuple[int, int, int] | None:
+    """(height, width, components) of a plain JPEG, read from its bytes, or None.
+
+    Plain: what ``_decode_jfif`` takes, told without Pillow's header parser (pure Python, as
+    long as simplejpeg's whole decode of a 64x64 image): an 8-bit baseline or progressive frame
+    of 1 or 3 components, at most a standard JFIF segment among the application segments (no
+    Exif or XMP orientation, ICC profile, MPF picture index or Adobe colour transform), no fill
+    bytes, every segment whole. Anything else is None and goes to Pillow, whose answer stands."""
+    if simplejpeg is None or data[:3] != b"\xff\xd8\xff":
+        return None
+    pos, end, frame = 2, len(data), None
+    while pos + 4 <= end:
+        marker = data[pos + 1]
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if data[pos] != 0xFF or length < 2 or pos + 2 + length > end:
+            return None
+        if marker == _SOS:
+            return frame
+        segment = data[pos + 4 : pos + 2 + length]
+        if marker in _PLAIN_FRAMES:
+            if frame is not None or len(segment) < 6 or segment[0] != 8:
+                return None
+            height, width = int.from_bytes(segment[1:3], "big"), int.from_bytes(segment[3:5], "big")
+            if segment[5] not in (1, 3) or not height or not width:
+                return None
+            frame = height, width, segment[5]
+        elif marker == 0xE0:  # APP0: a JFIF header, whole (Pillow reads its fields)
+            if segment[:5] != b"JFIF\0" or len(segment) < 14:
+                return None
+        elif marker not in _PLAIN_SEGMENTS:
+            return None
+        pos += 2 + length
+    return None
+
+
+def _decode_plain(data: bytes, max_pixels: int, min_side: int) -> np.ndarray | None:
+    """A plain JPEG (``plain_jpeg``) at full size decoded by simplejpeg, or None: Pillow's
+    route decides (another file, a reduced size, anything libjpeg warns about)."""
+    if (header := plain_jpeg(data)) is None:
+        return None
+    height, width, components = header
+    check_size(height, width, max_pixels, "declared size of the JPEG")
+    if min_side > 0 and draft_scale(width, height, min_side) > 1:
+        return None
+    return _simplejpeg(data, components == 1, (height, width))
 
 
 def open_encoded(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
@@ -164,13 +224,18 @@ def _decode_jfif(image: Image.Image, name: str) -> np.ndarray | None:
             or "adobe" in image.info or _orientation(image, name) != 1
             or not isinstance(getattr(image, "fp", None), io.BytesIO)):
         return None
-    grey = image.mode == "L"
+    with image.fp.getbuffer() as data:  # released at once: Pillow may close its file later
+        return _simplejpeg(data, image.mode == "L", (image.height, image.width))
+
+
+def _simplejpeg(data, grey: bool, size: tuple[int, int]) -> np.ndarray | None:
+    """simplejpeg's strict decode as uint8 RGB, or None when libjpeg warns or fails, or the
+    picture is not the header's size: Pillow's answer (or reason) then stands."""
     try:
-        with image.fp.getbuffer() as data:  # released at once: Pillow may close its file later
-            pixels = simplejpeg.decode_jpeg(data, colorspace="GRAY" if grey else "RGB")
-    except ValueError:  # a libjpeg warning or error: Pillow's answer (or reason) stands
+        pixels = simplejpeg.decode_jpeg(data, colorspace="GRAY" if grey else "RGB")
+    except ValueError:
         return None
-    if pixels.shape[:2] != (image.height, image.width):
+    if pixels.shape[:2] != size:
         return None
     return np.repeat(pixels, 3, axis=2) if grey else pixels
 

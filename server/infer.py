@@ -42,6 +42,7 @@ from vit22b.model.pixels import (
     decode,
     decode_opened,
     open_encoded,
+    plain_jpeg,
 )
 
 from .batcher import Batcher
@@ -412,6 +413,8 @@ class Infer:
             return False, None
         if isinstance(data, np.ndarray):
             return data.size <= 3 * limit, None
+        if (plain := plain_jpeg(data)) is not None:  # its size without Pillow's header parser
+            return plain[0] * plain[1] <= limit, None
         opened = open_encoded(bytes(data), self.limits.max_image_pixels)
         return opened.width * opened.height <= limit, opened
 

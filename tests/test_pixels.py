@@ -28,6 +28,7 @@ from vit22b.model.pixels import (
     decode,
     draft_scale,
     normalise_formula,
+    plain_jpeg,
 )
 
 RNG = np.random.default_rng(0)
@@ -552,6 +553,21 @@ def pillow_only(data: bytes, monkeypatch, **kwargs):
             return err
 
 
+def assert_pillows_answer(data: bytes, monkeypatch, note: str = ""):
+    """``decode``'s answer is Pillow's: the same pixels, or the same refusal word for word;
+    returns Pillow's."""
+    try:
+        got = decode(data)
+    except InvalidImage as err:
+        got = err
+    reference = pillow_only(data, monkeypatch)
+    if isinstance(reference, InvalidImage):
+        assert isinstance(got, InvalidImage) and str(got) == str(reference), note
+    else:
+        np.testing.assert_array_equal(got, reference, err_msg=note)
+    return reference
+
+
 def takes_fast_path(data: bytes) -> bool:
     opened = contract.open_encoded(data)
     return contract._decode_jfif(opened, contract._name(opened.format)) is not None
@@ -621,6 +637,47 @@ def test_other_jpegs_are_pillows_answer(name, monkeypatch):
         np.testing.assert_array_equal(got, reference)
 
 
+def icc_jpeg() -> bytes:
+    from PIL import ImageCms
+
+    profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    return encode(photo(40, 30), "JPEG", icc_profile=profile)
+
+
+def mpo() -> bytes:
+    out = io.BytesIO()
+    photo(40, 30).save(out, "MPO", save_all=True, append_images=[photo(40, 30, seed=1)])
+    return out.getvalue()
+
+
+@pytest.mark.skipif(contract.simplejpeg is None, reason="simplejpeg is not installed")
+def test_plain_jpegs_are_told_from_their_bytes(monkeypatch):
+    """``plain_jpeg`` reads a plain JPEG's size from its markers (no Pillow); any application
+    segment that could change the picture (orientation, colour transform, another picture) and
+    any frame Pillow's route must see leaves it to Pillow, which still gives the same pixels."""
+    for name, (image, params) in PLAIN_JPEGS.items():
+        bands = 1 if image.mode == "L" else 3
+        assert plain_jpeg(encode(image, "JPEG", **params)) == (image.height, image.width, bands), (
+            name)
+    others = {"EXIF orientation 1": encode(photo(48, 32), "JPEG", exif=exif(1)),
+              "ICC profile": icc_jpeg(), "MPO": mpo(), "CMYK (Adobe marker)": cmyk_jpeg(),
+              "12-bit frame": b"\xff\xd8\xff\xc0\x00\x0b\x0c\x00\x08\x00\x08\x01\x01\x11\x00",
+              "PNG": encode(photo(8, 8), "PNG")}
+    for name, data in others.items():
+        assert plain_jpeg(data) is None, name
+        assert_pillows_answer(data, monkeypatch, name)
+
+
+@pytest.mark.skipif(contract.simplejpeg is None, reason="simplejpeg is not installed")
+def test_a_plain_jpeg_over_the_pixel_limit_is_refused_as_pillows_route_refuses_it(monkeypatch):
+    data = encode(photo(64, 48), "JPEG")
+    assert plain_jpeg(data) == (48, 64, 3)
+    with pytest.raises(InvalidImage) as refused:
+        decode(data, max_pixels=1000)
+    assert str(refused.value) == str(pillow_only(data, monkeypatch, max_pixels=1000))
+    assert "declared size of the JPEG is 64x48 = 3072 pixels" in str(refused.value)
+
+
 def test_reduced_size_jpegs_are_pillows(monkeypatch):
     data = photo_jpeg(640, 480)
     got = decode(data, min_side=100)
@@ -643,18 +700,30 @@ def test_mutated_jpegs_get_pillows_answer(monkeypatch):
                 data[rng.integers(2, len(data))] = rng.integers(0, 256)
             if rng.random() < 0.2:
                 data = data[: rng.integers(10, len(data))]
-            try:
-                got = decode(bytes(data))
-            except InvalidImage as err:
-                got = err
-            reference = pillow_only(bytes(data), monkeypatch)
-            if isinstance(reference, InvalidImage):
-                assert isinstance(got, InvalidImage) and str(got) == str(reference)
-                outcomes["refused"] += 1
-            else:
-                np.testing.assert_array_equal(got, reference)
-                outcomes["pixels"] += 1
+            reference = assert_pillows_answer(bytes(data), monkeypatch)
+            outcomes["refused" if isinstance(reference, InvalidImage) else "pixels"] += 1
     assert min(outcomes.values()) > 50  # both kinds of answer were exercised
+
+
+@pytest.mark.skipif(contract.simplejpeg is None, reason="simplejpeg is not installed")
+def test_mutated_jpeg_headers_get_pillows_answer(monkeypatch):
+    """Byte changes confined to the markers before the first scan, where ``plain_jpeg`` reads:
+    whatever it lets through to simplejpeg gets Pillow's pixels or Pillow's refusal."""
+    rng = np.random.default_rng(2)
+    bases = [encode(photo(64, 64), "JPEG"), encode(photo(48, 40, seed=3), "JPEG", progressive=True),
+             encode(photo(32, 32, seed=4).convert("L"), "JPEG", restart_marker_blocks=2)]
+    through = {"pixels": 0, "refused": 0}
+    for base in bases:
+        header = base.index(b"\xff\xda") + 14  # the markers, and the scan header's first bytes
+        for _ in range(150):
+            data = bytearray(base)
+            for _ in range(rng.integers(1, 3)):
+                data[rng.integers(2, header)] = rng.integers(0, 256)
+            data = bytes(data)
+            reference = assert_pillows_answer(data, monkeypatch)
+            if plain_jpeg(data) is not None:
+                through["refused" if isinstance(reference, InvalidImage) else "pixels"] += 1
+    assert min(through.values()) > 10  # the fast path saw both kinds of answer
 
 
 def tiled_tiff(side: int, tile: int, values: np.ndarray) -> bytes:
