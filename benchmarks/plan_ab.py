@@ -6,7 +6,9 @@ and step; 0: none), ``small=0`` (every bucket on every data row: no small bucket
 work), ``transposed=0|1`` (the down projections' kernels stored transposed, off or on; default:
 the host's rule), ``slices=N`` (a sequential block's MLP activation and fc2 in N token slices;
 default: the plan's), ``skip=0`` (every chunk step of a bucket runs, the padding's too; default:
-the steps of padding alone are skipped). Every round runs every side once per batch size
+the steps of padding alone are skipped), ``midpoints=0|1`` (the midpoint buckets 3a/2, off or
+on; default: the host's rule). ``--max-batch-images`` sets the buckets' top (default: the
+largest batch). Every round runs every side once per batch size
 (``--calls`` forwards, after warm-up), so a drift of the machine's speed falls on all sides
 alike; reported per side and batch are the medians over rounds of wall and process-CPU
 microseconds per forward, and each side's ratios to the first side. Pooled features are
@@ -33,6 +35,8 @@ import time
 
 from benchlib import emit, log, machine, median
 
+INTEGER_OPTIONS = ("chunk", "small", "transposed", "slices", "skip", "midpoints")
+
 
 def parse_side(text: str) -> tuple[str, dict]:
     """``NAME:key=value,...``; a value may itself hold ``=`` and ``,`` only for ``mesh``
@@ -42,15 +46,15 @@ def parse_side(text: str) -> tuple[str, dict]:
     key = None
     for part in filter(None, rest.split(",")):
         head, _, value = part.partition("=")
-        if head in ("mesh", "chunk", "small", "transposed", "slices", "skip"):
+        if head in ("mesh", *INTEGER_OPTIONS):
             key = head
             options[key] = value
         elif key == "mesh":  # another axis of the mesh spec
             options["mesh"] += "," + part
         else:
-            raise SystemExit(f"--side {text!r}: unknown option {head!r} "
-                             "(mesh=, chunk=, small=, transposed=, slices=, skip=)")
-    for key in ("chunk", "small", "transposed", "slices", "skip"):
+            raise SystemExit(f"--side {text!r}: unknown option {head!r} (mesh=, "
+                             + ", ".join(f"{o}=" for o in INTEGER_OPTIONS) + ")")
+    for key in INTEGER_OPTIONS:
         if key in options:
             options[key] = int(options[key])
     return name, options
@@ -62,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[8])
     parser.add_argument("--side", action="append", required=True, dest="sides",
-                        help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1,slices=N "
+                        help="NAME:mesh=SPEC,chunk=N,small=0,transposed=0|1,slices=N,"
+                        "skip=0,midpoints=0|1 "
                         "(repeatable; the first is the reference)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-batch-images", type=int, default=0,
+                        help="the largest bucket (default: the largest --batches)")
     parser.add_argument("--calls", type=int, default=0,
                         help="forwards per side, batch and round (default: about 2 s of work)")
     args = parser.parse_args(argv)
@@ -92,13 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             mesh = auto_mesh(cfg)
         engines[name] = Engine(cfg, shard_params(cfg, params, mesh), mesh, fingerprint="plan_ab",
-                               source="seeded", max_batch_images=max(args.batches),
+                               source="seeded",
+                               max_batch_images=args.max_batch_images or max(args.batches),
                                chunk_images=options.get("chunk"),
                                small_buckets=None if options.get("small", 1) else False,
                                transpose_kernels=None if "transposed" not in options
                                else bool(options["transposed"]),
                                mlp_slices=options.get("slices"),
-                               skip_padding=bool(options.get("skip", 1)))
+                               skip_padding=bool(options.get("skip", 1)),
+                               midpoint_buckets=None if "midpoints" not in options
+                               else bool(options["midpoints"]))
         log(f"{name}: {engines[name].mesh_spec}, buckets {engines[name].buckets}")
     reference = next(iter(engines))
     rng = np.random.default_rng(0)

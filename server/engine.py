@@ -182,9 +182,10 @@ class Engine:
         transpose_kernels: bool | None = None,
         mlp_slices: int | None = None,
         skip_padding: bool = True,
+        midpoint_buckets: bool | None = None,
     ):
         """``chunk_images`` / ``small_buckets`` / ``max_batch_patches`` / ``transpose_kernels`` /
-        ``mlp_slices``: see ``Plan.make``.
+        ``mlp_slices`` / ``midpoint_buckets`` (``midpoints``): see ``Plan.make``.
         ``precast=False`` keeps the parameters as given (kernels then cast on every forward:
         for measurements only); ``skip_padding=False`` runs every chunk step of a bucket, the
         padding's too (``layout``; for measurements only)."""
@@ -204,6 +205,7 @@ class Engine:
             cpu_flags=cpu_flags() if self.platform == "cpu" else None,
             transpose_kernels=transpose_kernels,
             mlp_slices=mlp_slices,
+            midpoints=midpoint_buckets,
         )
         self.executor: Executor = executor or LocalExecutor()
         self.skip_padding = skip_padding

@@ -12,6 +12,10 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
   many of its rows (emulated devices share the cores: one image on one device gets them all);
 - rows by work: there too, a bucket runs on as many rows as each get ``CPU_MIN_ROW_FLOPS`` of
   work at its grid (a row's program costs a fixed CPU time whatever its batch);
+- midpoint buckets: there too, 3a/2 between buckets a and 2a where a batch of 3a/2 images
+  computes fewer rows in it than in 2a on the same data rows (``Plan.work``): padding then
+  costs at most a third of a batch, not all of it, where the chunk steps cannot skip it (the
+  tiny model's 17-24 images: 0.82x the CPU of bucket 32);
 - compute dtype ``auto`` (the serving and job default): the checkpoint's or preset's, except
   float32 in place of a bfloat16 default on a CPU without bf16 instructions, where XLA:CPU
   emulates bf16 matmuls and the forward is slower than in float32 (and inexact);
@@ -29,7 +33,7 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vit22b.model.config import ViTConfig
 
@@ -157,9 +161,12 @@ class Plan:
         cpu_flags: frozenset[str] | None = None,
         transpose_kernels: bool | None = None,
         mlp_slices: int | None = None,
+        midpoints: bool | None = None,
     ) -> Plan:
-        """``cpu_flags``: the host's (``/proc/cpuinfo``; None: unknown); ``small_buckets``,
-        ``transpose_kernels`` and ``mlp_slices`` override the host's rules (None: the rule)."""
+        """``cpu_flags``: the host's (``/proc/cpuinfo``; None: unknown); ``small_buckets`` (the
+        single-process CPU host's buckets below the data axis, and rows by work),
+        ``midpoints``, ``transpose_kernels`` and ``mlp_slices`` override the host's rules
+        (None: the rule)."""
         if chunk_images is not None and chunk_images < 0:
             raise ValueError(f"chunk_images must be >= 0, got {chunk_images}")
         single_host_cpu = platform == "cpu" and process_count == 1
@@ -175,8 +182,30 @@ class Plan:
                      if transpose_kernels is None else transpose_kernels)
         if mlp_slices is not None and mlp_slices < 1:
             raise ValueError(f"mlp_slices must be >= 1, got {mlp_slices}")
-        return cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model, small,
+        plan = cls(cfg, platform, data, buckets, chunk_images, max_batch_patches, model, small,
                    transpose, mlp_slices)
+        if single_host_cpu if midpoints is None else midpoints:
+            return replace(plan, buckets=plan.with_midpoints())
+        return plan
+
+    def with_midpoints(self) -> tuple[int, ...]:
+        """The buckets, with 3a/2 between a and 2a wherever a batch of 3a/2 images would run on
+        the same data rows as in 2a and compute fewer rows there (at the model's own grid)."""
+        out = [self.buckets[0]]
+        for a, b in zip(self.buckets, self.buckets[1:]):
+            mid = a + a // 2
+            if (b == 2 * a and a % 2 == 0 and self.rows(mid) == self.rows(b)
+                    and self.work(mid, mid) < self.work(mid, b)):
+                out.append(mid)
+            out.append(b)
+        return tuple(out)
+
+    def work(self, n: int, bucket: int, grid: tuple[int, int] | None = None) -> int:
+        """Image rows a forward of ``bucket`` computes for ``n`` images: whole chunk steps on
+        each of its data rows, the steps holding padding alone skipped (``Engine.layout``)."""
+        rows, chunk = self.rows(bucket, grid), self.chunk_images(bucket, grid)
+        per_row = -(-n // rows)  # ceilings
+        return -(-per_row // chunk) * chunk * rows
 
     @property
     def max_batch_images(self) -> int:

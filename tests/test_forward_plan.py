@@ -504,9 +504,35 @@ def test_every_layout_puts_each_image_in_a_step_that_runs(chunk):
     engine.close()
 
 
+def test_midpoint_buckets_where_the_chunk_steps_cannot_skip_the_padding():
+    """On a single-process CPU host a bucket 3a/2 sits between a and 2a where a batch of 3a/2
+    images would compute fewer rows in it than in 2a, on the same data rows."""
+    def plan(name: str, dtype: str = "float32", **kw) -> Plan:
+        cfg = get_config(name).replace(compute_dtype=dtype)
+        return Plan.make(cfg, **{"platform": "cpu", "data": 2, "process_count": 1,
+                                 "max_batch_images": 32, **kw})
+
+    tiny = plan("vit-22b-tiny/16")  # one step per shard in every bucket: every midpoint
+    assert tiny.buckets == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    assert tiny.work(20, 32) == 32 and tiny.work(20, 24) == 24 and tiny.work(3, 4) == 4
+    # ViT-B/16 runs 4 images per shard and step: 17-24 images in bucket 32 take 3 of its 4
+    # steps already (24 rows), so no 24; 9-12 in 16 take 2 steps of 4 (16), in 12 of 3 (12)
+    vit_b = plan("vit-b/16")
+    assert vit_b.buckets == (1, 2, 4, 6, 8, 12, 16, 32)
+    assert vit_b.work(20, 32) == 24 and vit_b.work(12, 16) == 16 and vit_b.work(12, 12) == 12
+    assert plan("vit-b/16", "bfloat16").buckets == vit_b.buckets
+    # 3 images would run on one row, 4 on two: not the same placement, no 3
+    assert 3 not in vit_b.buckets and vit_b.rows(4) == 2
+    for other in (plan("vit-22b-tiny/16", platform="gpu"),
+                  plan("vit-22b-tiny/16", process_count=2),
+                  plan("vit-22b-tiny/16", small_buckets=False, midpoints=False)):
+        assert other.buckets == (2, 4, 8, 16, 32)  # accelerators, groups: powers of two
+    assert plan("vit-22b-tiny/16", small_buckets=False).buckets == (2, 4, 6, 8, 12, 16, 24, 32)
+
+
 def test_a_batch_smaller_than_the_data_axis_runs_on_one_row(tiny_engines):
     auto, padded = tiny_engines["auto"], tiny_engines["precast"]
-    assert padded.buckets == (2, 4, 8) and auto.buckets == (1, 2, 4, 8)
+    assert padded.buckets == (2, 4, 6, 8) and auto.buckets == (1, 2, 3, 4, 6, 8)  # midpoints
     row = auto.placement(1)
     assert dict(row.mesh.shape) == {"data": 1, "model": 4}
     assert list(row.mesh.devices.flat) == list(auto.mesh.devices[0])
@@ -529,8 +555,8 @@ def test_a_bucket_takes_the_rows_its_work_pays_for(tiny_engines):
     auto, padded = tiny_engines["auto"], tiny_engines["precast"]
     tiny = auto.cfg
     assert 8 * tiny.flops_per_image() < 2 * CPU_MIN_ROW_FLOPS <= 16 * tiny.flops_per_image()
-    assert [auto.plan.rows(b) for b in auto.buckets] == [1, 1, 1, 1]
-    assert [padded.plan.rows(b) for b in padded.buckets] == [2, 2, 2]  # fewer rows off: all
+    assert [auto.plan.rows(b) for b in auto.buckets] == [1, 1, 1, 1, 1, 1]
+    assert [padded.plan.rows(b) for b in padded.buckets] == [2, 2, 2, 2]  # fewer rows off
     assert auto.plan.rows(2, (16, 16)) == 2  # 257 tokens an image: both rows
     assert auto.placement(2, (16, 16)) is auto.placement(8, (16, 16))
     assert dict(auto.placement(2, (16, 16)).mesh.shape) == {"data": 2, "model": 4}
@@ -541,12 +567,15 @@ def test_a_bucket_takes_the_rows_its_work_pays_for(tiny_engines):
 
     bigger = plan("vit-22b-tiny/16", 2, 64)
     assert [(b, bigger.rows(b)) for b in bigger.buckets] == [
-        (1, 1), (2, 1), (4, 1), (8, 1), (16, 2), (32, 2), (64, 2)]
+        (1, 1), (2, 1), (3, 1), (4, 1), (6, 1), (8, 1), (12, 2), (16, 2), (24, 2), (32, 2),
+        (48, 2), (64, 2)]
     assert bigger.chunk_images(8) == 8 and bigger.chunk_images(16) == 8  # per row
     vit_ti = plan("vit-ti/16", 2, 8)
-    assert [vit_ti.rows(b) for b in vit_ti.buckets] == [1, 2, 2, 2]
+    assert [(b, vit_ti.rows(b)) for b in vit_ti.buckets] == [(1, 1), (2, 2), (4, 2), (6, 2),
+                                                             (8, 2)]
     odd = plan("vit-ti/16", 3, 12)  # a row count that must divide the bucket
-    assert [(b, odd.rows(b)) for b in odd.buckets] == [(1, 1), (2, 2), (3, 3), (6, 3), (12, 3)]
+    assert [(b, odd.rows(b)) for b in odd.buckets] == [(1, 1), (2, 2), (3, 3), (6, 3), (9, 3),
+                                                       (12, 3)]
     group = Plan.make(tiny, platform="cpu", data=2, process_count=2, max_batch_images=8)
     assert [group.rows(b) for b in group.buckets] == [2, 2, 2]  # every process takes part
     gpu = Plan.make(tiny, platform="gpu", data=2, process_count=1, max_batch_images=8)

@@ -57,8 +57,8 @@ def test_model_info_names_model_weights_mesh_and_preprocessing(client, server):
     assert info.preprocessing.resize == cfg.preprocess.resize
     assert "centre crop 64x64" in info.preprocessing.description
     assert info.mesh.spec == "data=2,model=4" and dict(info.mesh.axes) == {"data": 2, "model": 4}
-    # multiples of the data axis, and below it one image on one row (a CPU host's plan)
-    assert list(info.limits.batch_buckets) == [1, 2, 4, 8]
+    # multiples of the data axis, below it one image on one row, and midpoints (a CPU host's plan)
+    assert list(info.limits.batch_buckets) == [1, 2, 3, 4, 6, 8]
     assert info.limits.max_request_images == MAX_REQUEST
     assert json.loads(info.config_json)["width"] == 64
     assert (info.width, info.depth, info.heads, info.num_patches) == (64, 4, 4, 16)
