@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from vit22b.model.forward import chunked_apply
     from vit22b.model.outputs import POOLED
     from vit22b.model.sharding import shard_params
-    from vit22b.server.engine import Engine, auto_mesh
+    from vit22b.server.engine import NORMALISED, Engine, auto_mesh
 
     folder = tempfile.TemporaryDirectory(prefix="vit22b-onednn-")
     library = build_onednn(folder.name)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"routed ({sorted(set(routed))}), {calls} custom calls in the program")
     finally:
         vit.dot, vit.SequentialBlock._dense, vit.activation = xla_dot, xla_dense, xla_activation
-    engine.compiled(bucket, outputs, grid)
+    engine.compiled(bucket, outputs, grid, NORMALISED)  # x is normalised floats
     sides = {"xla": lambda: engine.call(bucket, outputs, place, x),
              "onednn": lambda: compiled["onednn"](place.params, pos, x),
              "onednn_packed": lambda: compiled["onednn_packed"](packed_params, pos, x),

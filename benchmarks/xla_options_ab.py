@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from vit22b.model.outputs import POOLED
     from vit22b.model.sharding import shard_params
     from vit22b.model.vit import init_params
-    from vit22b.server.engine import Engine, auto_mesh
+    from vit22b.server.engine import NORMALISED, Engine, auto_mesh
 
     cfg = get_config(args.model).replace(compute_dtype=args.dtype)
     mesh = auto_mesh(cfg)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     bucket = engine.bucket(args.batch)
     place = engine.placement(bucket)
     pos = engine.position(grid, place)
-    lowered = engine.lowered(bucket, outputs, grid)
+    lowered = engine.lowered(bucket, outputs, grid, NORMALISED)  # fed floats below
     shape = (bucket, grid[0] * cfg.patch, grid[1] * cfg.patch, cfg.channels)
     x = jax.device_put(np.random.default_rng(0).standard_normal(shape, np.float32),
                        place.batch_sharding)

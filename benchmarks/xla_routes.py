@@ -64,7 +64,7 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
     from vit22b.model.outputs import POOLED
     from vit22b.model.sharding import shard_params
     from vit22b.model.vit import init_params
-    from vit22b.server.engine import Engine, auto_mesh
+    from vit22b.server.engine import NORMALISED, Engine, auto_mesh
 
     cfg = get_config("vit-b/16").replace(compute_dtype=dtype)
     mesh = auto_mesh(cfg)
@@ -92,7 +92,7 @@ def side(name: str, dtype: str, batch: int, repeats: int, out: str) -> dict:
         def run(x):
             return compiled(pos, x)
     else:
-        compiled = engine.compiled(bucket, outputs, grid)
+        compiled = engine.compiled(bucket, outputs, grid, NORMALISED)  # x: floats
 
         def run(x):
             return engine.call(bucket, outputs, place, x)
