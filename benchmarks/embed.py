@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from vit22b.clients.embed import JobConfig, OutputSpec, run_job
     from vit22b.clients.embed_local import LocalBackend
     from vit22b.model import DEFAULT_MODEL
-    from vit22b.model.pixels import Preprocessor
+    from vit22b.model.pixels import Preprocessor, decode
     from vit22b.server.engine import Engine
 
     engine = Engine.load(args.model or DEFAULT_MODEL, mesh=args.mesh,
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_jpegs(data, args.images, (side + side // 4, side + side // 2))
     blobs = [open(p, "rb").read() for p in paths]
     pre = Preprocessor(cfg)
-    pixels = np.stack([pre.load(b) for b in blobs])
+    # what the server hands the engine: uint8 levels (the forward normalises them)
+    pixels = np.stack([pre.crop(decode(b, min_side=pre.min_side)) for b in blobs])
     request = backend.request
     step = engine.max_batch_images
 

@@ -489,7 +489,7 @@ class Engine:
         local, per = bucket // shards, -(-n // shards)
         rows = np.concatenate([k * local + np.arange(min(per, n - k * per))
                                for k in range(shards) if k * per < n])
-        return rows, -(-per // self.plan.chunk_images(bucket, grid))
+        return rows, self.plan.active_steps(n, bucket, grid)
 
     def _compile(self, bucket: int, outputs: OutputRequest, grid: Grid, pixels: np.dtype):
         options = self.plan.compiler_options or None

@@ -15,7 +15,7 @@ it decides, once, at the engine's construction (measurements: benchmarks/NOTES.m
 - midpoint buckets: there too, 3a/2 between buckets a and 2a where a batch of 3a/2 images
   computes fewer rows in it than in 2a on the same data rows (``Plan.work``): padding then
   costs at most a third of a batch, not all of it, where the chunk steps cannot skip it (the
-  tiny model's 17-24 images: 0.82x the CPU of bucket 32);
+  tiny model's 20-24 images: 0.81x the CPU of bucket 32, ``benchmarks/plan_ab.py``);
 - compute dtype ``auto`` (the serving and job default): the checkpoint's or preset's, except
   float32 in place of a bfloat16 default on a CPU without bf16 instructions, where XLA:CPU
   emulates bf16 matmuls and the forward is slower than in float32 (and inexact);
@@ -200,12 +200,17 @@ class Plan:
             out.append(b)
         return tuple(out)
 
+    def active_steps(self, n: int, bucket: int, grid: tuple[int, int] | None = None) -> int:
+        """Chunk steps ``n`` images need in ``bucket`` with each data row's share in its
+        leading rows: the steps holding padding alone are skipped (``Engine.layout``)."""
+        per_row = -(-n // self.rows(bucket, grid))  # ceilings
+        return -(-per_row // self.chunk_images(bucket, grid))
+
     def work(self, n: int, bucket: int, grid: tuple[int, int] | None = None) -> int:
-        """Image rows a forward of ``bucket`` computes for ``n`` images: whole chunk steps on
-        each of its data rows, the steps holding padding alone skipped (``Engine.layout``)."""
+        """Image rows a forward of ``bucket`` computes for ``n`` images: its active chunk steps
+        on each of its data rows."""
         rows, chunk = self.rows(bucket, grid), self.chunk_images(bucket, grid)
-        per_row = -(-n // rows)  # ceilings
-        return -(-per_row // chunk) * chunk * rows
+        return self.active_steps(n, bucket, grid) * chunk * rows
 
     @property
     def max_batch_images(self) -> int:
