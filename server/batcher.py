@@ -20,11 +20,11 @@ gone or whose deadline has passed is dropped before its rows are computed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +33,7 @@ from vit22b.model.features import Features
 from vit22b.model.outputs import OutputRequest
 
 from .engine import LEVELS, Engine
+from .handoff import hand_back
 from .metrics import Metrics
 from .settings import check_batch_wait
 
@@ -66,7 +67,9 @@ class Job:
     solo: bool = False  # never packed with other jobs
     submitted: float = field(default_factory=time.monotonic)
     submitted_ns: int = field(default_factory=time.time_ns)
-    future: Future = field(default_factory=Future)
+    # settled from the compute thread through ``hand_back``: one wake-up of the caller's loop
+    # per batch, not one per job as a concurrent future's asyncio wrapper costs
+    future: asyncio.Future | None = None
     next_row: int = 0  # rows handed to batches so far
     done_rows: int = 0
     parts: list = field(default_factory=list)  # (first row, features) per batch
@@ -158,12 +161,13 @@ class Batcher:
         deadline: float | None,
         solo: bool = False,
     ) -> Job:
-        """Queue admitted, preprocessed images (uint8 levels at the geometry); the job's
-        future gets a ``Result``."""
+        """Queue admitted, preprocessed images (uint8 levels at the geometry); call on an event
+        loop: the job's future, on that loop, gets a ``Result``."""
         if images.dtype != LEVELS:  # a float batch would be taken for levels or mixed with them
             raise TypeError(f"the batcher takes uint8 pixel levels, not {images.dtype}")
         grid = self.engine.cfg.grid_at(images.shape[1], images.shape[2])
-        job = Job(images, outputs, grid, deadline, solo)
+        job = Job(images, outputs, grid, deadline, solo,
+                  future=asyncio.get_running_loop().create_future())
         with self._cond:
             self._queue.append(job)
             self._decoding -= job.size
@@ -332,7 +336,7 @@ class Batcher:
         if features is None:
             return
         self.metrics.images.labels("computed").inc(n)
-        offset = 0
+        offset, finished = 0, []
         for job, first, rows in batch:
             job.parts.append((first, features.take(slice(offset, offset + rows))))
             job.compute_s += elapsed
@@ -341,17 +345,10 @@ class Batcher:
             if job.done_rows == job.size:
                 parts = [part for _, part in sorted(job.parts, key=lambda p: p[0])]
                 result = Result(Features.concat(parts), job.started - job.submitted, job.compute_s)
-                _settle(job.future, lambda f, r=result: f.set_result(r))
+                finished.append((job.future, result, None))
+        hand_back(finished)
 
 
-def _fail(future: Future, err: Exception) -> None:
-    _settle(future, lambda f: f.set_exception(err))
-
-
-def _settle(future: Future, settle) -> None:
-    """Resolve ``future`` unless the caller already cancelled it (from another thread)."""
-    try:
-        if not future.done():
-            settle(future)
-    except InvalidStateError:  # cancelled between the check and the call
-        pass
+def _fail(future: asyncio.Future, err: Exception) -> None:
+    """The caller's future fails with ``err`` (skipped if it was cancelled meanwhile)."""
+    hand_back([(future, None, err)])

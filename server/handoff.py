@@ -1,4 +1,5 @@
-"""One worker thread for an event loop's small blocking jobs, its results handed back in bursts.
+"""One worker thread for an event loop's small blocking jobs, its results handed back in bursts
+(``hand_back``: also the batcher's way back to the loops).
 
 ``loop.run_in_executor`` costs the loop a concurrent future, its asyncio wrapper and a wake-up
 (a write to the loop's self-pipe) for every job. Here a job is an asyncio future and a queue
@@ -34,9 +35,8 @@ class Handoff:
         """``fn(*args)`` in the worker; call on an event loop, await the future there."""
         if self._closed:
             raise RuntimeError("the handoff worker is closed")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
+        future = asyncio.get_running_loop().create_future()
+        self._jobs.put((future, fn, args))
         return future
 
     def close(self) -> None:
@@ -47,25 +47,33 @@ class Handoff:
     def _work(self) -> None:
         job = self._jobs.get()
         while job is not None:
-            finished: dict[asyncio.AbstractEventLoop, list] = {}
+            finished: list[tuple[asyncio.Future, Any, BaseException | None]] = []
             for _ in range(MAX_BURST):
-                loop, future, fn, args = job
+                future, fn, args = job
                 try:
-                    outcome = (fn(*args), None)
+                    finished.append((future, fn(*args), None))
                 except BaseException as err:  # noqa: BLE001 - the caller's to raise, on its loop
-                    outcome = (None, err)
-                finished.setdefault(loop, []).append((future, *outcome))
+                    finished.append((future, None, err))
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = ...  # none queued: hand back, then wait
                 if job is None or job is ...:
                     break
-            for loop, settled in finished.items():
-                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: nobody waits
-                    loop.call_soon_threadsafe(_settle, settled)
+            hand_back(finished)
             if job is ...:
                 job = self._jobs.get()
+
+
+def hand_back(finished: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    """From another thread: settle asyncio futures (future, value, error) with one
+    ``call_soon_threadsafe`` per event loop, skipping those cancelled meanwhile."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for outcome in finished:
+        by_loop.setdefault(outcome[0].get_loop(), []).append(outcome)
+    for loop, settled in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(_settle, settled)
 
 
 def _settle(settled: list) -> None:

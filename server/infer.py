@@ -282,7 +282,7 @@ class Infer:
                 job = self.batcher.submit(pixels, admitted.outputs, call.deadline, call.solo)
                 admitted.held = 0  # the batcher accounts for queued rows from here on
                 try:
-                    done = await asyncio.wrap_future(job.future)
+                    done = await job.future
                 except asyncio.CancelledError:
                     job.cancel()
                     raise
@@ -370,6 +370,8 @@ class Infer:
                 f"dense mode gives these images different patch grids ({grids}); a request "
                 "holds one grid: send images of one aspect ratio together, or one per request"
             )
+        if len(good) == 1:  # a view: the batcher copies it into the batch
+            return good[0][None], indices, errors
         return (np.stack(good) if good else None), indices, errors
 
     async def _load_one(self, image: ImageInput, pre: Preprocessor) -> np.ndarray:

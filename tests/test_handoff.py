@@ -1,5 +1,6 @@
 """server/handoff.py: jobs run in the worker in order, each result or error reaches its own
-future on its own loop, cancelled ones are skipped, and close ends the worker."""
+future on its own loop, cancelled ones are skipped, and close ends the worker; ``hand_back``
+(the batcher's way back) wakes each loop once per hand-back."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 import time
 
 import pytest
-from vit22b.server.handoff import MAX_BURST, Handoff
+from vit22b.server.handoff import MAX_BURST, Handoff, hand_back
 
 
 def test_results_errors_and_order_reach_each_future():
@@ -63,3 +64,29 @@ def test_a_cancelled_job_is_skipped_and_two_loops_are_served():
 
 async def _one(handoff):
     return await handoff.submit(int, "42")
+
+
+def test_hand_back_wakes_each_loop_once_and_skips_cancelled_and_closed():
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: (wakeups.append(args), real(*args))[1]
+        futures = [loop.create_future() for _ in range(5)]
+        futures[2].cancel()  # its caller left: skipped, not set
+        outcomes = [(f, i * 10, None) for i, f in enumerate(futures)]
+        outcomes[4] = (futures[4], None, ValueError("four"))
+        closed = asyncio.new_event_loop()
+        gone = closed.create_future()
+        closed.close()  # a loop that ended meanwhile: nobody waits, nothing raises
+        worker = threading.Thread(target=hand_back, args=([(gone, 1, None), *outcomes],))
+        worker.start()
+        worker.join(5)
+        results = await asyncio.gather(*(futures[i] for i in (0, 1, 3, 4)),
+                                       return_exceptions=True)
+        return len(wakeups), results
+
+    wakeups, results = asyncio.run(main())
+    assert wakeups == 1
+    assert results[:3] == [0, 10, 30]
+    assert isinstance(results[3], ValueError) and str(results[3]) == "four"
