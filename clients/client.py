@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 
@@ -162,7 +162,7 @@ def chunk_items(
             )
             if not options.skip_invalid:
                 raise err
-            item = replace(item, image=err, size=0)  # sent as nothing: its request's error
+            item = item._replace(image=err, size=0)  # sent as nothing: its request's error
         full = len(chunk) == per_request
         if chunk and (
             full or sent + item.size + overhead > budget or answered + row + overhead > budget

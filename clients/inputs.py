@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -24,8 +24,7 @@ ImageInput = str | os.PathLike | bytes | bytearray | memoryview | Image.Image | 
 ENCODED = (bytes, bytearray, memoryview)  # a file's bytes, sent as they are
 
 
-@dataclass(frozen=True)
-class Item:
+class Item(NamedTuple):  # a tuple: made once per image on every call, a third of a dataclass's cost
     index: int  # position in the caller's input
     image: ImageInput | InvalidImage  # or why it is not sent (with skip_invalid)
     id: str

@@ -117,20 +117,22 @@ def from_tensor(tensor: pb.Tensor, copy: bool = True) -> np.ndarray:
     dtype = _NUMPY.get(tensor.dtype)
     if dtype is None:
         raise WireError(f"tensor dtype {tensor.dtype} is unknown; known: {list(DTYPES)}")
-    if len(tensor.shape) > MAX_TENSOR_DIMS:
-        raise WireError(f"tensor has {len(tensor.shape)} dimensions; at most {MAX_TENSOR_DIMS}")
-    shape = tuple(int(s) for s in tensor.shape)
-    if any(s < 0 for s in shape):
+    shape = tuple(tensor.shape)  # int64 values: Python ints
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise WireError(f"tensor has {len(shape)} dimensions; at most {MAX_TENSOR_DIMS}")
+    if shape and min(shape) < 0:
         raise WireError(f"tensor shape {list(shape)} has a negative dimension")
-    if math.prod(s for s in shape if s) * dtype.itemsize > sys.maxsize:  # numpy's: C integers
+    count = math.prod(shape)
+    # numpy's sizes are C integers; a zero-size array's other dimensions must fit too
+    if (count or math.prod(s for s in shape if s)) * dtype.itemsize > sys.maxsize:
         raise WireError(f"tensor shape {list(shape)} is beyond any array's size")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(tensor.data) != expected:
+    data = tensor.data  # one read: each read of a bytes field makes a new bytes object
+    if len(data) != count * dtype.itemsize:
         raise WireError(
             f"tensor of shape {list(shape)} and dtype {dtype_name(tensor.dtype)} needs "
-            f"{expected} bytes, got {len(tensor.data)}"
+            f"{count * dtype.itemsize} bytes, got {len(data)}"
         )
-    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
     return array.copy() if copy else array
 
 
