@@ -35,6 +35,10 @@ import time
 from benchlib import emit, log, machine
 from serve import TRANSPORTS, jpegs, run_phase
 
+# the server's timings in a phase (serve.phase_figures), reported beside the samples
+PHASE_KEYS = ("compute_busy", "compute_ms_per_batch", "preprocess_ms_per_call",
+              "queue_ms_per_job")
+
 # stage -> substrings of a py-spy frame ("function (file:line)"); the innermost match wins
 STAGES: dict[str, tuple[str, ...]] = {
     "decode + preprocess (pixels.py)": ("pixels.py",),
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             phase = {"wall_s": round(result["wall_s"], 2),
                      "images_per_s": round(args.images / result["wall_s"], 1),
                      "avg_batch": round(result["avg_batch"], 2),
+                     **{k: result[k] for k in PHASE_KEYS},
                      "server_cycle_collections": collections_seen.take()}
             for side, (_, out) in spies.items():
                 phase[side] = {"cpu": cpu[side], "sampled": split(fold(out), args.rate,
@@ -274,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{clients} client(s): {phase['images_per_s']} img/s, avg batch "
                 f"{phase['avg_batch']}; server cycle collections "
                 f"{phase['server_cycle_collections']}")
+            log(f"  the server's timings: compute thread busy {phase['compute_busy']:.0%} of the "
+                f"wall time, {phase['compute_ms_per_batch']} ms per batch; a call "
+                f"{phase['preprocess_ms_per_call']} ms in preprocessing (the decode queue "
+                f"included), a job {phase['queue_ms_per_job']} ms in the queue")
             for side in ("server", "client"):
                 measured = phase[side]["cpu"]
                 log(f"  {side}: {measured['cpu_us_per_image']} CPU us/image (/proc), by thread:")

@@ -181,18 +181,42 @@ def _handshake() -> None:
 # ---- the server process -----------------------------------------------------------------------
 
 
-def scrape_batches(metrics_url: str) -> tuple[float, float]:
-    """(images, batches) computed so far, from the server's /metrics endpoint."""
+# the server's histograms a phase reads (``server/metrics.py``): their sums and counts
+PHASE_METRICS = ("batch_images", "compute_seconds", "queue_seconds", "preprocess_seconds")
+
+
+def scrape_phase(metrics_url: str) -> dict[str, float]:
+    """Sums and counts of ``PHASE_METRICS`` so far, from the server's /metrics endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    values = {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name in ("vit22b_batch_images_sum", "vit22b_batch_images_count")
+    names = {f"vit22b_{m}_{part}" for m in PHASE_METRICS for part in ("sum", "count")}
+    values = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                values[sample.name] += sample.value
+    return values
+
+
+def phase_figures(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """What the server did in a phase: its average batch, the share of the wall time its
+    compute thread ran forwards, the forward's time per batch, and a call's average time in
+    preprocessing (admission to decoded, the decode queue's wait included) and in the queue."""
+    d = {k: after[k] - before[k] for k in after}
+
+    def mean_ms(metric: str) -> float:
+        count = d[f"vit22b_{metric}_count"]
+        return round(1e3 * d[f"vit22b_{metric}_sum"] / count, 3) if count else 0.0
+
+    batches = d["vit22b_batch_images_count"]
+    return {
+        "avg_batch": d["vit22b_batch_images_sum"] / batches if batches else 0.0,
+        "compute_busy": round(d["vit22b_compute_seconds_sum"] / wall_s, 3) if wall_s else 0.0,
+        "compute_ms_per_batch": mean_ms("compute_seconds"),
+        "preprocess_ms_per_call": mean_ms("preprocess_seconds"),
+        "queue_ms_per_job": mean_ms("queue_seconds"),
     }
-    return values.get("vit22b_batch_images_sum", 0.0), values.get("vit22b_batch_images_count", 0.0)
 
 
 def run_phase(args, address: str, metrics_url: str, clients: int, on_ready=None,
@@ -208,7 +232,8 @@ def run_phase(args, address: str, metrics_url: str, clients: int, on_ready=None,
 
 def run_client_process(command: list[str], metrics_url: str, clients: int, on_ready=None,
                        on_done=None) -> dict:
-    """One client process; returns its figures plus the server's average batch in the phase.
+    """One client process; returns its figures plus the server's in the phase
+    (``phase_figures``: its average batch first).
     ``on_ready(pid)``: called once the clients are connected and warm, before the clock starts;
     ``on_done()`` as soon as they are done (the profiler's hooks)."""
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -217,19 +242,18 @@ def run_client_process(command: list[str], metrics_url: str, clients: int, on_re
             raise RuntimeError(f"client process for {clients} clients did not start")
         if on_ready is not None:
             on_ready(proc.pid)
-        before = scrape_batches(metrics_url)
+        before = scrape_phase(metrics_url)
         proc.stdin.write("go\n")
         proc.stdin.flush()
         result = json.loads(proc.stdout.readline())
         if on_done is not None:
             on_done()
-        after = scrape_batches(metrics_url)
+        after = scrape_phase(metrics_url)
     finally:
         proc.stdin.close()
         if proc.wait(timeout=60):
             raise RuntimeError(f"client process for {clients} clients failed")
-    images, batches = after[0] - before[0], after[1] - before[1]
-    result["avg_batch"] = images / batches if batches else 0.0
+    result.update(phase_figures(before, after, result["wall_s"]))
     return result
 
 

@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             phase[name] = {
                 "images_per_s": round(median([args.images / p["wall_s"] for p in done]), 1),
                 "p50_ms": round(1e3 * percentile(latencies, 50), 2),
-                "avg_batch": round(median([p["avg_batch"] for p in done]), 2)}
+                **{key: round(median([p[key] for p in done]), 3)
+                   for key in ("avg_batch", "compute_busy", "preprocess_ms_per_call")}}
         log(f"{clients} clients: {phase}")
     emit({"benchmark": "serve_against", "against": os.path.abspath(args.against),
           "model": args.model, "transport": args.transport, "images": args.images,
