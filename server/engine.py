@@ -227,6 +227,7 @@ class Engine:
         self._compiled: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
         self._used: dict[OutputRequest, float] = {}  # on-demand output set -> last use
         self._warm: dict[tuple, jax.stages.Compiled] = {}
+        self._warm_outputs: set[OutputRequest] = set()  # their output sets: a look-up per call
         # Every call resolves its outputs; the same few sets, so remembered (bounded: a caller
         # may spell many).
         self._resolved = functools.lru_cache(maxsize=256)(lambda o: o.resolve(self.cfg))
@@ -320,7 +321,7 @@ class Engine:
         """Refuse a new on-demand output set the cache cannot take without thrashing."""
         now = time.monotonic()
         with self._lock:
-            if any(key[1] == outputs for key in self._warm):
+            if outputs in self._warm_outputs:
                 return
             if outputs in self._used:
                 self._used[outputs] = now
@@ -403,6 +404,7 @@ class Engine:
         with self._lock:
             if warm:
                 self._warm[key] = fn
+                self._warm_outputs.add(outputs)
             else:
                 self.compilations += 1
                 self._compiled[key] = fn
