@@ -99,20 +99,25 @@ class EmbedOptions:
         return self.asked.patch_layers
 
     @cached_property
-    def _request_fields(self) -> dict:
-        return {
-            "outputs": [wire.kind_code(k) for k in self.kinds],
-            "patch_layers": self.patch_layers,
-            "dtype": wire.dtype_code(self.dtype),
-            "l2_normalize": self.l2_normalize,
-            "normalize_patches": self.normalize_patches,
-            "skip_invalid_images": self.skip_invalid,
-            "resolution": self.resolution,
-            "dense": self.dense,
-        }
+    def _template(self) -> pb.EmbedRequest:
+        """A request of no images with these options: copied per request (half the cost of
+        spelling its fields again)."""
+        return pb.EmbedRequest(
+            outputs=[wire.kind_code(k) for k in self.kinds],
+            patch_layers=self.patch_layers,
+            dtype=wire.dtype_code(self.dtype),
+            l2_normalize=self.l2_normalize,
+            normalize_patches=self.normalize_patches,
+            skip_invalid_images=self.skip_invalid,
+            resolution=self.resolution,
+            dense=self.dense,
+        )
 
     def request(self, images: Sequence[pb.Image]) -> pb.EmbedRequest:
-        return pb.EmbedRequest(images=images, **self._request_fields)
+        request = pb.EmbedRequest()
+        request.CopyFrom(self._template)
+        request.images.extend(images)
+        return request
 
 
 @lru_cache(maxsize=64)

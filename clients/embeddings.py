@@ -55,26 +55,32 @@ def from_response(response: pb.EmbedResponse, sent: Sequence[int]) -> Embeddings
     # possible tensors; asking each by HasField costs more than the rest of this on small calls)
     arrays = {field.name: wire.from_tensor(value) for field, value in response.ListFields()
               if field.name in wire.TENSOR_FIELDS}
-    patches = {int(k): wire.from_tensor(t) for k, t in response.patch_tokens.items()}
-    rows = len(response.ids)
-    if len(response.indices) != rows:
-        raise wire.WireError(f"malformed response: {len(response.indices)} indices for {rows} "
-                             "ids")
-    for name, array in (*arrays.items(), *(((f"patch_tokens[{k}]"), a) for k, a in
-                                           patches.items())):
-        if array.ndim < 2 or array.shape[0] != rows:  # every output is [images, ...]
-            raise wire.WireError(f"malformed response: {name} of shape {list(array.shape)} "
-                                 f"for {rows} images")
+    tokens = response.patch_tokens
+    patches = {int(k): wire.from_tensor(t) for k, t in tokens.items()} if tokens else {}
+    ids, indices = list(response.ids), list(response.indices)
+    rows = len(ids)
+    if len(indices) != rows:
+        raise wire.WireError(f"malformed response: {len(indices)} indices for {rows} ids")
+    for name, array in arrays.items():
+        _check_rows(name, array, rows)
+    for layer, array in patches.items():
+        _check_rows(f"patch_tokens[{layer}]", array, rows)
     return Embeddings(
         **arrays,
         patch_tokens=patches,
-        ids=list(response.ids),
-        indices=np.array([_sent(sent, i) for i in response.indices], np.int64),
+        ids=ids,
+        indices=np.array([_sent(sent, i) for i in indices], np.int64),
         errors=[ImageError(_sent(sent, e.index), e.id, e.reason) for e in response.errors],
         model=response.model,
         timings=[response.timings],
         grid=(response.grid_rows, response.grid_cols) if response.grid_rows else None,
     )
+
+
+def _check_rows(name: str, array: np.ndarray, rows: int) -> None:
+    if array.ndim < 2 or array.shape[0] != rows:  # every output is [images, ...]
+        raise wire.WireError(f"malformed response: {name} of shape {list(array.shape)} for "
+                             f"{rows} images")
 
 
 def _sent(sent: Sequence[int], index: int) -> int:

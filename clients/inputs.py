@@ -34,6 +34,8 @@ class Item(NamedTuple):  # a tuple: made once per image on every call, a third o
 def as_images(images) -> Iterable[ImageInput]:
     """A single image (path, bytes, PIL image, [H, W, C] array) or many (a list, an iterable,
     an [N, H, W, C] array)."""
+    if type(images) is list:  # the usual case, first: os.PathLike's ABC check costs more
+        return images
     if isinstance(images, (str, os.PathLike, *ENCODED, Image.Image)):
         return [images]
     if isinstance(images, np.ndarray):
@@ -42,10 +44,14 @@ def as_images(images) -> Iterable[ImageInput]:
 
 
 def default_id(image: ImageInput, index: int) -> str:
+    if type(image) is bytes:  # the usual case, before os.PathLike's (costlier) ABC check
+        return str(index)
     return os.fspath(image) if isinstance(image, (str, os.PathLike)) else str(index)
 
 
 def wire_size(image: ImageInput) -> int:
+    if type(image) is bytes:  # the usual case, before os.PathLike's (costlier) ABC check
+        return len(image)
     if isinstance(image, (str, os.PathLike)):
         try:
             return os.path.getsize(image)
@@ -86,6 +92,8 @@ def to_proto(item: Item) -> pb.Image:
     if isinstance(image, InvalidImage):  # refused before it was read (see chunk_items)
         raise image
     try:
+        if type(image) is bytes:  # the usual case, before os.PathLike's (costlier) ABC check
+            return pb.Image(id=item.id, encoded=image)
         if isinstance(image, (str, os.PathLike)):
             return pb.Image(id=item.id, encoded=read_local(os.fspath(image)))
         if isinstance(image, ENCODED):

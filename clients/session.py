@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -134,11 +133,18 @@ def _left(deadline: float | None, now: float) -> float | None:
     return None if deadline is None else max(0.0, deadline - now)
 
 
-async def _within(answer: asyncio.Future, deadline: float | None, loop):
-    if sys.version_info >= (3, 11):  # a timeout scope: no task per wait, as wait_for makes
-        async with asyncio.timeout_at(deadline):
-            return await answer
-    return await asyncio.wait_for(answer, _left(deadline, loop.time()))
+class _Expired(Exception):
+    """Set on the answer an async call waits for when its timeout passes (``_expire``)."""
+
+
+def _expire(entries: list[_Entry]) -> None:
+    """A call's timer: its first unanswered request, the one its caller awaits (the ones before
+    are settled), fails; one timer per call, not a timeout scope (a task's cancellation) per
+    answer awaited."""
+    for entry in entries:
+        if not entry.answer.done():
+            entry.answer.set_exception(_Expired())
+            return
 
 
 def _timed_out(timeout: float, first: int, count: int) -> FeatureError:
@@ -299,12 +305,17 @@ class AsyncEmbedSession:
                 entry.answer.add_done_callback(lambda _: self._room.release())
                 entries.append(entry)
                 await self._send(entry)
-            responses, deadline = [], _deadline(loop.time(), timeout)
-            for entry in entries:
-                try:
-                    responses.append(await _within(entry.answer, deadline, loop))
-                except asyncio.TimeoutError:
-                    raise _timed_out(timeout, entry.first, entry.count) from None
+            responses = []
+            expiry = None if timeout is None else loop.call_later(timeout, _expire, entries)
+            try:
+                for entry in entries:
+                    try:
+                        responses.append(await entry.answer)
+                    except _Expired:
+                        raise _timed_out(timeout, entry.first, entry.count) from None
+            finally:
+                if expiry is not None:
+                    expiry.cancel()
         finally:
             for entry in entries:
                 entry.answer.cancel()  # no-op for the answered ones

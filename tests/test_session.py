@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from serving import assert_same_rows, in_process, metric, metrics, random_images, start_server
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
-from vit22b.clients.session import _Entry, failover
+from vit22b.clients.session import _Entry, _expire, _Expired, failover
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +172,24 @@ def test_a_call_that_times_out_drops_its_late_answer_and_keeps_the_order(server)
 
     later = asyncio.run(twin())
     assert_same_rows(np.concatenate([r.pooled for r in later]), want[1:])
+
+
+def test_a_calls_timer_fails_only_the_answer_its_caller_awaits():
+    """An async call's timeout is one timer (``_expire``): it fails the first unanswered
+    request, the one awaited; the later ones are left for the call's cleanup to cancel (an
+    exception set on them would never be retrieved)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        entries = [_Entry(None, [i], [], loop.create_future()) for i in range(3)]
+        entries[0].answer.set_result("answered")
+        _expire(entries)
+        assert entries[0].answer.result() == "answered"
+        assert isinstance(entries[1].answer.exception(), _Expired)
+        assert not entries[2].answer.done()
+        _expire(entries)  # a second expiry fails the next one only
+        assert isinstance(entries[2].answer.exception(), _Expired)
+
+    asyncio.run(main())
 
 
 def test_a_draining_server_ends_an_idle_stream_and_the_session_moves_on():
