@@ -29,7 +29,8 @@ class AsyncFeatureClient(ClientBase):
         for attempt in itertools.count():
             call = self._pick(method)
             try:
-                return await call(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                return await call(request, timeout=self._timeout(timeout),
+                                  metadata=self.metadata)
             except grpc.RpcError as err:
                 await asyncio.sleep(self._backoff(err, attempt, first, count))
         raise AssertionError("unreachable")

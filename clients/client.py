@@ -10,6 +10,7 @@ RESOURCE_EXHAUSTED. Never imports jax.
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import random
 import threading
@@ -222,12 +223,29 @@ def start_embed(images, ids, info: pb.ModelInfo, progress: bool, batch_size: int
     return options, chunks, bar
 
 
+MAX_TIMEOUT_S = 1e8  # about three years: a longer timeout, inf included, means no limit in practice
+
+
+def check_timeout(timeout) -> float | None:
+    """A timeout as given (seconds; None: the default), checked: a positive number, at most
+    ``MAX_TIMEOUT_S`` (gRPC's deadlines and the event loop's timers overflow beyond it)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds or None, not "
+                        f"{type(timeout).__name__}")
+    if not timeout > 0:  # NaN too
+        raise ValueError(f"timeout must be more than 0 seconds, got {timeout}")
+    return min(float(timeout), MAX_TIMEOUT_S)
+
+
 class ClientBase:
     """What both clients share: addresses, credentials, token, channel options, retries.
 
     ``address`` may be a list: requests are spread round-robin and retried on the next one.
     ``tls``: True (system roots) or a PEM file of trusted roots. ``token``: bearer token.
-    ``timeout``: seconds per request. ``concurrency``: requests in flight per ``embed``.
+    ``timeout``: seconds per request (None: no limit; see ``check_timeout``); a call's own
+    ``timeout`` replaces it. ``concurrency``: requests in flight per ``embed``.
     """
 
     _grpc = grpc  # the channel module: grpc, or grpc.aio for the async client
@@ -246,7 +264,7 @@ class ClientBase:
         if not self.addresses:
             raise ValueError("no server address given")
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.retry = retry or Retry()
         self.concurrency = max(1, concurrency)
         # No client-side caps: requests are sized to the server's limits, which rule.
@@ -261,6 +279,10 @@ class ClientBase:
         self._info: pb.ModelInfo | None = None
         self._next = itertools.count()
         self._lock = threading.Lock()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        """A call's timeout: its own, checked, or the client's."""
+        return self.timeout if timeout is None else check_timeout(timeout)
 
     def _pick(self, method: str):
         """Round-robin: each call (and each retry) goes to the next address."""
@@ -283,7 +305,7 @@ class FeatureClient(ClientBase):
         for attempt in itertools.count():
             call = self._pick(method)
             try:
-                return call(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                return call(request, timeout=self._timeout(timeout), metadata=self.metadata)
             except grpc.RpcError as err:
                 time.sleep(self._backoff(err, attempt, first, count))
         raise AssertionError("unreachable")

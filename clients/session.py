@@ -171,7 +171,7 @@ class EmbedSession:
         message)."""
         self._client.model_info()
         unsent: list[ImageError] = []
-        timeout = timeout or self._client.timeout
+        timeout = self._client._timeout(timeout)
         deadline = _deadline(time.monotonic(), timeout)
         entries: list[_Entry] = []
         try:
@@ -295,7 +295,7 @@ class AsyncEmbedSession:
         """``AsyncFeatureClient.embed``'s inputs, keywords and result."""
         await self._client.model_info()
         unsent: list[ImageError] = []
-        timeout = timeout or self._client.timeout
+        timeout = self._client._timeout(timeout)
         loop = asyncio.get_running_loop()
         entries: list[_Entry] = []
         try:

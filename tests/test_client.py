@@ -22,7 +22,14 @@ from vit22b.clients import (
     MixedModelsError,
     Retry,
 )
-from vit22b.clients.client import EmbedOptions, build_request, chunk_items, chunk_result
+from vit22b.clients.client import (
+    MAX_TIMEOUT_S,
+    EmbedOptions,
+    build_request,
+    check_timeout,
+    chunk_items,
+    chunk_result,
+)
 from vit22b.clients.embeddings import ImageError, merge
 from vit22b.clients.inputs import Item, as_images, items, to_proto, wire_size
 from vit22b.model import OutputRequest
@@ -401,3 +408,27 @@ def test_ids_must_be_one_per_image():
         list(items(iter(images), iter(["x"])))
     with pytest.raises(ValueError, match="more ids than the 2 images"):
         list(items(iter(images), iter(["x", "y", "z"])))
+
+
+def test_timeouts_are_positive_numbers_and_long_ones_mean_no_limit():
+    """A hostile timeout (NaN, 0, negative, a string) was a deadline exceeded at once, a
+    TypeError from inside asyncio, or never enforced, by client kind; inf and 1e30 overflowed
+    gRPC's deadline (DEADLINE_EXCEEDED at once) or the sync session's wait (OverflowError)."""
+    assert check_timeout(None) is None
+    assert check_timeout(2) == 2.0 and check_timeout(0.5) == 0.5
+    assert check_timeout(float("inf")) == check_timeout(1e30) == MAX_TIMEOUT_S
+    for bad in (0, -1, float("nan"), -float("inf")):
+        with pytest.raises(ValueError, match="more than 0 seconds"):
+            check_timeout(bad)
+    for bad in ("5", True, [1], b"1"):
+        with pytest.raises(TypeError, match="a number of seconds or None"):
+            check_timeout(bad)
+    with pytest.raises(ValueError, match="more than 0 seconds"):
+        FeatureClient("127.0.0.1:1", timeout=float("nan"))
+    client = FeatureClient("127.0.0.1:1", timeout=30)
+    try:  # a call's own timeout replaces the client's, checked the same way
+        assert client._timeout(None) == 30 and client._timeout(5) == 5
+        with pytest.raises(ValueError):
+            client._timeout(0)
+    finally:
+        client.close()
