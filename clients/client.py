@@ -211,6 +211,7 @@ def chunk_result(
 
 def start_embed(images, ids, info: pb.ModelInfo, progress: bool, batch_size: int | None, **options):
     """Options, the lazy stream of request chunks, and the progress bar (or None)."""
+    batch_size = check_count("batch_size", batch_size)
     options = options_of(options)
     images = as_images(images)
     chunks = chunk_items(items(images, ids), info, options, batch_size)
@@ -237,6 +238,18 @@ def check_timeout(timeout) -> float | None:
     if not timeout > 0:  # NaN too
         raise ValueError(f"timeout must be more than 0 seconds, got {timeout}")
     return min(float(timeout), MAX_TIMEOUT_S)
+
+
+def check_count(name: str, value, default_none: bool = True) -> int | None:
+    """A count the caller sets (``batch_size``, ``concurrency``): an int of at least 1, or None
+    where ``default_none`` (the default then applies)."""
+    if value is None and default_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
 
 
 class ClientBase:
@@ -266,7 +279,7 @@ class ClientBase:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = check_timeout(timeout)
         self.retry = retry or Retry()
-        self.concurrency = max(1, concurrency)
+        self.concurrency = check_count("concurrency", concurrency, default_none=False)
         # No client-side caps: requests are sized to the server's limits, which rule.
         options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
         if tls:

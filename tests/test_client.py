@@ -26,6 +26,7 @@ from vit22b.clients.client import (
     MAX_TIMEOUT_S,
     EmbedOptions,
     build_request,
+    check_count,
     check_timeout,
     chunk_items,
     chunk_result,
@@ -432,3 +433,19 @@ def test_timeouts_are_positive_numbers_and_long_ones_mean_no_limit():
             client._timeout(0)
     finally:
         client.close()
+
+
+def test_batch_size_and_concurrency_are_counts():
+    """batch_size 0, -1, 1.5 and NaN were ignored silently (one request for every image), True
+    was 1 and "2" a TypeError from a comparison; concurrency 0 and -3 became 1 silently."""
+    assert check_count("batch_size", None) is None and check_count("batch_size", 3) == 3
+    assert check_count("batch_size", np.int64(2)) == 2
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                       ("2", TypeError), (float("nan"), TypeError)):
+        with pytest.raises(error, match="batch_size must be"):
+            check_count("batch_size", bad)
+    with pytest.raises(TypeError, match="concurrency must be an int"):
+        check_count("concurrency", None, default_none=False)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="concurrency must be at least 1"):
+            FeatureClient("127.0.0.1:1", concurrency=bad)
