@@ -40,6 +40,11 @@ def as_images(images) -> Iterable[ImageInput]:
         return [images]
     if isinstance(images, np.ndarray):
         return [images] if images.ndim in (2, 3) else list(images)
+    try:
+        iter(images)
+    except TypeError:
+        raise TypeError(f"images must be an image (a path, encoded bytes, a PIL image, an "
+                        f"array) or an iterable of them, not {type(images).__name__}") from None
     return images
 
 

@@ -449,3 +449,10 @@ def test_batch_size_and_concurrency_are_counts():
     for bad in (0, -3):
         with pytest.raises(ValueError, match="concurrency must be at least 1"):
             FeatureClient("127.0.0.1:1", concurrency=bad)
+
+
+def test_images_that_are_neither_an_image_nor_several_are_named():
+    for bad in (None, 5, 3.5):
+        with pytest.raises(TypeError, match=f"or an iterable of them, not {type(bad).__name__}"):
+            as_images(bad)
+    assert list(as_images(iter([b"x"]))) == [b"x"]  # an iterator is taken as it comes
