@@ -152,7 +152,7 @@ def _timed_out(timeout: float, first: int, count: int) -> FeatureError:
                         f"no answer within {timeout:g} s on the session's stream", first, count)
 
 
-_END = object()  # ends a sync stream's request iterator
+_END = object()  # ends a stream's requests (the sync iterator, the async writer)
 
 
 class EmbedSession:
@@ -304,7 +304,7 @@ class AsyncEmbedSession:
                 entry = _Entry(*message, loop.create_future())
                 entry.answer.add_done_callback(lambda _: self._room.release())
                 entries.append(entry)
-                await self._send(entry)
+                self._send(entry)
             responses = []
             expiry = None if timeout is None else loop.call_later(timeout, _expire, entries)
             try:
@@ -321,19 +321,21 @@ class AsyncEmbedSession:
                 entry.answer.cancel()  # no-op for the answered ones
         return _results(entries, responses, unsent)
 
-    async def _send(self, entry: _Entry) -> None:
+    def _send(self, entry: _Entry) -> None:
+        """Queued on the stream at once (no await: a caller cancelled here leaves nothing
+        half-sent)."""
         if self._closed:
             raise RuntimeError("the session is closed")
         if self._stream is None or self._stream.dead:
             self._stream = _AsyncStream(self._client, self._failed)
-        await self._stream.send(entry)
+        self._stream.send(entry)
 
     def _failed(self, plan: _Failover) -> None:
         async def resend(entry: _Entry) -> None:
             if entry.answer.done():  # its caller gave up meanwhile
                 return
             try:
-                await self._send(entry)
+                self._send(entry)
             except RuntimeError as closed:
                 entry.refused(closed)
 
@@ -366,26 +368,50 @@ class AsyncEmbedSession:
 
 
 class _AsyncStream:
-    """One ``EmbedStream`` call on grpc.aio: writes one at a time, a task reads the answers."""
+    """One ``EmbedStream`` call on grpc.aio: a task writes the requests in the order they were
+    queued, another reads the answers.
+
+    Callers only queue and await their answers: grpc.aio cancels the whole call when a write
+    is cancelled, so a caller's cancellation must never reach a write (it would end the stream
+    under every other caller), and a request is pending (an answer expected) exactly when it
+    is queued for writing, so answers always match requests in order."""
 
     def __init__(self, client, on_failure: Callable[[_Failover], None]):
         self._client, self._on_failure = client, on_failure
-        self._pending: deque[_Entry] = deque()
-        self._write = asyncio.Lock()
+        self._pending: deque[_Entry] = deque()  # written or queued, unanswered, in order
+        self._unwritten: deque = deque()  # entries queued for the writer, then _END
+        self._more: asyncio.Future | None = None  # the idle writer waits on it
         self.dead = False
         self._call = client._pick("EmbedStream")(metadata=client.metadata)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._writer = loop.create_task(self._write())
 
-    async def send(self, entry: _Entry) -> None:
-        # Appended before any await: the reader's failover sees every request written.
-        self._pending.append(entry)
-        async with self._write:
-            if self.dead:
-                return  # the failover has taken it (or will) along with the others
-            try:
+    def send(self, entry: _Entry | object) -> None:
+        if entry is not _END:
+            self._pending.append(entry)  # before the write: the failover sees it either way
+        self._unwritten.append(entry)
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        if self._more is not None and not self._more.done():
+            self._more.set_result(None)
+
+    async def _write(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.dead:
+                if not self._unwritten:
+                    self._more = loop.create_future()
+                    await self._more
+                    continue
+                entry = self._unwritten.popleft()
+                if entry is _END:
+                    await self._call.done_writing()
+                    return
                 await self._call.write(entry.request)
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                pass  # the stream has ended: the reader's failover resends it
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the stream has ended: the reader's failover resends what is pending
 
     async def _read(self) -> None:
         err = None
@@ -398,19 +424,19 @@ class _AsyncStream:
         except grpc.RpcError as error:
             err = error
         self.dead = True
+        self._wake_writer()  # it ends: the failover takes what it had not written
         entries = list(self._pending)
         self._pending.clear()
         if entries:
             self._on_failure(failover(entries, err or _EndedEarly(), self._client._backoff))
 
     async def close(self) -> None:
-        async with self._write:
-            if not self.dead:
-                try:
-                    await self._call.done_writing()
-                except (grpc.RpcError, asyncio.InvalidStateError):
-                    pass
-        await asyncio.wait_for(self._reader, self._client.timeout)
+        if not self.dead:
+            self.send(_END)  # after every queued request: done writing
+        try:
+            await asyncio.wait_for(self._reader, self._client.timeout)
+        finally:
+            self._writer.cancel()  # ended already, unless the stream died under it
 
 
 class _EndedEarly(grpc.RpcError):

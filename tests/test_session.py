@@ -174,6 +174,44 @@ def test_a_call_that_times_out_drops_its_late_answer_and_keeps_the_order(server)
     assert_same_rows(np.concatenate([r.pooled for r in later]), want[1:])
 
 
+def test_callers_cancelled_mid_call_leave_the_others_their_own_answers(server):
+    """Tasks sharing an async session, some cancelled at random points of their calls (waiting
+    for room, for the write, for the answer). A caller cancelled during its write cancelled
+    grpc.aio's whole stream, and every other caller on it waited out its timeout; one cancelled
+    while waiting to write left a request never sent among the pending ones, and the answers
+    after it would have gone to the wrong callers. Each caller that is not cancelled gets its
+    own image's features, promptly, and the session closes cleanly."""
+    images = random_images(8, seed=66, size=(64, 64))
+    want = in_process(server.engine, images)["pooled"]
+    rng = np.random.default_rng(66)
+    delays = iter(rng.uniform(0, 0.003, 4096).tolist())
+
+    async def main():
+        got = []
+        async with AsyncFeatureClient(server.address) as client, client.session() as session:
+            async def caller(k: int):
+                for round_ in range(12):
+                    i = (k + round_) % len(images)
+                    call = asyncio.ensure_future(session.embed([images[i]], timeout=20))
+                    if (k + round_) % 3 == 0:  # a third given up at once or a little later
+                        await asyncio.sleep(next(delays))
+                        call.cancel()
+                    try:
+                        got.append((i, (await call).pooled))
+                    except asyncio.CancelledError:
+                        pass
+
+            await asyncio.wait_for(asyncio.gather(*(caller(k) for k in range(16))), 60)
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) >= 16 * 8  # the two thirds never cancelled, at least
+    for i, pooled in got:
+        np.testing.assert_allclose(pooled[0], want[i], rtol=2e-2, atol=2e-2)
+        distances = np.linalg.norm(want - pooled[0], axis=-1)
+        assert distances.argmin() == i  # its own image's row, not a neighbour's
+
+
 def test_a_calls_timer_fails_only_the_answer_its_caller_awaits():
     """An async call's timeout is one timer (``_expire``): it fails the first unanswered
     request, the one awaited; the later ones are left for the call's cleanup to cancel (an
