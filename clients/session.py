@@ -331,7 +331,7 @@ class AsyncEmbedSession:
         self._stream.send(entry)
 
     def _failed(self, plan: _Failover) -> None:
-        async def resend(entry: _Entry) -> None:
+        def resend(entry: _Entry) -> None:
             if entry.answer.done():  # its caller gave up meanwhile
                 return
             try:
@@ -341,7 +341,7 @@ class AsyncEmbedSession:
 
         async def run() -> None:
             for entry in plan.resend:
-                await resend(entry)
+                resend(entry)
             if plan.alone:
                 try:
                     plan.retry.answered(await self._client._call(*plan.retry.unary()))
@@ -349,7 +349,7 @@ class AsyncEmbedSession:
                     plan.retry.refused(err)
             elif plan.retry is not None:
                 await asyncio.sleep(plan.delay_s)
-                await resend(plan.retry)
+                resend(plan.retry)
 
         task = asyncio.get_running_loop().create_task(run())
         self._retries.add(task)
