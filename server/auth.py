@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from .status import refuse
+
 OPEN_SERVICES = (
     "/grpc.health.v1.Health/",
     "/grpc.reflection.v1alpha.ServerReflection/",
@@ -63,10 +65,10 @@ def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     message = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
 
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def streaming(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator like the real handler
 
     kind = (handler.request_streaming, handler.response_streaming)

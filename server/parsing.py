@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from .status import refuse
+
 _MAKE = {
     (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
     (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
@@ -59,8 +61,8 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
         try:
             return deserialize(raw)
         except Exception as err:  # noqa: BLE001 - any decode failure is the client's body
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request body of {method} does not parse: {err}")
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request body of {method} does not parse: {err}")
 
     async def parsed(raw_requests: AsyncIterator[bytes], context):
         async for raw in raw_requests:

@@ -29,7 +29,7 @@ from vit22b.v1 import wire
 
 from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
-from .status import status_of
+from .status import refuse, status_of
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class FeatureService:
         else:
             log.info("%s refused: %s: %s", method, code.name, message[:300])
         self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, message)
+        await refuse(context, code, message)
 
     @contextlib.asynccontextmanager
     async def _call(self, method: str, context):

@@ -11,7 +11,8 @@ an HTTP client too slow with its headers or body is 408, one whose headers are o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import asyncio
+from typing import NamedTuple, NoReturn
 
 import grpc
 from vit22b.model.errors import (
@@ -76,3 +77,18 @@ def status_of(err: BaseException) -> Status:
         if cls in STATUSES:
             return STATUSES[cls]
     return INTERNAL
+
+
+async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                 message: str) -> NoReturn:
+    """End a gRPC call with ``code`` (``context.abort``), also one that ended meanwhile.
+
+    A call whose deadline passes (or whose client leaves) between the failure and its answer
+    makes the abort itself fail inside gRPC's core, which gRPC logs as an error of the server.
+    Nobody is left to tell: the call ends as cancelled (gRPC logs that at debug level)."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise  # the status was sent: how abort unwinds the handler
+    except Exception as err:  # noqa: BLE001 - gRPC core's ExecuteBatchError (not public)
+        raise asyncio.CancelledError(f"the call ended before its {code.name}") from err

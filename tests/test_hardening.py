@@ -5,6 +5,7 @@ non-finite outputs, log floods, and random or mutated bytes on every method."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import queue
 import threading
@@ -452,3 +453,69 @@ def test_long_lists_are_refused_before_they_are_read_or_remembered():
     with pytest.raises(InvalidRequest, match="5 images in one request exceed the limit of 4"):
         to_call(request, Deadline(), Limits(max_request_images=4))
     assert len(to_call(request, Deadline(), Limits(max_request_images=5)).images) == 5
+
+
+
+def late_refusals(abort, max_calls: int, until_error: bool) -> tuple[int, list[str]]:
+    """Unary calls whose handler fails just as the call's 20 ms deadline passes, in rounds of
+    20 on a grpc.aio server on loopback, ended by ``abort(context, code, message)``; returns
+    the calls made and the ERROR lines gRPC logged (``until_error``: stop at the first)."""
+    import asyncio
+
+    errors: list[str] = []
+
+    class Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    async def handler(request: bytes, context):
+        await asyncio.sleep(context.time_remaining())  # the failure comes at the deadline
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "refused at the deadline")
+
+    async def calls() -> int:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "late.Service", {"Refuse": grpc.unary_unary_rpc_method_handler(handler)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        made = 0
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                method = channel.unary_unary("/late.Service/Refuse")
+
+                async def one() -> None:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await method(b"", timeout=0.02)
+
+                while made < max_calls and not (until_error and errors):
+                    await asyncio.gather(*(one() for _ in range(20)))
+                    made += 20
+                    await asyncio.sleep(0.05)  # the handlers' ends, and their logs
+        finally:
+            await server.stop(None)
+        return made
+
+    logger = logging.getLogger("grpc")
+    handler_ = Errors()
+    logger.addHandler(handler_)
+    try:
+        return asyncio.run(calls()), errors
+    finally:
+        logger.removeHandler(handler_)
+
+
+def test_a_refusal_as_the_calls_deadline_passes_logs_no_error():
+    """A call whose deadline passes just as the server refuses it: gRPC's abort then fails in its
+    core, which gRPC logs as a server error with a traceback (a log line any client can cause).
+    ``refuse`` (every refusal of the server goes through it) ends such a call quietly. The plain
+    abort is the control: it shows the race happens here."""
+    from vit22b.server.status import refuse
+
+    async def plain(context, code, message):
+        await context.abort(code, message)
+
+    made, errors = late_refusals(plain, 6000, until_error=True)
+    assert any("ExecuteBatchError" in line for line in errors), f"no race in {made} calls"
+    made, errors = late_refusals(refuse, max(made, 1000), until_error=False)
+    assert errors == [], errors[:3]
