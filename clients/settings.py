@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,11 +49,32 @@ def env_of(field: dataclasses.Field) -> str:
 
 
 def positive(value) -> str | None:
-    return None if value is None or value > 0 else f"must be positive, got {value}"
+    return _infinite(value) or (None if value is None or value > 0 else
+                                f"must be positive, got {value}")
 
 
 def non_negative(value) -> str | None:
-    return None if value is None or value >= 0 else f"must be >= 0, got {value}"
+    return _infinite(value) or (None if value is None or value >= 0 else
+                                f"must be >= 0, got {value}")
+
+
+def _infinite(value) -> str | None:
+    """Infinity (or NaN) is no bound: a timeout or a wait of ``inf`` never ends, and the clocks
+    and integer sizes it reaches overflow."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    return None
+
+
+def at_most(limit: float, why: str, rule: Callable[[Any], str | None] = positive
+            ) -> Callable[[Any], str | None]:
+    """``rule``, and at most ``limit`` (``why``: what larger values would break or mean)."""
+    def check(value) -> str | None:
+        problem = rule(value)
+        if problem or value is None or value <= limit:
+            return problem
+        return f"must be at most {limit:g} ({why}), got {value}"
+    return check
 
 
 # --compute-dtype of `vit22b serve` and of local jobs: auto (the server plan's choice: the

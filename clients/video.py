@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -102,6 +103,11 @@ def _av():
     return av
 
 
+def _real(value, kind: type) -> bool:
+    """A number of ``kind`` (numbers.Integral / Real: numpy's too), not a bool."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Which frames of a video: ``frames=K`` uniformly, or one every ``stride_s`` seconds."""
@@ -112,12 +118,15 @@ class Sampling:
     def __post_init__(self) -> None:
         if (self.frames is None) == (self.stride_s is None):
             raise ValueError("give exactly one of frames=K and stride_s=S")
-        if self.frames is not None and (isinstance(self.frames, bool) or self.frames < 1):
-            raise ValueError(f"frames must be a positive integer, got {self.frames!r}")
-        if self.frames is not None and self.frames > MAX_SAMPLES:
-            raise ValueError(f"frames must be at most {MAX_SAMPLES}, got {self.frames}")
-        if self.stride_s is not None and not self.stride_s > 0:
-            raise ValueError(f"stride_s must be a positive number of seconds, got {self.stride_s}")
+        frames, stride = self.frames, self.stride_s
+        if frames is not None and not (_real(frames, numbers.Integral) and frames >= 1):
+            raise ValueError(f"frames must be a positive integer, got {frames!r}")
+        if frames is not None and frames > MAX_SAMPLES:
+            raise ValueError(f"frames must be at most {MAX_SAMPLES}, got {frames}")
+        if stride is not None and not (_real(stride, numbers.Real) and math.isfinite(stride)
+                                       and stride > 0):
+            raise ValueError(f"stride_s must be a positive, finite number of seconds, got "
+                             f"{stride!r}")
 
     @property
     def stride(self) -> Fraction:

@@ -19,9 +19,9 @@ import sys
 from dataclasses import dataclass
 
 from vit22b.clients import settings
-from vit22b.clients.settings import positive, setting
+from vit22b.clients.settings import at_most, setting
 
-from .settings import ServeConfig
+from .settings import DAY, HOUR, ServeConfig
 
 
 @dataclass
@@ -32,9 +32,11 @@ class GroupSettings:
     process_id: int | None = setting(
         None, "this process, 0..N-1; 0 serves gRPC, the others follow it")
     init_timeout: int = setting(
-        300, "seconds every process has to join, else the start-up ends", check=positive)
+        300, "seconds every process has to join, else the start-up ends",
+        check=at_most(DAY, "a day"))
     peer_timeout: float = setting(
-        5.0, "a worker silent this long is gone: process 0 NOT_SERVING", check=positive)
+        5.0, "a worker silent this long is gone: process 0 NOT_SERVING",
+        check=at_most(HOUR, "an hour"))
 
 
 _CHILD = "import sys; from vit22b.server.distributed import child_main; child_main(sys.argv[1])"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from vit22b.clients.settings import (
     COMPUTE_DTYPE_HELP,
+    at_most,
     check,
     compute_dtype,
     non_negative,
@@ -35,6 +36,11 @@ def parse_outputs(spec: str) -> OutputRequest:
             raise argparse.ArgumentTypeError(f"unknown output {part!r} in {spec!r}")
     return OutputRequest(**fields)
 
+
+# Upper bounds of the time settings: past them a value is a mistake, not a policy (and the
+# clocks and waits it reaches overflow long before infinity).
+HOUR, DAY = 3600, 86400
+HOLD = "an hour: what a client may hold a connection for"
 
 BATCH_WAITS = ("decoding", "delay")  # the batcher's wait policies (server/batcher.py)
 
@@ -116,13 +122,14 @@ class ServeConfig:
     http_header_timeout_s: float = setting(
         10.0, "seconds from an HTTP connection's start, or the end of its previous response, "
         "until a request's headers are complete; then 408 (or, if nothing was sent, a close)",
-        flag="--http-header-timeout", check=positive)
+        flag="--http-header-timeout", check=at_most(HOUR, HOLD))
     # Bodies run to --max-message-mb and may be produced while they are sent (a client
     # streaming images from storage): a stall of 30 s is not a busy client but a gone one.
     http_body_timeout_s: float = setting(
         30.0, "seconds a request body may go without a byte arriving (then 408), and a "
         "response without the client reading any (then the connection is cut): nginx's "
-        "client_body_timeout and send_timeout", flag="--http-body-timeout", check=positive)
+        "client_body_timeout and send_timeout", flag="--http-body-timeout",
+        check=at_most(HOUR, HOLD))
     # The stall timeout alone lets a client drip a byte every 29 s and hold its connection for
     # days: a floor on the average rate bounds a body's time by its size (Kestrel's
     # MinRequestBodyDataRate). 16 KiB/s is 128 kbit/s, under any uplink that sends photos: a
@@ -166,7 +173,8 @@ class ServeConfig:
     warm_resolutions: tuple[int, ...] = setting(
         (), "resolutions (of --resolutions) whose forwards compile before SERVING for every "
         "--warm-outputs set, besides the model's own size", parse=parse_sizes)
-    max_delay_ms: float = setting(5.0, "longest wait for a fuller batch", check=non_negative)
+    max_delay_ms: float = setting(5.0, "longest wait for a fuller batch", check=at_most(
+        60_000, "a minute: longer waits outlast any call", non_negative))
     batch_wait: str = setting(
         "decoding", "when a batch that is not full waits for company: 'decoding' only while "
         "admitted images are still being decoded (else it runs as soon as the model is free), "
@@ -176,7 +184,7 @@ class ServeConfig:
         check=positive)
     max_request_images: int = setting(256, "images in one request", check=positive)
     max_message_mb: float = setting(64.0, "largest request or response message, MiB",
-                                    check=positive)
+                                    check=at_most(2047, "gRPC's sizes are 32-bit: under 2 GiB"))
     max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS,
                                     "largest decoded image, in pixels (decompression bombs)",
                                     check=positive)
@@ -195,7 +203,7 @@ class ServeConfig:
         (POOLED,), "output set compiled before SERVING (repeatable), e.g. 'pooled' or "
         "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True)
     drain_timeout_s: float = setting(60.0, "seconds accepted calls get to finish after SIGTERM",
-                                     flag="--drain-timeout", check=positive)
+                                     flag="--drain-timeout", check=at_most(DAY, "a day"))
     # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
     # that were already on their way get a status they retry elsewhere, not a cut connection.
     drain_linger_s: float = setting(0.5, cli=False)

@@ -59,6 +59,35 @@ def test_bad_values_are_refused_naming_the_flag():
         parse([], {"VIT22B_HTTP_MAX_CONNECTIONS": "-1"}).check()
 
 
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-delay-ms", "inf"], "--max-delay-ms must be a finite number, got inf"),
+    (["--max-delay-ms", "nan"], "--max-delay-ms must be a finite number, got nan"),
+    # a wait the batcher's clock cannot hold: its thread died, and every call then timed out
+    (["--max-delay-ms", "1e300"], "--max-delay-ms must be at most 60000"),
+    (["--max-message-mb", "inf"], "--max-message-mb must be a finite number"),  # was a traceback
+    (["--max-message-mb", "4096"], "--max-message-mb must be at most 2047"),
+    (["--drain-timeout", "inf"], "--drain-timeout must be a finite number"),
+    (["--drain-timeout", "1e12"], "--drain-timeout must be at most 86400"),
+    (["--http-header-timeout", "1e9"], "--http-header-timeout must be at most 3600"),
+    (["--http-body-timeout=-inf"], "--http-body-timeout must be a finite number"),
+])
+def test_infinite_or_absurd_times_and_sizes_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse(argv, {}).check()
+
+
+def test_the_bounds_themselves_are_accepted():
+    config = parse(["--max-delay-ms", "60000", "--max-message-mb", "2047", "--drain-timeout",
+                    "86400", "--http-header-timeout", "3600", "--max-delay-ms", "0"], {})
+    config.check()
+    group = GroupSettings(init_timeout=86400, peer_timeout=3600.0)
+    settings.check(group)
+    with pytest.raises(ValueError, match="--peer-timeout must be a finite number"):
+        settings.check(dataclasses.replace(group, peer_timeout=float("inf")))
+    with pytest.raises(ValueError, match="--init-timeout must be at most 86400"):
+        settings.check(dataclasses.replace(group, init_timeout=10**9))
+
 def test_compute_dtype_defaults_to_auto_for_serving_and_local_jobs():
     from vit22b.clients.embed_cli import EmbedSettings
 

@@ -241,6 +241,15 @@ def test_odd_but_real_videos(tmp_path, monkeypatch):
         read_clip(tmp_path / "late.mkv", Sampling(stride_s=1e-300))
     with pytest.raises(ValueError, match="frames must be at most 10000"):
         Sampling(frames=10**12)
+    # refused when the sampling is made, before any video is read (inf failed per video, with
+    # Fraction's words; True, 2.5 and '3' passed and failed later)
+    for bad in (float("inf"), float("nan"), True, "1", 0, -2.0):
+        with pytest.raises(ValueError, match="stride_s must be a positive, finite number"):
+            Sampling(stride_s=bad)
+    for bad in (2.5, True, "3", 0):
+        with pytest.raises(ValueError, match="frames must be a positive integer"):
+            Sampling(frames=bad)
+    assert Sampling(frames=np.int64(3)).frames == 3 and Sampling(stride_s=np.float32(0.5))
     monkeypatch.setattr(video, "MAX_CLIP_BYTES", 3 * 16 * 16 * 3)
     with pytest.raises(VideoError, match="4 frames of 16x16 sampled .* over the"):
         read_clip(tmp_path / "late.mkv", Sampling(frames=4))
