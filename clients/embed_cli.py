@@ -32,7 +32,7 @@ from .embed_ray import MAX_RETRIES
 from .embed_store import JobMismatch, OutputStore
 from .embed_video import video_arrays
 from .outputs import OutputsError
-from .settings import COMPUTE_DTYPE_HELP, compute_dtype, positive, setting
+from .settings import COMPUTE_DTYPE_HELP, compute_dtype, non_negative, positive, setting
 from .video import VIDEO_SUFFIXES, Sampling
 
 
@@ -84,20 +84,18 @@ class EmbedSettings:
         "shard) or safetensors (a file per shard, bfloat16 native)", check=_one_of(FORMAT_CHOICES))
     resolution: int = setting(
         0, "square input size, one the server allows (default: the model's own); recorded in "
-        "the manifest: a resumed job refuses another", check=lambda v: None if v >= 0 else
-        "must be >= 0")
+        "the manifest: a resumed job refuses another", check=non_negative)
     dense: bool = setting(
         False, "aspect ratio kept, no crop: the shorter side to about --resolution, each image "
         "its own patch grid; patch tokens stored zero-padded to the dense bound, the grid in "
         "the 'grid' array (a server needs --max-dense-patches)")
     max_dense_patches: int = setting(
         0, "local --dense: patches per image at most (default: twice the square grid at "
-        "--resolution); a server states its own", check=lambda v: None if v >= 0 else
-        "must be >= 0")
+        "--resolution); a server states its own", check=non_negative)
     max_image_pixels: int = setting(
         0, "local: the largest decoded image, in pixels (a decompression bomb guard; default "
         "the server's, 40,000,000); a server states its own",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(
@@ -110,7 +108,7 @@ class EmbedSettings:
     ray_max_retries: int = setting(
         MAX_RETRIES, "--runner ray: how often a shard runs again after its worker process "
         "died; then the job ends naming it (completed shards are kept)",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
     ext: tuple[str, ...] = setting(
         (), "only files with these extensions, e.g. jpg,png (default: every file; with "
         "--frames: .mp4 .webm .mkv .mov .avi)", parse=lambda text: tuple(_csv(text)))
