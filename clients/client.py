@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED. Never imports jax.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import numbers
 import os
@@ -23,8 +24,9 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 import grpc
+import numpy as np
 from vit22b.model.errors import InvalidImage
-from vit22b.model.outputs import OutputRequest
+from vit22b.model.outputs import OutputRequest, listed
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
@@ -78,11 +80,20 @@ class EmbedOptions:
     dense: bool = False  # aspect ratio kept, no crop (one image per request: one grid each)
 
     def __post_init__(self) -> None:
-        OutputRequest.of(self.outputs, self.layers)  # raises on an unknown kind
-        if self.resolution < 0:
-            raise ValueError(f"resolution must be >= 0, got {self.resolution}")
+        OutputRequest.of(self.outputs, self.layers)  # raises on an unknown kind or layer
+        r = self.resolution
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 0 <= r < 2**31:
+            raise ValueError(f"resolution must be an integer >= 0, got {r!r}")
+        if not isinstance(self.dtype, str):  # np.float16, np.dtype("float16"), ml_dtypes'
+            with contextlib.suppress(TypeError):
+                object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
+        for name in ("l2_normalize", "normalize_patches", "skip_invalid", "dense"):
+            flag = getattr(self, name)  # "no" or None would pass as a truth value
+            if not (isinstance(flag, (bool, np.bool_)) or (
+                    isinstance(flag, numbers.Integral) and flag in (0, 1))):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
 
     # Spelled once per options (an instance is shared by the calls that pass the same
     # keywords: see ``options_of``), not on every request.
@@ -131,8 +142,10 @@ def options_of(options: dict) -> EmbedOptions:
     instance; an invalid set raises, and is not cached."""
     # Each value's type is in the key: 1 == True and 224 == 224.0, but they are not the same
     # keywords (a float resolution must fail as it would uncached).
+    lists = {"outputs": str, "layers": numbers.Integral}  # a list, one item, or None
     spelling = tuple(sorted(
-        (k, type(v), tuple(v) if k in ("outputs", "layers") else v) for k, v in options.items()))
+        (k, type(v), tuple(listed(v, lists[k])) if k in lists else v)
+        for k, v in options.items()))
     try:
         hash(spelling)
     except TypeError:  # e.g. an unhashable layer: checked anew, to the same error

@@ -7,6 +7,7 @@ defaults and the layer resolution: the server, the engine and every client spell
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, replace
 
@@ -51,6 +52,23 @@ def supported_kinds(cfg: ViTConfig) -> tuple[str, ...]:
 MAX_SPELLED = 1024  # outputs or layers one request may list, repeats included (depths are below)
 
 
+def listed(value, one: type) -> Sequence:
+    """A caller's list as given, or ``()`` for None, or a single item of type ``one`` as a list
+    of it (``outputs="pooled"`` is one kind, not six letters; ``layers=-1`` one layer)."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, one) else value
+
+
+def _layer(value) -> int:
+    """A block index as spelled: an integer (1.5 is not layer 1), within the wire's int32."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequest(f"layer {quoted(value)} is not an integer")
+    if not -(2**31) <= value < 2**31:
+        raise InvalidRequest(f"layer index {value} is out of range")
+    return int(value)
+
+
 def check_listed(what: str, items: Sized) -> None:
     """Refuses a list of ``what`` (outputs, layers) longer than ``MAX_SPELLED``: a door calls
     this before it converts a client's list item by item."""
@@ -89,8 +107,9 @@ class OutputRequest:
         are remembered (``_spelled``, bounded), which makes this a look-up. So a spelling is
         bounded too (``MAX_SPELLED``), checked before anything is built from it: the cache would
         otherwise hold every client's longest list (a 38 MB list of layers pinned 150 MB)."""
+        layers = listed(layers, numbers.Integral)
         check_listed("layers", layers)
-        kinds = tuple(kinds)
+        kinds = tuple(listed(kinds, str))
         check_listed("outputs", kinds)
         spelling = (kinds, tuple(layers), bool(norm_patches))
         try:
@@ -105,7 +124,7 @@ class OutputRequest:
         unknown = sorted(kinds - set(KINDS))
         if unknown:
             raise InvalidRequest(f"unknown output {quoted(unknown[0])}; known: {', '.join(KINDS)}")
-        layers = tuple(dict.fromkeys(int(layer) for layer in layers))
+        layers = tuple(dict.fromkeys(_layer(layer) for layer in layers))
         if "patch_tokens" in kinds and not layers:
             layers = DEFAULT_PATCH_LAYERS
         return cls(

@@ -152,10 +152,29 @@ def test_embed_keywords_spelled_alike_share_their_options_and_refusals_repeat():
         with pytest.raises(InvalidRequest, match="unknown output"):
             options_of({"outputs": ["cls"]})
     assert options_of({"resolution": 224}).request([]).resolution == 224
-    with pytest.raises(TypeError):  # as uncached: an int field takes no float
-        options_of({"resolution": 224.0}).request([])
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="resolution must be an integer >= 0, got 224.0"):
+        options_of({"resolution": 224.0})  # as uncached: an int field takes no float
+    with pytest.raises(InvalidRequest, match=r"layer \[1\] is not an integer"):
         options_of({"layers": [[1]]})  # unhashable: spelled anew, to its own error
+    # one kind or one layer as itself, None as the default; what would be misread is refused
+    assert options_of({"outputs": "pooled", "layers": -1}).asked == OutputRequest.of(
+        ["pooled"], [-1])
+    assert options_of({"outputs": None, "layers": None}).asked == OutputRequest.of()
+    assert options_of({"dtype": np.float16}).dtype == "float16"
+    for keywords, message in [
+        ({"layers": [1.5]}, "layer 1.5 is not an integer"),  # was layer 1, silently
+        ({"layers": [True]}, "layer True is not an integer"),
+        ({"layers": [2**40]}, "layer index 1099511627776 is out of range"),
+        ({"resolution": True}, "resolution must be an integer"),
+        ({"resolution": 2**40}, "resolution must be an integer"),
+        ({"skip_invalid": "no"}, "skip_invalid must be True or False, got 'no'"),
+        ({"l2_normalize": None}, "l2_normalize must be True or False, got None"),
+        ({"dense": 2}, "dense must be True or False, got 2"),
+        ({"dtype": np.float64}, "dtype 'float64' is not one of"),
+        ({"dtype": object()}, "dtype <object object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            options_of(keywords)
     # A response's rows and errors in the caller's indices: input 1 was unreadable here, so the
     # request carried inputs 0, 2 and 3; the server refused its second image (input 2).
     response = pb.EmbedResponse(ids=["a", "d"], indices=[0, 2],
@@ -176,8 +195,8 @@ def test_output_requests_spelled_alike_are_one_and_refusals_repeat():
     for _ in range(2):
         with pytest.raises(InvalidRequest, match="unknown output 'cls'"):
             OutputRequest.of(("cls",))
-        with pytest.raises(TypeError):  # an unhashable layer is spelled anew, same error
-            OutputRequest.of((), ([1],))
+        with pytest.raises(InvalidRequest, match="is not an integer"):  # an unhashable layer
+            OutputRequest.of((), ([1],))  # is spelled anew, to the same error
 
 
 def test_one_response_merged_is_what_the_general_merge_gives():
