@@ -10,6 +10,7 @@ output folder). Reports go to ``--out`` as ``<kind>.json`` plus a PNG where a pi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def _positive(parse):
 
     def checked(text: str):
         values = parse(text)
-        if not all(v > 0 for v in (values if isinstance(values, tuple) else (values,))):
+        if not all(v > 0 and math.isfinite(v)  # an infinite temperature votes uniformly
+                   for v in (values if isinstance(values, tuple) else (values,))):
             raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
         return values
 
@@ -129,10 +131,10 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--world-seed", type=int, default=0, help="seed of the shapes world")
     src.add_argument(
-        "--frames", type=int, default=9, metavar="K",
+        "--frames", type=_positive(int), default=9, metavar="K",
         help="video: frames sampled per video, at the centres of K equal segments (default 9)",
     )
-    src.add_argument("--world-size", type=int, help="shapes-world image side in pixels "
+    src.add_argument("--world-size", type=_positive(int), help="shapes-world image side in pixels "
                      "(default: --resolution, else 64)")
 
     feat = parser.add_argument_group("features of the images")
@@ -178,7 +180,8 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     opt = parser.add_argument_group("probe options")
-    opt.add_argument("--steps", type=int, help="decoder training steps (depth, segmentation)")
+    opt.add_argument("--steps", type=_positive(int),
+                     help="decoder training steps (depth, segmentation, video)")
     opt.add_argument("--decoders", default="linear,dpt", help="depth decoders (linear, dpt)")
     opt.add_argument("--shots", type=_positive(_ints),
                      help="few-shot: shots per class (1,5,10,25)")

@@ -138,10 +138,14 @@ def test_bad_probe_commands_fail_with_the_reason(tmp_path, capsys, argv, message
 
 
 @pytest.mark.parametrize("argv", [["knn", "--ks", "0"], ["knn", "--temperature", "0"],
-                                  ["fewshot", "--shots", "5,-1"], ["calibration", "--bins", "0"]])
+                                  ["fewshot", "--shots", "5,-1"], ["calibration", "--bins", "0"],
+                                  ["knn", "--temperature", "inf"], ["depth", "--steps", "-1"],
+                                  ["linear", "--steps", "0"], ["linear", "--world-size", "0"],
+                                  ["video", "--frames", "0"]])
 def test_counts_and_temperatures_must_be_positive(tmp_path, capsys, argv):
     """Each was taken before: a 0-NN "accuracy", a temperature of 0 replaced by 0.07, 0 bins
-    by 15."""
+    by 15, an infinite temperature (uniform votes), -1 steps (an optimiser's error deep in
+    the run), 0 steps (the default, silently)."""
     with pytest.raises(SystemExit) as refused:
         main(["probe", *argv, "--digits", "--out", str(tmp_path)])
     assert refused.value.code == 2 and "expected positive values" in capsys.readouterr().err
