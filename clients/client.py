@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import numbers
 import os
 import random
@@ -54,6 +55,14 @@ class Retry:
     initial_s: float = 0.1
     max_s: float = 5.0
     multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_count("attempts", self.attempts, default_none=False)
+        for name, low in (("initial_s", 0.0), ("max_s", self.initial_s), ("multiplier", 1.0)):
+            value = getattr(self, name)  # a wait of -1, NaN or inf fails only when it is due
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                    math.isfinite(value) and value >= low):
+                raise ValueError(f"Retry.{name} must be a finite number >= {low}, got {value!r}")
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_s, self.initial_s * self.multiplier**attempt)
@@ -286,9 +295,21 @@ class ClientBase:
         retry: Retry | None = None,
         concurrency: int = 4,
     ):
+        if not isinstance(address, (str, Iterable)):
+            raise TypeError(f"address must be 'host:port' or a list of them, not "
+                            f"{type(address).__name__}")
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ValueError("no server address given")
+        for a in self.addresses:
+            if not isinstance(a, str) or not a.strip():
+                raise ValueError(f"a server address is 'host:port', got {a!r}")
+        if token is not None and not (isinstance(token, str) and token.isprintable()
+                                      and token.isascii()):
+            # gRPC would refuse the metadata at every call, in its own words
+            raise ValueError("token must be a string of printable ASCII characters")
+        if retry is not None and not isinstance(retry, Retry):
+            raise TypeError(f"retry must be a Retry, not {type(retry).__name__}")
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = check_timeout(timeout)
         self.retry = retry or Retry()

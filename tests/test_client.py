@@ -470,6 +470,36 @@ def test_batch_size_and_concurrency_are_counts():
             FeatureClient("127.0.0.1:1", concurrency=bad)
 
 
+
+def test_addresses_tokens_and_retries_are_checked_when_the_client_is_made():
+    """Each was taken before and failed later, in gRPC's or Python's words: an empty address
+    (a channel to nowhere), a non-string address (AttributeError), a token with a newline
+    (gRPC refusing the metadata at every call), ``retry=5`` (AttributeError at the first
+    retry), Retry waits of -1, NaN or inf (raised by the sleep when a retry was due)."""
+    for bad, error, words in (
+        ("", ValueError, "a server address is 'host:port', got ''"),
+        (["127.0.0.1:1", 5], ValueError, "got 5"),
+        (None, TypeError, "address must be 'host:port' or a list of them, not NoneType"),
+        (5, TypeError, "not int"),
+    ):
+        with pytest.raises(error, match=words):
+            FeatureClient(bad)
+    for token in ("a\nb", 5, "caf\u00e9"):
+        with pytest.raises(ValueError, match="token must be a string of printable ASCII"):
+            FeatureClient("127.0.0.1:1", token=token)
+    with pytest.raises(TypeError, match="retry must be a Retry, not int"):
+        FeatureClient("127.0.0.1:1", retry=5)
+    FeatureClient("127.0.0.1:1", token="tok-1_=.", retry=Retry(attempts=1)).close()
+    for fields, words in (({"attempts": 0}, "attempts must be at least 1"),
+                          ({"attempts": 2.5}, "attempts must be an int"),
+                          ({"initial_s": -1}, "Retry.initial_s must be a finite number >= 0"),
+                          ({"initial_s": float("nan")}, "Retry.initial_s"),
+                          ({"max_s": float("inf")}, "Retry.max_s"),
+                          ({"max_s": 0.01}, "Retry.max_s must be a finite number >= 0.1"),
+                          ({"multiplier": 0.5}, "Retry.multiplier")):
+        with pytest.raises((ValueError, TypeError), match=words):
+            Retry(**fields)
+
 def test_images_that_are_neither_an_image_nor_several_are_named():
     for bad in (None, 5, 3.5):
         with pytest.raises(TypeError, match=f"or an iterable of them, not {type(bad).__name__}"):
