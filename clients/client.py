@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from vit22b.model.errors import InvalidImage
+from vit22b.model.errors import InvalidImage, is_number
 from vit22b.model.outputs import OutputRequest, listed
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
@@ -60,8 +60,7 @@ class Retry:
         check_count("attempts", self.attempts, default_none=False)
         for name, low in (("initial_s", 0.0), ("max_s", self.initial_s), ("multiplier", 1.0)):
             value = getattr(self, name)  # a wait of -1, NaN or inf fails only when it is due
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-                    math.isfinite(value) and value >= low):
+            if not (is_number(value) and math.isfinite(value) and value >= low):
                 raise ValueError(f"Retry.{name} must be a finite number >= {low}, got {value!r}")
 
     def delay(self, attempt: int) -> float:
@@ -91,7 +90,7 @@ class EmbedOptions:
     def __post_init__(self) -> None:
         OutputRequest.of(self.outputs, self.layers)  # raises on an unknown kind or layer
         r = self.resolution
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 0 <= r < 2**31:
+        if not (is_number(r, numbers.Integral) and 0 <= r < 2**31):
             raise ValueError(f"resolution must be an integer >= 0, got {r!r}")
         if not isinstance(self.dtype, str):  # np.float16, np.dtype("float16"), ml_dtypes'
             with contextlib.suppress(TypeError):
@@ -254,7 +253,7 @@ def check_timeout(timeout) -> float | None:
     ``MAX_TIMEOUT_S`` (gRPC's deadlines and the event loop's timers overflow beyond it)."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+    if not is_number(timeout):
         raise TypeError(f"timeout must be a number of seconds or None, not "
                         f"{type(timeout).__name__}")
     if not timeout > 0:  # NaN too
@@ -267,7 +266,7 @@ def check_count(name: str, value, default_none: bool = True) -> int | None:
     where ``default_none`` (the default then applies)."""
     if value is None and default_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_number(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")

@@ -58,6 +58,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
+from vit22b.model.errors import is_number
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 VideoSource = str | os.PathLike | bytes | bytearray
@@ -103,11 +104,6 @@ def _av():
     return av
 
 
-def _real(value, kind: type) -> bool:
-    """A number of ``kind`` (numbers.Integral / Real: numpy's too), not a bool."""
-    return isinstance(value, kind) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class Sampling:
     """Which frames of a video: ``frames=K`` uniformly, or one every ``stride_s`` seconds."""
@@ -119,11 +115,11 @@ class Sampling:
         if (self.frames is None) == (self.stride_s is None):
             raise ValueError("give exactly one of frames=K and stride_s=S")
         frames, stride = self.frames, self.stride_s
-        if frames is not None and not (_real(frames, numbers.Integral) and frames >= 1):
+        if frames is not None and not (is_number(frames, numbers.Integral) and frames >= 1):
             raise ValueError(f"frames must be a positive integer, got {frames!r}")
         if frames is not None and frames > MAX_SAMPLES:
             raise ValueError(f"frames must be at most {MAX_SAMPLES}, got {frames}")
-        if stride is not None and not (_real(stride, numbers.Real) and math.isfinite(stride)
+        if stride is not None and not (is_number(stride) and math.isfinite(stride)
                                        and stride > 0):
             raise ValueError(f"stride_s must be a positive, finite number of seconds, got "
                              f"{stride!r}")

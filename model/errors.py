@@ -7,6 +7,8 @@ table in ``server/status.py``. Anything not in that table is a bug.
 
 from __future__ import annotations
 
+import numbers
+
 
 class InvalidRequest(ValueError):
     """The request as a whole is malformed (outputs, dtype, layers, sizes, image count)."""
@@ -37,6 +39,12 @@ def quoted(text: object) -> str:
     if len(text) <= SHOWN_CHARS:
         return repr(text)
     return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
+def is_number(value: object, kind: type = numbers.Real) -> bool:
+    """Whether a client's value is a number of ``kind`` (``numbers.Integral`` / ``Real``:
+    numpy's count too), and not a bool (``True`` is 1 to Python, never a size or a layer)."""
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 class TooLarge(InvalidRequest):

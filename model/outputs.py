@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, replace
 
 from .config import ViTConfig
-from .errors import InvalidRequest, quoted
+from .errors import InvalidRequest, is_number, quoted
 
 # The output kinds, in wire order (features.proto's OutputKind).
 KINDS = (
@@ -62,7 +62,7 @@ def listed(value, one: type) -> Sequence:
 
 def _layer(value) -> int:
     """A block index as spelled: an integer (1.5 is not layer 1), within the wire's int32."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_number(value, numbers.Integral):
         raise InvalidRequest(f"layer {quoted(value)} is not an integer")
     if not -(2**31) <= value < 2**31:
         raise InvalidRequest(f"layer index {value} is out of range")
