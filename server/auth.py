@@ -10,6 +10,7 @@ UNAUTHENTICATED before its body is read.
 from __future__ import annotations
 
 import hmac
+import ssl
 from pathlib import Path
 
 import grpc
@@ -24,15 +25,39 @@ OPEN_SERVICES = (
 
 
 def read_tokens(path: str | Path) -> tuple[str, ...]:
-    """One token per line; blank lines and ``#`` comments are ignored."""
-    lines = Path(path).read_text().splitlines()
-    tokens = tuple(t.strip() for t in lines if t.strip() and not t.strip().startswith("#"))
+    """One token per line; blank lines and ``#`` comments are ignored. A token must be printable
+    ASCII: gRPC metadata carries nothing else, so any other token could never be presented."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"token file {path} is not text: {err.reason} at byte {err.start}"
+                         ) from None
+    tokens = []
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if not (token.isascii() and token.isprintable()):
+            raise ValueError(f"token file {path}, line {number}: a token must be printable "
+                             "ASCII (gRPC metadata cannot carry it otherwise)")
+        tokens.append(token)
     if not tokens:
         raise ValueError(f"token file {path} holds no token")
-    return tokens
+    return tuple(tokens)
+
+
+def check_tls_pair(cert: str | Path, key: str | Path) -> None:
+    """The certificate chain and key load and match (gRPC and uvicorn report a bad pair as a
+    port they cannot bind, or not at all)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as err:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded as a PEM "
+                         f"certificate chain and its private key: {err}") from None
 
 
 def server_credentials(cert: str | Path, key: str | Path) -> grpc.ServerCredentials:
+    check_tls_pair(cert, key)
     return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
 
 

@@ -164,6 +164,34 @@ def test_sessions_carry_tls_and_the_token(secure):
     np.testing.assert_array_equal(asyncio.run(twin()).pooled, want)
 
 
+def test_token_files_and_tls_pairs_that_cannot_work_are_refused_at_start(tmp_path):
+    """Each started before: a token file of binary bytes failed in the codec's words (no file
+    named), a non-ASCII token started a server no gRPC client could ever present it to, and a
+    certificate that is not one (or a key of another certificate) failed as a port gRPC could
+    not bind."""
+    from vit22b.server.auth import check_tls_pair, read_tokens
+
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00token")
+    with pytest.raises(ValueError, match="binary is not text"):
+        read_tokens(tmp_path / "binary")
+    (tmp_path / "accented").write_text("# ok\nplain\ncaf\u00e9\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="accented, line 3: a token must be printable ASCII"):
+        read_tokens(tmp_path / "accented")
+    (tmp_path / "crlf").write_bytes(b"one\r\n\r\n  two  \r\n")
+    assert read_tokens(tmp_path / "crlf") == ("one", "two")
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = self_signed(tmp_path / "a"), self_signed(tmp_path / "b")
+    check_tls_pair(a / "cert.pem", a / "key.pem")
+    for cert, key in ((a / "cert.pem", b / "key.pem"), (tmp_path / "crlf", a / "key.pem"),
+                      (a / "cert.pem", tmp_path / "missing.pem")):
+        with pytest.raises(ValueError, match="cannot be loaded as a PEM certificate chain"):
+            check_tls_pair(cert, key)
+    with pytest.raises(ValueError, match="--tls-cert .* cannot be loaded"):
+        start_server(tls_cert=str(a / "cert.pem"), tls_key=str(b / "key.pem"))
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token", ""])
 def test_missing_or_wrong_token_is_unauthenticated(secure, token):
     srv, cert = secure
