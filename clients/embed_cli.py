@@ -33,6 +33,7 @@ from .embed_store import JobMismatch, OutputStore
 from .embed_video import video_arrays
 from .outputs import OutputsError
 from .settings import COMPUTE_DTYPE_HELP, compute_dtype, non_negative, positive, setting
+from .storage import storage_failure
 from .video import VIDEO_SUFFIXES, Sampling
 
 
@@ -223,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
             format=options.format,
             video=sampling,
         )
+        if config.output.startswith("memory://"):
+            raise ValueError(f"{config.output}: memory:// lives in this process only; the "
+                             "outputs would be gone when the command ends")
         # fail fast, before the model
         items = enumerate_inputs(config.inputs, config.extensions, config.output)
         OutputStore.prepare(config.output)
@@ -244,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("vit22b embed: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - only a storage library's own failures end here
+        if (failure := storage_failure(err)) is None:
+            raise
+        print(f"vit22b embed: {failure}; completed shards are kept: rerun the same command "
+              "to resume", file=sys.stderr)
+        return 1
     finally:
         if backend is not None:
             backend.close()

@@ -52,6 +52,26 @@ def filesystem(url: str):
         raise ValueError(f"{url}: {err}") from None
 
 
+# The storage libraries fsspec drives raise their own errors for what is the environment's
+# fault, not a bug: missing or refused credentials, an endpoint that is not there. Each with
+# where its credentials come from.
+_S3 = "S3 reads AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+_GCS = "GCS reads application default credentials (GOOGLE_APPLICATION_CREDENTIALS)"
+STORAGE_LIBRARIES = {"botocore": _S3, "aiobotocore": _S3, "s3fs": _S3, "gcsfs": _GCS,
+                     "google": _GCS}
+
+
+def storage_failure(err: BaseException) -> str | None:
+    """A storage library's own failure (credentials, endpoint) as one line; None for anything
+    else (a bug stays a traceback)."""
+    library = type(err).__module__.split(".")[0]
+    if isinstance(err, OSError) or library not in STORAGE_LIBRARIES:
+        return None
+    hint = f" ({STORAGE_LIBRARIES[library]})" if "redential" in f"{type(err).__name__}{err}" \
+        else ""
+    return f"remote storage: {type(err).__name__}: {err}{hint}"
+
+
 def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
     """The whole file at a local path or URL, if a regular file of at most ``max_bytes``
     (OSError, with its reason, when unreadable or over it)."""
@@ -128,8 +148,11 @@ class Location:
     """
 
     def __init__(self, url: str):
-        self.url = url.rstrip("/") or url
         self.remote = is_url(url)
+        scheme, _, rest = url.rpartition("://")
+        if (self.remote or scheme) and not rest.strip("/"):  # "s3://" was a local folder "s3:"
+            raise ValueError(f"{url}: the URL names no bucket or folder after {scheme}://")
+        self.url = url.rstrip("/") or url
         if self.remote:
             self.fs, self.root = filesystem(self.url)
         else:

@@ -251,3 +251,39 @@ def test_local_file_urls(engine, data, npy, tmp_path):
     local_job(engine, f"file://{data[0]}", f"file://{out}", SPEC, shard_size=3)
     assert read_dir(out) == read_dir(npy)  # the same bytes as plain paths
     assert not os.path.exists(tmp_path / "file:")
+
+
+def test_outputs_that_cannot_hold_the_job_are_refused_before_the_model(tmp_path, monkeypatch,
+                                                                      capsys):
+    """``-o s3://`` wrote to a local folder named ``s3:`` and said so as a success;
+    ``memory://`` outputs vanished with the process; an S3 output without credentials ended in
+    botocore's traceback. Each now ends at once, in one line naming the cause."""
+    from vit22b.clients.cli import main
+    from vit22b.clients.storage import Location
+
+    images = tmp_path / "images"
+    write_images(images, 2)
+    monkeypatch.chdir(tmp_path)
+    for url in ("s3://", "s3:///", "file://"):
+        with pytest.raises(ValueError, match="the URL names no bucket or folder"):
+            Location(url)
+    for url, words in (("s3://", "names no bucket or folder after s3://"),
+                       ("memory://job", "memory:// lives in this process only")):
+        assert main(["embed", str(images), "--output", url, "--quiet"]) == 2
+        assert words in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images"]  # no "s3:" folder
+
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance to ask either
+    s3 = fsspec.get_filesystem_class("s3")
+    s3.clear_instance_cache()  # no filesystem made with another test's keys, and none left
+    try:  # behind without keys for the tests after this one
+        assert main(["embed", str(images), "--output", "s3://bucket/out", "--quiet"]) == 1
+    finally:
+        s3.clear_instance_cache()
+    err = capsys.readouterr().err
+    assert "remote storage: NoCredentialsError" in err and "AWS_ACCESS_KEY_ID" in err
+    assert "Traceback" not in err
