@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 from vit22b.v1 import features_pb2 as pb
 
-from .client import ClientBase, build_request, chunk_result, start_embed
+from .client import CLOSED, CLOSED_IN_FLIGHT, ClientBase, build_request, chunk_result, start_embed
 from .embeddings import Embeddings, merge
 from .inputs import Item
 
@@ -33,6 +33,16 @@ class AsyncFeatureClient(ClientBase):
                                   metadata=self.metadata)
             except grpc.RpcError as err:
                 await asyncio.sleep(self._backoff(err, attempt, first, count))
+            except asyncio.CancelledError:
+                # grpc.aio cancels the calls of a channel being closed: that is no
+                # cancellation of the caller's task (which would then end as cancelled)
+                if self.closed and not asyncio.current_task().cancelling():
+                    raise RuntimeError(CLOSED_IN_FLIGHT) from None
+                raise
+            except grpc.aio.UsageError:  # closed between the check and the call
+                if self.closed:
+                    raise RuntimeError(CLOSED) from None
+                raise
         raise AssertionError("unreachable")
 
     async def model_info(self, refresh: bool = False) -> pb.ModelInfo:
@@ -86,6 +96,7 @@ class AsyncFeatureClient(ClientBase):
         return AsyncEmbedSession(self, window or WINDOW)
 
     async def close(self) -> None:
+        self.closed = True
         for channel in self._channels:
             await channel.close()
 

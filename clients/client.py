@@ -273,6 +273,10 @@ def check_count(name: str, value, default_none: bool = True) -> int | None:
     return int(value)
 
 
+CLOSED = "the client is closed"
+CLOSED_IN_FLIGHT = "the client was closed while the call was in flight"
+
+
 class ClientBase:
     """What both clients share: addresses, credentials, token, channel options, retries.
 
@@ -312,6 +316,7 @@ class ClientBase:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = check_timeout(timeout)
         self.retry = retry or Retry()
+        self.closed = False
         self.concurrency = check_count("concurrency", concurrency, default_none=False)
         # No client-side caps: requests are sized to the server's limits, which rule.
         options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -332,11 +337,15 @@ class ClientBase:
 
     def _pick(self, method: str):
         """Round-robin: each call (and each retry) goes to the next address."""
+        if self.closed:  # gRPC's own words for it differ by client kind and are not public
+            raise RuntimeError(CLOSED)
         with self._lock:
             return getattr(self._stubs[next(self._next) % len(self._stubs)], method)
 
     def _backoff(self, err: grpc.RpcError, attempt: int, first: int, count: int) -> float:
         """Seconds to wait before retrying ``err``; raises ``FeatureError`` when not to retry."""
+        if self.closed:  # the channel closed under the call
+            raise RuntimeError(CLOSED_IN_FLIGHT) from None
         if not self.retry.should_retry(err, attempt):
             raise FeatureError(err.code(), err.details() or "", first, count) from None
         return self.retry.delay(attempt)
@@ -354,6 +363,10 @@ class FeatureClient(ClientBase):
                 return call(request, timeout=self._timeout(timeout), metadata=self.metadata)
             except grpc.RpcError as err:
                 time.sleep(self._backoff(err, attempt, first, count))
+            except ValueError:  # gRPC's "closed channel", closed between the check and the call
+                if self.closed:
+                    raise RuntimeError(CLOSED) from None
+                raise
         raise AssertionError("unreachable")
 
     def model_info(self, refresh: bool = False) -> pb.ModelInfo:
@@ -476,6 +489,7 @@ class FeatureClient(ClientBase):
         return result.videos[0]
 
     def close(self) -> None:
+        self.closed = True
         for channel in self._channels:
             channel.close()
 

@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 from vit22b.v1 import features_pb2 as pb
 
-from .client import FeatureError, build_request, chunk_result, start_embed
+from .client import CLOSED_IN_FLIGHT, FeatureError, build_request, chunk_result, start_embed
 from .embeddings import Embeddings, ImageError, merge
 
 WINDOW = 16  # requests of one session in flight (the server admits 8 per stream at a time)
@@ -88,10 +88,15 @@ class _Failover:
     alone: bool = False  # ask ``retry`` by a unary Embed: the stream's status may be lost
 
 
-def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _Failover:
+def failover(entries: list[_Entry], err: grpc.RpcError, client) -> _Failover:
     """The server answers in order and ends the stream at the first request it refuses, so the
-    error belongs to the first unanswered request; the later ones were never run."""
+    error belongs to the first unanswered request; the later ones were never run. A closed
+    ``client`` (its channels closed under the stream) fails them all: nothing can be resent."""
     if not entries:
+        return _Failover([])
+    if client.closed:
+        for entry in entries:
+            entry.refused(RuntimeError(CLOSED_IN_FLIGHT))
         return _Failover([])
     head, rest = entries[0], [e for e in entries[1:] if not e.answer.done()]
     if head.answer.done():  # its caller gave up (timeout, cancel): nobody to tell
@@ -99,7 +104,7 @@ def failover(entries: list[_Entry], err: grpc.RpcError, backoff: Callable) -> _F
     if err.code() == grpc.StatusCode.INTERNAL:  # a server bug, or a status grpc.aio lost
         return _Failover(rest, head, alone=True)
     try:
-        delay = backoff(err, head.attempt, head.first, head.count)
+        delay = client._backoff(err, head.attempt, head.first, head.count)
     except FeatureError as refused:
         head.refused(refused)
         return _Failover(rest)
@@ -273,7 +278,7 @@ class _SyncStream:
             self._pending.clear()
         self._outbox.put(_END)  # frees gRPC's thread that reads the requests
         if entries:
-            self._on_failure(failover(entries, err or _EndedEarly(), self._client._backoff))
+            self._on_failure(failover(entries, err or _EndedEarly(), self._client))
 
     def close(self) -> None:
         self._outbox.put(_END)
@@ -423,12 +428,15 @@ class _AsyncStream:
                 self._pending.popleft().answered(response)
         except grpc.RpcError as error:
             err = error
+        except asyncio.CancelledError:  # grpc.aio's, for a client closed under the stream
+            if not self._client.closed or asyncio.current_task().cancelling():
+                raise
         self.dead = True
         self._wake_writer()  # it ends: the failover takes what it had not written
         entries = list(self._pending)
         self._pending.clear()
         if entries:
-            self._on_failure(failover(entries, err or _EndedEarly(), self._client._backoff))
+            self._on_failure(failover(entries, err or _EndedEarly(), self._client))
 
     async def close(self) -> None:
         if not self.dead:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -136,9 +137,16 @@ def test_failover_asks_an_internal_error_again_alone():
         raise AssertionError("INTERNAL does not go through the retry policy")
 
     head, later = (_Entry(None, [i], [], Future()) for i in range(2))
-    plan = failover([head, later], Internal(), backoff)
+    client = SimpleNamespace(closed=False, _backoff=backoff)
+    plan = failover([head, later], Internal(), client)
     assert plan.alone and plan.retry is head and plan.resend == [later]
     assert not head.answer.done()
+    client.closed = True  # its channels closed under the stream: nothing can be resent
+    plan = failover([head, later], Internal(), client)
+    assert plan.resend == [] and plan.retry is None
+    for entry in (head, later):
+        with pytest.raises(RuntimeError, match="closed while the call was in flight"):
+            entry.answer.result()
 
 
 def test_skipped_images_are_reported_as_embed_reports_them(server, tmp_path):
@@ -247,3 +255,54 @@ def test_a_draining_server_ends_an_idle_stream_and_the_session_moves_on():
         assert stream_calls(first, "OK") == 1
     finally:
         first.stop()
+
+
+def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
+    """Closing a client while calls are in flight: grpc.aio cancelled the calls, so an awaiting
+    task ended *cancelled* (as if its own caller had cancelled it); a session's callers waited
+    out their whole timeout (the stream's reader died with the cancellation, nobody failed its
+    requests); a call made just after the close raised gRPC's ``UsageError`` or ``ValueError``.
+    Each call now ends at once with its result or a RuntimeError saying the client is closed."""
+    images = random_images(4, seed=81, size=(64, 64))
+
+    async def under_close(session: bool) -> set[str]:
+        client = AsyncFeatureClient(server.address, timeout=30)
+        await client.model_info()
+        if session:
+            stream = await client.session().__aenter__()
+            tasks = [asyncio.create_task(stream.embed([images[i % 4]])) for i in range(40)]
+        else:
+            tasks = [asyncio.create_task(client.embed([images[i % 4]])) for i in range(40)]
+        await asyncio.sleep(0.005)
+        await client.close()
+        done, pending = await asyncio.wait(tasks, timeout=10)
+        assert not pending and not any(t.cancelled() for t in done)
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            await client.embed([images[0]])
+        return {"ok" if t.exception() is None else str(t.exception()) for t in done}
+
+    closed = {"the client is closed", "the client was closed while the call was in flight"}
+    for session in (False, True):
+        assert asyncio.run(under_close(session)) <= closed | {"ok"}
+
+    client = FeatureClient(server.address, timeout=30)
+    client.model_info()
+    outcomes: list[str] = []
+
+    def call(i: int, stream) -> None:
+        try:
+            (stream or client).embed([images[i % 4]])
+            outcomes.append("ok")
+        except RuntimeError as err:
+            outcomes.append(str(err))
+
+    with client.session() as stream:
+        threads = [threading.Thread(target=call, args=(i, stream if i % 2 else None))
+                   for i in range(16)]
+        for t in threads:
+            t.start()
+        client.close()
+        for t in threads:
+            t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 16 and set(outcomes) <= closed | {"ok"}, set(outcomes)
