@@ -22,6 +22,20 @@ class AsyncFeatureClient(ClientBase):
     """
 
     _grpc = grpc.aio
+    _loop: asyncio.AbstractEventLoop | None = None  # the loop its channels belong to
+
+    def _pick(self, method: str):
+        """grpc.aio's channels belong to the event loop they are made in: they are made at the
+        first call, so a client made outside any loop (at import, before ``asyncio.run``)
+        works in the loop it is used in, and again in a later loop once that one has ended
+        (``asyncio.run`` after ``asyncio.run``)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop and not self.closed:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError(OTHER_LOOP)
+            self._loop = loop
+            self._open()
+        return super()._pick(method)
 
     async def _call(
         self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0
@@ -97,14 +111,19 @@ class AsyncFeatureClient(ClientBase):
 
     async def close(self) -> None:
         self.closed = True
-        for channel in self._channels:
-            await channel.close()
+        if self._loop is asyncio.get_running_loop():  # another loop's channels end with it
+            for channel in self._channels:
+                await channel.close()
 
     async def __aenter__(self) -> AsyncFeatureClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+OTHER_LOOP = ("this AsyncFeatureClient's channels belong to another event loop, still open; "
+              "make one client per event loop")
 
 
 async def _done(entry: tuple, bar) -> Embeddings:

@@ -318,18 +318,25 @@ class ClientBase:
         self.retry = retry or Retry()
         self.closed = False
         self.concurrency = check_count("concurrency", concurrency, default_none=False)
-        # No client-side caps: requests are sized to the server's limits, which rule.
-        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-        if tls:
-            roots = None if tls is True else Path(tls).read_bytes()
-            creds = grpc.ssl_channel_credentials(root_certificates=roots)
-            self._channels = [self._grpc.secure_channel(a, creds, options) for a in self.addresses]
-        else:
-            self._channels = [self._grpc.insecure_channel(a, options) for a in self.addresses]
-        self._stubs = [pb_grpc.FeatureServiceStub(c) for c in self._channels]
+        # The roots are read here: a bad path fails now, not at the first call.
+        roots = None if tls is True or not tls else Path(tls).read_bytes()
+        self._credentials = grpc.ssl_channel_credentials(roots) if tls else None
+        self._channels: list = []
+        self._stubs: list = []
         self._info: pb.ModelInfo | None = None
         self._next = itertools.count()
         self._lock = threading.Lock()
+
+    def _open(self) -> None:
+        """A channel (and its stub) per address."""
+        # No client-side caps: requests are sized to the server's limits, which rule.
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        if self._credentials is not None:
+            self._channels = [self._grpc.secure_channel(a, self._credentials, options)
+                              for a in self.addresses]
+        else:
+            self._channels = [self._grpc.insecure_channel(a, options) for a in self.addresses]
+        self._stubs = [pb_grpc.FeatureServiceStub(c) for c in self._channels]
 
     def _timeout(self, timeout: float | None) -> float | None:
         """A call's timeout: its own, checked, or the client's."""
@@ -353,6 +360,10 @@ class ClientBase:
 
 class FeatureClient(ClientBase):
     """Blocking client. ``with FeatureClient("127.0.0.1:50051") as c: c.embed(["a.jpg"])``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._open()
 
     def _call(
         self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0

@@ -306,3 +306,35 @@ def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
             t.join(10)
     assert not any(t.is_alive() for t in threads)
     assert len(outcomes) == 16 and set(outcomes) <= closed | {"ok"}, set(outcomes)
+
+
+def test_an_async_client_made_outside_any_loop_works_in_each_loop_in_turn(server):
+    """grpc.aio binds a channel to the loop it is made in: a client made at import (no loop
+    yet) failed every call with "attached to a different loop", even in the first
+    ``asyncio.run``. Its channels are now made at the first call, again in a later loop once
+    the earlier one has ended, and a second loop running at the same time is told plainly."""
+    image = random_images(1, seed=83, size=(64, 64))
+    want = in_process(server.engine, image)["pooled"]
+    client = AsyncFeatureClient(server.address, timeout=30)
+
+    async def pooled() -> np.ndarray:
+        async with client.session() as session:
+            return (await session.embed(image)).pooled
+
+    for _ in range(2):  # asyncio.run after asyncio.run
+        np.testing.assert_array_equal(asyncio.run(client.embed(image)).pooled, want)
+        np.testing.assert_array_equal(asyncio.run(pooled()), want)
+
+    other = asyncio.new_event_loop()  # a loop that stays open, in its own thread
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+    try:
+        first = asyncio.run_coroutine_threadsafe(client.embed(image), other).result(30)
+        np.testing.assert_array_equal(first.pooled, want)
+        with pytest.raises(RuntimeError, match="belong to another event loop, still open"):
+            asyncio.run(client.embed(image))
+        asyncio.run_coroutine_threadsafe(client.close(), other).result(30)
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        thread.join(10)
+        other.close()
