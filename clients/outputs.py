@@ -207,24 +207,45 @@ def verify_file(where: Location, entry: dict) -> None:
 
 def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Outputs:
     """Open the completed shards of an embed output (a folder or an fsspec URL);
-    ``verify=True`` checks every checksum."""
+    ``verify=True`` checks every checksum.
+
+    The folder may come from anyone: the manifest names only files under its ``shards/``
+    (never ``..`` or an absolute path), and each shard's arrays must hold a row per id."""
     from .embed_formats import get_format
 
     where = Location(directory)
     manifest = read_manifest(where)
-    storage = get_format(manifest["identity"]["format"])
-    names = list(manifest["identity"]["outputs"])  # the order the job was asked for
-    specs = {name: manifest["arrays"][name] for name in names}
-    shards: list[ShardView] = []
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    for entry in manifest["shards"]:
-        files = entry["files"]
-        if verify:
+    try:
+        storage = get_format(manifest["identity"]["format"])
+        names = list(manifest["identity"]["outputs"])  # the order the job was asked for
+        specs = {name: manifest["arrays"][name] for name in names}
+        shards: list[ShardView] = []
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        for entry in manifest["shards"]:
+            files = entry["files"]
             for file_entry in files.values():
-                verify_file(where, file_entry)
-        rows = json.loads(where.read(files[IDS]["file"]))
-        shards.append(ShardView(entry["index"], rows["ids"], rows["paths"], rows["failed"]))
-        for name, array in storage.read(where, files, specs, mmap).items():
-            parts[name].append(array)
+                _check_inside(where, file_entry["file"])
+                if verify:
+                    verify_file(where, file_entry)
+            rows = json.loads(where.read(files[IDS]["file"]))
+            shard = ShardView(entry["index"], rows["ids"], rows["paths"], rows["failed"])
+            for name, array in storage.read(where, files, specs, mmap).items():
+                if len(array) != len(shard.ids):  # rows would pair with the wrong ids
+                    raise OutputsError(f"{where.path(SHARDS_DIR)}: shard {shard.index} names "
+                                       f"{len(shard.ids)} images, its {name} holds {len(array)}")
+                parts[name].append(array)
+            shards.append(shard)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise OutputsError(f"{where.path(MANIFEST)} is malformed: {type(err).__name__}: {err}"
+                           ) from None
     arrays = {name: ShardedArray(name, parts[name]) for name in names}
     return Outputs(directory, manifest, shards, arrays)
+
+
+def _check_inside(where: Location, rel) -> None:
+    """A manifest's file name: a plain name under ``shards/`` (what the job writes)."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if len(parts) != 2 or parts[0] != SHARDS_DIR or parts[1] in ("", ".", "..") or (
+            "\\" in rel):
+        raise OutputsError(f"{where.path(MANIFEST)} names a file outside {SHARDS_DIR}/: "
+                           f"{rel!r}")

@@ -359,6 +359,41 @@ def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):
         open_outputs(str(out), verify=True)
 
 
+
+def test_an_output_folder_from_anyone_reads_nothing_outside_it(engine, tmp_path):
+    """A manifest is the folder's own word: it named ``../x`` or ``/etc/...`` and the loader
+    read that file; a malformed one raised KeyError or TypeError; ids fewer than a shard's rows
+    paired rows with the wrong ids, silently."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_images(data, 3)
+    assert local_job(engine, data, out).complete
+    manifest = json.loads((out / "manifest.json").read_text())
+    (tmp_path / "secret.json").write_text('{"ids": ["x"], "paths": ["x"], "failed": []}')
+
+    def opened(edit) -> None:
+        changed = json.loads(json.dumps(manifest))
+        edit(changed)
+        (out / "manifest.json").write_text(json.dumps(changed))
+        open_outputs(str(out))
+
+    def name(role: str, rel):
+        return lambda m: m["shards"][0]["files"][role].__setitem__("file", rel)
+
+    for edit in (name("ids", "../secret.json"), name("ids", str(tmp_path / "secret.json")),
+                 name("pooled", "shards/../manifest.json"), name("pooled", 5)):
+        with pytest.raises(OutputsError, match="names a file outside shards/"):
+            opened(edit)
+    for edit in (lambda m: m.__setitem__("shards", "x"), lambda m: m["shards"][0].pop("files"),
+                 lambda m: m.pop("identity")):
+        with pytest.raises(OutputsError, match="manifest.json is malformed"):
+            opened(edit)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    ids_file = out / "shards" / "00000.ids.json"
+    rows = json.loads(ids_file.read_text())
+    ids_file.write_text(json.dumps({**rows, "ids": rows["ids"][:2], "paths": rows["paths"][:2]}))
+    with pytest.raises(OutputsError, match="shard 0 names 2 images, its pooled holds 3"):
+        open_outputs(str(out))
+
 def test_the_local_jobs_decoded_size_guard_is_its_own_setting(tmp_path, capsys):
     """A local job's --max-image-pixels (a server states its own): images over it fail by
     name, the others are embedded; with --server the option is refused."""
