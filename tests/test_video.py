@@ -408,8 +408,13 @@ def test_a_portrait_clip_is_its_stored_frames_turned_clockwise_in_each_container
     turned = read_clip(tmp_path / f"portrait{suffix}", Sampling(frames=4))
     plain = read_clip(tmp_path / f"stored{suffix}", Sampling(frames=4))
     assert plain.frames.shape == (4, 64, 48, 3) and turned.frames.shape == (4, 48, 64, 3)
-    # turned clockwise: shown row i is stored column i, read from the bottom row up
-    np.testing.assert_array_equal(turned.frames, plain.frames[:, ::-1].transpose(0, 2, 1, 3))
+    # turned clockwise: shown row i is stored column i, read from the bottom row up. The two
+    # files are two lossy encodes of the same frames, which x264 and swscale do not always make
+    # bit-identical on a loaded host (2 levels apart once in a full suite): within 4 levels,
+    # where the other turn is far off.
+    clockwise = plain.frames[:, ::-1].transpose(0, 2, 1, 3).astype(int)
+    assert np.abs(turned.frames - clockwise).max() <= 4
+    assert np.abs(turned.frames - clockwise[:, ::-1, ::-1]).max() > 100  # counter-clockwise
     assert (turned.info.width, turned.info.height, turned.info.rotation) == (64, 48, 90)
     assert turned.indices.tolist() == plain.indices.tolist() == expected_uniform(8, 4)
 
