@@ -385,6 +385,9 @@ def _run_probe_command(args) -> int:
     return 0
 
 
+EXPLORE_MAX_TOKENS, EXPLORE_MAX_WIDTH, EXPLORE_MAX_SCALES = 512, 512, 32
+
+
 def _explore_arguments(parser: argparse.ArgumentParser) -> None:
     from .explore import DEFAULT_SCALES
 
@@ -410,9 +413,13 @@ def _run_explore_command(args) -> int:
     from .plots import entropy_vs_scale
     from .report import write_report
 
-    if args.tokens < 2 or args.width < 2 or not args.scales or min(args.scales) <= 0:
+    # bounded: its attention maps are scales x batch x tokens^2 floats at once, per variant
+    if not (2 <= args.tokens <= EXPLORE_MAX_TOKENS and 2 <= args.width <= EXPLORE_MAX_WIDTH
+            and 0 < len(args.scales) <= EXPLORE_MAX_SCALES
+            and all(math.isfinite(s) and s > 0 for s in args.scales)):
         print(
-            "vit22b explore: error: needs --tokens >= 2, --width >= 2 and positive --scales",
+            f"vit22b explore: error: needs --tokens in 2..{EXPLORE_MAX_TOKENS}, --width in "
+            f"2..{EXPLORE_MAX_WIDTH} and 1..{EXPLORE_MAX_SCALES} finite, positive --scales",
             file=sys.stderr,
         )
         return 2

@@ -48,7 +48,12 @@ def test_explore_command_prints_the_table_and_writes_json_and_png(tmp_path, caps
 
 
 def test_explore_command_refuses_bad_arguments(tmp_path, capsys):
-    assert main(["explore", "--scales", "0,1", "--out", str(tmp_path)]) == 2
-    assert "positive --scales" in capsys.readouterr().err
+    # NaN and inf scales ended in matplotlib's traceback; 10^8 tokens or width in an
+    # out-of-memory traceback (a 16 TB attention map)
+    for argv in (["--scales", "0,1"], ["--scales", "nan"], ["--scales", "inf"],
+                 ["--tokens", "100000000"], ["--width", "100000000"], ["--tokens", "1"],
+                 ["--scales", ",".join(["1"] * 33)]):
+        assert main(["explore", *argv, "--out", str(tmp_path)]) == 2
+        assert "finite, positive --scales" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["explore", "--scales", "one,two"])
