@@ -15,6 +15,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from vit22b.model.config import parse_seed
 from vit22b.model.outputs import OutputRequest
 
 from . import settings
@@ -70,7 +71,7 @@ class EmbedSettings:
     model: str | None = setting(None, "local: preset name (default: the embedded model)")
     checkpoint: str | None = setting(None, "local: checkpoint directory")
     mesh: str = setting("auto", "local: device mesh, e.g. data=2,model=4")
-    seed: int = setting(0, "local: seed of random weights")
+    seed: int = setting(0, "local: seed of random weights", parse=parse_seed)
     compute_dtype: str | None = setting("auto", f"local: {COMPUTE_DTYPE_HELP}",
                                         parse=compute_dtype)
     outputs: str = setting("pooled", f"comma-separated of {', '.join(OUTPUT_CHOICES)}")

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from .config import DEFAULT_MODEL, ConfigError, get_config
+from .config import DEFAULT_MODEL, ConfigError, get_config, parse_seed
 
 
 def _summary(out: str, meta, **extra) -> str:
@@ -106,7 +106,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _guarded(handler):
-    """Every refusal (bad preset, mesh, checkpoint or source) is one line on stderr, exit 2."""
+    """Every refusal (bad preset, mesh, checkpoint or source) is one line on stderr, exit 2;
+    a failed write (the disk's error) one line too, exit 1."""
     from .checkpoint import CheckpointError
     from .convert import ConvertError
     from .sharding import MeshError
@@ -117,6 +118,10 @@ def _guarded(handler):
         except (ConfigError, MeshError, CheckpointError, ConvertError) as err:
             print(f"vit22b {args.command}: {err}", file=sys.stderr)
             return 2
+        except OSError as err:  # the disk's word: a folder that cannot be made, a full disk
+            print(f"vit22b {args.command}: {err.filename or args.out}: {err.strerror or err}",
+                  file=sys.stderr)
+            return 1
 
     return run
 
@@ -135,7 +140,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
     if command == "init":
         parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name (vit22b models)")
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--seed", type=parse_seed, default=0)
         parser.add_argument(
             "--mesh",
             help="mesh the weights are created on, e.g. data=1,model=8 (default: as many devices "

@@ -6,6 +6,7 @@ model code.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -428,6 +429,18 @@ PRESETS: dict[str, ViTConfig] = {
 }
 
 DEFAULT_MODEL = "vit-22b-tiny/16"
+
+
+def parse_seed(text: str) -> int:
+    """A weight seed as a flag spells it: an integer of the 64 signed bits jax's random keys
+    take (a larger one ended in an OverflowError deep in the initialisation)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed is an integer, got {text!r}") from None
+    if not -(2**63) <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"a seed is a 64-bit signed integer, got {text}")
+    return seed
 
 
 def get_config(name: str) -> ViTConfig:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from vit22b.model.config import parse_seed
 
 from .data import (
     DataError,
@@ -62,6 +63,15 @@ def _label_or_none(text: str) -> int | None:
     if label < 0:
         raise argparse.ArgumentTypeError(f"expected a mask label (0 or more) or none, got {text!r}")
     return label
+
+
+def _split_seed(text: str) -> int:
+    """The probe's seed: a weight seed that also seeds numpy's data split (0 or more)."""
+    seed = parse_seed(text)
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"the seed also seeds the data split: 0 or more, "
+                                         f"got {seed}")
+    return seed
 
 
 def _positive(parse):
@@ -149,7 +159,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         "weights (default: the served default)",
     )
     feat.add_argument(
-        "--seed", type=int, default=0, help="weights seed (in-process) and split seed"
+        "--seed", type=_split_seed, default=0, help="weights seed (in-process) and split seed"
     )
     feat.add_argument(
         "--layers",
@@ -399,7 +409,7 @@ def _explore_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokens", type=int, default=8, help="sequence length")
     parser.add_argument("--width", type=int, default=32, help="model width (one head)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=parse_seed, default=0)
     parser.add_argument(
         "--out",
         type=Path,

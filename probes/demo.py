@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image
 from vit22b.clients import FeatureClient
 from vit22b.clients.demo import DEVICES, LAYER, MESH, SAMPLE, sample_images, served, summary
+from vit22b.model.config import parse_seed
 
 from .data import ShapesWorld, shapes_world
 from .features import features_from_embed_folder
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=960, help="shapes-world images (cues agree)")
     parser.add_argument("--conflict", type=int, default=320, help="cue-conflict images")
     parser.add_argument("--videos", type=int, default=200, help="moving-shapes videos")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=parse_seed, default=0)
     args = parser.parse_args(argv)
     out: Path = args.out
     start = time.perf_counter()

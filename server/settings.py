@@ -17,6 +17,7 @@ from vit22b.clients.settings import (
     positive,
     setting,
 )
+from vit22b.model.config import parse_seed
 from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
 
@@ -102,7 +103,8 @@ class ServeConfig:
         True, "recompute the checkpoint's weight fingerprint at start-up and refuse weights that "
         "are not the ones its metadata names (a corrupted or altered file); reads every "
         "parameter back once, about a second per GB")
-    seed: int = setting(0, "seed of the random weights when no checkpoint is given")
+    seed: int = setting(0, "seed of the random weights when no checkpoint is given",
+                        parse=parse_seed)
     mesh: str = setting("auto", "device mesh, e.g. data=2,model=4 (auto: all devices on data; "
                         "on a CPU host two emulated devices)")
     compute_dtype: str | None = setting("auto", COMPUTE_DTYPE_HELP, parse=compute_dtype)

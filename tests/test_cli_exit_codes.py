@@ -75,3 +75,22 @@ def test_info_refuses_a_mesh_that_cuts_through_heads():
     assert served.returncode == 0, served.stderr
     info = json.loads(served.stdout)
     assert info["mesh"] == {"data": 1, "model": 8} and info["bytes_per_device"] > 0
+
+
+def test_seeds_beyond_64_bits_and_unwritable_checkpoints_are_one_line_each(tmp_path):
+    """A seed of 10^22 ended in an OverflowError deep in the initialisation (init, serve, embed,
+    probe), and a checkpoint folder that cannot be made in a FileNotFoundError traceback."""
+    huge = "9" * 22
+    for args in (["init", "--out", str(tmp_path / "c")], ["serve"],
+                 ["embed", str(one_image(tmp_path)), "--output", str(tmp_path / "o")],
+                 ["probe", "linear", "--digits"]):
+        done = vit22b(*args, "--seed", huge)
+        assert done.returncode == 2, done.stderr
+        assert f"a seed is a 64-bit signed integer, got {huge}" in done.stderr
+        assert "Traceback" not in done.stderr
+    done = vit22b("probe", "linear", "--digits", "--seed=-1")
+    assert done.returncode == 2 and "the seed also seeds the data split" in done.stderr
+    (tmp_path / "file").write_text("not a folder")
+    done = vit22b("init", "--out", str(tmp_path / "file" / "ckpt"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert str(tmp_path / "file") in done.stderr
