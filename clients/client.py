@@ -99,8 +99,8 @@ class EmbedOptions:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")
         for name in ("l2_normalize", "normalize_patches", "skip_invalid", "dense"):
             flag = getattr(self, name)  # "no" or None would pass as a truth value
-            if not (isinstance(flag, (bool, np.bool_)) or (
-                    isinstance(flag, numbers.Integral) and flag in (0, 1))):
+            if not (isinstance(flag, np.bool_) or (
+                    isinstance(flag, numbers.Integral) and flag in (0, 1))):  # bool included
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
 
     # Spelled once per options (an instance is shared by the calls that pass the same

@@ -149,8 +149,8 @@ class Location:
 
     def __init__(self, url: str):
         self.remote = is_url(url)
-        scheme, _, rest = url.rpartition("://")
-        if (self.remote or scheme) and not rest.strip("/"):  # "s3://" was a local folder "s3:"
+        scheme, sep, rest = url.partition("://")
+        if sep and not rest.strip("/"):  # "s3://" was a local folder "s3:"
             raise ValueError(f"{url}: the URL names no bucket or folder after {scheme}://")
         self.url = url.rstrip("/") or url
         if self.remote:

@@ -555,8 +555,9 @@ def write_video(
 ) -> str:
     """Encode uint8 frames [T, H, W, 3] (H, W even) to ``path`` at ``fps``; returns the codec.
 
-    High quality (x264 CRF 18; 2 Mbit/s otherwise), yuv420p (the same frames give the same
-    bitstream): for tests, demos and benchmarks.
+    High quality (x264 CRF 18; 2 Mbit/s otherwise), yuv420p: for tests, demos and benchmarks.
+    Converted and encoded on one thread each, which makes two encodes of the same frames alike
+    more often under CPU load, not always (tests compare encodes within a few levels).
     ``display_matrix``: nine integers (a, b, u, c, d, v, x, y, w; 16.16 fixed point, u, v, w
     2.30) for the stream, as a phone writes its portrait clips; MP4, MOV and Matroska/WebM
     keep it, AVI drops it.
@@ -572,7 +573,7 @@ def write_video(
     options = {"crf": "18"} if codec == "libx264" else {}
     with av.open(os.fspath(path), "w") as container:
         stream = container.add_stream(codec, rate=fps, options=options)
-        stream.codec_context.thread_count = 1  # x264's threads: other bits under load too
+        stream.codec_context.thread_count = 1
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         if display_matrix is not None:

@@ -279,7 +279,9 @@ def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
         assert not pending and not any(t.cancelled() for t in done)
         with pytest.raises(RuntimeError, match="the client is closed"):
             await client.embed([images[0]])
-        return {"ok" if t.exception() is None else str(t.exception()) for t in done}
+        outcomes = {"ok" if t.exception() is None else str(t.exception()) for t in done}
+        assert outcomes - {"ok"}, "the close came after every call: nothing was tested"
+        return outcomes
 
     closed = {"the client is closed", "the client was closed while the call was in flight"}
     for session in (False, True):
@@ -306,6 +308,7 @@ def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
             t.join(10)
     assert not any(t.is_alive() for t in threads)
     assert len(outcomes) == 16 and set(outcomes) <= closed | {"ok"}, set(outcomes)
+    assert set(outcomes) & closed  # some call was in flight, or made after the close
 
 
 def test_an_async_client_made_outside_any_loop_works_in_each_loop_in_turn(server):
