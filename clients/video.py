@@ -38,7 +38,9 @@ was applied. The matrix's scale and translation are ignored (as the pixel aspect
 
 Refused, with ``VideoError`` naming the file and the reason: unreadable or non-video data,
 a still image (a one-frame GIF too), no video stream, no decoder for the codec, no decodable
-frame, timestamps that are missing or not increasing, a decode error, a stream that ends more than
+frame, timestamps that are missing or not increasing, a decode error, a frame the decoder flags as
+corrupt (damaged data it concealed with guessed pixels, as h264 and MPEG-4 decoders do; VP8/VP9
+decoders flag nothing), a stream that ends more than
 ``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file), a
 frame size that changes among the frames sampled, a display matrix that changes among the frames,
 turns them by an angle that is not a multiple of 90 degrees (beyond ``ANGLE_TOLERANCE``), skews
@@ -386,6 +388,10 @@ def _decode(av, source, name: str, wanted: set[int]):
                 if last_pts is not None and frame.pts is not None and frame.pts < last_pts:
                     raise VideoError(name, f"frame timestamps go backwards at pts {frame.pts}")
                 last_pts = frame.pts
+                if frame.is_corrupt:  # the decoder concealed errors: its pixels are guesses
+                    raise VideoError(name, f"frame {len(entries)} is damaged (the "
+                                     f"{stream.codec_context.name} decoder concealed errors "
+                                     "in it)")
                 matrix = _display_matrix(frame)
                 if not entries:
                     first, orientation = matrix, _orientation(matrix, name)

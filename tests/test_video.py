@@ -186,6 +186,31 @@ def test_bad_videos_are_refused_with_their_reason(tmp_path):
     assert out[0].frames.shape[0] == 2 and isinstance(out[1], VideoError)
 
 
+def _damaged(data: bytes, packet: int) -> bytes:
+    """The file with the middle quarter of one video packet's payload zeroed: bytes lost in
+    transit or on disk, which h264 and MPEG-4 decoders conceal with guessed pixels."""
+    with av.open(io.BytesIO(data)) as container:
+        packets = [(p.pos, p.size) for p in container.demux(container.streams.video[0]) if p.size]
+    pos, size = packets[packet]
+    start, length = pos + size // 2, max(4, size // 4)
+    return data[:start] + bytes(length) + data[start + length :]
+
+
+@pytest.mark.parametrize("suffix, codec", [(".mp4", "h264"), (".avi", "mpeg4")])
+def test_frames_the_decoder_concealed_errors_in_are_refused(tmp_path, suffix, codec):
+    path = tmp_path / f"good{suffix}"
+    write_video(path, indexed_frames(20), fps=FPS)
+    read_clip(path, Sampling(frames=4))  # whole, it reads
+    damaged = tmp_path / f"damaged{suffix}"
+    damaged.write_bytes(_damaged(path.read_bytes(), packet=1))
+    with av.open(str(damaged)) as container:  # the decoder itself flags the frame...
+        assert any(f.is_corrupt for f in container.decode(container.streams.video[0]))
+    with pytest.raises(VideoError) as caught:  # ...and the guessed pixels never leave
+        read_clip(damaged, Sampling(frames=4))
+    assert caught.value.source == str(damaged)
+    assert f"is damaged (the {codec} decoder concealed errors in it)" in caught.value.reason
+
+
 def _encoded(folder: Path, name: str, fmt: str, count: int, size: int, first: int) -> Path:
     """``count`` h264 frames of ``size`` in ``fmt``, 8 per second, the first at pts ``first``."""
     path = folder / name
