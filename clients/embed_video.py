@@ -14,7 +14,8 @@ video. Stored per video (one row of each array):
     timestamps               [K] float64      seconds from the first frame's start
     frame_indices            [K] int64        positions in the presentation order
 
-Inputs may be local paths (PyAV reads the file) or fsspec URLs (read whole, then decoded). A
+Inputs may be local paths or fsspec URLs; PyAV reads either as it decodes (a remote object
+through an fsspec file, in blocks, so a long video never sits whole in memory). A
 video that cannot be read or decoded, or one of whose frames the server refused, is a failure
 with its reason in ``errors.jsonl``. The sampling settings are part of the job's identity, so a
 rerun with other settings is refused. Only ``--frames K`` is offered: a job stores a fixed row
@@ -32,7 +33,7 @@ import numpy as np
 from .embed import BatchResult, os_reason, to_stored
 from .embed_inputs import InputItem
 from .files import regular
-from .storage import is_url, local_path, read_bytes
+from .storage import filesystem, is_url, local_path
 from .video import Clip, Sampling, VideoError, read_clip
 from .video_features import FramePlan
 
@@ -87,11 +88,14 @@ class VideoWorker:
 
 
     def _read(self, item: InputItem) -> Clip | VideoError:
-        """A local file by its path (PyAV reads it); a URL (fsspec) by its bytes."""
+        """A local file by its path, a URL through an fsspec file: PyAV reads either."""
         try:
-            source = read_bytes(item.path) if is_url(item.path) else local_path(item.path)
-            if isinstance(source, str):  # PyAV opens it: a FIFO would block it for ever
-                regular(os.stat(source), source)
+            if is_url(item.path):
+                fs, inner = filesystem(item.path)
+                with fs.open(inner, "rb") as remote:
+                    return read_clip(remote, self.sampling, name=item.id)
+            source = local_path(item.path)
+            regular(os.stat(source), source)  # PyAV opens it: a FIFO would block it for ever
             return read_clip(source, self.sampling, name=item.id)
         except OSError as err:
             return VideoError(item.id, os_reason(err))

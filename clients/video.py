@@ -58,12 +58,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from vit22b.model.errors import is_number
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
-VideoSource = str | os.PathLike | bytes | bytearray
+# A path, the file's bytes, or an open, seekable binary file (an fsspec file of a remote
+# object: read in blocks as PyAV asks, never whole; each pass starts at its beginning).
+VideoSource = str | os.PathLike | bytes | bytearray | BinaryIO
 # Encoders tried in order for each suffix (the first this PyAV build has).
 ENCODERS = {
     ".mp4": ("libx264", "mpeg4"),
@@ -223,7 +226,9 @@ class _Timeline:
 def _name(source: VideoSource, name: str | None) -> str:
     if name:
         return name
-    return os.fspath(source) if isinstance(source, (str, os.PathLike)) else "<video bytes>"
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    return "<video bytes>" if isinstance(source, (bytes, bytearray)) else "<video file>"
 
 
 # Tags are read as UTF-8 with undecodable bytes replaced: old muxers and cameras write Latin-1
@@ -238,6 +243,11 @@ def _open(av, source: VideoSource, name: str):
             if not source:
                 raise VideoError(name, "empty (0 bytes)")
             return av.open(io.BytesIO(bytes(source)), "r", metadata_errors=TAG_ERRORS)
+        if hasattr(source, "read"):  # an open file: each pass reads it from its start
+            if source.seek(0, io.SEEK_END) == 0:
+                raise VideoError(name, "empty (0 bytes)")
+            source.seek(0)
+            return av.open(source, "r", metadata_errors=TAG_ERRORS)
         if os.path.isfile(source) and os.path.getsize(source) == 0:
             raise VideoError(name, "empty file (0 bytes)")
         return av.open(os.fspath(source), "r", metadata_errors=TAG_ERRORS)
@@ -479,7 +489,8 @@ def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
 def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) -> Clip:
     """The frames ``sampling`` chooses, decoded to uint8 RGB, with their timestamps.
 
-    ``source``: a path or the file's bytes; ``name`` names it in errors (default: the path).
+    ``source``: a path, the file's bytes, or an open seekable binary file (read from its start,
+    in pieces); ``name`` names it in errors (default: the path).
     Any other failure (but memory, or PyAV missing) is this video's ``VideoError`` too: a
     decoder's surprise on one odd file must not stop a job over many.
     """

@@ -186,6 +186,37 @@ def test_bad_videos_are_refused_with_their_reason(tmp_path):
     assert out[0].frames.shape[0] == 2 and isinstance(out[1], VideoError)
 
 
+class ReadLog(io.BytesIO):
+    """A file object that keeps the size of every read PyAV makes from it."""
+
+    def __init__(self, data: bytes):
+        super().__init__(data)
+        self.reads: list[int] = []
+
+    def read(self, size: int = -1) -> bytes:
+        out = super().read(size)
+        self.reads.append(len(out))
+        return out
+
+
+def test_an_open_file_is_read_in_pieces_like_the_path(tmp_path):
+    """A seekable file object (what the job passes for a remote object: an fsspec file) gives
+    the path's frames, read in pieces, never whole; an empty one is refused as empty."""
+    path = tmp_path / "noise.mp4"
+    frames = np.random.default_rng(5).integers(0, 256, (48, SIZE, SIZE, 3), np.uint8)
+    write_video(path, frames, fps=FPS)  # noise: about 150 KB, several of PyAV's buffers
+    data = path.read_bytes()
+    source = ReadLog(data)
+    got, expected = read_clip(source, Sampling(frames=5)), read_clip(path, Sampling(frames=5))
+    np.testing.assert_array_equal(got.frames, expected.frames)
+    np.testing.assert_array_equal(got.timestamps, expected.timestamps)
+    assert len(data) > 3 * max(source.reads)  # in pieces, both passes from the start
+    assert sum(source.reads) >= 2 * len(data)
+    assert probe(ReadLog(data)) == probe(path)
+    with pytest.raises(VideoError, match=r"<video file>: empty \(0 bytes\)"):
+        read_clip(ReadLog(b""), Sampling(frames=1))
+
+
 def _damaged(data: bytes, packet: int) -> bytes:
     """The file with the middle quarter of one video packet's payload zeroed: bytes lost in
     transit or on disk, which h264 and MPEG-4 decoders conceal with guessed pixels."""

@@ -213,6 +213,25 @@ def test_video_inputs_from_an_fsspec_url_equal_the_local_files(videos, tmp_path)
     fs.rm("/video-inputs", recursive=True)
 
 
+def test_video_inputs_from_s3_are_read_in_place_and_equal_the_local_files(videos, s3, tmp_path):
+    """Videos in a real S3-compatible server on loopback: PyAV reads each object through an
+    fsspec file (ranged GETs as it seeks; an MP4's index may sit at its end), not whole."""
+    pytest.importorskip("s3fs")
+    objects = {f"clips/{path.name}": path.read_bytes() for path in videos}
+    objects["clips/empty.mp4"] = b""
+    bucket = s3("videos", objects)
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    config = dict(batch_size=2, shard_size=8, video=Sampling(frames=3), quiet=True)
+    remote = run_job(JobConfig([f"{bucket}/clips/"], str(tmp_path / "s3"), OutputSpec(),
+                               **config), backend)
+    local = run_job(JobConfig([str(videos[0].parent)], str(tmp_path / "l"), OutputSpec(),
+                              **config), backend)
+    assert (remote.embedded, remote.failed) == (4, 1) and local.embedded == 4
+    a, b = open_outputs(str(tmp_path / "s3")), open_outputs(str(tmp_path / "l"))
+    np.testing.assert_array_equal(np.asarray(a["frames.pooled"]), np.asarray(b["frames.pooled"]))
+    assert a.failed[0]["reason"] == "empty (0 bytes)"
+
+
 def test_a_portrait_clip_is_embedded_upright(tmp_path):
     """A phone's portrait clip (stored landscape; its display matrix turns it 90 degrees
     clockwise): the job embeds the upright frames, not the stored sideways ones."""
