@@ -483,8 +483,9 @@ class FeatureClient(ClientBase):
         return EmbedSession(self, window or WINDOW)
 
     def embed_videos(self, videos, **kwargs):
-        """Per-frame features of videos (paths or bytes; PyAV decodes them here): ``frames=K``
-        or ``stride_s=S``, then ``embed``'s keywords; see ``video_features.embed_videos``."""
+        """Per-frame features of videos (paths, bytes or open files; PyAV decodes them here):
+        ``frames=K`` or ``stride_s=S``, then ``embed``'s keywords; see
+        ``video_features.embed_videos``."""
         from .video_features import embed_videos
 
         return embed_videos(self, videos, **kwargs)

@@ -134,7 +134,8 @@ def embed_videos(
     skip_invalid: bool = False,
     **embed_kwargs,
 ) -> VideoEmbeddings:
-    """Embed the sampled frames of each video (a path or its bytes) with ``client.embed``.
+    """Embed the sampled frames of each video (a path, its bytes or an open seekable binary
+    file) with ``client.embed``.
 
     ``frames=K`` (uniform: the centres of K equal segments) or ``stride_s=S`` (every S seconds);
     ``embed_kwargs`` are ``embed``'s (``outputs``, ``layers``, ``dtype``, ``l2_normalize``,
@@ -143,8 +144,8 @@ def embed_videos(
     Every video is decoded before anything is sent: for many videos, call it batch by batch
     (as the embed job does).
     """
-    if isinstance(videos, (str, os.PathLike, bytes, bytearray)):
-        videos = [videos]
+    if isinstance(videos, (str, os.PathLike, bytes, bytearray)) or hasattr(videos, "read"):
+        videos = [videos]  # one video (an open file iterates over lines, not videos)
     videos = list(videos)
     sampling = Sampling(frames, stride_s)
     names = _ids(videos, ids)

@@ -98,6 +98,10 @@ def test_several_videos_share_one_call_and_bad_ones_are_reported(server, videos,
         counting = Counting(client)
         result = embed_videos(counting, inputs, stride_s=0.5, skip_invalid=True)
         alone = [client.embed_video(v, stride_s=0.5) for v in (videos[1], videos[2], videos[3])]
+        with open(videos[2], "rb") as f:  # an open file is one video, read like its path
+            opened = client.embed_videos(f, stride_s=0.5)
+    assert len(opened.videos) == 1 and opened.videos[0].id == "0"
+    np.testing.assert_array_equal(opened.videos[0].pooled, alone[1].pooled)
     assert [v.id for v in result.videos] == [str(videos[1]), "2", str(videos[3])]
     assert [(e.index, e.id) for e in result.errors] == [(1, str(truncated))]
     assert bad["truncated.webm"][1] in result.errors[0].reason
