@@ -192,7 +192,8 @@ class SourceTensors:
         return tuple(self.tensors[key].shape)
 
     def take(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor as f32; a missing or mis-shaped one is recorded and stands in as zeros."""
+        """The tensor as f32; a missing, mis-shaped or non-finite one is recorded and stands in
+        as zeros (a NaN weight would make every output NaN: a corrupt download, not a model)."""
         shape = tuple(int(n) for n in shape)
         if key not in self.tensors:
             self.problems.append(f"missing key {key!r} (expected shape {shape})")
@@ -202,7 +203,13 @@ class SourceTensors:
         if tuple(value.shape) != shape:
             self.problems.append(f"key {key!r} has shape {tuple(value.shape)}, expected {shape}")
             return np.zeros(shape, np.float32)
-        return np.asarray(value, np.float32)
+        value = np.asarray(value, np.float32)
+        if not np.isfinite(value).all():
+            nan, inf = int(np.isnan(value).sum()), int(np.isinf(value).sum())
+            self.problems.append(f"key {key!r} holds {nan} NaN and {inf} infinite values of "
+                                 f"{value.size}")
+            return np.zeros(shape, np.float32)
+        return value
 
     def zeros(self, key: str, shape: tuple[int, ...], why: str) -> np.ndarray:
         if key in self.tensors:

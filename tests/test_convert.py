@@ -526,6 +526,21 @@ def test_missing_unexpected_and_misshaped_keys_are_named(timm_state, tmp_path):
     assert "key 'blocks.1.mlp_bias' has shape (255,), expected (256,)" in message
 
 
+def test_weights_that_are_not_finite_are_named(timm_state, tmp_path):
+    """A NaN or an infinity in any weight (a corrupt download) would make every served output
+    NaN: the conversion refuses, naming each tensor and its count."""
+    state = dict(timm_state)
+    state["blocks.0.in_proj.weight"] = state["blocks.0.in_proj.weight"].clone()
+    state["blocks.0.in_proj.weight"][0, :3] = float("nan")
+    state["blocks.1.q_norm.weight"] = state["blocks.1.q_norm.weight"].clone()
+    state["blocks.1.q_norm.weight"][5] = float("-inf")
+    with pytest.raises(ConvertError) as err:
+        _convert_state(state, tmp_path)
+    message = str(err.value)
+    assert "key 'blocks.0.in_proj.weight' holds 3 NaN and 0 infinite values of 28672" in message
+    assert "key 'blocks.1.q_norm.weight' holds 0 NaN and 1 infinite values of 16" in message
+
+
 @pytest.mark.parametrize(
     "key, shape, what",
     [
