@@ -15,11 +15,15 @@ device unless its sharding says so. Every mismatch is reported by parameter path
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
+import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,18 +391,66 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """What failed restores print held back, so that the refusal is what a user reads:
+    orbax's INFO lines (about twenty per restore, through absl's logger: one restore per
+    parameter made hundreds), and the reads a failed restore abandons, which report as they
+    finish on its closed event loop (tensorstore's callbacks print straight to file descriptor
+    2, held back here: nothing else runs while a checkpoint is being restored) or when
+    collected unfinished (orbax's coroutines and tasks, through ``sys.unraisablehook`` and
+    asyncio's logger, at any later time: those filters stay). Unchecked, up to two thousand
+    lines of tracebacks about nothing a user can act on."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    if not getattr(sys.unraisablehook, "drops_orbax_reads", False):
+        sys.unraisablehook = _dropping_orbax_reads(sys.unraisablehook)
+        logging.getLogger("asyncio").addFilter(_not_an_orbax_read)
+    sys.stderr.flush()
+    stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(devnull)
+        logger.setLevel(level)
+
+
+def _not_an_orbax_read(record: logging.LogRecord) -> bool:
+    """asyncio's report of a task collected with its exception unread: not for a read an
+    earlier, failed restore abandoned."""
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+
+
+def _dropping_orbax_reads(previous):
+    def hook(unraisable) -> None:
+        target = unraisable.object
+        if inspect.iscoroutine(target) and "/orbax/" in target.cr_code.co_filename:
+            return  # a read an earlier, failed restore abandoned
+        previous(unraisable)
+
+    hook.drops_orbax_reads = True
+    return hook
+
+
 def _unreadable(params_dir: Path, target: dict, err: Exception) -> CheckpointError:
     """After a failed restore, find which parameters cannot be read (one at a time)."""
     flat = flatten(target)
     bad = []
-    for path, leaf in flat.items():
-        try:
-            jax.block_until_ready(_orbax_restore(params_dir, unflatten({path: leaf}), True))
-        except Exception as leaf_err:
-            bad.append(
-                f"parameter {path} (shape {tuple(leaf.shape)}, {np.dtype(leaf.dtype).name}): "
-                f"stored data is unreadable, truncated or corrupt: {_first_line(leaf_err)}"
-            )
+    with _quiet_orbax():
+        for path, leaf in flat.items():
+            try:
+                jax.block_until_ready(_orbax_restore(params_dir, unflatten({path: leaf}), True))
+            except Exception as leaf_err:
+                bad.append(
+                    f"parameter {path} (shape {tuple(leaf.shape)}, "
+                    f"{np.dtype(leaf.dtype).name}): stored data is unreadable, truncated or "
+                    f"corrupt: {_first_line(leaf_err)}"
+                )
     context = f"checkpoint {params_dir.parent} cannot be restored"
     return CheckpointError(format_problems(bad or [_first_line(err)], context))
 

@@ -94,3 +94,26 @@ def test_seeds_beyond_64_bits_and_unwritable_checkpoints_are_one_line_each(tmp_p
     done = vit22b("init", "--out", str(tmp_path / "file" / "ckpt"))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert str(tmp_path / "file") in done.stderr
+
+
+def test_a_truncated_checkpoint_is_refused_in_a_few_lines(tmp_path):
+    """`vit22b serve` on a checkpoint whose weights file was cut in half: the refusal names the
+    parameters and ends the output, not buried under orbax's INFO lines (one restore per
+    parameter, about twenty lines each) and the tracebacks of the reads the failed restore
+    abandoned (up to two thousand lines before)."""
+    checkpoint = tmp_path / "c"
+    made = vit22b("init", "--model", "vit-22b-tiny/16", "--out", str(checkpoint))
+    assert made.returncode == 0, made.stderr
+    data = max((p for p in (checkpoint / "params").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    served = vit22b("serve", "--checkpoint", str(checkpoint), "--port", "0")
+    assert served.returncode == 2
+    lines = served.stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if "cannot be restored" in line)
+    problems = lines[start + 1 :]
+    assert problems and all("stored data is unreadable, truncated or corrupt" in line
+                            for line in problems)  # the refusal is the last thing printed
+    assert len(lines) < 120, len(lines)  # the tiny model has 44 parameters
+    assert not any("INFO absl" in line for line in lines[start:])
