@@ -419,17 +419,20 @@ def _quiet_orbax():
         logger.setLevel(level)
 
 
+_ORBAX = f"{os.sep}orbax{os.sep}"  # in the paths of orbax's modules
+
+
 def _not_an_orbax_read(record: logging.LogRecord) -> bool:
     """asyncio's report of a task collected with its exception unread: not for a read an
     earlier, failed restore abandoned."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+    return not (message.startswith("Task exception was never retrieved") and _ORBAX in message)
 
 
 def _dropping_orbax_reads(previous):
     def hook(unraisable) -> None:
         target = unraisable.object
-        if inspect.iscoroutine(target) and "/orbax/" in target.cr_code.co_filename:
+        if inspect.iscoroutine(target) and _ORBAX in target.cr_code.co_filename:
             return  # a read an earlier, failed restore abandoned
         previous(unraisable)
 
