@@ -192,8 +192,9 @@ class SourceTensors:
         return tuple(self.tensors[key].shape)
 
     def take(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor as f32; a missing, mis-shaped or non-finite one is recorded and stands in
-        as zeros (a NaN weight would make every output NaN: a corrupt download, not a model)."""
+        """The tensor as f32; a missing, mis-shaped, complex or non-finite one is recorded and
+        stands in as zeros (a NaN weight would make every output NaN: a corrupt download, not a
+        model)."""
         shape = tuple(int(n) for n in shape)
         if key not in self.tensors:
             self.problems.append(f"missing key {key!r} (expected shape {shape})")
@@ -202,6 +203,9 @@ class SourceTensors:
         value = self.tensors[key]
         if tuple(value.shape) != shape:
             self.problems.append(f"key {key!r} has shape {tuple(value.shape)}, expected {shape}")
+            return np.zeros(shape, np.float32)
+        if np.iscomplexobj(value):  # a cast to float32 would drop the imaginary parts
+            self.problems.append(f"key {key!r} holds complex values ({value.dtype})")
             return np.zeros(shape, np.float32)
         value = np.asarray(value, np.float32)
         if not np.isfinite(value).all():

@@ -539,6 +539,12 @@ def test_weights_that_are_not_finite_are_named(timm_state, tmp_path):
     message = str(err.value)
     assert "key 'blocks.0.in_proj.weight' holds 3 NaN and 0 infinite values of 28672" in message
     assert "key 'blocks.1.q_norm.weight' holds 0 NaN and 1 infinite values of 16" in message
+    state = dict(timm_state)  # complex weights: a float32 cast would drop the imaginary parts
+    state["norm_pre.weight"] = state["norm_pre.weight"].to(torch.complex64)
+    torch.save(state, tmp_path / "complex.pth")
+    with pytest.raises(ConvertError, match=r"key 'norm_pre.weight' holds complex values "
+                                           r"\(complex64\)"):
+        convert("timm", tmp_path / "complex.pth", Hints())
 
 
 @pytest.mark.parametrize(
