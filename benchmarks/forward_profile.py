@@ -11,7 +11,14 @@ run at the same time, so the wall time is about the sum over the device count).
     python benchmarks/forward_profile.py                                  # f32, batch 8
     python benchmarks/forward_profile.py --dtype bfloat16 --batch 32 --rows 25
 
-The last line of stdout is one JSON object (``rows``: label, ms, share; ``gemm_share``).
+Beside the sums, how the traced forwards' span (the first operation's start to the last one's
+end) splits by how many operations run at once (``concurrency_ms``: ms per forward with 0, 1,
+2, ... running). With a data device per core, time with fewer operations running than devices
+is a device idle: a wait for the other, a runtime gap between operations, or (none running)
+the host's work between the programs.
+
+The last line of stdout is one JSON object (``rows``: label, ms, share; ``gemm_share``;
+``concurrency_ms``).
 """
 
 from __future__ import annotations
@@ -74,6 +81,18 @@ def label(info: dict) -> str:
     return f"{info['opcode']} [{where}]"
 
 
+def running_at_once(edges: list[tuple[int, int]], forwards: int) -> dict[int, float]:
+    """ms per forward during which N operations were running, N = 0, 1, ..., over the span from
+    the first operation's start to the last one's end (``edges``: (ns, +1 start / -1 end))."""
+    spent: collections.Counter = collections.Counter()
+    running, last = 0, None
+    for t, step in sorted(edges):  # at equal times an end (-1) sorts before a start
+        if last is not None:
+            spent[running] += t - last
+        running, last = running + step, t
+    return {n: round(spent[n] / 1e6 / forwards, 2) for n in range(max(spent, default=0) + 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit-b/16", choices=sorted(PEER_SIZES))
@@ -106,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.forward(images, POOLED)
     trace = tempfile.TemporaryDirectory(prefix="vit22b-trace-")
     load = load_average()
-    start = time.perf_counter()
     with jax.profiler.trace(trace.name):
+        start = time.perf_counter()  # the forwards only, not the profiler's start and stop
         for _ in range(args.forwards):
             engine.forward(images, POOLED)
-    wall = (time.perf_counter() - start) / args.forwards
+        wall = (time.perf_counter() - start) / args.forwards
     engine.close()
 
     # The forward's module is the largest optimised one XLA dumped.
@@ -121,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = jax.profiler.ProfileData.from_file(xplane)
     totals: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
+    edges: list[tuple[int, int]] = []  # (time ns, +1 an operation starts / -1 it ends)
     for plane in profile.planes:
         for line in plane.lines:
             for event in line.events:
@@ -129,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     key = label(info)
                     totals[key] += event.duration_ns / 1e6 / args.forwards
                     counts[key] += 1
+                    edges += [(event.start_ns, 1), (event.start_ns + event.duration_ns, -1)]
+    concurrency = running_at_once(edges, args.forwards)
     total = sum(totals.values())
     gemm = sum(ms for key, ms in totals.items() if key.startswith("GEMM ->"))
     devices = mesh.devices.size
@@ -136,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({args.batch / wall:.2f} img/s), {total:.1f} device-ms traced over {devices} "
         f"device(s), load {load}")
     log(f"plain GEMMs {gemm / total:.1%} of the traced time")
+    log("ms per forward with N operations running: "
+        + ", ".join(f"{n}: {ms}" for n, ms in concurrency.items()))
     rows = []
     for key, ms in totals.most_common():
         rows.append({"label": key, "ms": round(ms, 2), "share": round(ms / total, 4),
@@ -145,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     emit({"benchmark": "forward_profile", "model": args.model, "dtype": args.dtype,
           "batch": args.batch, "wall_ms": round(wall * 1e3, 2), "devices": devices,
           "traced_device_ms": round(total, 2), "gemm_share": round(gemm / total, 4),
+          "concurrency_ms": concurrency,
           "rows": rows, "load_average": load, "machine": machine()})
     return 0
 

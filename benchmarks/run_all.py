@@ -383,7 +383,7 @@ def gpu_section(r: dict) -> str:
 def forward_profile_section(r: dict) -> str:
     rows = [[row["label"], row["ms"], f"{row['share']:.1%}", row["calls"]]
             for row in r["rows"][:8]]
-    return "\n\n".join([
+    return "\n\n".join(filter(None, [
         f"## Where the engine's forward spends its time ({r['model']}, {r['dtype']}, batch "
         f"{r['batch']})",
         f"`{r['_command']}` ({_load(r)}). XLA:CPU's own trace of each executed operation, "
@@ -392,7 +392,18 @@ def forward_profile_section(r: dict) -> str:
         f"time; wall {r['wall_ms']} ms per forward). Plain GEMMs: **{r['gemm_share']:.1%}** of "
         f"the {r['traced_device_ms']} device-ms traced.",
         table(["operation [jax op]", "device-ms", "share", "calls"], rows),
-    ])
+        _concurrency(r),
+    ]))
+
+
+def _concurrency(r: dict) -> str:
+    """The profile's split of a forward by how many operations ran at once, where recorded."""
+    split = r.get("concurrency_ms")
+    if not split:
+        return ""
+    parts = ", ".join(f"{n} running {ms} ms" for n, ms in split.items())
+    return (f"The traced span per forward by how many operations ran at once (a device idles "
+            f"while fewer than {r['devices']} run): {parts}.")
 
 
 def _prefix(transport: str) -> str:
