@@ -226,11 +226,23 @@ def _predict_batch(decoder, params, layers, pooled, size):
 # ------------------------------------------------------------------------------------------
 
 
-def depth_metrics(pred: np.ndarray, target: np.ndarray, min_depth: float = 1e-3) -> dict:
-    """MSE, RMSE, AbsRel = mean |p - t| / t, and delta<1.25 = share with max(p/t, t/p) < 1.25."""
+# Depth at or below this, or not finite, is no measurement (sensors' holes: KITTI's and NYU's
+# raw maps hold 0 there, others NaN): left out of the statistics, the loss and the metrics.
+MIN_DEPTH = 1e-3
+
+
+def measured(depth: np.ndarray, min_depth: float = MIN_DEPTH) -> np.ndarray:
+    """The pixels that hold a depth (finite and above ``min_depth``)."""
+    depth = np.asarray(depth, np.float64)
+    return np.isfinite(depth) & (depth > min_depth)
+
+
+def depth_metrics(pred: np.ndarray, target: np.ndarray, min_depth: float = MIN_DEPTH) -> dict:
+    """MSE, RMSE, AbsRel = mean |p - t| / t, and delta<1.25 = share with max(p/t, t/p) < 1.25,
+    over the measured pixels of ``target``."""
     pred = np.maximum(np.asarray(pred, np.float64), min_depth)
     target = np.asarray(target, np.float64)
-    valid = target > min_depth
+    valid = measured(target, min_depth)
     p, t = pred[valid], target[valid]
     mse = float(np.mean((p - t) ** 2))
     return {
@@ -258,15 +270,31 @@ def depth_probe(
 
     Returns the report and the test predictions by decoder ([N_test, H, W], for the PNG).
     """
+    depth = np.asarray(depth, np.float64)  # float32 squares of depths over ~1e19 overflow
+    valid = measured(depth)
+    for name, index in (("training", train_index), ("test", test_index)):
+        if not valid[index].any():
+            raise ValueError(f"the {name} images hold no measured depth (every pixel is "
+                             f"non-finite or <= {MIN_DEPTH})")
     inputs = dense_inputs(features, layers, use_pooled, train_index)
-    depth = np.asarray(depth, np.float32)
-    mean, std = float(depth[train_index].mean()), float(depth[train_index].std())
+    train_depth = depth[train_index][valid[train_index]]
+    mean, std = float(train_depth.mean()), float(train_depth.std())
     std = std or 1.0  # a constant depth: nothing to scale (dividing by 0 gave NaN)
-    target = downsample_depth((depth[train_index] - mean) / std, train_stride)[..., None]
+    # Channel 0 the standardised depth (0 where none), channel 1 the share of measured pixels
+    # behind it: the loss weighs each training pixel by it.
+    weight = valid[train_index].astype(np.float64)
+    standardised = np.where(valid[train_index], (depth[train_index] - mean) / std, 0.0)
+    block_weight = downsample_depth(weight, train_stride)
+    block_depth = downsample_depth(standardised, train_stride) / np.maximum(block_weight, 1e-12)
+    target = np.stack([block_depth, block_weight], axis=-1).astype(np.float32)
     size = depth.shape[1:3]
+    per_pixel = np.where(valid[train_index], depth[train_index], 0.0).sum(0)
+    counts = valid[train_index].sum(0)
+    per_pixel = np.where(counts > 0, per_pixel / np.maximum(counts, 1), mean)
 
-    def mse(pred, tgt):
-        return jnp.mean((pred - tgt) ** 2)
+    def mse(pred, tgt):  # over the measured pixels
+        error = (pred[..., 0] - tgt[..., 0]) ** 2
+        return jnp.sum(error * tgt[..., 1]) / jnp.maximum(jnp.sum(tgt[..., 1]), 1e-6)
 
     report = {
         "probe": "depth",
@@ -276,11 +304,11 @@ def depth_probe(
         "train_stride": train_stride,
         "num_train": len(train_index),
         "num_test": len(test_index),
+        "measured_pixels": float(valid.mean()),
         "baselines": {
             "mean_depth": depth_metrics(np.full_like(depth[test_index], mean), depth[test_index]),
             "per_pixel_mean_depth": depth_metrics(
-                np.broadcast_to(depth[train_index].mean(0), depth[test_index].shape),
-                depth[test_index],
+                np.broadcast_to(per_pixel, depth[test_index].shape), depth[test_index]
             ),
         },
     }
@@ -296,7 +324,8 @@ def depth_probe(
             learning_rate=learning_rate,
             seed=seed,
         )
-        pred = predict(decoder, params, inputs.take(test_index), size)[..., 0] * std + mean
+        standard = predict(decoder, params, inputs.take(test_index), size)[..., 0]
+        pred = standard.astype(np.float64) * std + mean  # float32 would overflow past ~3e38
         predictions[kind] = pred
         report[kind] = {**depth_metrics(pred, depth[test_index]), "final_train_loss": losses[-1]}
     return report, predictions

@@ -8,6 +8,7 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,12 +50,22 @@ class Features(FeatureArrays):
 def features_from_outputs(outputs: dict, meta: dict | None = None) -> Features:
     """The dict ``vit22b.model.apply`` (or a client) returns -> Features (as float32 numpy)."""
     arrays = {
-        k: np.asarray(outputs[k], np.float32) for k in _ARRAY_KEYS if outputs.get(k) is not None
+        k: _real(outputs[k], k) for k in _ARRAY_KEYS if outputs.get(k) is not None
     }
     patches = {
-        int(k): np.asarray(v, np.float32) for k, v in (outputs.get("patch_tokens") or {}).items()
+        int(k): _real(v, f"patch_tokens[{k}]")
+        for k, v in (outputs.get("patch_tokens") or {}).items()
     }
     return Features(patch_tokens=patches, meta=dict(meta or {}), **arrays)
+
+
+def _real(value, name: str) -> np.ndarray:
+    """float32 of real numbers; complex values (whose imaginary parts a cast would drop with a
+    warning), booleans, text and objects are refused by name."""
+    array = np.asarray(value)
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise DataError(f"features {name} must be real numbers, got dtype {array.dtype}")
+    return array.astype(np.float32, copy=False)
 
 
 def save_features(path: str | Path, features: Features) -> None:
@@ -68,12 +79,23 @@ def save_features(path: str | Path, features: Features) -> None:
 def load_npz_features(path: str | Path) -> Features:
     if not Path(path).is_file():
         raise DataError(f"{path}: not a features .npz file nor an embed output folder")
-    with np.load(path, allow_pickle=False) as npz:
-        outputs: dict = {k: npz[k] for k in npz.files if k in _ARRAY_KEYS}
-        outputs["patch_tokens"] = {
-            int(k.split("/", 1)[1]): npz[k] for k in npz.files if k.startswith("patch_tokens/")
-        }
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            stored = {k: npz[k] for k in npz.files
+                      if k in _ARRAY_KEYS or k.startswith("patch_tokens/")}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise DataError(f"{path}: not a readable features .npz file ({err})") from None
+    outputs: dict = {k: v for k, v in stored.items() if k in _ARRAY_KEYS}
+    outputs["patch_tokens"] = {_layer(k, path): v for k, v in stored.items()
+                               if k.startswith("patch_tokens/")}
     return features_from_outputs(outputs, {"source": str(path)})
+
+
+def _layer(key: str, path) -> int:
+    try:
+        return int(key.split("/", 1)[1])
+    except ValueError:
+        raise DataError(f"{path}: {key!r} names no layer (patch_tokens/<layer index>)") from None
 
 
 def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:

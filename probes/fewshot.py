@@ -53,17 +53,18 @@ def fewshot_probe(
     """Top-1 of the ridge classifier for each number of shots: mean, std and per-seed values."""
     train_x, train_y, test_x, test_y = checked_sets(train_x, train_y, test_x, test_y)
     num_classes = num_classes_of(train_y, test_y, names=class_names)
-    per_class = np.bincount(train_y, minlength=num_classes)
+    present = np.unique(train_y)  # shots of the classes there are (an index may have none)
+    fewest = int(np.bincount(train_y)[present].min())
     results, skipped = {}, {}
     for k in shots:
-        if per_class.min() < k:
-            skipped[str(k)] = f"a class has only {per_class.min()} training images (< {k} shots)"
+        if fewest < k:
+            skipped[str(k)] = f"a class has only {fewest} training images (< {k} shots)"
             continue
         accuracies = []
         for seed in seeds:
             rng = np.random.default_rng(seed)
             picked = np.concatenate(
-                [rng.permutation(np.flatnonzero(train_y == c))[:k] for c in range(num_classes)]
+                [rng.permutation(np.flatnonzero(train_y == c))[:k] for c in present]
             )
             predict = ridge_classifier(train_x[picked], train_y[picked], num_classes, l2)
             accuracies.append(float(np.mean(predict(test_x).argmax(axis=1) == test_y)))
@@ -72,6 +73,9 @@ def fewshot_probe(
             "top1_std": float(np.std(accuracies)),
             "top1_per_seed": accuracies,
         }
+    if not results:  # a report of nothing measured is not a result
+        raise ValueError(f"no number of shots in {list(shots)} fits: the smallest class has "
+                         f"{fewest} training images")
     return {
         "probe": "fewshot",
         "l2": l2,

@@ -26,6 +26,9 @@ KINDS = (
 
 _TARGETS = ("labels", "texture", "depth", "mask")
 _CLASSES = ("labels", "texture", "mask")
+# Classes a probe accepts beyond one per image: the probes hold [N, C] scores, so C is bounded
+# (ImageNet-21k's 21,843 classes fit; class indices must be dense, 0..C-1).
+MAX_CLASSES = 65_536
 
 
 @dataclass
@@ -42,11 +45,22 @@ class ProbeData:
     images: np.ndarray | None = None  # uint8 [N, H, W, 3], for figures only
 
     def __post_init__(self) -> None:
-        """Features are finite, every target has one entry per image, and the class-like ones
-        are integers: a shorter list of labels would misalign every row after the gap."""
+        """Features are finite and of some width, every target has one entry per image, and
+        the class-like ones are integer indices of a bounded number of classes (a shorter list
+        of labels would misalign every row after the gap; a label of 10^12 would ask the probes
+        for 10^12 columns of scores)."""
         rows = len(self.features)
+        if not rows:
+            raise DataError("the features hold no images")
         tokens = {f"patch_tokens[{k}]": v for k, v in self.features.patch_tokens.items()}
         for name, array in (*self.features.arrays(), *tokens.items()):
+            if len(array) != rows:
+                raise DataError(f"features {name} hold {len(array)} rows for {rows} images")
+            if name.startswith("patch_tokens") and array.ndim != 3:
+                raise DataError(f"features {name} must be [images, patches, width], got shape "
+                                f"{list(array.shape)}")
+            if array.ndim > 1 and not array.shape[-1]:
+                raise DataError(f"features {name} have no dimensions: shape {list(array.shape)}")
             if not np.isfinite(array).all():  # NaN features would score as numbers
                 raise DataError(f"features {name} hold NaN or infinite values: a probe on "
                                 "them would report numbers that mean nothing")
@@ -57,9 +71,41 @@ class ProbeData:
             if len(value) != rows:
                 raise DataError(f"{name} has {len(value)} entries for {rows} images: one per "
                                 "image, in the features' order")
-            if name in _CLASSES and not np.issubdtype(np.asarray(value).dtype, np.integer):
-                raise DataError(f"{name} must be integer class indices, got dtype "
-                                f"{np.asarray(value).dtype} (map names to 0..C-1 first)")
+            value = np.asarray(value)
+            if name in ("depth", "mask") and value.ndim != 3:
+                raise DataError(f"{name} must be one [H, W] map per image ([N, H, W]), got "
+                                f"shape {list(value.shape)}")
+            if name == "depth" and not (np.issubdtype(value.dtype, np.floating)
+                                        or np.issubdtype(value.dtype, np.integer)):
+                raise DataError(f"depth must be real numbers, got dtype {value.dtype}")
+            if name in _CLASSES:
+                self._check_classes(name, value)
+        if self.num_mask_classes is not None and not 1 <= self.num_mask_classes <= MAX_CLASSES:
+            raise DataError(f"num_mask_classes must be in 1..{MAX_CLASSES:,}, got "
+                            f"{self.num_mask_classes}")
+        most = int(self.labels.max()) + 1 if self.labels is not None else 0
+        if self.class_names and len(self.class_names) < most:
+            raise DataError(f"{len(self.class_names)} class names for labels up to {most - 1}: "
+                            "one name per class index")
+
+    def _check_classes(self, name: str, value: np.ndarray) -> None:
+        if not np.issubdtype(value.dtype, np.integer):
+            raise DataError(f"{name} must be integer class indices, got dtype "
+                            f"{value.dtype} (map names to 0..C-1 first)")
+        if name != "mask" and value.ndim != 1:
+            raise DataError(f"{name} must be one class index per image, got shape "
+                            f"{list(value.shape)}")
+        if value.size and value.min() < 0:
+            where = np.unravel_index(int(value.argmin()), value.shape)[0]
+            raise DataError(f"{name}: class index {value.min()} (image {where}) is negative: "
+                            "indices run 0..C-1")
+        cap = max(MAX_CLASSES, len(value))
+        if value.size and value.max() >= cap:
+            where = np.unravel_index(int(value.argmax()), value.shape)[0]
+            raise DataError(f"{name}: class index {value.max()} (image {where}) is too large: "
+                            f"indices run 0..C-1 with C at most {cap:,} (the larger of "
+                            f"{MAX_CLASSES:,} and the number of images); map them to 0..C-1 "
+                            "first")
 
     def require(self, name: str, why: str) -> np.ndarray:
         value = getattr(self, name)
@@ -102,8 +148,11 @@ def load_probe_data(path: str | Path) -> ProbeData:
     features = load_npz_features(path)
     with np.load(path, allow_pickle=False) as npz:
         targets = {k.split("/", 1)[1]: npz[k] for k in npz.files if k.startswith("target/")}
-    names = tuple(str(s) for s in targets.pop("class_names", ()))
+    names = tuple(str(s) for s in np.ravel(targets.pop("class_names", ())))
     num_mask = targets.pop("num_mask_classes", None)
+    if num_mask is not None and (num_mask.shape or not np.issubdtype(num_mask.dtype, np.integer)):
+        raise DataError(f"{path}: target/num_mask_classes must be one integer, got "
+                        f"{num_mask.dtype} {list(num_mask.shape)}")
     return ProbeData(
         features=features,
         class_names=names,
@@ -125,7 +174,11 @@ def classification_inputs(data: ProbeData, feature: str = "pooled") -> np.ndarra
         return tokens[max(tokens)].mean(axis=1)
     if feature not in ("pooled", "class_token"):
         raise ValueError(f"feature must be pooled, class_token or patch_mean, got {feature!r}")
-    return data.features.require(feature)
+    x = data.features.require(feature)
+    if x.ndim != 2:
+        raise DataError(f"{feature} features must be one vector per image ([N, D]), got shape "
+                        f"{list(x.shape)}")
+    return x
 
 
 def _splits(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,11 +190,20 @@ def _splits(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.n
     return train, val, test
 
 
+def _two_classes(labels: np.ndarray, why: str) -> np.ndarray:
+    """A classifier's labels: images of two classes at least (with one, every score is 1.0)."""
+    classes = np.unique(labels)
+    if len(classes) < 2:
+        raise DataError(f"the {why} needs images of 2 classes or more; all {len(labels)} are "
+                        f"of class {classes[0]}")
+    return labels
+
+
 def run_classification(
     kind: str, data: ProbeData, seed: int = 0, feature: str = "pooled", **options
 ) -> dict:
     """linear / fewshot / knn on a stratified 80 / 20 split (linear picks C inside the 80)."""
-    labels = data.require("labels", f"{kind} probe")
+    labels = _two_classes(data.require("labels", f"{kind} probe"), f"{kind} probe")
     x = classification_inputs(data, feature)
     train, val, test = _splits(labels, seed)
     pool = np.sort(np.concatenate([train, val]))
@@ -172,11 +234,14 @@ def run_calibration(
     logits = _head_logits(data, head)
     source = "imported head" if head is not None else "model classifier"
     if logits is None:
+        _two_classes(labels, "calibration probe (a logistic regression on the features)")
         x = classification_inputs(data, feature)
         best_c, _ = linear.select_c(x[train], labels[train], x[val], labels[val])
         model = linear.fit_logistic(x[train], labels[train], best_c)
-        num_classes = max(len(data.class_names), int(labels.max()) + 1)
-        logits = linear.class_scores(model, x, num_classes)
+        # Over the classes it was trained on (every class present: the split is stratified);
+        # a column for a class index no image has would be -inf, which no calibration metric takes.
+        logits = linear.class_scores(model, x, int(labels.max()) + 1)[:, model.classes_]
+        labels = np.searchsorted(model.classes_, labels)
         source = f"logistic regression on {feature} features (C={best_c:g})"
     report = calibration.calibration_probe(
         logits[val], labels[val], logits[test], labels[test], bins

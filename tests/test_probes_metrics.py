@@ -437,3 +437,107 @@ def test_a_dataset_too_small_to_test_on_says_so():
         _splits(np.array([0, 1]), 0)
     train, val, test = _splits(np.array([0, 0, 0, 1]), 0)
     assert len(test) == 1 and len(train) + len(val) == 3
+
+
+def _probe_data(n: int = 30, d: int = 4, **targets):
+    from vit22b.probes.features import Features
+    from vit22b.probes.runner import ProbeData
+
+    rng = np.random.default_rng(0)
+    return ProbeData(Features(pooled=rng.standard_normal((n, d)).astype(np.float32)), **targets)
+
+
+BAD_DATA = {  # the ProbeData a probe never sees, and the words of the refusal
+    "a label of 10^12": (dict(labels=np.r_[np.arange(29) % 3, 10**12]),
+                         r"labels: class index 1000000000000 \(image 29\) is too large"),
+    "labels of two columns": (dict(labels=np.zeros((30, 2), int)),
+                              r"labels must be one class index per image, got shape \[30, 2\]"),
+    "a negative texture": (dict(texture=np.arange(30) - 1),
+                           r"texture: class index -1 \(image 0\) is negative"),
+    "fewer names than classes": (dict(labels=np.arange(30) % 10, class_names=("a", "b")),
+                                 "2 class names for labels up to 9"),
+    "depth of one row per image": (dict(depth=np.ones((30, 8))),
+                                   r"depth must be one \[H, W\] map per image"),
+    "complex depth": (dict(depth=np.ones((30, 2, 2), np.complex64)),
+                      "depth must be real numbers, got dtype complex64"),
+    "a mask of one row per image": (dict(mask=np.zeros((30, 8), np.uint8)),
+                                    r"mask must be one \[H, W\] map per image"),
+    "10^12 mask classes": (dict(mask=np.zeros((30, 2, 2), np.uint8), num_mask_classes=10**12),
+                           "num_mask_classes must be in 1..65,536, got 1000000000000"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_targets_a_probe_cannot_use_are_refused_by_name(case):
+    """Before: a label of 10^12 asked for 10^12 columns of scores (MemoryError), labels of two
+    columns and maps of the wrong rank failed with IndexError deep in a probe, fewer class
+    names than classes were taken, 10^12 mask classes exhausted JAX's memory."""
+    targets, words = BAD_DATA[case]
+    with pytest.raises(DataError, match=words):
+        _probe_data(**targets)
+
+
+def test_features_a_probe_cannot_use_are_refused_by_name():
+    from vit22b.model.features import Features
+    from vit22b.probes.features import features_from_outputs
+    from vit22b.probes.runner import ProbeData
+
+    x = np.ones((6, 4), np.float32)
+    with pytest.raises(DataError, match="features pooled must be real numbers, got dtype "
+                                        "complex64"):  # a float32 cast dropped the imaginary parts
+        features_from_outputs({"pooled": x.astype(np.complex64)})
+    with pytest.raises(DataError, match="must be real numbers, got dtype bool"):
+        features_from_outputs({"pooled": x > 0})
+    with pytest.raises(DataError, match=r"features pooled have no dimensions: shape \[6, 0\]"):
+        ProbeData(Features(pooled=x[:, :0]))
+    with pytest.raises(DataError, match="the features hold no images"):
+        ProbeData(Features(pooled=x[:0]))
+    tokens = {3: np.ones((5, 4, 4), np.float32)}
+    with pytest.raises(DataError, match="features patch_tokens.3. hold 5 rows for 6 images"):
+        ProbeData(Features(pooled=x, patch_tokens=tokens))
+
+
+def test_a_file_that_is_not_a_features_npz_is_named(tmp_path):
+    from vit22b.probes.runner import load_probe_data
+
+    path = tmp_path / "features.npz"
+    path.write_bytes(b"PK\x03\x04 not a zip archive")
+    with pytest.raises(DataError, match=f"{path}: not a readable features .npz file"):
+        load_probe_data(path)
+    np.savez(path, pooled=np.ones((6, 4), np.float32), **{"patch_tokens/x": np.ones((6, 4, 4))})
+    with pytest.raises(DataError, match="'patch_tokens/x' names no layer"):
+        load_probe_data(path)
+    np.savez(path, pooled=np.ones((6, 4), np.float32),
+             **{"target/num_mask_classes": np.array([1, 2])})
+    with pytest.raises(DataError, match=r"num_mask_classes must be one integer, got int64 \[2\]"):
+        load_probe_data(path)
+
+
+@pytest.mark.parametrize("kind", ["linear", "fewshot", "knn", "calibration"])
+def test_a_classifier_needs_two_classes(kind):
+    """Few-shot and kNN scored images of one class as 1.0 against a chance of 1.0."""
+    from vit22b.probes.runner import run_probe
+
+    with pytest.raises(DataError, match=f"the {kind} probe.* needs images of 2 classes or more; "
+                                        "all 30 are of class 4"):
+        run_probe(kind, _probe_data(labels=np.full(30, 4)))
+
+
+def test_a_class_index_no_image_has_leaves_the_others_scored():
+    """Labels 0, 1 and 3 (no image of class 2): few-shot skipped every number of shots and
+    reported nothing with exit 0 (its classes 0..3 included the empty one), calibration refused
+    its own -inf logits of class 2."""
+    from vit22b.probes.runner import run_probe
+
+    labels = np.array([0, 1, 3] * 20)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((60, 6)).astype(np.float32) + 3 * np.eye(6, dtype=np.float32)[labels]
+    data = _probe_data(n=60, d=6, labels=labels)
+    data.features.pooled[:] = x
+    shots = run_probe("fewshot", data, shots=(1, 5))["shots"]
+    assert set(shots) == {"1", "5"} and shots["5"]["top1_mean"] > 0.5
+    report = run_probe("calibration", data)
+    assert np.isfinite(report["before"]["nll"]) and report["before"]["accuracy"] > 0.5
+    with pytest.raises(ValueError, match=r"no number of shots in \[50\] fits: the smallest "
+                                         "class has 16 training images"):
+        run_probe("fewshot", data, shots=(50,))

@@ -6,6 +6,8 @@ chance, the majority class and the mean depth on held-out images. The figures th
 the reports (``vit22b probe KIND --shapes-world N``), not in asserts.
 """
 
+from functools import partial
+
 import numpy as np
 import pytest
 from vit22b.probes.data import SHAPES, TEXTURES, shapes_world
@@ -97,6 +99,27 @@ def test_a_constant_depth_gives_finite_metrics(data):
                             steps=5)
     metrics = [v for v in report["linear"].values() if isinstance(v, float)]
     assert "rmse" in report["linear"] and metrics and all(np.isfinite(metrics))
+
+
+def test_pixels_without_a_depth_are_left_out(data):
+    """Sensors' holes (0 in KITTI's and NYU's raw maps, NaN elsewhere) made every metric NaN:
+    they entered the standardisation, the loss and the metrics. Now a hole is a hole whether
+    it holds 0 or NaN, and a split without any measured pixel is refused."""
+    from vit22b.probes.dense import depth_probe
+
+    index = np.arange(80)
+    holes = np.random.default_rng(0).random(data.depth[:80].shape) < 0.2
+    run = partial(depth_probe, data.features, train_index=index[:40], test_index=index[40:80],
+                  layers=tuple(data.features.patch_tokens), decoders=("linear",), steps=5)
+    as_nan, _ = run(np.where(holes, np.nan, data.depth[:80]))
+    as_zero, _ = run(np.where(holes, 0.0, data.depth[:80]))
+    assert as_nan == as_zero
+    assert as_nan["measured_pixels"] == pytest.approx(0.8, abs=0.01)
+    assert all(np.isfinite(v) for v in as_nan["linear"].values())
+    unmeasured = data.depth[:80].copy()
+    unmeasured[40:] = np.nan
+    with pytest.raises(ValueError, match="the test images hold no measured depth"):
+        run(unmeasured)
 
 
 def test_segmentation_decoder_beats_the_majority_class(data, tmp_path):
