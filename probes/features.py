@@ -65,7 +65,8 @@ def _real(value, name: str) -> np.ndarray:
     array = np.asarray(value)
     if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
         raise DataError(f"features {name} must be real numbers, got dtype {array.dtype}")
-    return array.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):  # past float32's range: refused as infinite (ProbeData)
+        return array.astype(np.float32, copy=False)
 
 
 def save_features(path: str | Path, features: Features) -> None:

@@ -14,6 +14,7 @@ head was trained on (big_vision's ``pre_logits``, timm's ``forward_head(pre_logi
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,10 @@ class LinearHead:
             raise DataError(
                 f"head has {len(self.class_names)} class names for {self.kernel.shape[1]} classes"
             )
+        for name, array in (("kernel", self.kernel), ("bias", self.bias)):
+            if not np.isfinite(array).all():  # a corrupt download: every decision NaN
+                raise DataError(f"head {name} holds {int((~np.isfinite(array)).sum())} NaN or "
+                                "infinite values")
 
     @property
     def num_classes(self) -> int:
@@ -51,7 +56,11 @@ class LinearHead:
                 f"pooled features of shape {pooled.shape} do not fit a head of input width "
                 f"{self.kernel.shape[0]}"
             )
-        return pooled @ self.kernel + self.bias
+        with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+            logits = pooled @ self.kernel + self.bias
+        if not np.isfinite(logits).all():
+            raise DataError("the head's logits overflow float32 on these features")
+        return logits
 
 
 def save_head(path: str | Path, head: LinearHead) -> None:
@@ -65,7 +74,7 @@ def load_head(path: str | Path) -> LinearHead:
     path = Path(path)
     try:
         npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise DataError(f"{path}: not a readable .npz head file ({err})") from err
     with npz:
         missing = {"kernel", "bias"} - set(npz.files)
@@ -77,6 +86,8 @@ def load_head(path: str | Path) -> LinearHead:
         if not np.issubdtype(array.dtype, np.floating):
             raise DataError(f"{path}: {name} must be floating point, got {array.dtype}")
     try:
-        return LinearHead(kernel.astype(np.float32), bias.astype(np.float32), names)
+        with np.errstate(over="ignore"):  # a float32 overflow is refused as infinite
+            kernel, bias = kernel.astype(np.float32), bias.astype(np.float32)
+        return LinearHead(kernel, bias, names)
     except DataError as err:
         raise DataError(f"{path}: {err}") from None

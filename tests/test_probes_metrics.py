@@ -280,6 +280,20 @@ def test_bad_head_files_are_refused_with_the_reason(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(DataError, match="junk.npz"):
         load_head(tmp_path / "junk.npz")
+    (tmp_path / "zip.npz").write_bytes(b"PK\x03\x04 not a zip after all")  # BadZipFile crashed
+    with pytest.raises(DataError, match="zip.npz: not a readable .npz head file"):
+        load_head(tmp_path / "zip.npz")
+    kernel = np.ones((4, 2), np.float32)
+    kernel[1, 1] = np.nan  # a corrupt download: every decision was NaN
+    np.savez(tmp_path / "nan.npz", kernel=kernel, bias=np.ones(2))
+    with pytest.raises(DataError, match="nan.npz: head kernel holds 1 NaN or infinite values"):
+        load_head(tmp_path / "nan.npz")
+    np.savez(tmp_path / "big.npz", kernel=np.full((4, 2), 1e300), bias=np.ones(2))
+    with pytest.raises(DataError, match="head kernel holds 8 NaN or infinite"):  # as float32
+        load_head(tmp_path / "big.npz")
+    head = LinearHead(np.full((4, 2), 1e30, np.float32), np.zeros(2, np.float32))
+    with pytest.raises(DataError, match="the head's logits overflow float32"):
+        head.logits(np.full((3, 4), 1e20, np.float32))
 
 
 def test_calibration_refuses_what_is_not_a_confidence_or_a_bin_count():
