@@ -226,8 +226,9 @@ def _embed(args, images, kind: str):
         )
     from .features import features_from_model
 
-    return features_from_model(
-        read_images(images),
+    return features_from_model(  # files as their bytes: decoded as a server decodes them
+        [image if isinstance(image, np.ndarray) else Path(image).read_bytes()
+         for image in images],
         model=args.model,
         seed=args.seed,
         patch_layers=layers,
@@ -283,9 +284,9 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
     if args.digits:
         return _image_data(args, kind, load_digits_images()), extra
     paths = image_files(args.data) if kind in DENSE else load_image_folder(args.data).images
-    images = read_images(paths)
+    images = read_images(paths)  # every file decodes, or the first that does not is named
     data = ProbeData(
-        features=_embed(args, paths if args.server else images, kind),
+        features=_embed(args, paths, kind),
         **_targets_of_paths(args, kind, paths),
     )
     if len({a.shape for a in images}) == 1:

@@ -381,8 +381,11 @@ def load_digits_images(size: int = 64) -> LabelledImages:
 
 
 def read_images(images) -> list[np.ndarray]:
-    """Paths or arrays -> uint8 RGB arrays [H, W, 3] (paths decoded with PIL); sizes may differ."""
-    from PIL import Image
+    """Paths or arrays -> uint8 RGB arrays [H, W, 3]; sizes may differ. Files are decoded by
+    the pixel contract (``model/pixels.py``: orientation, 16-bit grey, transparency, the size
+    limit) at full size, so a bad file is named by its path before anything is embedded."""
+    from vit22b.model.errors import InvalidImage
+    from vit22b.model.pixels import decode
 
     out = []
     for item in images:
@@ -390,9 +393,8 @@ def read_images(images) -> list[np.ndarray]:
             array = item
         else:
             try:
-                with Image.open(item) as im:
-                    array = np.asarray(im.convert("RGB"))
-            except (OSError, ValueError) as err:
+                array = decode(Path(item).read_bytes())
+            except (OSError, InvalidImage) as err:
                 raise DataError(f"{item}: cannot decode image ({err})") from err
         if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
             raise DataError(

@@ -169,7 +169,8 @@ def features_from_model(
     batch_size: int = 64,
     resolution: int = 0,
 ) -> Features:
-    """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]):
+    """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]) or
+    encoded images (bytes: decoded as served, reduced-size JPEG decoding included):
     ``model`` a preset name or a ViTConfig (default: the served default), random weights from
     ``seed`` unless ``params`` are given; ``patch_layers`` block indices or "auto" (4 evenly
     spaced); ``resolution`` the square input size (0: the model's own). For tests, demos and
@@ -186,7 +187,8 @@ def features_from_model(
         attention_stats=attention_stats,
         logits=logits,
     )
-    pixels = [np.asarray(image) for image in images]
+    pixels = [image if isinstance(image, (bytes, bytearray, memoryview)) else np.asarray(image)
+              for image in images]
     try:  # the server's own path: the same pixels, batching and finishing as served
         features = features_in_process(cfg, pixels, request, params=params, seed=seed,
                                        batch_size=batch_size, resolution=resolution)

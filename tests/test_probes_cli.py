@@ -151,6 +151,35 @@ def test_counts_and_temperatures_must_be_positive(tmp_path, capsys, argv):
     assert refused.value.code == 2 and "expected positive values" in capsys.readouterr().err
 
 
+def test_image_files_are_decoded_by_the_pixel_contract_in_process(tmp_path, capsys):
+    """Without a server the probes decoded files with Pillow's convert("RGB"), the server with
+    the pixel contract: a 16-bit grey PNG came out clipped at 255 (white wherever its value
+    passed 255 of 65535), so in-process and served features of a folder differed. The same
+    picture as 16-bit and as 8-bit grey now gives the same features, and a file over the size
+    limit is named."""
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (40, 48), dtype=np.uint8)
+    for name in ("a", "b"):
+        (tmp_path / "set" / name).mkdir(parents=True)
+        for i in range(2, 5):
+            Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(
+                tmp_path / "set" / name / f"{i}.png")
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "set" / "a" / "0-16bit.png")
+    Image.fromarray(grey).save(tmp_path / "set" / "a" / "1-8bit.png")
+    assert Image.open(tmp_path / "set" / "a" / "0-16bit.png").mode.startswith("I;16")
+    saved = tmp_path / "f.npz"
+    assert main(["probe", "knn", "--data", str(tmp_path / "set"), "--ks", "1",
+                 "--out", str(tmp_path / "out"), "--save-features", str(saved)]) == 0
+    pooled = np.load(saved)["pooled"]
+    np.testing.assert_array_equal(pooled[0], pooled[1])  # rows in file order: 0-16bit, 1-8bit
+    Image.new("1", (9000, 9000)).save(tmp_path / "set" / "b" / "5-big.png")  # 81 MP
+    capsys.readouterr()
+    assert main(["probe", "knn", "--data", str(tmp_path / "set"),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "5-big.png: cannot decode image (declared size of the PNG is 9000x9000" in (
+        capsys.readouterr().err)
+
+
 # ---- against a real server, and an embed output folder ------------------------------------
 
 
