@@ -12,7 +12,9 @@ is what the shape-bias probe reads, and "independent" draws them apart.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -274,15 +276,19 @@ def load_cue_conflict(root: str | Path, categories: tuple[str, ...] | None = Non
 
 
 def _read_depth(path: Path) -> np.ndarray:
-    if path.suffix == ".npy":
-        depth = np.load(path)
-    else:
-        from PIL import Image
+    with _reading(path, "depth map"):
+        if path.suffix == ".npy":
+            depth = np.load(path, allow_pickle=False)
+        else:
+            from PIL import Image
 
-        with Image.open(path) as im:
-            if im.mode not in ("I;16", "I;16B", "I", "F", "L"):
-                raise DataError(f"{path}: depth PNG must be single-channel (16-bit), not {im.mode}")
-            depth = np.asarray(im)
+            with Image.open(path) as im:
+                if im.mode not in ("I;16", "I;16B", "I", "F", "L"):
+                    raise DataError(
+                        f"{path}: depth PNG must be single-channel (16-bit), not {im.mode}")
+                depth = np.asarray(im)
+    if not (np.issubdtype(depth.dtype, np.floating) or np.issubdtype(depth.dtype, np.integer)):
+        raise DataError(f"{path}: depth map must be real numbers, got dtype {depth.dtype}")
     depth = np.asarray(depth, np.float32)
     if depth.ndim != 2:
         raise DataError(f"{path}: depth map must be 2-D [H, W], got shape {depth.shape}")
@@ -292,10 +298,25 @@ def _read_depth(path: Path) -> np.ndarray:
 def _read_mask(path: Path) -> np.ndarray:
     from PIL import Image
 
-    with Image.open(path) as im:
+    with _reading(path, "mask"), Image.open(path) as im:
         if im.mode not in ("P", "L"):
             raise DataError(f"{path}: mask must be an indexed (P) or grey (L) PNG, not {im.mode}")
         return np.asarray(im, np.uint8)
+
+
+@contextlib.contextmanager
+def _reading(path: Path, what: str):
+    """A target file's read failures (truncated, not an image, a decompression bomb, a pickled
+    .npy) as one DataError naming the file."""
+    from PIL import Image
+
+    try:
+        yield
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError, SyntaxError, struct.error,
+            Image.DecompressionBombError) as err:  # Pillow raises each for some broken file
+        raise DataError(f"{path}: cannot read the {what} ({type(err).__name__}: {err})") from None
 
 
 @dataclass

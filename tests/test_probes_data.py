@@ -126,6 +126,25 @@ def test_dense_folder_errors(tmp_path):
         image_files(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("case", ["truncated mask", "pickled depth", "complex depth"])
+def test_unreadable_target_files_are_named(tmp_path, case):
+    """A truncated mask PNG was "error: image file is truncated" (which file?), a pickled .npy
+    "Object arrays cannot be loaded", and a complex .npy lost its imaginary parts silently."""
+    _dense_folders(tmp_path)
+    if case == "truncated mask":
+        data = (tmp_path / "masks" / "im2.png").read_bytes()
+        (tmp_path / "masks" / "im2.png").write_bytes(data[: len(data) // 2])
+        words = r"im2.png: cannot read the mask \(OSError: "
+    elif case == "pickled depth":
+        np.save(tmp_path / "depth" / "im2.npy", np.array([{"a": 1}]), allow_pickle=True)
+        words = r"im2.npy: cannot read the depth map \(ValueError: Object arrays cannot be"
+    else:
+        np.save(tmp_path / "depth" / "im2.npy", np.ones((64, 64), np.complex64))
+        words = "im2.npy: depth map must be real numbers, got dtype complex64"
+    with pytest.raises(DataError, match=words):
+        load_dense_folder(tmp_path / "images", tmp_path / "depth", tmp_path / "masks")
+
+
 def test_digits_as_images():
     data = load_digits_images()
     assert len(data) == 1797 and data.class_names == tuple("0123456789")
