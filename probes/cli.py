@@ -253,6 +253,10 @@ def _targets_of_paths(args, kind: str, paths: list) -> dict:
         depth, mask = dense_targets(paths, args.depth, args.masks)
         return {"depth": depth, "mask": mask}
     labels, names = labels_from_folders(paths)
+    if len(names) < 2 and kind != "diagnostics":
+        raise DataError(f"an image's class is the name of its folder, and all {len(paths)} "
+                        f"images are in {Path(paths[0]).parent}: the {kind} probe needs a "
+                        "subfolder per class")
     if kind == "shape-bias":
         shapes, textures = cue_conflict_labels(paths, names)
         return {"labels": shapes, "texture": textures, "class_names": names}

@@ -113,6 +113,9 @@ def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:
         raise DataError(str(err)) from None
     if not len(outputs):
         raise DataError(f"{path}: the embed output holds no embedded images yet")
+    if any(name.startswith("frames.") for name in outputs.names):
+        raise DataError(f"{path}: per-frame features of videos (`vit22b embed --frames K`): "
+                        "probe them with `vit22b probe video --features`")
     arrays: dict = {"patch_tokens": {}}
     for name in outputs.names:
         kind, _, layer = name.partition(".")

@@ -210,7 +210,7 @@ def test_probe_with_server_features(server, tmp_path):
     assert report["features"]["source"] == server and set(report["by_k"]) == {"5", "10"}
 
 
-def test_probes_read_an_embed_output_folder(server, tmp_path):
+def test_probes_read_an_embed_output_folder(server, tmp_path, capsys):
     world = shapes_world(40, seed=5)
     for i, image in enumerate(world.images):
         folder = tmp_path / "images" / world.shape_names[world.shape[i]]
@@ -229,6 +229,16 @@ def test_probes_read_an_embed_output_folder(server, tmp_path):
     assert main(["probe", "segmentation", "--features", str(embedded), "--masks", masks,
                  "--steps", "20", "--out", str(tmp_path)]) == 0  # fmt: skip
     assert _report(tmp_path, "segmentation")["layers"] == [3]
+    flat = tmp_path / "flat"  # one folder: no classes to read (was "all 40 are of class 0")
+    flat.mkdir()
+    for i, path in enumerate(sorted((tmp_path / "images").rglob("*.png"))):
+        (flat / f"{i:03d}.png").write_bytes(path.read_bytes())
+    assert main(["embed", str(flat), "--server", server, "--output", str(tmp_path / "e2"),
+                 "--quiet"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["probe", "knn", "--features", str(tmp_path / "e2"), "--out", str(tmp_path)]) == 2
+    assert (f"an image's class is the name of its folder, and all 40 images are in {flat}: the "
+            "knn probe needs a subfolder per class") in capsys.readouterr().err
 
 
 def test_dense_probes_at_a_resolution(tmp_path):

@@ -45,6 +45,10 @@ def test_the_video_probe_beats_the_middle_frame_where_motion_decides(tmp_path, c
                                 batch_size=4, video=Sampling(frames=K)), backend)
     assert summary.complete and summary.embedded == 200 and summary.failed == 0
 
+    # an image probe on per-frame features read no array it knew: "the features hold no images"
+    assert cli(["probe", "linear", "--features", str(spec_out), "--out", str(tmp_path / "r")]) == 2
+    assert "per-frame features of videos (`vit22b embed --frames K`): probe them with `vit22b " \
+        "probe video --features`" in capsys.readouterr().err
     assert cli(["probe", "video", "--features", str(spec_out), "--out", str(tmp_path / "r")]) == 0
     line = capsys.readouterr().out
     report = json.loads((tmp_path / "r" / "video.json").read_text())
