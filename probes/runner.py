@@ -83,7 +83,7 @@ class ProbeData:
         if self.num_mask_classes is not None and not 1 <= self.num_mask_classes <= MAX_CLASSES:
             raise DataError(f"num_mask_classes must be in 1..{MAX_CLASSES:,}, got "
                             f"{self.num_mask_classes}")
-        most = int(self.labels.max()) + 1 if self.labels is not None else 0
+        most = int(np.max(self.labels)) + 1 if self.labels is not None else 0
         if self.class_names and len(self.class_names) < most:
             raise DataError(f"{len(self.class_names)} class names for labels up to {most - 1}: "
                             "one name per class index")
