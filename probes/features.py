@@ -50,16 +50,16 @@ class Features(FeatureArrays):
 def features_from_outputs(outputs: dict, meta: dict | None = None) -> Features:
     """The dict ``vit22b.model.apply`` (or a client) returns -> Features (as float32 numpy)."""
     arrays = {
-        k: _real(outputs[k], k) for k in _ARRAY_KEYS if outputs.get(k) is not None
+        k: real_array(outputs[k], k) for k in _ARRAY_KEYS if outputs.get(k) is not None
     }
     patches = {
-        int(k): _real(v, f"patch_tokens[{k}]")
+        int(k): real_array(v, f"patch_tokens[{k}]")
         for k, v in (outputs.get("patch_tokens") or {}).items()
     }
     return Features(patch_tokens=patches, meta=dict(meta or {}), **arrays)
 
 
-def _real(value, name: str) -> np.ndarray:
+def real_array(value, name: str) -> np.ndarray:
     """float32 of real numbers; complex values (whose imaginary parts a cast would drop with a
     warning), booleans, text and objects are refused by name."""
     array = np.asarray(value)

@@ -5,6 +5,50 @@ from __future__ import annotations
 
 import numpy as np
 
+from .data import DataError
+
+# Classes a probe accepts beyond one per image: the probes hold [N, C] scores, so C is bounded
+# (ImageNet-21k's 21,843 classes fit; class indices must be dense, 0..C-1).
+MAX_CLASSES = 65_536
+
+
+def check_class_indices(name: str, value: np.ndarray, per_image: bool = True) -> None:
+    """Integer class indices 0..C-1 with C at most ``MAX_CLASSES`` or the number of images (a
+    label of 10^12 would ask a probe for 10^12 columns of scores); ``per_image``: one each
+    ([N]), else maps ([N, H, W])."""
+    if not np.issubdtype(value.dtype, np.integer):
+        raise DataError(f"{name} must be integer class indices, got dtype {value.dtype} (map "
+                        "names to 0..C-1 first)")
+    if per_image and value.ndim != 1:
+        raise DataError(f"{name} must be one class index per image, got shape "
+                        f"{list(value.shape)}")
+    if value.size and value.min() < 0:
+        where = np.unravel_index(int(value.argmin()), value.shape)[0]
+        raise DataError(f"{name}: class index {value.min()} (image {where}) is negative: "
+                        "indices run 0..C-1")
+    cap = max(MAX_CLASSES, len(value))
+    if value.size and value.max() >= cap:
+        where = np.unravel_index(int(value.argmax()), value.shape)[0]
+        raise DataError(f"{name}: class index {value.max()} (image {where}) is too large: "
+                        f"indices run 0..C-1 with C at most {cap:,} (the larger of "
+                        f"{MAX_CLASSES:,} and the number of images); map them to 0..C-1 first")
+
+
+def check_class_names(names: tuple[str, ...], labels: np.ndarray) -> None:
+    most = int(np.max(labels)) + 1 if len(labels) else 0
+    if names and len(names) < most:
+        raise DataError(f"{len(names)} class names for labels up to {most - 1}: one name per "
+                        "class index")
+
+
+def two_classes(labels: np.ndarray, why: str) -> np.ndarray:
+    """A classifier's labels: images of two classes at least (with one, every score is 1.0)."""
+    classes = np.unique(labels)
+    if len(classes) < 2:
+        raise DataError(f"the {why} needs images of 2 classes or more; all {len(labels)} are "
+                        f"of class {classes[0]}")
+    return labels
+
 
 def checked_set(x, y, name: str, rows: str = "features") -> tuple[np.ndarray, np.ndarray]:
     """One set of a probe's inputs, checked: real-valued, finite [N, D] features and N integer

@@ -15,7 +15,14 @@ from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shap
 from .data import DataError, ShapesWorld
 from .features import Features, load_npz_features, save_features
 from .heads import LinearHead
-from .metrics import log_softmax, split_indices
+from .metrics import (
+    MAX_CLASSES,
+    check_class_indices,
+    check_class_names,
+    log_softmax,
+    split_indices,
+    two_classes,
+)
 from .report import write_report
 
 KINDS = (
@@ -26,9 +33,6 @@ KINDS = (
 
 _TARGETS = ("labels", "texture", "depth", "mask")
 _CLASSES = ("labels", "texture", "mask")
-# Classes a probe accepts beyond one per image: the probes hold [N, C] scores, so C is bounded
-# (ImageNet-21k's 21,843 classes fit; class indices must be dense, 0..C-1).
-MAX_CLASSES = 65_536
 
 
 @dataclass
@@ -46,9 +50,9 @@ class ProbeData:
 
     def __post_init__(self) -> None:
         """Features are finite and of some width, every target has one entry per image, and
-        the class-like ones are integer indices of a bounded number of classes (a shorter list
-        of labels would misalign every row after the gap; a label of 10^12 would ask the probes
-        for 10^12 columns of scores)."""
+        the class-like ones are integer indices of a bounded number of classes
+        (``check_class_indices``; a shorter list of labels would misalign every row after the
+        gap)."""
         rows = len(self.features)
         if not rows:
             raise DataError("the features hold no images")
@@ -79,33 +83,12 @@ class ProbeData:
                                         or np.issubdtype(value.dtype, np.integer)):
                 raise DataError(f"depth must be real numbers, got dtype {value.dtype}")
             if name in _CLASSES:
-                self._check_classes(name, value)
+                check_class_indices(name, value, per_image=name != "mask")
         if self.num_mask_classes is not None and not 1 <= self.num_mask_classes <= MAX_CLASSES:
             raise DataError(f"num_mask_classes must be in 1..{MAX_CLASSES:,}, got "
                             f"{self.num_mask_classes}")
-        most = int(np.max(self.labels)) + 1 if self.labels is not None else 0
-        if self.class_names and len(self.class_names) < most:
-            raise DataError(f"{len(self.class_names)} class names for labels up to {most - 1}: "
-                            "one name per class index")
-
-    def _check_classes(self, name: str, value: np.ndarray) -> None:
-        if not np.issubdtype(value.dtype, np.integer):
-            raise DataError(f"{name} must be integer class indices, got dtype "
-                            f"{value.dtype} (map names to 0..C-1 first)")
-        if name != "mask" and value.ndim != 1:
-            raise DataError(f"{name} must be one class index per image, got shape "
-                            f"{list(value.shape)}")
-        if value.size and value.min() < 0:
-            where = np.unravel_index(int(value.argmin()), value.shape)[0]
-            raise DataError(f"{name}: class index {value.min()} (image {where}) is negative: "
-                            "indices run 0..C-1")
-        cap = max(MAX_CLASSES, len(value))
-        if value.size and value.max() >= cap:
-            where = np.unravel_index(int(value.argmax()), value.shape)[0]
-            raise DataError(f"{name}: class index {value.max()} (image {where}) is too large: "
-                            f"indices run 0..C-1 with C at most {cap:,} (the larger of "
-                            f"{MAX_CLASSES:,} and the number of images); map them to 0..C-1 "
-                            "first")
+        if self.labels is not None:
+            check_class_names(self.class_names, np.asarray(self.labels))
 
     def require(self, name: str, why: str) -> np.ndarray:
         value = getattr(self, name)
@@ -190,20 +173,11 @@ def _splits(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.n
     return train, val, test
 
 
-def _two_classes(labels: np.ndarray, why: str) -> np.ndarray:
-    """A classifier's labels: images of two classes at least (with one, every score is 1.0)."""
-    classes = np.unique(labels)
-    if len(classes) < 2:
-        raise DataError(f"the {why} needs images of 2 classes or more; all {len(labels)} are "
-                        f"of class {classes[0]}")
-    return labels
-
-
 def run_classification(
     kind: str, data: ProbeData, seed: int = 0, feature: str = "pooled", **options
 ) -> dict:
     """linear / fewshot / knn on a stratified 80 / 20 split (linear picks C inside the 80)."""
-    labels = _two_classes(data.require("labels", f"{kind} probe"), f"{kind} probe")
+    labels = two_classes(data.require("labels", f"{kind} probe"), f"{kind} probe")
     x = classification_inputs(data, feature)
     train, val, test = _splits(labels, seed)
     pool = np.sort(np.concatenate([train, val]))
@@ -234,7 +208,7 @@ def run_calibration(
     logits = _head_logits(data, head)
     source = "imported head" if head is not None else "model classifier"
     if logits is None:
-        _two_classes(labels, "calibration probe (a logistic regression on the features)")
+        two_classes(labels, "calibration probe (a logistic regression on the features)")
         x = classification_inputs(data, feature)
         best_c, _ = linear.select_c(x[train], labels[train], x[val], labels[val])
         model = linear.fit_logistic(x[train], labels[train], best_c)

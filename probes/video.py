@@ -24,7 +24,17 @@ import numpy as np
 import optax
 
 from . import linear
-from .metrics import classification_scores, num_classes_of, split_indices, trivial_baselines
+from .data import DataError
+from .features import real_array
+from .metrics import (
+    check_class_indices,
+    check_class_names,
+    classification_scores,
+    num_classes_of,
+    split_indices,
+    trivial_baselines,
+    two_classes,
+)
 
 
 class AttentionPool(nn.Module):
@@ -150,6 +160,27 @@ class VideoFeatures:
     timestamps: np.ndarray | None = None  # [N, K] seconds
     meta: dict = field(default_factory=dict)  # model, preprocessing hash, source
 
+    def __post_init__(self) -> None:
+        """Finite real features of at least one frame and dimension per video, one integer
+        class index per video (float labels were truncated, complex features lost their
+        imaginary parts, a label of 10^12 asked the attention head for 10^12 outputs)."""
+        self.frames = real_array(self.frames, "frames")
+        if self.frames.ndim != 3 or 0 in self.frames.shape:
+            raise DataError(f"frame features must be [videos, frames, width], each at least 1, "
+                            f"got shape {list(self.frames.shape)}")
+        if not np.isfinite(self.frames).all():
+            raise DataError("frame features hold NaN or infinite values: a probe on them would "
+                            "report numbers that mean nothing")
+        self.labels = np.asarray(self.labels)
+        check_class_indices("labels", self.labels)
+        if len(self.labels) != len(self.frames):
+            raise DataError(f"labels has {len(self.labels)} entries for {len(self.frames)} "
+                            "videos: one per video, in the features' order")
+        check_class_names(self.class_names, self.labels)
+        if self.timestamps is not None and np.shape(self.timestamps) != self.frames.shape[:2]:
+            raise DataError(f"timestamps of shape {list(np.shape(self.timestamps))} for frames "
+                            f"{list(self.frames.shape[:2])}: one per frame")
+
     def __len__(self) -> int:
         return len(self.frames)
 
@@ -157,6 +188,7 @@ class VideoFeatures:
 def run_video(data: VideoFeatures, seed: int = 0, steps: int | None = None) -> dict:
     """The video probe on ``data``; ``steps`` overrides the attention head's training steps."""
     config = AttentionConfig() if steps is None else AttentionConfig(steps=steps)
+    two_classes(data.labels, "video probe")
     report = video_probe(data.frames, data.labels, data.class_names, seed=seed, attention=config)
     if data.timestamps is not None:
         report["mean_timestamps_s"] = np.asarray(data.timestamps).mean(axis=0).tolist()

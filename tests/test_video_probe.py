@@ -86,3 +86,32 @@ def test_probe_video_cli_from_generated_videos_through_a_server(tmp_path, capsys
     assert cli(["probe", "linear", "--moving-world", "16", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "the video probe reads videos" in err and "--moving-world is for the video" in err
+
+
+_F = np.random.default_rng(0).standard_normal((20, 3, 8)).astype(np.float32)
+_L = np.arange(20) % 2
+BAD_VIDEO_FEATURES = {  # (frames, labels, the words of the refusal)
+    "labels 0.5 and 1.5": (_F, _L + 0.5, "labels must be integer class indices, got dtype "
+                                         "float64"),  # were truncated to 0 and 1
+    "complex frames": (_F.astype(np.complex64), _L, "features frames must be real numbers"),
+    "a label of 10^12": (_F, _L * 10**12, r"class index 1000000000000 \(image 1\) is too large"),
+    "labels of two columns": (_F, np.stack([_L, _L], 1), "one class index per image"),
+    "no frames": (_F[:, :0], _L, r"\[videos, frames, width\], each at least 1, got shape "
+                                 r"\[20, 0, 8\]"),
+    "NaN": (np.where(_F > 2, np.nan, _F), _L, "frame features hold NaN or infinite values"),
+    "one class": (_F, _L * 0, "the video probe needs images of 2 classes or more"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VIDEO_FEATURES)
+def test_frame_features_a_probe_cannot_use_are_refused_by_name(case):
+    """Before: float labels truncated silently, complex features lost their imaginary parts,
+    a label of 10^12 ran JAX out of memory, two-column labels and zero frames raised
+    IndexError, no videos a TypeError, NaN frames trained the attention head first."""
+    from vit22b.probes.data import DataError
+    from vit22b.probes.runner import run_probe
+    from vit22b.probes.video import VideoFeatures
+
+    frames, labels, words = BAD_VIDEO_FEATURES[case]
+    with pytest.raises(DataError, match=words):
+        run_probe("video", VideoFeatures(frames, labels, ("a", "b")), steps=2)
