@@ -207,6 +207,8 @@ def run_calibration(
     train, val, test = _splits(labels, seed)
     logits = _head_logits(data, head)
     source = "imported head" if head is not None else "model classifier"
+    if head is not None:
+        labels = _as_head_classes(labels, data.class_names, head)
     if logits is None:
         two_classes(labels, "calibration probe (a logistic regression on the features)")
         x = classification_inputs(data, feature)
@@ -221,6 +223,19 @@ def run_calibration(
         logits[val], labels[val], logits[test], labels[test], bins
     )
     return {**report, "logits_from": source}
+
+
+def _as_head_classes(labels: np.ndarray, names: tuple[str, ...], head: LinearHead) -> np.ndarray:
+    """The images' labels as the head's class indices: matched by name where both name their
+    classes (a folder "cat" is not the head's class 0 because it sorts first), else as given."""
+    if not names or not head.class_names:
+        return labels
+    column = {name: i for i, name in enumerate(head.class_names)}
+    missing = [names[c] for c in np.unique(labels) if names[c] not in column]
+    if missing:
+        raise DataError(f"the head has no class named {', '.join(map(repr, missing[:5]))} "
+                        f"(its {len(column)} classes: {', '.join(head.class_names[:5])}, ...)")
+    return np.asarray([column[name] for name in names])[labels]
 
 
 def _dense_split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -297,6 +312,10 @@ def run_shape_bias(
             source = "1000-way ImageNet head mapped to 16 categories (mean probability)"
         elif logits.shape[1] == len(names):
             scores, source = logits, f"{len(names)}-way head"
+            if head is not None and head.class_names and head.class_names != names:
+                order = _as_head_classes(np.arange(len(names)), names, head)  # by name
+                scores = logits[:, order]
+                source += " (its classes matched to the categories by name)"
         else:
             raise DataError(
                 f"a head with {logits.shape[1]} classes cannot decide between the "

@@ -555,3 +555,37 @@ def test_a_class_index_no_image_has_leaves_the_others_scored():
     with pytest.raises(ValueError, match=r"no number of shots in \[50\] fits: the smallest "
                                          "class has 16 training images"):
         run_probe("fewshot", data, shots=(50,))
+
+
+def test_an_imported_heads_classes_are_matched_to_the_images_by_name():
+    """A head naming its classes in another order than the images' folders (or shape-bias
+    categories) was read by position: the folder sorting first was the head's class 0."""
+    from vit22b.probes.runner import run_probe
+    from vit22b.probes.shape_bias import CATEGORIES
+
+    rng = np.random.default_rng(0)
+    kernel, bias = rng.standard_normal((4, 3)).astype(np.float32), np.zeros(3, np.float32)
+    data = _probe_data(n=60, labels=np.arange(60) % 3, class_names=("cat", "dog", "owl"))
+    as_named = LinearHead(kernel, bias, ("cat", "dog", "owl"))
+    reordered = LinearHead(kernel[:, [2, 0, 1]], bias, ("owl", "cat", "dog"))  # same head
+    want = run_probe("calibration", data, head=as_named)
+    got = run_probe("calibration", data, head=reordered)  # columns summed in another order
+    for key in ("before", "after"):
+        assert got[key] == pytest.approx(want[key], rel=1e-9)
+    assert got["temperature"] == pytest.approx(want["temperature"], rel=1e-6)
+    positional = run_probe("calibration", data, head=LinearHead(kernel[:, [2, 0, 1]], bias))
+    assert positional["before"]["nll"] != want["before"]["nll"]  # without names: by position
+    with pytest.raises(DataError, match="the head has no class named 'owl'"):
+        run_probe("calibration", data, head=LinearHead(kernel, bias, ("cat", "dog", "emu")))
+
+    order = rng.permutation(16)
+    wide = rng.standard_normal((4, 16)).astype(np.float32)
+    conflict = _probe_data(n=32, labels=np.arange(32) % 16, texture=(np.arange(32) + 1) % 16,
+                           class_names=CATEGORIES)
+    by_name = run_probe("shape-bias", conflict, head=LinearHead(wide, np.zeros(16, np.float32),
+                                                                CATEGORIES))
+    shuffled = LinearHead(wide[:, order], np.zeros(16, np.float32),
+                          tuple(CATEGORIES[i] for i in order))
+    again = run_probe("shape-bias", conflict, head=shuffled)
+    assert again["shape_bias"] == by_name["shape_bias"]
+    assert "matched to the categories by name" in again["decisions_from"]
