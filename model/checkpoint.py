@@ -423,10 +423,13 @@ _ORBAX = f"{os.sep}orbax{os.sep}"  # in the paths of orbax's modules
 
 
 def _not_an_orbax_read(record: logging.LogRecord) -> bool:
-    """asyncio's report of a task collected with its exception unread: not for a read an
-    earlier, failed restore abandoned."""
+    """asyncio's report of a task or future collected with its exception unread: not for a read
+    an earlier, failed restore abandoned (a task names orbax's coroutine; a bare future only
+    tensorstore's error, which names the checkpoint's OCDBT database)."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved") and _ORBAX in message)
+    return not ((message.startswith("Task exception was never retrieved") and _ORBAX in message)
+                or (message.startswith("Future exception was never retrieved")
+                    and " in OCDBT database at " in message))
 
 
 def _dropping_orbax_reads(previous):
