@@ -18,9 +18,10 @@ Two kinds of actors (``actors=``):
 - :class:`EngineActors`: each actor holds a local engine (``LocalBackend``), on one GPU each
   when the cluster has GPUs: for models that fit one device.
 
-Failures. An actor whose process dies is restarted by Ray and its shards in flight are run
-again, each at most ``max_retries`` times (``max_task_retries``; the actor itself restarts
-without bound, so sporadic deaths over a long job cost nothing but the shards they hit). A
+Failures. An actor whose process dies is restarted by Ray and the shard it ran is run again,
+at most ``max_retries`` times (``max_task_retries``). An actor holds one shard at a time, so a
+death costs only the shard it hit, never one queued behind it; the actor itself restarts
+without bound, so sporadic deaths over a long job cost nothing but the shards they hit. A
 shard that kills its process every time is given up after that: the other shards go on, and
 the job then ends with JobFailed naming it (Ray Data's ``max_errored_blocks`` is unbounded for
 this dataset: such system failures are the only errors a shard's task can end with, since the
@@ -311,7 +312,10 @@ def embed_with_ray(
                 done = shards.map_batches(
                     EmbedShards,
                     batch_size=1,
-                    compute=ray.data.ActorPoolStrategy(size=concurrency),
+                    # one shard in flight per actor: a process that dies takes only the shard
+                    # it runs, so a shard queued behind a poisonous one is never given up with it
+                    compute=ray.data.ActorPoolStrategy(size=concurrency,
+                                                       max_tasks_in_flight_per_actor=1),
                     fn_constructor_kwargs=dict(actors=actors, spec=config.spec,
                                                batch_size=config.batch_size, writer=store.writer,
                                                expected=model.key, video=config.video),
