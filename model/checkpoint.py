@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -423,13 +424,17 @@ _ORBAX = f"{os.sep}orbax{os.sep}"  # in the paths of orbax's modules
 
 
 def _not_an_orbax_read(record: logging.LogRecord) -> bool:
-    """asyncio's report of a task or future collected with its exception unread: not for a read
-    an earlier, failed restore abandoned (a task names orbax's coroutine; a bare future only
-    tensorstore's error, which names the checkpoint's OCDBT database)."""
+    """asyncio's report of a task or future (of any kind: a gather's too) collected with its
+    exception unread: not for a read an earlier, failed restore abandoned. Such a report names
+    orbax's coroutine (a task), or tensorstore's error on the checkpoint's OCDBT database (a
+    bare future), or carries a traceback through orbax's modules (a gather)."""
     message = record.getMessage()
-    return not ((message.startswith("Task exception was never retrieved") and _ORBAX in message)
-                or (message.startswith("Future exception was never retrieved")
-                    and " in OCDBT database at " in message))
+    if not message.partition("\n")[0].endswith("exception was never retrieved"):
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    return not (_ORBAX in message or " in OCDBT database at " in message
+                or any(_ORBAX in frame.filename for frame in frames))
 
 
 def _dropping_orbax_reads(previous):
