@@ -59,6 +59,13 @@ def features_from_outputs(outputs: dict, meta: dict | None = None) -> Features:
     return Features(patch_tokens=patches, meta=dict(meta or {}), **arrays)
 
 
+def check_finite(array: np.ndarray, name: str) -> None:
+    """NaN or infinite features would score as numbers: refused, named."""
+    if not np.isfinite(array).all():
+        raise DataError(f"features {name} hold NaN or infinite values: a probe on them would "
+                        "report numbers that mean nothing")
+
+
 def real_array(value, name: str) -> np.ndarray:
     """float32 of real numbers; complex values (whose imaginary parts a cast would drop with a
     warning), booleans, text and objects are refused by name."""

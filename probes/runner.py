@@ -13,7 +13,7 @@ import numpy as np
 
 from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shape_bias, video
 from .data import DataError, ShapesWorld
-from .features import Features, load_npz_features, save_features
+from .features import Features, check_finite, load_npz_features, save_features
 from .heads import LinearHead
 from .metrics import (
     MAX_CLASSES,
@@ -65,9 +65,7 @@ class ProbeData:
                                 f"{list(array.shape)}")
             if array.ndim > 1 and not array.shape[-1]:
                 raise DataError(f"features {name} have no dimensions: shape {list(array.shape)}")
-            if not np.isfinite(array).all():  # NaN features would score as numbers
-                raise DataError(f"features {name} hold NaN or infinite values: a probe on "
-                                "them would report numbers that mean nothing")
+            check_finite(array, name)
         for name in (*_TARGETS, "images"):
             value = getattr(self, name)
             if value is None:

@@ -25,7 +25,7 @@ import optax
 
 from . import linear
 from .data import DataError
-from .features import real_array
+from .features import check_finite, real_array
 from .metrics import (
     check_class_indices,
     check_class_names,
@@ -168,9 +168,7 @@ class VideoFeatures:
         if self.frames.ndim != 3 or 0 in self.frames.shape:
             raise DataError(f"frame features must be [videos, frames, width], each at least 1, "
                             f"got shape {list(self.frames.shape)}")
-        if not np.isfinite(self.frames).all():
-            raise DataError("frame features hold NaN or infinite values: a probe on them would "
-                            "report numbers that mean nothing")
+        check_finite(self.frames, "frames")
         self.labels = np.asarray(self.labels)
         check_class_indices("labels", self.labels)
         if len(self.labels) != len(self.frames):

@@ -98,7 +98,7 @@ BAD_VIDEO_FEATURES = {  # (frames, labels, the words of the refusal)
     "labels of two columns": (_F, np.stack([_L, _L], 1), "one class index per image"),
     "no frames": (_F[:, :0], _L, r"\[videos, frames, width\], each at least 1, got shape "
                                  r"\[20, 0, 8\]"),
-    "NaN": (np.where(_F > 2, np.nan, _F), _L, "frame features hold NaN or infinite values"),
+    "NaN": (np.where(_F > 2, np.nan, _F), _L, "features frames hold NaN or infinite values"),
     "one class": (_F, _L * 0, "the video probe needs images of 2 classes or more"),
 }
 
