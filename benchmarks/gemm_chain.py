@@ -13,6 +13,10 @@ at ViT-B/16's MLP shapes (width 768, hidden 3072), 8 images of 197 tokens:
   - ``xla``: the engine's precision policy (bf16 inputs, f32 outputs, the residual in f32);
   - ``xla_bf16_outputs``: the same with bf16 GEMM outputs;
   - ``torch``: bf16 throughout (its autocast's policy);
+  - ``openvino``: the same chain as an OpenVINO model (weights as constants, exact GELU), bf16
+    inference precision on 2 threads, all 8 images in one call, as ``runtimes.py``'s OpenVINO
+    peer runs a batch (skipped with a note when openvino is not installed): the GEMMs the
+    strongest bf16 peer brings;
   - ``onednn_*``: the JAX chain with its GEMMs as oneDNN custom calls (kernels/onednn_matmul.cc,
     built here with g++ against the system's oneDNN, Debian's ``libdnnl-dev`` (2.x), or the one
     under ``ONEDNN_ROOT``: PyPI's CPU-only ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``
@@ -61,6 +65,26 @@ def build_onednn(folder: str) -> str | None:
         log(f"oneDNN sides skipped: the build failed:\n{done.stderr[-2000:]}")
         return None
     return out
+
+
+def openvino_chain(x32, fc1, fc2):
+    """The chain as one OpenVINO model in bf16 on 2 threads, or None without openvino."""
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+    except ImportError:
+        log("openvino side skipped: openvino is not installed (make bench installs it)")
+        return None
+    x = ops.parameter(list(x32.shape), x32.dtype, name="x")
+    y = x
+    for a, b in zip(fc1, fc2):
+        h = ops.gelu(ops.matmul(y, ops.constant(a), False, False), approximation_mode="erf")
+        y = ops.add(y, ops.matmul(h, ops.constant(b), False, False))
+    compiled = ov.Core().compile_model(ov.Model([y], [x]), "CPU", {
+        "INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": 2,
+        "PERFORMANCE_HINT": "LATENCY"})
+    request = compiled.create_infer_request()
+    return lambda: request.infer({0: x32})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         return y
 
     sides["torch"] = torch_chain
+    openvino = openvino_chain(x32, fc1, fc2)
+    if openvino is not None:
+        sides["openvino"] = openvino
     folder = tempfile.TemporaryDirectory(prefix="vit22b-onednn-")
     library = build_onednn(folder.name)
     if library:
