@@ -162,10 +162,16 @@ def features_in_process(
     seed: int = 0,
     batch_size: int = 32,
     resolution: int = 0,
+    ids: Sequence[str] | None = None,
 ) -> Features:
     """Features of uint8 images or encoded bytes through the facade, in process: the probes'
     path without a server. Random weights from ``seed`` unless ``params`` are given;
-    ``resolution``: the square input size (0: the model's own)."""
+    ``resolution``: the square input size (0: the model's own); ``ids``: one per image, named
+    with its index when it cannot be used (a file's path, say)."""
+    if ids is not None:
+        if len(ids) != len(images):
+            raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
+        images = [ImageInput(image, id=str(i)) for image, i in zip(images, ids)]
     if params is None:
         engine = seeded_engine(cfg, seed, batch_size)
     else:

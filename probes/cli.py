@@ -34,6 +34,9 @@ from .features import features_from_embed_folder
 from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_world, run_probe
 
 DENSE = ("depth", "segmentation")
+# the server's codes for what the caller sent (exit 2, as a refusal of ours); others exit 1
+REFUSED_INPUT = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION",
+                           "UNAUTHENTICATED", "PERMISSION_DENIED"})
 
 
 def _number_list(cast, what: str):
@@ -226,15 +229,28 @@ def _embed(args, images, kind: str):
         )
     from .features import features_from_model
 
+    files = not isinstance(images, np.ndarray) and all(
+        isinstance(image, (str, Path)) for image in images)
     return features_from_model(  # files as their bytes: decoded as a server decodes them
-        [image if isinstance(image, np.ndarray) else Path(image).read_bytes()
-         for image in images],
+        [_file_bytes(image) for image in images] if files else images,
+        ids=[str(image) for image in images] if files else None,
         model=args.model,
         seed=args.seed,
         patch_layers=layers,
         attention_stats=stats,
         resolution=args.resolution,
     )
+
+
+def _file_bytes(path) -> bytes:
+    """An image file's bytes, as the embed job reads them (a regular file, at most 1 GiB)."""
+    from vit22b.clients.embed import MAX_IMAGE_FILE_BYTES
+    from vit22b.clients.files import read_local
+
+    try:
+        return read_local(str(path), MAX_IMAGE_FILE_BYTES)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read file ({err.strerror or err})") from None
 
 
 def _image_data(args, kind: str, data: LabelledImages) -> ProbeData:
@@ -287,14 +303,17 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
         return probe_data_from_shapes_world(world, _embed(args, world.images, kind)), extra
     if args.digits:
         return _image_data(args, kind, load_digits_images()), extra
-    paths = image_files(args.data) if kind in DENSE else load_image_folder(args.data).images
-    images = read_images(paths)  # every file decodes, or the first that does not is named
+    if kind in DENSE:  # the figures show the images beside their targets
+        paths = image_files(args.data)
+        images = read_images(paths)  # every file decodes, or the first that does not is named
+    else:  # decoded once, by the embedding, which names a file it cannot use
+        paths, images = load_image_folder(args.data).images, None
     data = ProbeData(
         features=_embed(args, paths, kind),
         **_targets_of_paths(args, kind, paths),
     )
-    if len({a.shape for a in images}) == 1:
-        data.images = np.stack(images)  # for the figures
+    if images is not None and len({a.shape for a in images}) == 1:
+        data.images = np.stack(images)
     return data, extra
 
 
@@ -363,6 +382,8 @@ def _options(args, kind: str) -> dict:
 
 
 def _run_probe_command(args) -> int:
+    from vit22b.clients.client import FeatureError
+
     from .report import summarize
     from .runner import save_probe_data
 
@@ -392,6 +413,9 @@ def _run_probe_command(args) -> int:
     except (DataError, ValueError, OSError) as err:
         print(f"vit22b probe {kind}: error: {err}", file=sys.stderr)
         return 2
+    except FeatureError as err:  # the server refused the images, or was not there
+        print(f"vit22b probe {kind}: error: the server at {args.server}: {err}", file=sys.stderr)
+        return 2 if err.code.name in REFUSED_INPUT else 1
     print(summarize(report))
     print(
         f"report: {report['report']}"

@@ -178,13 +178,14 @@ def features_from_model(
     logits: bool = False,
     batch_size: int = 64,
     resolution: int = 0,
+    ids: list[str] | None = None,
 ) -> Features:
     """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]) or
     encoded images (bytes: decoded as served, reduced-size JPEG decoding included):
     ``model`` a preset name or a ViTConfig (default: the served default), random weights from
     ``seed`` unless ``params`` are given; ``patch_layers`` block indices or "auto" (4 evenly
-    spaced); ``resolution`` the square input size (0: the model's own). For tests, demos and
-    users without a server."""
+    spaced); ``resolution`` the square input size (0: the model's own); ``ids`` name the
+    images in a refusal (files' paths, say). For tests, demos and users without a server."""
     from vit22b.clients.embed_local import features_in_process
     from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
     from vit22b.model.errors import InvalidImage
@@ -201,9 +202,11 @@ def features_from_model(
               for image in images]
     try:  # the server's own path: the same pixels, batching and finishing as served
         features = features_in_process(cfg, pixels, request, params=params, seed=seed,
-                                       batch_size=batch_size, resolution=resolution)
+                                       batch_size=batch_size, resolution=resolution, ids=ids)
     except InvalidImage as err:
-        raise DataError(str(err)) from None
+        if ids is None or err.index is None:
+            raise DataError(str(err)) from None
+        raise DataError(f"{ids[err.index]}: {err.reason}") from None
     size = resolution or cfg.image_size
     meta = {
         "model": cfg.name,
@@ -213,6 +216,15 @@ def features_from_model(
         "source": f"in-process {cfg.name} (seed {seed})" if params is None else "in-process",
     }
     return features_from_outputs(features.as_tree(), meta)
+
+
+SHOWN_ERRORS = 5  # a refusal names this many of the images the server could not use
+
+
+def _named(images: list, index: int) -> str:
+    """An input as a refusal names it: a file by its path, anything else by its position."""
+    image = images[index]
+    return str(image) if isinstance(image, (str, Path)) else f"image {index}"
 
 
 def features_from_server(
@@ -240,8 +252,14 @@ def features_from_server(
     with FeatureClient(address, **client_kwargs) as client:
         info = client.model_info()
         layers = _layers(patch_layers, info.depth)
-        result = client.embed(list(images), outputs=outputs, layers=layers, batch_size=batch_size,
-                              resolution=resolution)
+        images = list(images)
+        result = client.embed(images, outputs=outputs, layers=layers, batch_size=batch_size,
+                              resolution=resolution, skip_invalid=True)
+    if result.errors:  # every image the server could not use, named as the caller gave it
+        named = [f"{_named(images, e.index)}: {e.reason}" for e in result.errors[:SHOWN_ERRORS]]
+        more = len(result.errors) - len(named)
+        raise DataError(f"{len(result.errors)} of {len(images)} images cannot be embedded: "
+                        + "; ".join(named) + (f"; and {more} more" if more else ""))
     config = json.loads(info.config_json or "{}")
     meta = {
         "source": address,

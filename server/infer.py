@@ -545,16 +545,21 @@ class LocalInfer:
                       wait_for_room=True, solo=solo, geometry=geometry)
             for i in range(0, len(inputs), step)
         ]
-        return _merge(self._call(self._embed_all(calls)), step)
+        return _merge(self._call(self._embed_all(calls, step)), step)
 
-    async def _embed_all(self, calls: list[EmbedCall]) -> list[EmbedResult]:
+    async def _embed_all(self, calls: list[EmbedCall], step: int) -> list[EmbedResult]:
         window = asyncio.Semaphore(2)
 
-        async def one(call: EmbedCall) -> EmbedResult:
+        async def one(offset: int, call: EmbedCall) -> EmbedResult:
             async with window:
-                return await self.infer.embed(call)
+                try:
+                    return await self.infer.embed(call)
+                except InvalidImage as err:  # named by its place in the caller's list
+                    if err.index is None:
+                        raise
+                    raise err.at(offset + err.index, err.image_id) from None
 
-        return await asyncio.gather(*(one(call) for call in calls))
+        return await asyncio.gather(*(one(k * step, call) for k, call in enumerate(calls)))
 
     def close(self) -> None:
         self.batcher.stop()

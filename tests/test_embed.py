@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from PIL import Image
-from serving import in_process
+from serving import in_process, png
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
 from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
@@ -444,3 +444,24 @@ def test_cli_local_with_list_file_and_extension_filter(engine, tmp_path, capsys)
     failed = open_outputs(str(tmp_path / "o2")).failed
     assert [(f["id"], f["reason"]) for f in failed] == [
         ("data/missing.jpg", "cannot read file: No such file or directory")]
+
+
+def test_the_in_process_facade_names_a_bad_image_by_its_place_in_the_whole_list(engine):
+    """LocalInfer.embed splits a list into calls of the engine's batch; a refusal named the
+    image by its place in its call (image 5 for the caller's 13), so the probes and the local
+    job pointed at the wrong file."""
+    from vit22b.model.errors import InvalidImage
+    from vit22b.server.infer import ImageInput, LocalInfer
+
+    picture = png(np.zeros((16, 16, 3), np.uint8))
+    images = [picture] * 20
+    images[13] = b"junk"
+    with LocalInfer(engine) as local:
+        with pytest.raises(InvalidImage) as refused:
+            local.embed(images)
+        assert refused.value.index == 13 and str(refused.value).startswith("image 13: ")
+        named = [ImageInput(image, id=f"file-{i}.png") for i, image in enumerate(images)]
+        with pytest.raises(InvalidImage, match=r"^image 13 \(id 'file-13.png'\): not an image"):
+            local.embed(named)
+        skipped = local.embed(images, skip_invalid=True)
+        assert [e.index for e in skipped.errors] == [13] and len(skipped.indices) == 19

@@ -176,8 +176,50 @@ def test_image_files_are_decoded_by_the_pixel_contract_in_process(tmp_path, caps
     capsys.readouterr()
     assert main(["probe", "knn", "--data", str(tmp_path / "set"),
                  "--out", str(tmp_path / "out")]) == 2
-    assert "5-big.png: cannot decode image (declared size of the PNG is 9000x9000" in (
+    assert f"{tmp_path}/set/b/5-big.png: declared size of the PNG is 9000x9000" in (
         capsys.readouterr().err)
+
+
+def _class_folders_with_a_bad_file(root: Path) -> Path:
+    """Two classes of 20 small PNGs, and a junk file under a path past 80 characters (where a
+    quoted id is cut: the name must still come out whole)."""
+    rng = np.random.default_rng(1)
+    deep = root / ("a-folder-whose-name-is-long-" * 3) / "set"
+    for name in ("a", "b"):
+        (deep / name).mkdir(parents=True)
+        for i in range(20):
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+                deep / name / f"{i:02d}.png")
+    (deep / "b" / "zz-junk.png").write_bytes(b"not a png")
+    assert len(str(deep / "b" / "zz-junk.png")) > 80
+    return deep
+
+
+def test_a_class_folder_probe_names_its_bad_file_whole_by_either_path(server, tmp_path, capsys):
+    """The class-folder probes no longer decode every image up front to find a bad one (each
+    image was decoded twice and every decoded picture held at once: 28 GB for ImageNet's
+    validation set before a single feature). The embedding names a file it cannot use, by its
+    whole path, in-process as through a server; and a server that is not there is one line,
+    exit 1, not a traceback."""
+    deep = _class_folders_with_a_bad_file(tmp_path)
+    bad = str(deep / "b" / "zz-junk.png")
+    capsys.readouterr()
+    assert main(["probe", "knn", "--data", str(deep), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: not an image file of a known format" in err, err
+    assert main(["probe", "knn", "--data", str(deep), "--server", server,
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"1 of 41 images cannot be embedded: {bad}: not an image file" in err, err
+    (deep / "b" / "zz-junk.png").unlink()
+    assert main(["probe", "knn", "--data", str(deep), "--server", server, "--ks", "3",
+                 "--out", str(tmp_path / "o")]) == 0
+    assert _report(tmp_path / "o", "knn")["num_images"] == 40
+    assert main(["probe", "knn", "--data", str(deep), "--server", "127.0.0.1:1",
+                 "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vit22b probe knn: error: the server at 127.0.0.1:1: UNAVAILABLE")
+    assert "Traceback" not in err and err.count("\n") == 1
 
 
 # ---- against a real server, and an embed output folder ------------------------------------
