@@ -10,8 +10,9 @@ do not depend on which worker ran a batch.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from vit22b.server.cpu_devices import prefer_wide_vectors
 
@@ -19,7 +20,7 @@ prefer_wide_vectors()  # the server's XLA:CPU codegen setting, before jax starts
 
 import numpy as np  # noqa: E402
 from vit22b.model.config import ViTConfig  # noqa: E402
-from vit22b.model.errors import InvalidImage  # noqa: E402
+from vit22b.model.errors import InvalidImage, InvalidRequest  # noqa: E402
 from vit22b.model.features import Features  # noqa: E402
 from vit22b.model.identity import seeded_source  # noqa: E402
 from vit22b.model.outputs import OutputRequest  # noqa: E402
@@ -153,9 +154,12 @@ def seeded_engine(cfg: ViTConfig, seed: int, batch_size: int) -> Engine:
                   source=seeded_source(seed), max_batch_images=batch_size)
 
 
+IN_PROCESS_CHUNK = 1024  # images read and decoded at a time: a folder's files are not all held
+
+
 def features_in_process(
     cfg: ViTConfig,
-    images: Sequence,
+    images: Iterable,
     outputs: OutputRequest,
     *,
     params: dict | None = None,
@@ -167,11 +171,8 @@ def features_in_process(
     """Features of uint8 images or encoded bytes through the facade, in process: the probes'
     path without a server. Random weights from ``seed`` unless ``params`` are given;
     ``resolution``: the square input size (0: the model's own); ``ids``: one per image, named
-    with its index when it cannot be used (a file's path, say)."""
-    if ids is not None:
-        if len(ids) != len(images):
-            raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
-        images = [ImageInput(image, id=str(i)) for image, i in zip(images, ids)]
+    with its index when it cannot be used (a file's path, say). ``images`` may be an iterator
+    (files read as they are needed): at most ``IN_PROCESS_CHUNK`` of them are held at once."""
     if params is None:
         engine = seeded_engine(cfg, seed, batch_size)
     else:
@@ -183,6 +184,21 @@ def features_in_process(
                         fingerprint=checkpoint.fingerprint(params), source="in-process",
                         max_batch_images=batch_size)
     size = resolution or cfg.image_size
+    if ids is not None and hasattr(images, "__len__") and len(ids) != len(images):
+        raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
+    request, parts, offset = engine.resolve(outputs), [], 0
+    images, named = iter(images), None if ids is None else iter(ids)
     with LocalInfer(engine, resolutions=(size,)) as local:
-        return local.embed(list(images), engine.resolve(outputs),
-                           geometry=Geometry(size)).features
+        while chunk := list(itertools.islice(images, IN_PROCESS_CHUNK)):
+            if named is not None:
+                chunk = [ImageInput(image, id=str(i)) for image, i in zip(chunk, named)]
+            try:
+                parts.append(local.embed(chunk, request, geometry=Geometry(size)).features)
+            except InvalidImage as err:  # named by its place in the whole input
+                if err.index is None:
+                    raise
+                raise err.at(offset + err.index, err.image_id) from None
+            offset += len(chunk)
+    if not parts:
+        raise InvalidRequest("no images to embed")
+    return Features.concat(parts)

@@ -232,7 +232,7 @@ def _embed(args, images, kind: str):
     files = not isinstance(images, np.ndarray) and all(
         isinstance(image, (str, Path)) for image in images)
     return features_from_model(  # files as their bytes: decoded as a server decodes them
-        [_file_bytes(image) for image in images] if files else images,
+        (_file_bytes(image) for image in images) if files else images,  # read as needed
         ids=[str(image) for image in images] if files else None,
         model=args.model,
         seed=args.seed,

@@ -198,8 +198,8 @@ def features_from_model(
         attention_stats=attention_stats,
         logits=logits,
     )
-    pixels = [image if isinstance(image, (bytes, bytearray, memoryview)) else np.asarray(image)
-              for image in images]
+    pixels = (image if isinstance(image, (bytes, bytearray, memoryview)) else np.asarray(image)
+              for image in images)  # read as the embedding gets to them
     try:  # the server's own path: the same pixels, batching and finishing as served
         features = features_in_process(cfg, pixels, request, params=params, seed=seed,
                                        batch_size=batch_size, resolution=resolution, ids=ids)

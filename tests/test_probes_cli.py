@@ -180,6 +180,32 @@ def test_image_files_are_decoded_by_the_pixel_contract_in_process(tmp_path, caps
         capsys.readouterr().err)
 
 
+def test_in_process_features_come_in_chunks_and_name_a_bad_image_across_them(monkeypatch):
+    """In-process features are embedded IN_PROCESS_CHUNK images at a time from an iterator (a
+    folder's files read as they are needed, not all held), with the same features as one
+    list, and a bad image named by its place in the whole input."""
+    import io
+
+    import vit22b.clients.embed_local as embed_local
+    from vit22b.probes.data import DataError
+
+    images = shapes_world(12, seed=3).images
+    whole = features_from_model(images)
+    monkeypatch.setattr(embed_local, "IN_PROCESS_CHUNK", 5)
+    chunked = features_from_model(iter(list(images)))
+    np.testing.assert_array_equal(chunked.pooled, whole.pooled)
+    encoded = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    encoded[7] = b"junk"
+    with pytest.raises(DataError, match=r"^f7: not an image file"):
+        features_from_model(iter(encoded), ids=[f"f{i}" for i in range(12)])
+    with pytest.raises(DataError, match=r"^image 7: not an image file"):
+        features_from_model(encoded)
+
+
 def _class_folders_with_a_bad_file(root: Path) -> Path:
     """Two classes of 20 small PNGs, and a junk file under a path past 80 characters (where a
     quoted id is cut: the name must still come out whole)."""
