@@ -18,11 +18,12 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from vit22b.model.config import ViTConfig
 from vit22b.v1 import features_pb2 as pb
 
 from .auth import TokenAuth, read_tokens, server_credentials
 from .batcher import Batcher
-from .engine import Engine, Executor, enable_compile_cache
+from .engine import Engine, Executor, enable_compile_cache, stored_config
 from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
 from .parsing import ParsingRegistrar
@@ -89,8 +90,13 @@ def _add_reflection(servicer: reflection.aio.ReflectionServicer,
 def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engine:
     """The engine of these settings, compiled for every warm output set (``executor``: how
     batches run; default one process)."""
+    check_sizes(config, stored_config(config.model, config.checkpoint))  # before any weight
     if config.compile_cache and config.compile_cache != "off":
-        log.info("compilation cache: %s", enable_compile_cache(config.compile_cache))
+        try:
+            log.info("compilation cache: %s", enable_compile_cache(config.compile_cache))
+        except OSError as err:
+            raise ValueError(f"--compile-cache {config.compile_cache}: cannot create "
+                             f"{err.filename}: {err.strerror} (give a folder, or 'off')") from None
     engine = Engine.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,
@@ -115,13 +121,19 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
     return engine
 
 
+def check_sizes(config: ServeConfig, cfg: ViTConfig) -> None:
+    """Every allowed resolution is whole patches of the model (checked before it loads)."""
+    for size in config.resolutions or (cfg.image_size,):
+        if size % cfg.patch:
+            raise ValueError(f"--resolutions: {size} is not a multiple of the patch ({cfg.patch})")
+
+
 def check_geometries(config: ServeConfig, engine: Engine) -> None:
     """Every allowed geometry must be servable: whole patches, one image within the batch
     budget (its activations are what the budget bounds; docs/architecture.md)."""
     cfg = engine.cfg
+    check_sizes(config, cfg)
     for size in config.resolutions or (cfg.image_size,):
-        if size % cfg.patch:
-            raise ValueError(f"--resolutions: {size} is not a multiple of the patch ({cfg.patch})")
         if not engine.max_images((size // cfg.patch,) * 2):
             raise ValueError(
                 f"--resolutions: {size} ({(size // cfg.patch) ** 2} patches) does not fit "

@@ -74,6 +74,16 @@ class CompileLimit(QueueFull):
     """A new output set cannot be compiled now (cache full of recent sets, or compiles queued)."""
 
 
+def stored_config(model: str | None, checkpoint_dir: str | None) -> ViTConfig:
+    """The architecture ``Engine.load`` would serve, read without loading a weight: the
+    checkpoint's metadata, else the preset (the default model without either)."""
+    from vit22b.model import checkpoint  # orbax: only when serving
+
+    if checkpoint_dir:
+        return checkpoint.read_metadata(checkpoint_dir).config
+    return get_config(model or DEFAULT_MODEL)
+
+
 def enable_compile_cache(directory: str) -> str:
     """JAX's persistent compilation cache under ``directory``, in a folder per jax/jaxlib
     version; returns that folder. JAX keys each entry by the program, the compile options and
@@ -260,8 +270,7 @@ class Engine:
         """
         from vit22b.model import checkpoint  # orbax: only when serving
 
-        stored = (checkpoint.read_metadata(checkpoint_dir).config if checkpoint_dir
-                  else get_config(model or DEFAULT_MODEL))
+        stored = stored_config(model, checkpoint_dir)
         dtype = chosen_dtype(stored.compute_dtype, compute_dtype, _platform(mesh))  # once
 
         def with_dtype(cfg: ViTConfig) -> ViTConfig:

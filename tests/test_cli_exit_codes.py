@@ -116,3 +116,14 @@ def test_a_truncated_checkpoint_is_refused_in_a_few_lines(tmp_path):
     assert problems and all("stored data is unreadable, truncated or corrupt" in line
                             for line in problems)  # the refusal is the last thing printed
     assert len(lines) < 120, len(lines)  # the tiny model has 44 parameters
+
+
+def test_serve_names_a_compile_cache_that_cannot_be_a_folder(tmp_path):
+    """`--compile-cache` under a file ended in "[Errno 20] Not a directory: ..." with no flag
+    named."""
+    (tmp_path / "file").write_text("not a folder")
+    cache = tmp_path / "file" / "cache"
+    done = vit22b("serve", "--model", "vit-22b-tiny/16", "--compile-cache", str(cache))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert (f"vit22b serve: --compile-cache {cache}: cannot create {cache}: Not a directory "
+            "(give a folder, or 'off')") in done.stderr

@@ -189,6 +189,29 @@ def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
         ServeConfig(resolutions=(64,), warm_resolutions=(96,)).check()
 
 
+def test_a_resolution_of_part_patches_is_refused_before_the_weights_load(tmp_path):
+    """A typo in --resolutions was refused only after the weights had loaded (minutes for a
+    large checkpoint): the patch size comes from the checkpoint's metadata, read first. A
+    checkpoint whose weights are gone shows the order: the refusal names the resolution."""
+    import shutil
+
+    from vit22b.model import checkpoint
+    from vit22b.model.config import get_config
+    from vit22b.model.sharding import init_sharded, make_mesh
+    from vit22b.server.app import build_engine
+
+    path = tmp_path / "ckpt"
+    cfg = get_config("vit-22b-tiny/16")
+    checkpoint.save(path, cfg, init_sharded(cfg, make_mesh(MESH), seed=0), source="init:seed=0")
+    for item in path.iterdir():  # leave the metadata alone: no weight can be read
+        if item.name != checkpoint.METADATA_FILE:
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    config = ServeConfig(checkpoint=str(path), mesh=MESH, resolutions=(64, 72),
+                         compile_cache="off")
+    with pytest.raises(ValueError, match="--resolutions: 72 is not a multiple of the patch .16."):
+        build_engine(config)
+
+
 @pytest.mark.parametrize("geometry", [Geometry(96), Geometry(64, dense=True)])
 def test_http_features_take_the_geometry_and_equal_grpc(geometry):
     import httpx
