@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -142,6 +143,14 @@ class LocalBackend:
         self.local.close()
 
 
+def in_process_patch_budget(cfg: ViTConfig, batch_size: int) -> int:
+    """The in-process engine's batch budget in patches: a full batch at 4x the model's side;
+    larger inputs run in smaller batches, and one image over the whole budget is refused (a
+    caller's resolution is not an operator's allowlist, as a server's is)."""
+    rows, cols = cfg.grid_at(cfg.image_size, cfg.image_size)
+    return batch_size * 16 * rows * cols
+
+
 @functools.lru_cache(maxsize=4)
 def seeded_engine(cfg: ViTConfig, seed: int, batch_size: int) -> Engine:
     """A preset or config with seeded weights on the auto mesh (kept: probes ask again)."""
@@ -151,7 +160,8 @@ def seeded_engine(cfg: ViTConfig, seed: int, batch_size: int) -> Engine:
     mesh = auto_mesh(cfg)
     params = init_sharded(cfg, mesh, seed)
     return Engine(cfg, params, mesh, fingerprint=checkpoint.fingerprint(params),
-                  source=seeded_source(seed), max_batch_images=batch_size)
+                  source=seeded_source(seed), max_batch_images=batch_size,
+                  max_batch_patches=in_process_patch_budget(cfg, batch_size))
 
 
 IN_PROCESS_CHUNK = 1024  # images read and decoded at a time: a folder's files are not all held
@@ -182,8 +192,16 @@ def features_in_process(
         mesh = auto_mesh(cfg)
         engine = Engine(cfg, shard_params(cfg, params, mesh), mesh,
                         fingerprint=checkpoint.fingerprint(params), source="in-process",
-                        max_batch_images=batch_size)
+                        max_batch_images=batch_size,
+                        max_batch_patches=in_process_patch_budget(cfg, batch_size))
     size = resolution or cfg.image_size
+    grid = (size // cfg.patch,) * 2
+    if not engine.max_images(grid):  # before an image is resized to it
+        budget = engine.plan.max_batch_patches
+        raise InvalidRequest(
+            f"{cfg.name}: resolution {size} ({grid[0] * grid[1]} patches an image) does not fit "
+            f"the engine's batch budget of {budget} patches (in-process inputs are at most "
+            f"{math.isqrt(budget) * cfg.patch} pixels square)")
     if ids is not None and hasattr(images, "__len__") and len(ids) != len(images):
         raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
     request, parts, offset = engine.resolve(outputs), [], 0

@@ -121,6 +121,16 @@ def _ground_depth(size: int, tilt: float) -> np.ndarray:
     return np.broadcast_to((1.0 / (0.08 + tilt * rows))[:, None], (size, size)).copy()
 
 
+MAX_WORLD_BYTES = 2 << 30  # what a generated world (pixels and targets) may take in memory
+
+
+def check_world_bytes(what: str, nbytes: int) -> None:
+    """Refuse a generated world larger than ``MAX_WORLD_BYTES`` before allocating it."""
+    if nbytes > MAX_WORLD_BYTES:
+        raise ValueError(f"{what} takes {nbytes / (1 << 30):.1f} GiB; a generated world may "
+                         f"take {MAX_WORLD_BYTES >> 30} GiB: ask for fewer or smaller images")
+
+
 def shapes_world(
     n: int,
     seed: int = 0,
@@ -136,6 +146,7 @@ def shapes_world(
     """
     if n <= 0 or size < 16:
         raise ValueError(f"shapes_world needs n > 0 and size >= 16, got n={n}, size={size}")
+    check_world_bytes(f"a shapes world of {n} images of {size}x{size}", n * size * size * 8)
     if not 2 <= num_classes <= len(SHAPES):
         raise ValueError(f"num_classes must be in 2..{len(SHAPES)}, got {num_classes}")
     rng = np.random.default_rng(seed)

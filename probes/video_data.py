@@ -18,7 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import _FOG_DEPTH, _HAZE, _PALETTES, SHAPES, TEXTURES, DataError, _pattern, _silhouette
+from .data import (
+    _FOG_DEPTH,
+    _HAZE,
+    _PALETTES,
+    SHAPES,
+    TEXTURES,
+    DataError,
+    _pattern,
+    _silhouette,
+    check_world_bytes,
+)
 
 DIRECTIONS = ("approaching", "receding")
 _LOG_DEPTH_TRAVEL = 0.8  # log-depth change over a clip: sizes change by e^0.8 = 2.2x
@@ -48,6 +58,8 @@ def moving_world(
     if n < len(DIRECTIONS) or frames < 2 or size < 32 or size % 2:
         raise ValueError(f"moving_world needs n >= 2, frames >= 2 and an even size >= 32; got "
                          f"n={n}, frames={frames}, size={size}")
+    check_world_bytes(f"a moving world of {n} videos of {frames} frames of {size}x{size}",
+                      n * frames * size * size * 3)
     rng = np.random.default_rng(seed)
     labels = rng.permutation(np.arange(n) % len(DIRECTIONS))
     shapes = rng.integers(0, len(SHAPES), n)

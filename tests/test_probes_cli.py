@@ -206,6 +206,25 @@ def test_in_process_features_come_in_chunks_and_name_a_bad_image_across_them(mon
         features_from_model(encoded)
 
 
+def test_generated_worlds_and_in_process_resolutions_are_bounded(tmp_path, capsys):
+    """`--shapes-world 100000000` died in numpy's MemoryError traceback, `--moving-world 100000`
+    would have taken 19.5 GiB, and `--resolution 4096` on in-process features ran past five
+    minutes while 100000 was killed for memory: each is now refused before it allocates."""
+    out = ["--out", str(tmp_path)]
+    assert main(["probe", "linear", "--shapes-world", "100000000", *out]) == 2
+    assert ("a shapes world of 100000000 images of 64x64 takes 3051.8 GiB; a generated world "
+            "may take 2 GiB") in capsys.readouterr().err
+    assert main(["probe", "video", "--moving-world", "100000", *out]) == 2
+    assert "a moving world of 100000 videos of 17 frames of 64x64 takes 19.5 GiB" in (
+        capsys.readouterr().err)
+    for size in ("4096", "100000"):
+        assert main(["probe", "linear", "--digits", "--resolution", size, *out]) == 2
+        err = capsys.readouterr().err
+        assert f"vit-22b-tiny/16: resolution {size} (" in err, err
+        assert ("patches an image) does not fit the engine's batch budget of 16384 patches "
+                "(in-process inputs are at most 2048 pixels square)") in err
+
+
 def _class_folders_with_a_bad_file(root: Path) -> Path:
     """Two classes of 20 small PNGs, and a junk file under a path past 80 characters (where a
     quoted id is cut: the name must still come out whole)."""
