@@ -31,7 +31,7 @@ from vit22b.model.pixels import (  # noqa: E402
     check_pixels,
     decode,
 )
-from vit22b.server.engine import Engine, auto_mesh  # noqa: E402
+from vit22b.server.engine import Engine, auto_mesh, stored_config  # noqa: E402
 from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 
 from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored  # noqa: E402
@@ -114,6 +114,8 @@ class LocalBackend:
         self.engine = engine or Engine.load(
             model, checkpoint, mesh, seed=seed, compute_dtype=compute_dtype,
             max_batch_images=batch_size,
+            max_batch_patches=in_process_patch_budget(stored_config(model, checkpoint),
+                                                      batch_size),
         )
         self.model = self.engine.identity
         self.spec = spec
@@ -122,6 +124,12 @@ class LocalBackend:
         cfg = self.engine.cfg
         size = spec.resolution or cfg.image_size
         self.geometry = spec.geometry(dense_bound(cfg, spec))
+        if self.geometry.dense:
+            check_fits(self.engine, (1, self.geometry.max_patches),
+                       f"--max-dense-patches {spec.max_dense_patches}" if spec.max_dense_patches
+                       else f"--dense at --resolution {size} (up to twice its square grid)")
+        else:
+            check_fits(self.engine, (size // cfg.patch,) * 2, f"--resolution {size}")
         if spec.resolution or spec.dense:
             self.model = self.model.at(cfg, self.geometry)
         self.local = LocalInfer(self.engine, resolutions=(size,),
@@ -149,6 +157,17 @@ def in_process_patch_budget(cfg: ViTConfig, batch_size: int) -> int:
     caller's resolution is not an operator's allowlist, as a server's is)."""
     rows, cols = cfg.grid_at(cfg.image_size, cfg.image_size)
     return batch_size * 16 * rows * cols
+
+
+def check_fits(engine: Engine, grid: tuple[int, int], what: str) -> None:
+    """Refuse, before any image is resized to it, a grid one batch of the in-process engine
+    cannot hold (``in_process_patch_budget``)."""
+    if not engine.max_images(grid):
+        budget = engine.plan.max_batch_patches
+        raise InvalidRequest(
+            f"{what}: {grid[0] * grid[1]} patches an image do not fit the in-process engine's "
+            f"batch budget of {budget} patches (a square input of at most "
+            f"{math.isqrt(budget) * engine.cfg.patch} pixels)")
 
 
 @functools.lru_cache(maxsize=4)
@@ -195,13 +214,7 @@ def features_in_process(
                         max_batch_images=batch_size,
                         max_batch_patches=in_process_patch_budget(cfg, batch_size))
     size = resolution or cfg.image_size
-    grid = (size // cfg.patch,) * 2
-    if not engine.max_images(grid):  # before an image is resized to it
-        budget = engine.plan.max_batch_patches
-        raise InvalidRequest(
-            f"{cfg.name}: resolution {size} ({grid[0] * grid[1]} patches an image) does not fit "
-            f"the engine's batch budget of {budget} patches (in-process inputs are at most "
-            f"{math.isqrt(budget) * cfg.patch} pixels square)")
+    check_fits(engine, (size // cfg.patch,) * 2, f"{cfg.name}: resolution {size}")
     if ids is not None and hasattr(images, "__len__") and len(ids) != len(images):
         raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
     request, parts, offset = engine.resolve(outputs), [], 0

@@ -418,6 +418,31 @@ def test_the_local_jobs_decoded_size_guard_is_its_own_setting(tmp_path, capsys):
     assert "--max-image-pixels is the local job's bound" in capsys.readouterr().err
 
 
+def test_a_local_jobs_resolution_is_bounded_by_its_engines_patch_budget(tmp_path, capsys):
+    """`vit22b embed --local --resolution 100000` was killed for memory and 4096 took minutes
+    an image: the local engine has a patch budget (in_process_patch_budget), and a resolution
+    or dense bound one batch cannot hold is refused before an image is read."""
+    from vit22b.clients.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (40, 30), (10, 20, 30)).save(data / "a.png")
+    base = ["embed", str(data), "--local", "--quiet", "--batch-size", "2"]
+    # tiny: 4x4 patches at 64 px, so 2 images x 16 x 16 patches = 512 patches, 352 px square
+    for extra, what in ((["--resolution", "4096"], "--resolution 4096: 65536"),
+                        (["--dense", "--resolution", "400"],
+                         "--dense at --resolution 400 (up to twice its square grid): 1250"),
+                        (["--dense", "--max-dense-patches", "600"],
+                         "--max-dense-patches 600: 600")):
+        assert main([*base, *extra, "--output", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert (f"vit22b embed: {what} patches an image do not fit the in-process engine's "
+                "batch budget of 512 patches (a square input of at most 352 pixels)") in err, err
+        assert not (tmp_path / "out" / "manifest.json").exists()
+    assert main([*base, "--resolution", "352", "--output", str(tmp_path / "ok")]) == 0
+    assert open_outputs(str(tmp_path / "ok")).ids == ["a.png"]
+
+
 def test_cli_local_with_list_file_and_extension_filter(engine, tmp_path, capsys):
     from vit22b.clients.cli import main
 

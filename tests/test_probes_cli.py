@@ -220,9 +220,9 @@ def test_generated_worlds_and_in_process_resolutions_are_bounded(tmp_path, capsy
     for size in ("4096", "100000"):
         assert main(["probe", "linear", "--digits", "--resolution", size, *out]) == 2
         err = capsys.readouterr().err
-        assert f"vit-22b-tiny/16: resolution {size} (" in err, err
-        assert ("patches an image) does not fit the engine's batch budget of 16384 patches "
-                "(in-process inputs are at most 2048 pixels square)") in err
+        assert f"vit-22b-tiny/16: resolution {size}: " in err, err
+        assert ("patches an image do not fit the in-process engine's batch budget of 16384 "
+                "patches (a square input of at most 2048 pixels)") in err
 
 
 def _class_folders_with_a_bad_file(root: Path) -> Path:
