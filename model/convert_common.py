@@ -79,7 +79,8 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise ConvertError(f"{path}: no such file or directory")
+        raise ConvertError(f"{path}: not a regular file or a folder" if path.exists()
+                           else f"{path}: no such file or directory")
     index = path / "model.safetensors.index.json"  # transformers' shards
     if index.exists() and "model.safetensors" in preferred:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

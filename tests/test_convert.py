@@ -3,6 +3,7 @@ tiny, perturbed so that no bias or norm is trivially zero or one) exported, conv
 the same pixels. big_vision files are checked through timm's own big_vision .npz loader."""
 
 import json
+import os
 import re
 from functools import partial
 
@@ -587,6 +588,10 @@ def test_a_preset_that_does_not_match_is_refused_by_parameter(timm_state, tmp_pa
         main([*args[:-1], str(tmp_path / "absent.safetensors"), "--out", str(tmp_path / "o")]) == 2
     )
     assert "no such file or directory" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "pipe.safetensors")  # there, but no file: not "no such file"
+    assert main([*args[:-1], str(tmp_path / "pipe.safetensors"), "--out", str(tmp_path / "o")]) == 2
+    assert (f"{tmp_path / 'pipe.safetensors'}: not a regular file or a folder"
+            in capsys.readouterr().err)
 
 
 def test_bfloat16_weights_stay_bfloat16_unless_asked(tmp_path):
