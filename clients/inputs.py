@@ -127,11 +127,12 @@ def _array(image) -> np.ndarray:
 
 
 def _rgb(pixels: np.ndarray) -> np.ndarray:
-    if pixels.dtype != np.uint8:
-        raise ValueError(
-            f"numpy images must be uint8 RGB, got {pixels.dtype}; for floats in [0, 1] pass "
-            "(x * 255).round().astype(np.uint8)"
-        )
+    if pixels.dtype != np.uint8:  # the hint for the dtype at hand: no guess at a range
+        hint = ("; for floats in [0, 1] pass (x * 255).round().astype(np.uint8)"
+                if np.issubdtype(pixels.dtype, np.floating) else
+                "; for 16-bit levels pass (x / 257).round().astype(np.uint8)"
+                if pixels.dtype == np.uint16 else "")
+        raise ValueError(f"numpy images must be uint8 RGB, got {pixels.dtype}{hint}")
     if pixels.ndim == 2:
         pixels = pixels[..., None]
     if pixels.ndim != 3 or pixels.shape[-1] not in (1, 3, 4):

@@ -87,6 +87,19 @@ def test_bad_local_inputs_name_their_index(tmp_path):
             [to_proto(i) for i in items([np.zeros((4, 4, 3), np.uint8), image])]
 
 
+@pytest.mark.parametrize("dtype, hint", [
+    (np.float64, "; for floats in [0, 1] pass (x * 255).round().astype(np.uint8)"),
+    (np.uint16, "; for 16-bit levels pass (x / 257).round().astype(np.uint8)"),
+    (np.int64, ""), (bool, ""),
+])
+def test_a_pixel_dtype_refusal_hints_only_at_its_own_dtype(dtype, hint):
+    """uint16, int64 and bool pixels were told how to scale floats in [0, 1]."""
+    with pytest.raises(InvalidImage) as refused:
+        to_proto(next(items([np.zeros((4, 4, 3), dtype)])))
+    assert str(refused.value) == (
+        f"image 0: numpy images must be uint8 RGB, got {np.dtype(dtype)}{hint}")
+
+
 def _info(max_batch=8, max_request=16, max_bytes=64 << 10) -> pb.ModelInfo:
     return pb.ModelInfo(
         width=64,
