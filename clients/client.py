@@ -461,7 +461,7 @@ class FeatureClient(ClientBase):
                     bar.close()
 
     def embed(self, images, **kwargs) -> Embeddings:
-        """Embed paths, bytes, PIL images or uint8 arrays; numpy arrays per requested output.
+        """Embed paths, bytes, open files, PIL images or uint8 arrays; numpy arrays per output.
 
         Keywords: ``outputs`` (pooled, class_token, patch_tokens, attention_stats, logits,
         register_tokens, pre_projection; what the model has: ``model_info().outputs``),

@@ -1,12 +1,14 @@
 """What the SDK accepts as an image, and how it travels.
 
-Paths and bytes (bytes, bytearray, a memoryview) travel as the file's encoded bytes (the
+Paths, bytes (bytes, bytearray, a memoryview) and files opened for binary reading (read from
+where they stand when the image's request is built) travel as the file's encoded bytes (the
 server decodes them); PIL images and numpy arrays travel as raw uint8 [H, W, 3] pixels (no
 lossy re-encoding).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -36,8 +38,8 @@ def as_images(images) -> Iterable[ImageInput]:
     an [N, H, W, C] array)."""
     if type(images) is list:  # the usual case, first: os.PathLike's ABC check costs more
         return images
-    if isinstance(images, (str, os.PathLike, *ENCODED, Image.Image)):
-        return [images]
+    if isinstance(images, (str, os.PathLike, *ENCODED, Image.Image)) or _opened(images):
+        return [images]  # an open file iterates over lines, not images
     if isinstance(images, np.ndarray):
         return [images] if images.ndim in (2, 3) else list(images)
     try:
@@ -48,10 +50,36 @@ def as_images(images) -> Iterable[ImageInput]:
     return images
 
 
+def _opened(image) -> bool:
+    """A file object (``open(path, "rb")``, ``io.BytesIO``): it has ``read``, and is no image
+    of another kind (a PIL image has no ``read``; numpy arrays neither)."""
+    return hasattr(image, "read") and not isinstance(image, Image.Image)
+
+
+def read_opened(item: Item) -> Item:
+    """An open file's item as its bytes, read now (their size is the wire's), or as why not."""
+    if isinstance(item.image, io.TextIOBase):
+        return item._replace(image=InvalidImage(
+            "an open file in text mode: open an image file with 'rb'", item.index, item.id))
+    try:
+        data = item.image.read()
+    except (OSError, ValueError) as err:  # closed, unreadable, not seekable...
+        return item._replace(image=InvalidImage(f"cannot read the open file: {err}", item.index,
+                                                item.id))
+    if not isinstance(data, ENCODED):
+        return item._replace(image=InvalidImage(
+            f"an open file must give bytes, got {type(data).__name__} (open it with 'rb')",
+            item.index, item.id))
+    return item._replace(image=bytes(data), size=len(data))
+
+
 def default_id(image: ImageInput, index: int) -> str:
     if type(image) is bytes:  # the usual case, before os.PathLike's (costlier) ABC check
         return str(index)
-    return os.fspath(image) if isinstance(image, (str, os.PathLike)) else str(index)
+    if isinstance(image, (str, os.PathLike)):
+        return os.fspath(image)
+    name = getattr(image, "name", None) if _opened(image) else None
+    return name if isinstance(name, str) else str(index)  # open(path): its path
 
 
 def wire_size(image: ImageInput) -> int:
@@ -70,6 +98,12 @@ def wire_size(image: ImageInput) -> int:
     return int(np.prod(shape[:2])) * 3 if len(shape) >= 2 else 0
 
 
+def _item(index: int, image, image_id: str) -> Item:
+    if type(image) is not bytes and _opened(image):  # bytes: the usual case, checked first
+        return read_opened(Item(index, image, image_id, 0))
+    return Item(index, image, image_id, wire_size(image))
+
+
 def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
     """Each image with its position, id and wire size. ``ids``: one per image, or a ValueError
     (misaligned ids would label every row after the gap with another image's id); checked
@@ -77,7 +111,7 @@ def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
     images = as_images(images)
     if ids is None:
         for index, image in enumerate(images):
-            yield Item(index, image, default_id(image, index), wire_size(image))
+            yield _item(index, image, default_id(image, index))
         return
     if hasattr(images, "__len__") and hasattr(ids, "__len__") and len(ids) != len(images):
         raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
@@ -86,7 +120,7 @@ def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
         image_id = next(ids_iter, end)
         if image_id is end:
             raise ValueError(f"the ids ran out at image {count - 1}: give one id per image")
-        yield Item(count - 1, image, str(image_id), wire_size(image))
+        yield _item(count - 1, image, str(image_id))
     if next(ids_iter, end) is not end:
         raise ValueError(f"more ids than the {count} images: give one id per image")
 

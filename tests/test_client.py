@@ -87,6 +87,33 @@ def test_bad_local_inputs_name_their_index(tmp_path):
             [to_proto(i) for i in items([np.zeros((4, 4, 3), np.uint8), image])]
 
 
+def test_open_files_are_read_as_encoded_images_and_named_by_their_path(tmp_path):
+    """A file opened for binary reading (or an io.BytesIO) is one image, its bytes read when
+    its request is built; one open file alone is not iterated as lines; a closed file or one in
+    text mode is that image's refusal, named."""
+    import io
+
+    picture = tmp_path / "x.png"
+    Image.fromarray(np.arange(48, dtype=np.uint8).reshape(4, 4, 3)).save(picture)
+    data = picture.read_bytes()
+    with open(picture, "rb") as f:
+        (only,) = list(items(f))
+        assert (only.index, only.id, only.image, only.size) == (0, str(picture), data, len(data))
+        assert to_proto(only).encoded == data
+    buffer = io.BytesIO(b"xx" + data)
+    buffer.seek(2)  # read from where it stands
+    listed = list(items([buffer, data]))
+    assert [(i.id, i.image) for i in listed] == [("0", data), ("1", data)]
+    closed = open(picture, "rb")
+    closed.close()
+    with open(picture) as text:
+        for image, reason in ((closed, "cannot read the open file: read of closed file"),
+                              (text, "an open file in text mode: open an image file with 'rb'")):
+            (item,) = list(items([image]))
+            with pytest.raises(InvalidImage, match=f"^image 0 \\(id '{picture}'\\): {reason}$"):
+                to_proto(item)
+
+
 @pytest.mark.parametrize("dtype, hint", [
     (np.float64, "; for floats in [0, 1] pass (x * 255).round().astype(np.uint8)"),
     (np.uint16, "; for 16-bit levels pass (x / 257).round().astype(np.uint8)"),
