@@ -31,7 +31,10 @@ def over_limit(size: int, max_bytes: int | None, path: str) -> None:
 
 def read_local(path: str, max_bytes: int | None = None) -> bytes:
     """A local regular file's bytes, at most ``max_bytes`` of them (else OSError, unread)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer waiting
+    except ValueError:  # a NUL byte (a list file's line, say): that input's failure, not a crash
+        raise OSError(errno.EINVAL, "a path with a NUL byte names no file", path) from None
     try:
         over_limit(regular(os.fstat(fd), path).st_size, max_bytes, path)
     except OSError:

@@ -266,6 +266,19 @@ def test_what_is_not_a_regular_file_or_is_too_large_fails_unread(engine, tmp_pat
     }
 
 
+def test_a_list_line_with_a_nul_byte_is_that_inputs_failure(engine, tmp_path):
+    """A list file's line with a NUL byte ended the whole job ("local-0 failed: ValueError:
+    embedded null byte"): os.open refuses such a path with a ValueError, not an OSError."""
+    good = write_images(tmp_path / "data", 2)
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join([f"data/{good[0]}", f"data/{good[1]}\x00junk", f"data/{good[1]}"]))
+    summary = local_job(engine, [listing], tmp_path / "out")
+    assert (summary.embedded, summary.failed) == (2, 1) and summary.complete
+    (error,) = [json.loads(line) for line in open(tmp_path / "out" / "errors.jsonl")]
+    assert error["id"] == f"data/{good[1]}\x00junk"
+    assert error["reason"] == "cannot read file: a path with a NUL byte names no file"
+
+
 def test_resume_skips_done_shards_and_matches_a_full_run(engine, tmp_path):
     data = tmp_path / "data"
     write_images(data, 20)
