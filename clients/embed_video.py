@@ -32,7 +32,7 @@ import numpy as np
 
 from .embed import BatchResult, os_reason, to_stored
 from .embed_inputs import InputItem
-from .files import regular
+from .files import regular, usable
 from .storage import filesystem, is_url, local_path
 from .video import Clip, Sampling, VideoError, read_clip
 from .video_features import FramePlan
@@ -95,7 +95,7 @@ class VideoWorker:
                 with fs.open(inner, "rb") as remote:
                     return read_clip(remote, self.sampling, name=item.id)
             source = local_path(item.path)
-            regular(os.stat(source), source)  # PyAV opens it: a FIFO would block it for ever
+            regular(os.stat(usable(source)), source)  # PyAV opens it: a FIFO would block it
             return read_clip(source, self.sampling, name=item.id)
         except OSError as err:
             return VideoError(item.id, os_reason(err))

@@ -23,6 +23,14 @@ def regular(info: os.stat_result, path: str) -> os.stat_result:
     return info
 
 
+def usable(path: str) -> str:
+    """``path``, or OSError if no file can have it: a NUL byte (a list file's line, say), for
+    which os functions raise ValueError, would end a job instead of failing its input."""
+    if "\0" in path:
+        raise OSError(errno.EINVAL, "a path with a NUL byte names no file", path)
+    return path
+
+
 def over_limit(size: int, max_bytes: int | None, path: str) -> None:
     if max_bytes is not None and size > max_bytes:
         raise OSError(errno.EFBIG, f"{size} bytes, over the limit of {max_bytes} bytes per file",
@@ -31,10 +39,7 @@ def over_limit(size: int, max_bytes: int | None, path: str) -> None:
 
 def read_local(path: str, max_bytes: int | None = None) -> bytes:
     """A local regular file's bytes, at most ``max_bytes`` of them (else OSError, unread)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer waiting
-    except ValueError:  # a NUL byte (a list file's line, say): that input's failure, not a crash
-        raise OSError(errno.EINVAL, "a path with a NUL byte names no file", path) from None
+    fd = os.open(usable(path), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer
     try:
         over_limit(regular(os.fstat(fd), path).st_size, max_bytes, path)
     except OSError:

@@ -168,6 +168,18 @@ def test_the_job_stores_frames_mean_and_timestamps_and_lists_bad_videos(videos, 
     assert again.embedded == 0 and again.skipped == len(good) + len(errors)
 
 
+def test_a_listed_video_with_a_nul_byte_is_that_videos_failure(videos, tmp_path):
+    """A list line with a NUL byte ended the video job ("local-0 failed: ValueError: embedded
+    null byte" from os.stat); now it is that video's failure, named."""
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{videos[0]}\n{videos[0]}\x00x.mp4\n")
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    summary = embed_job(backend, listing, tmp_path / "out")
+    assert (summary.embedded, summary.failed) == (1, 1) and summary.complete
+    (error,) = [json.loads(line) for line in open(tmp_path / "out" / "errors.jsonl")]
+    assert error["reason"] == "cannot read file: a path with a NUL byte names no file"
+
+
 def test_the_job_through_a_server_in_bfloat16(server, videos, tmp_path):
     spec = OutputSpec(dtype="bfloat16")
     data = videos[0].parent
