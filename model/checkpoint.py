@@ -311,7 +311,8 @@ def save(
 def read_metadata(path) -> CheckpointMeta:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"no checkpoint at {path}: not a directory")
+        raise CheckpointError(f"no checkpoint at {path}: "
+                              + ("not a directory" if path.exists() else "no such directory"))
     meta_file = path / METADATA_FILE
     if not meta_file.exists():
         raise CheckpointError(
@@ -321,6 +322,14 @@ def read_metadata(path) -> CheckpointMeta:
         raise CheckpointError(f"{meta_file} is not a regular file")
     try:
         payload = json.loads(meta_file.read_text())
+        if not isinstance(payload, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+                    float: "a number"}.get(type(payload), "null")
+            raise CheckpointError(f"{meta_file} is unreadable: it holds {kind}, not a JSON "
+                                  "object")
+        if "format_version" not in payload:
+            raise CheckpointError(f"{meta_file} is unreadable: no format_version (not a vit22b "
+                                  "checkpoint's metadata)")
         version = int(payload["format_version"])
         if version > FORMAT_VERSION:
             raise CheckpointError(

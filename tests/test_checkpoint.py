@@ -129,8 +129,11 @@ def _copy(saved, tmp_path) -> Path:
 
 def test_missing_checkpoints_are_refused(saved, tmp_path):
     mesh = make_mesh(MESH)
-    with pytest.raises(ckpt.CheckpointError, match="no checkpoint at .*nothing: not a directory"):
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint at .*nothing: no such directory"):
         ckpt.restore(tmp_path / "nothing", mesh)
+    (tmp_path / "a-file").write_text("weights?")
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint at .*a-file: not a directory"):
+        ckpt.restore(tmp_path / "a-file", mesh)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="has no metadata.json"):
         ckpt.restore(tmp_path / "empty", mesh)
@@ -246,6 +249,12 @@ def test_unreadable_or_future_metadata_is_refused(saved, tmp_path):
     (copy / "metadata.json").write_text("{ not json")
     with pytest.raises(ckpt.CheckpointError, match="metadata.json is unreadable"):
         ckpt.read_metadata(copy)
+    for text, reason in (("null", "it holds null, not a JSON object"),  # were a TypeError's
+                         ("[1]", "it holds an array, not a JSON object"),  # and KeyError's
+                         ('{"config": 5}', r"no format_version \(not a vit22b checkpoint's")):
+        (copy / "metadata.json").write_text(text)
+        with pytest.raises(ckpt.CheckpointError, match=f"metadata.json is unreadable: {reason}"):
+            ckpt.read_metadata(copy)
     meta = saved[2].to_dict() | {"format_version": ckpt.FORMAT_VERSION + 1}
     (copy / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="newer than this code's"):
