@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -381,6 +382,29 @@ def _options(args, kind: str) -> dict:
     return chosen
 
 
+def _writable_folder(folder: Path, what: str) -> None:
+    """``folder`` made if missing, or DataError naming ``what`` when it cannot hold files
+    (tried with a file of its own: permissions alone do not tell, for root or on /proc)."""
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"{what}: {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise DataError(f"{what}: {folder} cannot hold files ({err.strerror})") from None
+
+
+def _check_outputs(args) -> None:
+    """The report folder and the features file can be written: checked before the model
+    runs, not after it (every minute of embedding and training was lost to a typo)."""
+    _writable_folder(args.out, f"--out {args.out}")
+    if args.save_features:
+        if args.save_features.is_dir():
+            raise DataError(f"--save-features {args.save_features}: a folder, not a file name")
+        _writable_folder(args.save_features.parent, f"--save-features {args.save_features}")
+
+
 def _run_probe_command(args) -> int:
     from vit22b.clients.client import FeatureError
 
@@ -401,6 +425,7 @@ def _run_probe_command(args) -> int:
         if kind != "video" and args.moving_world is not None:
             raise DataError("--moving-world is for the video probe (vit22b probe video)")
         options = _options(args, kind)  # reads --head first: fail before embedding anything
+        _check_outputs(args)  # and where the results go
         if kind == "video":
             if args.moving_world is not None and args.moving_world < 8:
                 raise DataError("--moving-world needs at least 8 videos")

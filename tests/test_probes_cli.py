@@ -225,6 +225,25 @@ def test_generated_worlds_and_in_process_resolutions_are_bounded(tmp_path, capsy
                 "patches (a square input of at most 2048 pixels)") in err
 
 
+def test_outputs_that_cannot_be_written_are_refused_before_the_model_runs(tmp_path, capsys):
+    """--out under a file, or a --save-features folder, failed only after the embedding and the
+    probe had run (an OSError's words, no flag named); now before anything is computed."""
+    (tmp_path / "file").write_text("not a folder")
+    cases = (
+        (["--out", str(tmp_path / "file")], f"--out {tmp_path}/file: {tmp_path}/file is a file, "
+         "not a folder"),
+        (["--out", str(tmp_path / "file" / "x")], f"--out {tmp_path}/file/x: {tmp_path}/file/x "
+         "cannot hold files (Not a directory)"),
+        (["--out", str(tmp_path / "o"), "--save-features", str(tmp_path)],
+         f"--save-features {tmp_path}: a folder, not a file name"),
+        (["--out", str(tmp_path / "o"), "--save-features", str(tmp_path / "file" / "f.npz")],
+         f"--save-features {tmp_path}/file/f.npz: {tmp_path}/file is a file, not a folder"),
+    )
+    for flags, message in cases:
+        assert main(["probe", "knn", "--shapes-world", "100000000", *flags]) == 2  # not made
+        assert message in capsys.readouterr().err
+
+
 def _class_folders_with_a_bad_file(root: Path) -> Path:
     """Two classes of 20 small PNGs, and a junk file under a path past 80 characters (where a
     quoted id is cut: the name must still come out whole)."""
