@@ -222,7 +222,11 @@ def features_in_process(
     with LocalInfer(engine, resolutions=(size,)) as local:
         while chunk := list(itertools.islice(images, IN_PROCESS_CHUNK)):
             if named is not None:
-                chunk = [ImageInput(image, id=str(i)) for image, i in zip(chunk, named)]
+                labels = list(itertools.islice(named, len(chunk)))
+                if len(labels) < len(chunk):  # zip would drop the images past the last id
+                    raise ValueError(f"the ids ran out at image {offset + len(labels)}: give "
+                                     "one id per image")
+                chunk = [ImageInput(image, id=str(i)) for image, i in zip(chunk, labels)]
             try:
                 parts.append(local.embed(chunk, request, geometry=Geometry(size)).features)
             except InvalidImage as err:  # named by its place in the whole input
