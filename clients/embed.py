@@ -36,6 +36,7 @@ from .embed_formats import FORMATS
 from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
 from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
 from .embed_store import OutputStore, ShardWriter
+from .files import MAX_IMAGE_BYTES
 from .outputs import ERRORS, array_name
 from .storage import read_bytes
 from .video import Sampling
@@ -168,15 +169,10 @@ class JobFailed(RuntimeError):
     """The job cannot go on (every server lost, or a bug); completed shards stay resumable."""
 
 
-# An image file the job reads whole (a 40-megapixel, 16-bit RGBA TIFF is 320 MB); a larger
-# one, e.g. a video in a folder of photos, is a failure read no further.
-MAX_IMAGE_FILE_BYTES = 1 << 30
-
-
 def read_file(item: InputItem) -> bytes:
     """The file's bytes (a local path or an fsspec URL); OSError's message is the failure
     reason for errors.jsonl."""
-    return read_bytes(item.path, MAX_IMAGE_FILE_BYTES)
+    return read_bytes(item.path, MAX_IMAGE_BYTES)
 
 
 def os_reason(err: OSError) -> str:

@@ -11,6 +11,10 @@ import errno
 import os
 import stat
 
+# An image file read whole (a 40-megapixel, 16-bit RGBA TIFF is 320 MB); a larger one, e.g. a
+# video in a folder of photos, is a failure read no further.
+MAX_IMAGE_BYTES = 1 << 30
+
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 

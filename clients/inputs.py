@@ -20,7 +20,7 @@ from vit22b.model.pixels import to_rgb
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
-from .files import read_local
+from .files import MAX_IMAGE_BYTES, read_local
 
 ImageInput = str | os.PathLike | bytes | bytearray | memoryview | Image.Image | np.ndarray
 ENCODED = (bytes, bytearray, memoryview)  # a file's bytes, sent as they are
@@ -62,13 +62,17 @@ def read_opened(item: Item) -> Item:
         return item._replace(image=InvalidImage(
             "an open file in text mode: open an image file with 'rb'", item.index, item.id))
     try:
-        data = item.image.read()
+        data = item.image.read(MAX_IMAGE_BYTES + 1)  # /dev/zero would never end
     except (OSError, ValueError) as err:  # closed, unreadable, not seekable...
         return item._replace(image=InvalidImage(f"cannot read the open file: {err}", item.index,
                                                 item.id))
     if not isinstance(data, ENCODED):
         return item._replace(image=InvalidImage(
             f"an open file must give bytes, got {type(data).__name__} (open it with 'rb')",
+            item.index, item.id))
+    if len(data) > MAX_IMAGE_BYTES:
+        return item._replace(image=InvalidImage(
+            f"the open file holds over {MAX_IMAGE_BYTES} bytes, the limit per image file",
             item.index, item.id))
     return item._replace(image=bytes(data), size=len(data))
 

@@ -114,6 +114,19 @@ def test_open_files_are_read_as_encoded_images_and_named_by_their_path(tmp_path)
                 to_proto(item)
 
 
+def test_an_open_file_is_read_no_further_than_the_limit_per_image(monkeypatch):
+    """open("/dev/zero", "rb") would be read for ever: an open file is read to one byte
+    past the limit per image file, then refused."""
+    import vit22b.clients.inputs as inputs
+
+    monkeypatch.setattr(inputs, "MAX_IMAGE_BYTES", 1000)
+    with open("/dev/zero", "rb") as zero:
+        (item,) = list(items([zero]))
+    assert item.size == 0 and isinstance(item.image, InvalidImage)
+    assert str(item.image) == ("image 0 (id '/dev/zero'): the open file holds over 1000 bytes, "
+                               "the limit per image file")
+
+
 @pytest.mark.parametrize("dtype, hint", [
     (np.float64, "; for floats in [0, 1] pass (x * 255).round().astype(np.uint8)"),
     (np.uint16, "; for 16-bit levels pass (x / 257).round().astype(np.uint8)"),

@@ -254,7 +254,7 @@ def test_what_is_not_a_regular_file_or_is_too_large_fails_unread(engine, tmp_pat
     limit = max(os.path.getsize(data / rel) for rel in good)
     with open(data / "big.jpg", "wb") as f:
         f.truncate(limit + 1)  # sparse: a byte over the limit set below
-    monkeypatch.setattr(embed_module, "MAX_IMAGE_FILE_BYTES", limit)
+    monkeypatch.setattr(embed_module, "MAX_IMAGE_BYTES", limit)
     summary = local_job(engine, data, out)
     assert (summary.embedded, summary.failed) == (3, 3) and summary.complete
     assert open_outputs(str(out), verify=True).ids == good
