@@ -195,7 +195,7 @@ def features_in_process(
     seed: int = 0,
     batch_size: int = 32,
     resolution: int = 0,
-    ids: Sequence[str] | None = None,
+    ids: Iterable[str] | None = None,
 ) -> Features:
     """Features of uint8 images or encoded bytes through the facade, in process: the probes'
     path without a server. Random weights from ``seed`` unless ``params`` are given;
@@ -230,9 +230,7 @@ def features_in_process(
             try:
                 parts.append(local.embed(chunk, request, geometry=Geometry(size)).features)
             except InvalidImage as err:  # named by its place in the whole input
-                if err.index is None:
-                    raise
-                raise err.at(offset + err.index, err.image_id) from None
+                raise err.shifted(offset) from None
             offset += len(chunk)
     if not parts:
         raise InvalidRequest("no images to embed")

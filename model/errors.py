@@ -27,6 +27,10 @@ class InvalidImage(InvalidRequest):
     def at(self, index: int, image_id: str = "") -> InvalidImage:
         return InvalidImage(self.reason, index, image_id)
 
+    def shifted(self, offset: int) -> InvalidImage:
+        """The same refusal for a part that starts at ``offset`` of the caller's list."""
+        return self if self.index is None else self.at(offset + self.index, self.image_id)
+
 
 SHOWN_CHARS = 80  # a message quotes this much of the client's text (an id, a name, a kind)
 

@@ -245,12 +245,13 @@ def _embed(args, images, kind: str):
 
 def _file_bytes(path) -> bytes:
     """An image file's bytes, as the embed job reads them (a regular file, at most 1 GiB)."""
+    from vit22b.clients.embed import os_reason
     from vit22b.clients.files import MAX_IMAGE_BYTES, read_local
 
     try:
         return read_local(str(path), MAX_IMAGE_BYTES)
     except OSError as err:
-        raise DataError(f"{path}: cannot read file ({err.strerror or err})") from None
+        raise DataError(f"{path}: {os_reason(err)}") from None
 
 
 def _image_data(args, kind: str, data: LabelledImages) -> ProbeData:

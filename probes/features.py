@@ -9,6 +9,7 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,7 +179,7 @@ def features_from_model(
     logits: bool = False,
     batch_size: int = 64,
     resolution: int = 0,
-    ids: list[str] | None = None,
+    ids: Iterable[str] | None = None,
 ) -> Features:
     """Run the backbone in-process on uint8 images ([N, H, W, 3] or a list of [H, W, 3]) or
     encoded images (bytes: decoded as served, reduced-size JPEG decoding included):
@@ -203,10 +204,8 @@ def features_from_model(
     try:  # the server's own path: the same pixels, batching and finishing as served
         features = features_in_process(cfg, pixels, request, params=params, seed=seed,
                                        batch_size=batch_size, resolution=resolution, ids=ids)
-    except InvalidImage as err:
-        if ids is None or err.index is None:
-            raise DataError(str(err)) from None
-        raise DataError(f"{ids[err.index]}: {err.reason}") from None
+    except InvalidImage as err:  # an image with an id (a file's path) is named by it whole
+        raise DataError(f"{err.image_id}: {err.reason}" if err.image_id else str(err)) from None
     size = resolution or cfg.image_size
     meta = {
         "model": cfg.name,

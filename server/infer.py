@@ -555,9 +555,7 @@ class LocalInfer:
                 try:
                     return await self.infer.embed(call)
                 except InvalidImage as err:  # named by its place in the caller's list
-                    if err.index is None:
-                        raise
-                    raise err.at(offset + err.index, err.image_id) from None
+                    raise err.shifted(offset) from None
 
         return await asyncio.gather(*(one(k * step, call) for k, call in enumerate(calls)))
 
@@ -586,7 +584,7 @@ def _merge(parts: list[EmbedResult], step: int) -> EmbedResult:
         offset = k * step
         merged.ids += part.ids
         merged.indices += [offset + i for i in part.indices]
-        merged.errors += [e.at(offset + e.index, e.image_id) for e in part.errors]
+        merged.errors += [e.shifted(offset) for e in part.errors]
         if part.indices:
             if merged.grid not in ((0, 0), part.grid):
                 raise InvalidRequest(

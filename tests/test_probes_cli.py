@@ -200,8 +200,8 @@ def test_in_process_features_come_in_chunks_and_name_a_bad_image_across_them(mon
         Image.fromarray(image).save(buffer, format="PNG")
         encoded.append(buffer.getvalue())
     encoded[7] = b"junk"
-    with pytest.raises(DataError, match=r"^f7: not an image file"):
-        features_from_model(iter(encoded), ids=[f"f{i}" for i in range(12)])
+    with pytest.raises(DataError, match=r"^f7: not an image file"):  # ids of any iterable
+        features_from_model(iter(encoded), ids=iter([f"f{i}" for i in range(12)]))
     with pytest.raises(DataError, match=r"^image 7: not an image file"):
         features_from_model(encoded)
     with pytest.raises(ValueError, match="the ids ran out at image 6: give one id per image"):
