@@ -215,7 +215,7 @@ def features_in_process(
                         max_batch_patches=in_process_patch_budget(cfg, batch_size))
     size = resolution or cfg.image_size
     check_fits(engine, (size // cfg.patch,) * 2, f"{cfg.name}: resolution {size}")
-    if ids is not None and hasattr(images, "__len__") and len(ids) != len(images):
+    if hasattr(ids, "__len__") and hasattr(images, "__len__") and len(ids) != len(images):
         raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
     request, parts, offset = engine.resolve(outputs), [], 0
     images, named = iter(images), None if ids is None else iter(ids)
