@@ -24,9 +24,16 @@ at ViT-B/16's MLP shapes (width 768, hidden 3072), 8 images of 197 tokens:
     as given (``plain``) or reordered once into oneDNN's blocked layout (``packed``), f32 or
     bf16 outputs, the GELU fused into fc1 (``gelu``).
   GFLOP/s counts the GEMMs' FLOPs over the whole chain's time.
+- ``--per-gemm``: instead of the above, each of a ViT-B block's four weight GEMMs (qkv, the
+  output projection, fc1, fc2) alone at one device's rows, on one thread: XLA (one emulated
+  device, f32 output: the engine's policy) against OpenVINO (a one-MatMul model, weights as a
+  constant, bf16 inference precision, one thread) with an f32 and with a bf16 output, and the
+  outputs' relative difference from XLA's. Run it pinned to one core (``taskset -c 0``) so that
+  both libraries get the same single core.
 
-``[ONEDNN_ROOT=PREFIX] python benchmarks/gemm_chain.py [--devices 1]`` (results:
-benchmarks/NOTES.md, "An AMX host" and "oneDNN 3 from PyPI").
+``[ONEDNN_ROOT=PREFIX] python benchmarks/gemm_chain.py [--devices 1]`` and
+``taskset -c 0 python benchmarks/gemm_chain.py --per-gemm`` (results: benchmarks/NOTES.md,
+"An AMX host", "oneDNN 3 from PyPI" and "The bf16 gap on Zen 4, fourth look").
 """
 
 from __future__ import annotations
@@ -87,6 +94,62 @@ def openvino_chain(x32, fc1, fc2):
     return lambda: request.infer({0: x32})
 
 
+BLOCK_GEMMS = {"qkv": (WIDTH, 3 * WIDTH), "out": (WIDTH, WIDTH), "fc1": (WIDTH, HIDDEN),
+               "fc2": (HIDDEN, WIDTH)}
+
+
+def per_gemm(repeats: int) -> int:
+    """Each block GEMM alone on one thread: XLA against OpenVINO's f32 and bf16 outputs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    rows = IMAGES // 2 * TOKENS  # one device's rows at batch 8 (the engine's chunk of 4)
+    rng = np.random.default_rng(0)
+    core = ov.Core()
+    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    report: dict[str, dict[str, float]] = {}
+    for name, (k, n) in BLOCK_GEMMS.items():
+        flops = 2.0 * rows * k * n
+        x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+        reference = np.asarray(dot(x, w))
+        sides = {"xla": lambda x=x, w=w: dot(x, w).block_until_ready()}
+        diffs = {}
+        for out in ("f32", "bf16"):
+            # bf16 in, the product in f32 (the plugin runs it in bf16 with f32 accumulation)
+            param = ops.parameter([rows, k], ov.Type.bf16, name="x")
+            y = ops.matmul(ops.convert(param, ov.Type.f32),
+                           ops.constant(np.asarray(w, np.float32)), False, False)
+            if out == "bf16":
+                y = ops.convert(y, ov.Type.bf16)
+            compiled = core.compile_model(ov.Model([y], [param]), "CPU", {
+                "INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": 1,
+                "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"})
+            request = compiled.create_infer_request()
+            tensor = ov.Tensor(ov.Type.bf16, ov.Shape([rows, k]))
+            tensor.data[...] = np.asarray(x).view(tensor.data.dtype)
+            request.set_input_tensor(tensor)
+            request.infer()
+            got = request.get_output_tensor().data
+            got = (got.view(jnp.bfloat16) if out == "bf16" else got).astype(np.float64)
+            diffs[f"openvino_{out}_rel_diff"] = float(
+                np.linalg.norm(got - reference) / np.linalg.norm(reference))
+            sides[f"openvino_{out}"] = request.infer
+        for fn in sides.values():
+            fn()  # compile, warm
+        times = alternate(sides, repeats)
+        row = {side: flops / median(t) / 1e9 for side, t in times.items()} | diffs
+        report[name] = {key: float(f"{value:.3g}") for key, value in row.items()}
+        log(f"{name} [{rows}, {k}] x [{k}, {n}]: " + ", ".join(
+            f"{key} {value}" for key, value in report[name].items()))
+    emit({"benchmark": "gemm_chain_per_gemm", "rows": rows, "gflops": report,
+          "machine": machine()})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -94,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=2, choices=[1, 2],
                         help="emulated devices the JAX chains split the images over; each "
                         "oneDNN call gets 2 / devices threads")
+    parser.add_argument("--per-gemm", action="store_true",
+                        help="each block GEMM alone on one thread, XLA against OpenVINO")
     args = parser.parse_args(argv)
-    devices = args.devices
+    devices = 1 if args.per_gemm else args.devices
 
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
                                f"--xla_force_host_platform_device_count={devices}")
+    if args.per_gemm:
+        return per_gemm(args.repeats)
     import jax
     import jax.numpy as jnp
     import numpy as np
