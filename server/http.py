@@ -5,7 +5,8 @@ embeddings are), ``POST /v1/features`` (everything ``Embed`` offers; JSON with b
 with ``Accept: application/vnd.safetensors`` one safetensors body), ``GET /health`` (liveness),
 ``GET /ready`` (SERVING or not), ``GET /v1/models`` (the model info), and the OpenAPI document
 (``/openapi.json``, ``/docs``). Like the gRPC door it translates and maps statuses only: the
-token and the body limit are checked before the body is read (``_Guard``), the body becomes an
+token and the body limit are checked before the body is read (``_Guard``), a gzip or deflate
+body is inflated within that limit (``json_body``), the body becomes an
 ``EmbedCall`` (images as base64 or ``data:`` URIs; raw pixels as the proto's ``Image``, so both
 doors read them alike), and the facade validates, admits and runs it. Failures map through
 ``status.py``'s table into an OpenAI-style error body that names the image index and reason.
@@ -33,6 +34,7 @@ import math
 import socket
 import struct
 import time
+import zlib
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import ClassVar, Literal
@@ -79,6 +81,7 @@ from .status import (
     RequestTimeout,
     Status,
     TooManyConnections,
+    UnsupportedBody,
     status_of,
 )
 
@@ -201,7 +204,8 @@ REFUSALS = {
     400: "malformed: the message names the image and the reason",
     401: "missing or wrong bearer token (a server with a token file)",
     408: "headers or body too slow",
-    413: "a body or response over the message limit",
+    413: "a body or response over the message limit (a compressed body: once inflated)",
+    415: "a body in a coding other than gzip or deflate, or not JSON (an image file, a form)",
     422: "NaN or Inf in the outputs in the asked dtype",
     429: "queue or compile cache full (Retry-After)",
     431: "headers over the limit",
@@ -282,6 +286,68 @@ FLOAT_TEXT_RATIO = 25 / 4  # a float32 in JSON: at most 24 characters and a comm
 # Commas one image may bring to a body: its keys, a raw tensor's fields and shape, a data: URI's
 # comma, and commas in its id. Base64 has none.
 COMMAS_PER_IMAGE = 64
+
+
+# Content codings a body may come in (RFC 9110 8.4): zlib reads both with its header detected
+# (gzip's, or zlib's as HTTP's "deflate" is).
+BODY_CODINGS = ("gzip", "x-gzip", "deflate")
+# Media types that are not JSON whatever their bytes: a client that sends one meant a file
+# upload or a form, and "Invalid JSON at column 1" would not tell it so. A form type whose
+# body is a JSON object is read (``curl -d '{...}'`` sends one).
+NOT_JSON = ("multipart/", "image/", "video/", "audio/", "application/octet-stream",
+            "application/x-www-form-urlencoded")
+
+
+def json_body(headers: dict[bytes, bytes], body: bytes, limit: int) -> bytes:
+    """A POST body as the JSON text to parse: inflated per its ``Content-Encoding`` (to at
+    most ``limit`` bytes: a small compressed body may not become a large one), refused when
+    its coding or media type is not one this door reads, and without a UTF-8 byte-order mark
+    (RFC 8259 lets a reader ignore one; PowerShell writes it)."""
+    codings = [c.strip().lower() for c in headers.get(b"content-encoding", b"").decode(
+        "latin-1").split(",")]
+    for coding in reversed([c for c in codings if c not in ("", "identity")]):
+        if coding not in BODY_CODINGS:
+            raise UnsupportedBody(f"request body in Content-Encoding {quoted(coding)}, which "
+                                  "this server does not read: send it as it is, gzip or deflate")
+        body = _inflated(body, coding, limit)
+    media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+    if media.startswith(NOT_JSON) and not (media == "application/x-www-form-urlencoded"
+                                           and body.lstrip()[:1] == b"{"):
+        raise UnsupportedBody(f"request body is {media}, not JSON: send a JSON object "
+                              "(Content-Type: application/json) with each image base64-encoded "
+                              "or as a data: URI (the schema: GET /openapi.json)")
+    if body.startswith(b"\xef\xbb\xbf"):
+        return body[3:]
+    if body[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in body[:4]:
+        raise InvalidRequest("request body is not UTF-8 (UTF-16 or UTF-32, by its first bytes): "
+                             "JSON bodies are UTF-8 (RFC 8259)")
+    return body
+
+
+def _inflated(body: bytes, coding: str, limit: int) -> bytes:
+    """``body`` decompressed, every gzip member of it, refused past ``limit`` bytes."""
+    out: list[bytes] = []
+    size = 0
+    rest = body
+    while True:
+        reader = zlib.decompressobj(32 + zlib.MAX_WBITS)
+        try:
+            part = reader.decompress(rest, limit + 1 - size)
+        except zlib.error as err:
+            raise InvalidRequest(f"request body declared Content-Encoding {quoted(coding)} but "
+                                 f"is not {coding} data ({err})") from None
+        out.append(part)
+        size += len(part)
+        if size > limit or reader.unconsumed_tail:
+            raise TooLarge(f"request body of {len(body)} bytes inflates ({coding}) to over the "
+                           f"message limit of {limit} bytes (--max-message-mb); send fewer "
+                           "images per request")
+        if not reader.eof:
+            raise InvalidRequest(f"request body declared Content-Encoding {quoted(coding)} but "
+                                 f"its {coding} data ends early ({len(body)} bytes)")
+        rest = reader.unused_data
+        if not rest:
+            return b"".join(out)
 
 
 def _parse(body: bytes, model: type[BaseModel], max_commas: int):
@@ -373,6 +439,8 @@ def error_response(err: BaseException, status: Status) -> Response:
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if status.http == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if status.http == 415:  # RFC 9110 15.5.16: the codings this door reads
+        headers["Accept-Encoding"] = ", ".join(BODY_CODINGS)
     return _json(ErrorBody(error=error).model_dump(exclude_none=True), status.http, headers)
 
 
@@ -540,7 +608,7 @@ class HttpDoor:
         return _json(self.models)
 
     async def _embeddings(self, request: Request) -> Response:
-        body = _parse(await request.body(), EmbeddingsRequest, self.max_commas)
+        body = _parse(await self._json(request), EmbeddingsRequest, self.max_commas)
         name, width = self.info.model.name, self.info.pooled_dim or self.info.width
         if body.model != name:
             raise InvalidRequest(f"model {quoted(body.model)} is not served here; this server "
@@ -569,7 +637,7 @@ class HttpDoor:
         })
 
     async def _features(self, request: Request) -> Response:
-        body = _parse(await request.body(), FeaturesRequest, self.max_commas)
+        body = _parse(await self._json(request), FeaturesRequest, self.max_commas)
         self.infer.limits.check_images(len(body.images))
         call = EmbedCall(
             images=[_image(item) for item in body.images],
@@ -607,6 +675,10 @@ class HttpDoor:
         return _json({**meta, "outputs": outputs})
 
     # ---- bookkeeping ---------------------------------------------------------------------
+    async def _json(self, request: Request) -> bytes:
+        return json_body(dict(request.scope["headers"]), await request.body(),
+                         self.infer.limits.max_message_bytes)
+
     async def _run(self, request: Request, call: EmbedCall, text_ratio: float) -> EmbedResult:
         """Validate, admit and run ``call``; its images are dropped if the client goes away or
         the deadline passes first. ``text_ratio``: the response's bytes per tensor byte."""

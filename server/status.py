@@ -6,7 +6,8 @@ status side by side, so the two doors cannot drift apart. HTTP choices: a full q
 compile cache is 429 (with ``Retry-After``); a body or response over the message limit is 413;
 non-finite outputs are 422 (the request was well formed, its result cannot be returned in the
 asked dtype); a caller that went away is 499 (nginx's "client closed request": nobody reads it);
-an HTTP client too slow with its headers or body is 408, one whose headers are over the limit 431.
+an HTTP client too slow with its headers or body is 408, one whose headers are over the limit 431,
+a body in a coding or media type the door does not read 415.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class TooManyConnections(ConnectionRefusal):
     """Over ``--http-max-connections``."""
 
 
+class UnsupportedBody(InvalidRequest):
+    """An HTTP body this server does not read: a content coding other than gzip or deflate, or
+    a media type that is not JSON (an image file, a form, multipart)."""
+
+
 class Status(NamedTuple):
     grpc: grpc.StatusCode
     http: int
@@ -55,6 +61,7 @@ _C = grpc.StatusCode
 STATUSES: dict[type[BaseException], Status] = {
     TooLarge: Status(_C.INVALID_ARGUMENT, 413),
     InvalidRequest: Status(_C.INVALID_ARGUMENT, 400),
+    UnsupportedBody: Status(_C.INVALID_ARGUMENT, 415),  # HTTP's body only
     WireError: Status(_C.INVALID_ARGUMENT, 400),
     QueueFull: Status(_C.RESOURCE_EXHAUSTED, 429),  # CompileLimit too
     DeadlineExpired: Status(_C.DEADLINE_EXCEEDED, 504),

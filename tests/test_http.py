@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import threading
 import time
+import zlib
 
 import grpc
 import httpx
@@ -418,6 +419,81 @@ def test_bodies_that_are_not_json_or_too_large(server, http):
     assert metric(samples, "vit22b_requests_total", method="POST /v1/features",
                   code="INVALID_ARGUMENT") >= 3
     assert metric(samples, "vit22b_queue_images") == 0
+
+
+def gzip(data: bytes) -> bytes:
+    writer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    return writer.compress(data) + writer.flush()
+
+
+def test_compressed_bodies_are_inflated_and_bounded_once_inflated(server, http):
+    """gzip and deflate bodies (RFC 9110's content codings) give the plain body's features; the
+    message limit applies to the inflated body (a 1 KiB bomb of 1 MiB is 413, not parsed), and
+    a coding the door does not read is 415 naming it, not a JSON error or silently ignored."""
+    images = random_images(2, seed=31)
+    plain = json.dumps({"images": pngs(images)}).encode()
+    want = http.post("/v1/features", content=plain).json()["outputs"]["pooled"]
+    half = len(plain) // 2
+    gzipped, first, second = (gzip(part) for part in (plain, plain[:half], plain[half:]))
+    for coding, body in (("gzip", gzipped), ("deflate", zlib.compress(plain)),
+                         ("GZip, identity", gzipped),  # names in any case, identity a no-op
+                         ("x-gzip", first + second)):  # two members, as `cat a.gz b.gz` makes
+        response = http.post("/v1/features", content=body,
+                             headers={"Content-Encoding": coding})
+        assert response.status_code == 200, (coding, response.text)
+        assert response.json()["outputs"]["pooled"] == want
+    bomb = zlib.compress(json.dumps({"images": ["A" * (1 << 20)]}).encode(), 9)
+    assert len(bomb) < 4096  # far under the 256 KiB limit until inflated
+    for route in ("/v1/features", "/v1/embeddings"):
+        response = http.post(route, content=bomb, headers={"Content-Encoding": "deflate"})
+        assert response.status_code == 413, response.text
+        assert "inflates (deflate) to over the message limit of 262144 bytes" in response.text
+    refusals = {
+        ("gzip", gzipped[:-12]): (400, "its gzip data ends early"),
+        ("gzip", plain): (400, "declared Content-Encoding 'gzip' but is not gzip data"),
+        ("br", plain): (415, "Content-Encoding 'br', which this server does not read"),
+        ("gzip, zstd", gzipped): (415, "Content-Encoding 'zstd'"),
+    }
+    for (coding, body), (status, reason) in refusals.items():
+        response = http.post("/v1/features", content=body, headers={"Content-Encoding": coding})
+        assert response.status_code == status, (coding, response.text)
+        assert reason in response.json()["error"]["message"], response.text
+        if status == 415:
+            assert response.headers["Accept-Encoding"] == "gzip, x-gzip, deflate"
+    samples = metrics(server)
+    assert metric(samples, "vit22b_queue_images") == 0
+
+
+def test_bodies_that_are_not_json_are_named_by_what_they_are(server, http):
+    """An image file, a form or a multipart upload posted as the body is 415 naming its media
+    type; a UTF-8 byte-order mark is skipped (RFC 8259) and curl -d's form type with a JSON
+    object is read; UTF-16 is refused as not UTF-8."""
+    images = random_images(1, seed=32)
+    plain = json.dumps({"images": pngs(images)}).encode()
+    want = http.post("/v1/features", content=plain).json()["outputs"]["pooled"]
+    for headers, body in (({"Content-Type": "application/json"}, b"\xef\xbb\xbf" + plain),
+                          ({"Content-Type": "application/x-www-form-urlencoded"}, plain),
+                          ({"Content-Type": "text/plain; charset=utf-8"}, b"\n " + plain)):
+        response = http.post("/v1/features", content=body, headers=headers)
+        assert response.status_code == 200, (headers, response.text)
+        assert response.json()["outputs"]["pooled"] == want
+    photo = png(images[0])
+    sent = {
+        "image/png": http.post("/v1/features", content=photo,
+                               headers={"Content-Type": "image/png"}),
+        "multipart/form-data": http.post("/v1/embeddings",
+                                         files={"file": ("a.png", photo, "image/png")}),
+        "application/x-www-form-urlencoded": http.post("/v1/embeddings",
+                                                       data={"input": b64(photo)}),
+        "application/octet-stream": http.post("/v1/features", content=plain, headers={
+            "Content-Type": "Application/Octet-Stream"}),
+    }
+    for media, response in sent.items():
+        assert response.status_code == 415, (media, response.text)
+        assert f"request body is {media}, not JSON" in response.json()["error"]["message"]
+    utf16 = http.post("/v1/features", content=plain.decode().encode("utf-16"))
+    assert utf16.status_code == 400 and "not UTF-8" in utf16.json()["error"]["message"]
+    assert http.post("/v1/features", content=plain).json()["outputs"]["pooled"] == want
 
 
 def _json_mutations(rng: np.random.Generator, seeds: list[dict], odd: list, count: int):
