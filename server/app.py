@@ -246,7 +246,8 @@ class FeatureServer:
 
             clients = ClientLimits(config.http_header_timeout_s, config.http_body_timeout_s,
                                    config.http_max_connections, config.http_min_body_rate)
-            self.http = HttpDoor(self.infer, self.metrics, self.service.info, clients, tokens)
+            self.http = HttpDoor(self.infer, self.metrics, self.service.info, clients, tokens,
+                                 config.http_cors_allow_origin)
             self.http_port = await self.http.start(
                 config.host, config.http_port, config.tls_cert, config.tls_key
             )

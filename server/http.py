@@ -51,6 +51,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from vit22b.model.errors import (
     CallerGone,
@@ -465,9 +466,14 @@ def model_json(info: pb.ModelInfo, created: int) -> dict:
 # ---- the door ------------------------------------------------------------------------------
 
 
+# What a browser page may send and read across origins (with --http-cors-allow-origin).
+CORS_HEADERS = ("Authorization", "Content-Type", "Content-Encoding", "Accept", "X-Request-Timeout",
+                "traceparent", "tracestate")
+
+
 class HttpDoor:
     def __init__(self, infer: Infer, metrics: Metrics, info: pb.ModelInfo, limits: ClientLimits,
-                 tokens: tuple[str, ...] = ()):
+                 tokens: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()):
         self.infer, self.metrics, self.info, self.limits = infer, metrics, info, limits
         self.serving = False  # set by the server once every bucket is compiled
         self.guarded = bool(tokens)
@@ -477,6 +483,11 @@ class HttpDoor:
         self.app = self._app()
         self.asgi = _Guard(self.app, self, tuple(t.encode() for t in tokens),
                            infer.limits.max_message_bytes, limits)
+        if cors_origins:  # outside the guard: a preflight carries no token, and refusals
+            # need the headers too, or the page cannot read why it was refused
+            self.asgi = CORSMiddleware(self.asgi, allow_origins=cors_origins,
+                                       allow_methods=("GET", "HEAD", "POST"),
+                                       allow_headers=CORS_HEADERS, expose_headers=("Retry-After",))
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 

@@ -66,6 +66,19 @@ def _port(value: int | None) -> str | None:
     return None if value is None or 0 <= value <= 65535 else f"must be 0..65535, got {value}"
 
 
+def parse_origin(text: str) -> str:
+    """A CORS origin as browsers send it (``scheme://host[:port]``), or ``*``: one with a path
+    or a trailing slash would never match, and the browser would refuse every call silently."""
+    origin = text.strip()
+    scheme, sep, host = origin.partition("://")
+    if origin != "*" and (not sep or scheme not in ("http", "https") or not host
+                          or any(c in host for c in "/?#*")):
+        raise argparse.ArgumentTypeError(
+            f"an origin is scheme://host[:port] with no path (e.g. https://app.example.com) or "
+            f"'*', got {text!r}")
+    return origin
+
+
 def _optional_int(text: str) -> int | None:
     return None if text in ("", "none", "None") else int(text)
 
@@ -117,6 +130,10 @@ class ServeConfig:
         None, "HTTP/JSON port (OpenAI-compatible /v1/embeddings, /v1/features, /health, /ready, "
         "/v1/models), sharing the token file, TLS and limits; 0 picks a free one; -1 (the "
         "default) turns it off", parse=_port_or_off, check=_port)
+    http_cors_allow_origin: tuple[str, ...] = setting(
+        (), "an origin whose browser pages may call the HTTP door (CORS), e.g. "
+        "https://app.example.com (repeatable), or '*' for any; default: none, no CORS headers "
+        "(TEI's --cors-allow-origin)", parse=parse_origin, repeat=True)
     # A request's headers are a few hundred bytes that clients write at once: 10 s covers a
     # lossy link's retransmissions (1 + 2 + 4 s of TCP backoff) with room, and bounds how long
     # a connection that sends nothing, or trickles (slowloris), holds a --http-max-connections

@@ -655,6 +655,45 @@ def test_tls_and_token_shared_with_grpc(secure):
         wrong.embeddings.create(model=MODEL, input=image)
 
 
+def test_browser_pages_of_the_allowed_origins_may_call_with_a_token(tmp_path):
+    """--http-cors-allow-origin: a preflight (which carries no token) is answered for the
+    allowed origin and refused for others; answers, refusals included, carry the origin so a
+    page can read them; without the setting no CORS header is sent (the module's server)."""
+    (tmp_path / "tokens").write_text(f"{TOKEN}\n")
+    srv = start_server(http_port=0, token_file=str(tmp_path / "tokens"),
+                       http_cors_allow_origin=("https://app.example",))
+    page = "https://app.example"
+    try:
+        with httpx.Client(base_url=srv.http_url, timeout=60) as client:
+            preflight = client.options("/v1/embeddings", headers={
+                "Origin": page, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            assert preflight.status_code == 200, preflight.text
+            assert preflight.headers["access-control-allow-origin"] == page
+            allowed = preflight.headers["access-control-allow-headers"].lower()
+            assert "authorization" in allowed and "content-type" in allowed
+            other = client.options("/v1/embeddings", headers={
+                "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+            assert other.status_code == 400
+            assert "access-control-allow-origin" not in other.headers
+            body = {"input": pngs(random_images(1, seed=33)), "model": MODEL}
+            ok = client.post("/v1/embeddings", json=body,
+                             headers={"Origin": page, "Authorization": f"Bearer {TOKEN}"})
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == page
+            refused = client.post("/v1/embeddings", json=body, headers={"Origin": page})
+            assert refused.status_code == 401
+            assert refused.headers["access-control-allow-origin"] == page
+    finally:
+        srv.stop()
+
+
+def test_without_an_allowed_origin_no_cors_header_is_sent(http):
+    preflight = http.options("/v1/embeddings", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 405
+    assert not any(h.startswith("access-control-") for h in preflight.headers)
+
+
 @pytest.fixture(scope="module")
 def slow():
     srv = start_server(http_port=0, max_delay_ms=DELAY_MS, batch_wait=WAIT,

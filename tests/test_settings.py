@@ -60,6 +60,20 @@ def test_bad_values_are_refused_naming_the_flag():
 
 
 
+def test_cors_origins_are_origins_or_refused():
+    """An origin with a path or a trailing slash never equals a browser's Origin header: the
+    page's every call would fail in the browser, with nothing in the server's log."""
+    env = {"VIT22B_HTTP_CORS_ALLOW_ORIGIN": "https://app.example;http://localhost:3000"}
+    assert parse([], env).http_cors_allow_origin == ("https://app.example",
+                                                     "http://localhost:3000")
+    assert parse(["--http-cors-allow-origin", "*"], env).http_cors_allow_origin == ("*",)
+    assert parse([], {}).http_cors_allow_origin == ()
+    for bad in ("https://app.example/", "app.example", "ftp://app.example",
+                "https://app.example/page", "https://", "https://*.example"):
+        with pytest.raises(argparse.ArgumentError, match="an origin is scheme://host"):
+            parse(["--http-cors-allow-origin", bad], {})
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--max-delay-ms", "inf"], "--max-delay-ms must be a finite number, got inf"),
     (["--max-delay-ms", "nan"], "--max-delay-ms must be a finite number, got nan"),
