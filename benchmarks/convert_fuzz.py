@@ -196,6 +196,7 @@ def sample_timm(rng: random.Random) -> tuple[dict, dict, tuple[str, ...]]:
         if len(options) == 1 and square and rng.random() < 0.4:
             # a hub file of a pretrained architecture: no model_args, --heads on the command line
             spec["hub_config"] = True
+            words = (*words, "pretrained_cfg")  # its own preprocessing comes along (crop_mode)
         return spec, options, words
     spec["architecture"] = "vit_base_patch16_224"
     class_token = rng.random() > 0.25

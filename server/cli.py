@@ -7,7 +7,6 @@ fixed seed, labelled ``init:seed=0`` in GetModelInfo) on all local devices, on 1
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from .cpu_devices import prepare_xla_cpu
@@ -16,6 +15,7 @@ prepare_xla_cpu()  # before jax is imported (below): the device count is fixed a
 
 from vit22b.clients import settings  # noqa: E402
 
+from . import logs  # noqa: E402
 from .app import serve_until_signal  # noqa: E402
 from .distributed_cli import add_group_arguments, group_from_args, supervise  # noqa: E402
 from .infer import run_loop  # noqa: E402
@@ -24,22 +24,18 @@ from .settings import ServeConfig  # noqa: E402
 
 def add_arguments(command: str, parser: argparse.ArgumentParser):
     settings.add_arguments(parser, ServeConfig)
-    parser.add_argument("--log-level", default="INFO")
     add_group_arguments(parser)
     return run
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         config = settings.from_args(ServeConfig, args)
+        logs.configure(config.log_level, config.log_format)
         group = group_from_args(args)  # several processes: supervise this one's JAX process
         if group is not None:
             config.check()  # here: before the JAX process starts
-            return supervise(config, group, args.log_level)
+            return supervise(config, group)
         return run_loop(serve_until_signal(config))  # FeatureServer checks the settings
     except (ValueError, OSError) as err:  # bad flags, mesh, model, checkpoint or port
         print(f"vit22b serve: {err}", file=sys.stderr)

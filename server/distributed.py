@@ -48,6 +48,7 @@ from jax.experimental import multihost_utils
 from vit22b.model.errors import NotReady
 from vit22b.model.outputs import POOLED, OutputRequest
 
+from . import logs
 from .app import FeatureServer, build_engine, serve_started
 from .cpu_devices import cpu_flags
 from .engine import Engine, pixel_dtype
@@ -433,23 +434,17 @@ async def _lead(
 # ------------------------------------------------------------------------------------------
 
 
-def encode_spec(config: ServeConfig, group: Group, log_level: str) -> str:
-    return json.dumps(
-        {
-            "config": dataclasses.asdict(config),
-            "group": dataclasses.asdict(group),
-            "log_level": log_level,
-        }
-    )
+def encode_spec(config: ServeConfig, group: Group) -> str:
+    return json.dumps({"config": dataclasses.asdict(config), "group": dataclasses.asdict(group)})
 
 
-def decode_spec(text: str) -> tuple[ServeConfig, Group, str]:
+def decode_spec(text: str) -> tuple[ServeConfig, Group]:
     spec = json.loads(text)
     config = spec["config"]
     config["warm_outputs"] = tuple(outputs_from_dict(o) for o in config["warm_outputs"])
     for name in ("resolutions", "warm_resolutions"):
         config[name] = tuple(config[name])
-    return ServeConfig(**config), Group(**spec["group"]), spec["log_level"]
+    return ServeConfig(**config), Group(**spec["group"])
 
 
 def _reporter() -> Callable[[str], None]:
@@ -461,12 +456,8 @@ def _reporter() -> Callable[[str], None]:
 
 
 def child_main(spec: str) -> NoReturn:
-    config, group, log_level = decode_spec(spec)
-    logging.getLogger("jax").setLevel(logging.WARNING)
-    logging.basicConfig(
-        level=log_level.upper(),
-        format=f"%(asctime)s %(levelname)s process {group.process_id} %(name)s: %(message)s",
-    )
+    config, group = decode_spec(spec)
+    logs.configure(config.log_level, config.log_format, group.process_id)
     if not group.leader:  # waiting inside the runtime, a worker ends on the first signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:

@@ -79,13 +79,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def supervise(config: ServeConfig, group, log_level: str) -> int:
+def supervise(config: ServeConfig, group) -> int:
     """Run the JAX process of this member of the group; its exit status, explained when needed."""
     from .distributed import STATUS_FD_ENV, encode_spec
 
     read_fd, write_fd = os.pipe()
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, encode_spec(config, group, log_level)],
+        [sys.executable, "-c", _CHILD, encode_spec(config, group)],
         pass_fds=(write_fd,),
         env={**os.environ, STATUS_FD_ENV: str(write_fd)},
         preexec_fn=_die_with_parent,

@@ -21,6 +21,8 @@ from vit22b.model.config import parse_seed
 from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
 
+from .logs import check_log_format, parse_log_level
+
 
 def parse_outputs(spec: str) -> OutputRequest:
     """``pooled``, ``pooled+class_token``, ``patch:-1,-4+pooled`` ... -> an OutputRequest."""
@@ -223,6 +225,11 @@ class ServeConfig:
         "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True)
     drain_timeout_s: float = setting(60.0, "seconds accepted calls get to finish after SIGTERM",
                                      flag="--drain-timeout", check=at_most(DAY, "a day"))
+    log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR or CRITICAL",
+                             parse=parse_log_level)
+    log_format: str = setting(
+        "text", "log lines as text, or json: one object per line (time, level, logger, message, "
+        "exception) for log pipelines", check=check_log_format)
     # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
     # that were already on their way get a status they retry elsewhere, not a cut connection.
     drain_linger_s: float = setting(0.5, cli=False)

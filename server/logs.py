@@ -1,0 +1,62 @@
+"""The server's log lines: text for a terminal, or one JSON object per line for log pipelines
+(Loki, Cloud Logging, Elasticsearch: TEI's ``--json-output``), set once at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
+
+
+def parse_log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"a log level is one of {', '.join(LOG_LEVELS)}, "
+                                         f"got {text!r}")
+    return level
+
+
+def check_log_format(value: str) -> str | None:
+    return None if value in LOG_FORMATS else (
+        f"must be one of {', '.join(LOG_FORMATS)}, got {value!r}")
+
+
+class JsonLines(logging.Formatter):
+    """``{"time", "level", "logger", "message"}``, plus ``"process"`` (a group's member) and
+    ``"exception"`` (its traceback) when there is one: every record on one line, whatever
+    newlines its message holds."""
+
+    def __init__(self, process: int | None = None):
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+            .isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if self.process is not None:
+            line["process"] = self.process
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def configure(level: str, fmt: str, process: int | None = None) -> None:
+    """The root logger's level and format (``process``: a group member's id, in every line)."""
+    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonLines(process))
+    else:
+        member = "" if process is None else f"process {process} "
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s {member}%(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)

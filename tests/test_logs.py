@@ -1,0 +1,47 @@
+"""The server's log settings: levels and formats refused by name, JSON lines parseable one per
+line (a message's newlines and a traceback included)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EMIT = """
+import logging
+from vit22b.server import logs
+logs.configure("INFO", "json", process=1)
+log = logging.getLogger("vit22b.server.batcher")
+log.debug("not shown at INFO")
+log.info("two\\nlines and \\u00e9")
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.exception("a bug")
+logging.getLogger("jax").info("backend probing is not news")
+"""
+
+
+def test_json_logs_are_one_object_per_line_with_the_traceback():
+    done = subprocess.run([sys.executable, "-c", EMIT], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(r["level"], r["logger"], r["message"]) for r in lines] == [
+        ("INFO", "vit22b.server.batcher", "two\nlines and \u00e9"),
+        ("ERROR", "vit22b.server.batcher", "a bug")]
+    assert all(r["process"] == 1 and r["time"].endswith("+00:00") for r in lines)
+    assert "ZeroDivisionError: division by zero" in lines[1]["exception"]
+    assert "exception" not in lines[0]
+
+
+def test_a_bad_log_level_or_format_is_one_line_and_exit_2():
+    for args, said in ((["--log-level", "nope"], "a log level is one of DEBUG, INFO"),
+                       (["--log-format", "xml"], "--log-format must be one of text, json")):
+        done = subprocess.run([sys.executable, "-m", "vit22b.clients.cli", "serve", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr and "Traceback" not in done.stderr
