@@ -1,9 +1,21 @@
-"""Prometheus metrics on their own registry (several servers can live in one process: tests)."""
+"""Prometheus metrics on their own registry (several servers can live in one process: tests),
+and the bounded HTTP server that exposes them."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import contextlib
+import logging
+import socket
+import sys
+import threading
+import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import generate_latest
+
+log = logging.getLogger(__name__)
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _IMAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -66,8 +78,14 @@ class Metrics:
         self._http = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose /metrics over HTTP; port 0 picks a free one. Returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Expose /metrics over HTTP (prometheus_client's exposition: its formats and gzip);
+        port 0 picks a free one. Returns the bound port."""
+        server_class = type("MetricsServer", (ScrapeServer,), {
+            "address_family": socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]})
+        self._http = make_server(host, port, make_wsgi_app(self.registry), server_class,
+                                 handler_class=_QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="vit22b-metrics",
+                         daemon=True).start()
         return self._http.server_port
 
     def stop(self) -> None:
@@ -75,6 +93,81 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+# A scrape is one short request. prometheus_client's own server gives every connection a thread
+# that waits on it for ever: a thousand idle connections were a thousand threads of the serving
+# process. Here a few connections are served at once (one more is answered 503 and closed), a
+# silent one is dropped after SCRAPE_TIMEOUT_S, and none is held past SCRAPE_DEADLINE_S, however
+# it drips its bytes.
+MAX_SCRAPES = 16
+SCRAPE_TIMEOUT_S = 10.0
+SCRAPE_DEADLINE_S = 30.0
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # on every read and write of the connection
+
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        """No line per scrape."""
+
+
+class ScrapeServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``MAX_SCRAPES`` at once, each cut at its deadline by
+    one watchdog thread."""
+
+    daemon_threads = True
+    request_queue_size = 128  # listen()'s backlog (socketserver's 5 left a burst of
+    # connections waiting on the kernel's retransmissions, seconds, instead of a quick 503)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self._open: dict[socket.socket, float] = {}
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="vit22b-metrics-watch", daemon=True).start()
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        self._open[request] = time.monotonic()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # the thread did not start: its slot is free again
+            self._done(request)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done(request)
+
+    def _done(self, request) -> None:
+        if self._open.pop(request, None) is not None:
+            self._slots.release()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(1.0):
+            late = time.monotonic() - SCRAPE_DEADLINE_S
+            for request, started in list(self._open.items()):
+                if started < late:
+                    with contextlib.suppress(OSError):
+                        request.shutdown(socket.SHUT_RDWR)  # its thread's read or write ends
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went silent, was cut at its deadline or left: not news (the base
+        class prints a traceback per connection)."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            log.exception("metrics request from %s failed", client_address[0])
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

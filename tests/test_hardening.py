@@ -8,6 +8,7 @@ import base64
 import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
 
@@ -519,3 +520,53 @@ def test_a_refusal_as_the_calls_deadline_passes_logs_no_error():
     assert any("ExecuteBatchError" in line for line in errors), f"no race in {made} calls"
     made, errors = late_refusals(refuse, max(made, 1000), until_error=False)
     assert errors == [], errors[:3]
+
+
+def test_idle_or_dripping_connections_to_the_metrics_port_are_bounded(monkeypatch):
+    """Each connection to /metrics had a thread of the serving process that waited on it for
+    ever (a thousand idle connections: a thousand threads). Now a few are served at once, one
+    more is answered 503 and closed, a silent one is dropped after the timeout and a dripping
+    one at the deadline; scrapes go on."""
+    from vit22b.server import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 1.0)
+    monkeypatch.setattr(metrics_module, "SCRAPE_DEADLINE_S", 2.5)
+    srv = start_server()
+    port = srv.server.metrics_port
+    held = []
+
+    def scrape_threads() -> int:  # socketserver's thread per connection, by its target's name
+        return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+    try:
+        for _ in range(metrics_module.MAX_SCRAPES):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        wait_for(lambda: scrape_threads() == metrics_module.MAX_SCRAPES, 5)
+        over = []
+        for _ in range(100):  # each answered at once; no thread is started for any
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            over.append(s.recv(100))
+            s.close()
+        assert all(r.startswith(b"HTTP/1.1 503") for r in over), over[:3]
+        assert scrape_threads() <= metrics_module.MAX_SCRAPES
+        # silent: dropped after the 1 s timeout (a read returns the end of the stream)
+        started = time.monotonic()
+        assert held[0].recv(100) == b"" and time.monotonic() - started < 4
+        for s in held:
+            s.close()
+        wait_for(lambda: scrape_threads() == 0, 10)
+        drip = socket.create_connection(("127.0.0.1", port), timeout=10)
+        started = time.monotonic()
+        with contextlib.suppress(OSError):  # the cut may come as a reset on a send
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 10:
+                drip.sendall(bytes([byte]))
+                time.sleep(0.5)  # under the timeout each time: only the deadline ends it
+        elapsed = time.monotonic() - started
+        assert elapsed < 6, elapsed
+        drip.close()
+        scrape = metrics(srv)
+        assert metric(scrape, "vit22b_queue_images") == 0
+    finally:
+        for s in held:
+            s.close()
+        srv.stop()
