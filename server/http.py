@@ -314,7 +314,7 @@ def json_body(headers: dict[bytes, bytes], body: bytes, limit: int) -> bytes:
     media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
     if media.startswith(NOT_JSON) and not (media == "application/x-www-form-urlencoded"
                                            and body.lstrip()[:1] == b"{"):
-        raise UnsupportedBody(f"request body is {media}, not JSON: send a JSON object "
+        raise UnsupportedBody(f"request body is {quoted(media)}, not JSON: send a JSON object "
                               "(Content-Type: application/json) with each image base64-encoded "
                               "or as a data: URI (the schema: GET /openapi.json)")
     if body.startswith(b"\xef\xbb\xbf"):

@@ -488,9 +488,12 @@ def test_bodies_that_are_not_json_are_named_by_what_they_are(server, http):
         "application/octet-stream": http.post("/v1/features", content=plain, headers={
             "Content-Type": "Application/Octet-Stream"}),
     }
+    long = http.post("/v1/features", content=photo, headers={"Content-Type": "image/" + "x" * 5000})
+    assert long.status_code == 415 and "(5006 characters)" in long.json()["error"]["message"]
+    assert len(long.text) < 1000
     for media, response in sent.items():
         assert response.status_code == 415, (media, response.text)
-        assert f"request body is {media}, not JSON" in response.json()["error"]["message"]
+        assert f"request body is '{media}', not JSON" in response.json()["error"]["message"]
     utf16 = http.post("/v1/features", content=plain.decode().encode("utf-16"))
     assert utf16.status_code == 400 and "not UTF-8" in utf16.json()["error"]["message"]
     assert http.post("/v1/features", content=plain).json()["outputs"]["pooled"] == want
