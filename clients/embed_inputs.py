@@ -1,7 +1,8 @@
 """The inputs of `vit22b embed`: folders, globs and list files -> one sorted list of images.
 
 Each INPUT, a local path or an fsspec URL (``s3://bucket/photos/``, ``gs://...``: storage.py), is
-- a folder: every file below it, recursively (hidden files and folders skipped);
+- a folder: every file below it, recursively (hidden files and folders skipped; a folder that
+  cannot be listed ends the listing, naming it, rather than leaving its images out);
 - a text file ending in .txt, .lst or .list: one path per line (blank lines and lines starting
   with '#' skipped; relative paths are relative to the list file's folder; a line may be a URL);
 - anything else: a glob (``**`` recurses) or a single file.
@@ -24,6 +25,8 @@ import hashlib
 import os
 import posixpath
 from dataclasses import dataclass
+
+from vit22b.model.errors import quoted
 
 from .storage import filesystem, is_url
 
@@ -65,10 +68,20 @@ def _visible(name: str) -> bool:
     return not name.startswith(".")
 
 
+def _unlisted(err: OSError) -> None:
+    """os.walk's default skips a folder it cannot list, and every image below it with no word."""
+    folder = quoted(as_text(str(err.filename)))
+    raise InputListError(f"cannot list the folder {folder} below an input: "
+                         f"{err.strerror or err} (its images would be left out)") from None
+
+
 def _walk(folder: str, prefix: str | None) -> list[InputItem]:
     items, seen = [], set()
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        stat = os.stat(root)
+    for root, dirs, files in os.walk(folder, onerror=_unlisted, followlinks=True):
+        try:
+            stat = os.stat(root)
+        except OSError as err:
+            _unlisted(err)
         if (stat.st_dev, stat.st_ino) in seen:  # a symlink back up the tree: walk it once
             dirs[:] = []
             continue

@@ -130,7 +130,9 @@ def load_video_folder(root: str | Path) -> LabelledVideos:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder")
-    paths = sorted(p for p in root.glob("*/*") if p.is_file() and is_video(p))
+    # iterdir, not glob("*/*"): glob leaves out a class folder it cannot list, without a word
+    paths = sorted(p for folder in root.iterdir() if folder.is_dir()
+                   for p in folder.iterdir() if p.is_file() and is_video(p))
     if not paths:
         raise DataError(f"{root}: no videos in class subfolders (expected {root}/<class>/<video>"
                         " with .mp4, .webm, .mkv, .mov or .avi files)")

@@ -97,6 +97,33 @@ def test_bad_inputs_are_named(tmp_path):
         enumerate_inputs([str(tmp_path / "empty")])
 
 
+def test_a_folder_that_cannot_be_listed_ends_the_listing_naming_it(tmp_path):
+    """os.walk skips a folder it cannot list without a word: its images were left out of the
+    job. A folder deeper than PATH_MAX cannot be listed by its path, by root either (a folder
+    without read permission is the everyday case, for users other than root)."""
+    (tmp_path / "top.png").write_bytes(png(np.zeros((8, 8, 3), np.uint8)))
+    fd = os.open(tmp_path, os.O_RDONLY)
+    for _ in range(25):  # 25 x 201 characters: past Linux's 4096
+        os.mkdir("d" * 200, dir_fd=fd)
+        deeper = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = deeper
+    os.close(os.open("deep.png", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    os.close(fd)
+    with pytest.raises(InputListError, match=r"cannot list the folder '.*\(\d+ characters\) "
+                       r"below an input: File name too long \(its images would be left out\)"):
+        enumerate_inputs([str(tmp_path)])
+    if os.geteuid() != 0:  # root lists any folder
+        locked = tmp_path / "perm" / "locked"
+        locked.mkdir(parents=True)
+        locked.chmod(0)
+        try:
+            with pytest.raises(InputListError, match="Permission denied"):
+                enumerate_inputs([str(locked.parent)])
+        finally:
+            locked.chmod(0o755)
+
+
 def test_work_queue_window_and_put_back():
     import threading
 

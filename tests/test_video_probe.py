@@ -4,6 +4,7 @@ frames beats the middle frame (and the temporal mean, which cannot see the order
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -115,3 +116,23 @@ def test_frame_features_a_probe_cannot_use_are_refused_by_name(case):
     frames, labels, words = BAD_VIDEO_FEATURES[case]
     with pytest.raises(DataError, match=words):
         run_probe("video", VideoFeatures(frames, labels, ("a", "b")), steps=2)
+
+
+def test_a_video_folder_lists_every_class_folder_in_path_order(tmp_path):
+    """Class folders are listed with iterdir, which raises on one it cannot list (glob left it
+    out); the order stays that of the sorted paths (pathlib sorts by parts: 'a' before 'a-b')."""
+    from vit22b.probes.video_data import load_video_folder
+
+    for rel in ("a/x.mp4", "a/y.webm", "a-b/z.mkv", "b/notes.txt", "b/w.MOV", "loose.mp4"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    found = load_video_folder(tmp_path)
+    assert [str(p.relative_to(tmp_path)) for p in found.paths] == [
+        "a/x.mp4", "a/y.webm", "a-b/z.mkv", "b/w.MOV"]
+    if os.geteuid() != 0:  # root lists any folder
+        (tmp_path / "b").chmod(0)
+        try:
+            with pytest.raises(PermissionError):
+                load_video_folder(tmp_path)
+        finally:
+            (tmp_path / "b").chmod(0o755)
