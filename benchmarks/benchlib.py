@@ -184,10 +184,14 @@ def matmul_peaks(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     budget_s: float = 30.0,
 ) -> dict[str, float]:
-    """Best GFLOP/s of (m, k, n) GEMMs per dtype, from JAX (XLA, default device) and PyTorch
-    (oneDNN / MKL on CPU, cuBLAS on ``torch_device="cuda"``; None: JAX only).
+    """Best GFLOP/s of (m, k, n) GEMMs per dtype, from JAX (XLA, default device), PyTorch
+    (oneDNN / MKL on CPU, cuBLAS on ``torch_device="cuda"``; None: JAX only) and, on a CPU,
+    OpenVINO when it is installed (a one-MatMul model, the weight a constant, on every core: its
+    GEMMs were 2-4% faster than XLA's per core at f32 outputs, more at bf16 ones; NOTES.md, "The
+    bf16 gap on Zen 4, fourth look").
 
-    bf16: bf16 inputs with f32 accumulation, as the models use. ``<lib>_<dtype>`` is a library's
+    bf16: bf16 inputs with f32 accumulation, as the models use (torch's and OpenVINO's write
+    bf16, XLA's f32: each library as it runs fastest). ``<lib>_<dtype>`` is a library's
     best over the shapes; ``peak_<dtype>`` the best of all: the peak an MFU is reported against,
     measured in the same run. A library's later shapes are skipped (and logged) where its rate
     so far predicts more than ``budget_s`` for one: torch's bf16 GEMM on a CPU without bf16
@@ -215,11 +219,14 @@ def matmul_peaks(
             f"would take over {budget_s:.0f} s")
         return False
 
+    openvino = _openvino_gemm() if torch_device in (None, "cpu") else None
     for m, k, n in shapes:
         a32 = rng.standard_normal((m, k), np.float32)
         b32 = rng.standard_normal((k, n), np.float32)
         flops = 2.0 * m * k * n
         for dtype in dtypes:
+            if openvino is not None and affordable(f"openvino_{dtype}", flops):
+                keep(f"openvino_{dtype}", best_time(openvino(a32, b32, dtype), repeats), flops)
             a, b = jnp.asarray(a32, dtype), jnp.asarray(b32, dtype)
             if affordable(f"jax_{dtype}", flops):
                 keep(f"jax_{dtype}", best_time(lambda x=a, y=b: gemm(x, y).block_until_ready(),
@@ -234,6 +241,40 @@ def matmul_peaks(
     for dtype in dtypes:
         out[f"peak_{dtype}"] = max(v for key, v in out.items() if key.endswith(dtype))
     return {key: round(v, 1) for key, v in out.items()}
+
+
+def _openvino_gemm():
+    """``(a, b, dtype) -> a call of a * b`` in OpenVINO on every core, or None without it."""
+    import numpy as np
+
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+    except ImportError:
+        log("GEMM peak: openvino not installed, its GEMM left out (make bench installs it)")
+        return None
+    core = ov.Core()
+
+    def call(a, b, dtype: str):
+        bf16 = dtype == "bfloat16"
+        x = ops.parameter(list(a.shape), ov.Type.bf16 if bf16 else ov.Type.f32, name="x")
+        y = ops.matmul(ops.convert(x, ov.Type.f32) if bf16 else x, ops.constant(b), False, False)
+        if bf16:
+            y = ops.convert(y, ov.Type.bf16)
+        compiled = core.compile_model(ov.Model([y], [x]), "CPU", {
+            "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32",
+            "PERFORMANCE_HINT": "LATENCY"})
+        request = compiled.create_infer_request()
+        tensor = ov.Tensor(ov.Type.bf16 if bf16 else ov.Type.f32, ov.Shape(list(a.shape)))
+        if bf16:  # the bf16 bits of a (truncated; the values do not matter to the time)
+            tensor.data[...] = (a.view(np.uint32) >> 16).astype(np.uint16).view(
+                tensor.data.dtype)
+        else:
+            tensor.data[...] = a
+        request.set_input_tensor(tensor)
+        return request.infer
+
+    return call
 
 
 def emit(result: dict) -> None:

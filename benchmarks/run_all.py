@@ -177,8 +177,10 @@ def forward_section(r: dict) -> str:
         "graph exported once by `torch.onnx.export`, CPU provider, all optimisations, f32), "
         "OpenVINO (that ONNX file, static shapes, inference precision f32 or bf16). The ratio "
         "is against the best peer of each dtype and batch. MFU: achieved FLOP/s over (a) the "
-        "best GEMM measured in this run, same dtype (cubes of 1024, 2048, 4096 and ViT-B/16's "
-        "MLP GEMMs; GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ") and "
+        "best GEMM measured in this run, same dtype, of XLA, torch and OpenVINO (cubes of "
+        "1024, 2048, 4096 and ViT-B/16's MLP GEMMs; bf16 inputs, f32 accumulation, written in "
+        "f32 by XLA and in bf16 by torch and OpenVINO; GFLOP/s: "
+        + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ") and "
         f"(b) the theoretical peak, {theory['assumption']}: {theory['peak_float32']} (f32) / "
         f"{theory['peak_bfloat16']} (bf16) GFLOP/s.{clock_note}",
         table(header, rows),
