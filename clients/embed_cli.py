@@ -33,7 +33,14 @@ from .embed_ray import MAX_RETRIES
 from .embed_store import JobMismatch, OutputStore
 from .embed_video import video_arrays
 from .outputs import OutputsError
-from .settings import COMPUTE_DTYPE_HELP, compute_dtype, non_negative, positive, setting
+from .settings import (
+    COMPUTE_DTYPE_HELP,
+    compute_dtype,
+    non_negative,
+    parse_tls,
+    positive,
+    setting,
+)
 from .storage import storage_failure
 from .video import VIDEO_SUFFIXES, Sampling
 
@@ -49,11 +56,6 @@ def _layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"want integers like -1,6; got {text!r}") from None
 
 
-def _tls(text: str) -> bool | str:
-    """``--tls`` alone (system roots), a PEM of trusted roots, or true/false."""
-    return {"true": True, "1": True, "false": False, "0": False}.get(text.lower(), text)
-
-
 def _one_of(choices: tuple[str, ...]):
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
 
@@ -66,7 +68,8 @@ class EmbedSettings:
         (), "feature server host:port; repeat to spread over several", repeat=True)
     token: str | None = setting(None, "bearer token for the servers")
     tls: bool | str = setting(
-        False, "TLS to the servers (alone: system roots; or a PEM of trusted roots)", parse=_tls)
+        False, "TLS to the servers (alone: the system's roots; or a PEM file of trusted roots)",
+        parse=parse_tls)
     local: bool = setting(False, "run the engine in this process (the default without --server)")
     model: str | None = setting(None, "local: preset name (default: the embedded model)")
     checkpoint: str | None = setting(None, "local: checkpoint directory")

@@ -96,6 +96,11 @@ def compute_dtype(text: str) -> str | None:
     return text
 
 
+def parse_tls(text: str) -> bool | str:
+    """``--tls`` alone (the system's roots), a PEM of trusted roots, or true/false."""
+    return {"true": True, "1": True, "false": False, "0": False}.get(text.lower(), text)
+
+
 def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
     parse = field.metadata.get("parse")
     if parse is not None:

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from vit22b.clients.settings import parse_tls
 from vit22b.model.config import parse_seed
 
 from .data import (
@@ -154,6 +155,9 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     feat = parser.add_argument_group("features of the images")
     feat.add_argument("--server", metavar="ADDR", help="a running `vit22b serve` (host:port)")
     feat.add_argument("--token", help="bearer token for the server")
+    feat.add_argument("--tls", nargs="?", const=True, default=False, type=parse_tls,
+                      metavar="PEM", help="TLS to the server (alone: the system's roots; or a "
+                      "PEM file of trusted roots)")
     feat.add_argument("--resolution", type=int, default=0,
                       help="square input size of the features (one the server allows; default: "
                       "the model's own): depth and segmentation at resolution")
@@ -223,10 +227,9 @@ def _embed(args, images, kind: str):
     if args.server:
         from .features import features_from_server
 
-        kwargs = {"token": args.token} if args.token else {}
         return features_from_server(
             args.server, images, patch_layers=layers, attention_stats=stats,
-            resolution=args.resolution, **kwargs
+            resolution=args.resolution, token=args.token, tls=args.tls,
         )
     from .features import features_from_model
 
@@ -349,7 +352,8 @@ def _video_data(args):
     if args.frames < 1:
         raise DataError(f"--frames must be at least 1, got {args.frames}")
     frames, stamps, meta = video_features(paths, args.frames, server=args.server,
-                                          token=args.token, model=args.model, seed=args.seed)
+                                          token=args.token, tls=args.tls, model=args.model,
+                                          seed=args.seed)
     return VideoFeatures(frames, labels, names, stamps, meta)
 
 

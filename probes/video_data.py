@@ -141,7 +141,7 @@ def load_video_folder(root: str | Path) -> LabelledVideos:
 
 def video_features(
     paths, frames: int, *, server: str | None = None, token: str | None = None,
-    model: str | None = None, seed: int = 0,
+    tls: bool | str = False, model: str | None = None, seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Pooled features [N, frames, d] of ``frames`` uniformly sampled frames per video, their
     timestamps [N, frames] and where they came from: through a server (the SDK's
@@ -152,8 +152,7 @@ def video_features(
     if server:
         from vit22b.clients import FeatureClient
 
-        kwargs = {"token": token} if token else {}
-        with FeatureClient(server, **kwargs) as client:
+        with FeatureClient(server, token=token, tls=tls) as client:
             try:
                 result = client.embed_videos(paths, frames=frames, outputs=["pooled"])
             except VideoError as err:

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from serving import start_server
+from serving import self_signed, start_server
 from vit22b.clients.cli import main
 from vit22b.probes.data import shapes_world
 from vit22b.probes.features import features_from_model, features_from_server
@@ -316,6 +316,26 @@ def test_probe_with_server_features(server, tmp_path):
                  "--out", str(tmp_path)]) == 0  # fmt: skip
     report = _report(tmp_path, "knn")
     assert report["features"]["source"] == server and set(report["by_k"]) == {"5", "10"}
+
+
+def test_a_probe_reaches_a_server_behind_tls_and_a_token(tmp_path, capsys):
+    """`vit22b probe` had --token but no --tls: a server with a certificate (where a token
+    belongs) could not be reached by the probes at all."""
+    (tmp_path / "tls").mkdir()
+    certs = self_signed(tmp_path / "tls")
+    (certs / "tokens").write_text("probe-token\n")
+    srv = start_server(token_file=str(certs / "tokens"), tls_cert=str(certs / "cert.pem"),
+                       tls_key=str(certs / "key.pem"))
+    try:
+        common = ["probe", "knn", "--server", srv.address, "--token", "probe-token",
+                  "--shapes-world", "32", "--ks", "3"]
+        assert main([*common, "--tls", str(certs / "cert.pem"), "--out", str(tmp_path / "a")]) == 0
+        assert _report(tmp_path / "a", "knn")["features"]["source"] == srv.address
+        capsys.readouterr()
+        assert main([*common, "--out", str(tmp_path / "b")]) == 1  # plaintext: refused
+        assert f"the server at {srv.address}" in capsys.readouterr().err
+    finally:
+        srv.stop()
 
 
 def test_probes_read_an_embed_output_folder(server, tmp_path, capsys):
