@@ -36,6 +36,7 @@ from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 
 from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored  # noqa: E402
 from .embed_inputs import InputItem  # noqa: E402
+from .inputs import with_ids  # noqa: E402
 from .outputs import array_name  # noqa: E402
 
 
@@ -215,18 +216,12 @@ def features_in_process(
                         max_batch_patches=in_process_patch_budget(cfg, batch_size))
     size = resolution or cfg.image_size
     check_fits(engine, (size // cfg.patch,) * 2, f"{cfg.name}: resolution {size}")
-    if hasattr(ids, "__len__") and hasattr(images, "__len__") and len(ids) != len(images):
-        raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
     request, parts, offset = engine.resolve(outputs), [], 0
-    images, named = iter(images), None if ids is None else iter(ids)
+    if ids is not None:  # one id per image, checked as they go
+        images = (ImageInput(image, id=i) for _, image, i in with_ids(images, ids))
+    images = iter(images)
     with LocalInfer(engine, resolutions=(size,)) as local:
         while chunk := list(itertools.islice(images, IN_PROCESS_CHUNK)):
-            if named is not None:
-                labels = list(itertools.islice(named, len(chunk)))
-                if len(labels) < len(chunk):  # zip would drop the images past the last id
-                    raise ValueError(f"the ids ran out at image {offset + len(labels)}: give "
-                                     "one id per image")
-                chunk = [ImageInput(image, id=str(i)) for image, i in zip(chunk, labels)]
             try:
                 parts.append(local.embed(chunk, request, geometry=Geometry(size)).features)
             except InvalidImage as err:  # named by its place in the whole input

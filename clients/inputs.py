@@ -109,14 +109,20 @@ def _item(index: int, image, image_id: str) -> Item:
 
 
 def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
-    """Each image with its position, id and wire size. ``ids``: one per image, or a ValueError
-    (misaligned ids would label every row after the gap with another image's id); checked
-    before the first image when both have a length, else as they run out."""
+    """Each image with its position, id and wire size (``ids``: see ``with_ids``)."""
     images = as_images(images)
     if ids is None:
         for index, image in enumerate(images):
             yield _item(index, image, default_id(image, index))
         return
+    for index, image, image_id in with_ids(images, ids):
+        yield _item(index, image, image_id)
+
+
+def with_ids(images: Iterable, ids: Iterable) -> Iterator[tuple[int, object, str]]:
+    """``(index, image, id)`` of each image, one id per image, or a ValueError (misaligned ids
+    would label every row after the gap with another image's id); checked before the first
+    image when both have a length, else as they run out."""
     if hasattr(images, "__len__") and hasattr(ids, "__len__") and len(ids) != len(images):
         raise ValueError(f"{len(ids)} ids for {len(images)} images: give one id per image")
     ids_iter, count, end = iter(ids), 0, object()
@@ -124,7 +130,7 @@ def items(images, ids: Iterable[str] | None = None) -> Iterator[Item]:
         image_id = next(ids_iter, end)
         if image_id is end:
             raise ValueError(f"the ids ran out at image {count - 1}: give one id per image")
-        yield _item(count - 1, image, str(image_id))
+        yield count - 1, image, str(image_id)
     if next(ids_iter, end) is not end:
         raise ValueError(f"more ids than the {count} images: give one id per image")
 

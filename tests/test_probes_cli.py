@@ -206,6 +206,8 @@ def test_in_process_features_come_in_chunks_and_name_a_bad_image_across_them(mon
         features_from_model(encoded)
     with pytest.raises(ValueError, match="the ids ran out at image 6: give one id per image"):
         features_from_model(iter(images), ids=iter([f"f{i}" for i in range(6)]))  # none dropped
+    with pytest.raises(ValueError, match="more ids than the 12 images: give one id per image"):
+        features_from_model(iter(images), ids=iter([f"f{i}" for i in range(13)]))
 
 
 def test_generated_worlds_and_in_process_resolutions_are_bounded(tmp_path, capsys):
