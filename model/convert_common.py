@@ -83,8 +83,7 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
                            else f"{path}: no such file or directory")
     index = path / "model.safetensors.index.json"  # transformers' shards
     if index.exists() and "model.safetensors" in preferred:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / name for name in shards]
+        return [path / name for name in _index_shards(index)]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     present = [path / name for name in preferred if (path / name) in candidates]
     if present or len(candidates) == 1:
@@ -95,10 +94,35 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     )
 
 
+def _index_shards(index: Path) -> list[str]:
+    """The shard files transformers' index names: plain file names beside it, each once."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as err:  # bad JSON, or JSON that is not an object
+        raise ConvertError(f"{index}: not a JSON object holding a weight_map ({err})") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConvertError(f"{index}: its weight_map is {str(weight_map)[:60]}, not an object "
+                           "of tensor names to shard files")
+    for name in weight_map.values():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ConvertError(f"{index}: weight_map names {name!r}, not a file in its folder")
+    return sorted(set(weight_map.values()))
+
+
 def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
+    import pickle
+
     import torch
 
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # tensors and plain containers only: a pickle's other objects could run code
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+)", str(err))  # what torch's loader refused
+        raise ConvertError(
+            f"{path}: holds pickled Python objects besides tensors"
+            f"{f' ({found[1]})' if found else ''}, which are never loaded (they could run code): "
+            "save the model's state dict alone, or as safetensors, where the file is trusted"
+        ) from None
     for wrapper in ("state_dict", "model", "module"):
         if isinstance(obj, dict) and set(obj) == {wrapper}:
             obj = obj[wrapper]
@@ -158,17 +182,6 @@ def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
     return tensors
 
 
-def json_beside(path: Path, name: str) -> dict:
-    folder = path if path.is_dir() else path.parent
-    file = folder / name
-    if not file.exists():
-        return {}
-    try:
-        return json.loads(file.read_text())
-    except ValueError as err:
-        raise ConvertError(f"{file}: not valid JSON: {err}") from err
-
-
 # ------------------------------------------------------------------------------------------
 # taking tensors by name, with every problem collected
 # ------------------------------------------------------------------------------------------
@@ -207,6 +220,9 @@ class SourceTensors:
             return np.zeros(shape, np.float32)
         if np.iscomplexobj(value):  # a cast to float32 would drop the imaginary parts
             self.problems.append(f"key {key!r} holds complex values ({value.dtype})")
+            return np.zeros(shape, np.float32)
+        if not _floating(value.dtype):  # integers read as weights: a quantized or broken file
+            self.problems.append(f"key {key!r} holds {value.dtype} values, not floating point")
             return np.zeros(shape, np.float32)
         value = np.asarray(value, np.float32)
         if not np.isfinite(value).all():
@@ -249,9 +265,15 @@ class SourceTensors:
 
     def float_dtype(self) -> str:
         """'bfloat16' when every floating tensor is, else 'float32'."""
-        bf16 = np.dtype(ml_dtypes.bfloat16)
-        floats = [v.dtype for v in self.tensors.values() if v.dtype == bf16 or v.dtype.kind == "f"]
-        return "bfloat16" if floats and all(d == bf16 for d in floats) else "float32"
+        floats = [v.dtype for v in self.tensors.values() if _floating(v.dtype)]
+        return "bfloat16" if floats and all(d == _BF16 for d in floats) else "float32"
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _floating(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype == _BF16
 
 
 def check_claims(source: str, file: str, claims: dict[str, tuple]) -> None:

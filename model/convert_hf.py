@@ -28,7 +28,6 @@ from .convert_common import (
     fused_to_heads,
     grid_of,
     infer_heads,
-    json_beside,
     patch_conv,
     patch_kernel,
     split_heads_in,
@@ -37,6 +36,7 @@ from .convert_common import (
     torch_norm,
 )
 from .convert_preprocess import SourcePreprocess
+from .convert_side import HF_CONFIG, HF_PREPROCESSOR, read_side
 
 
 @dataclass(frozen=True)
@@ -200,10 +200,10 @@ SIDE_FILES = ("config.json", "preprocessor_config.json")
 
 def side_files(path: Path) -> dict:
     """config.json (family, sizes, heads, epsilon, activation) and preprocessor_config.json."""
-    side = json_beside(path, "config.json")
-    if "vision_config" in side:  # a two-tower config: the image tower's part
+    side = read_side(path, "config.json", HF_CONFIG)
+    if side.get("vision_config") is not None:  # a two-tower config: the image tower's part
         side = {**side["vision_config"], "projection_dim": side.get("projection_dim")}
-    side["_preprocessor"] = json_beside(path, "preprocessor_config.json")
+    side["_preprocessor"] = read_side(path, "preprocessor_config.json", HF_PREPROCESSOR)
     return side
 
 
@@ -275,13 +275,10 @@ def family(t: SourceTensors, side: dict) -> str:
 def _image_size(side: dict) -> int | None:
     """config.json's ``image_size`` (an int, or [height, width]) as one side; None where it
     gives none. The model's grid is square: a non-square size is refused, not read as one."""
-    size = side.get("image_size")
+    size = side.get("image_size")  # its kind checked as the file was read (HF_CONFIG)
     if size is None:
         return None
-    sides = list(size) if isinstance(size, (list, tuple)) else [size, size]
-    if len(sides) != 2 or not all(isinstance(v, int) and v > 0 for v in sides):
-        raise ConvertError(f"hf checkpoint: config.json has image_size={size!r}: expected a "
-                           "positive int or [height, width]")
+    sides = size if isinstance(size, list) else [size, size]
     if sides[0] != sides[1]:
         raise ConvertError(f"hf checkpoint: config.json has image_size={size!r}, a non-square "
                            "input; only square patch grids are supported")

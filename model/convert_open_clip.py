@@ -25,7 +25,6 @@ from .convert_common import (
     fused_to_heads,
     grid_of,
     infer_heads,
-    json_beside,
     patch_conv,
     patch_kernel,
     split_heads_out,
@@ -33,6 +32,7 @@ from .convert_common import (
     torch_norm,
 )
 from .convert_preprocess import SourcePreprocess, unservable
+from .convert_side import OPEN_CLIP_CONFIG, read_side
 
 WEIGHT_FILES = (
     "open_clip_model.safetensors",
@@ -50,7 +50,7 @@ SIDE_FILES = ("open_clip_config.json",)
 
 def side_files(path: Path) -> dict:
     """open_clip_config.json: model_cfg (vision_cfg, quick_gelu) and preprocess_cfg."""
-    return json_beside(path, "open_clip_config.json")
+    return read_side(path, "open_clip_config.json", OPEN_CLIP_CONFIG)
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -88,8 +88,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             "timm_model_name, keys 'trunk.*') is not supported; only open_clip's own "
             "VisionTransformer is"
         )
-    model_cfg = side.get("model_cfg", {})
-    vision = model_cfg.get("vision_cfg", {})
+    model_cfg = side.get("model_cfg") or {}
+    vision = model_cfg.get("vision_cfg") or {}
     if vision.get("pool_type", "tok") != "tok" or vision.get("attentional_pool"):
         raise ConvertError(
             f"open_clip checkpoint: vision_cfg pool_type={vision.get('pool_type')!r} / "

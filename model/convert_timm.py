@@ -25,7 +25,6 @@ from .convert_common import (
     fused_to_heads,
     grid_of,
     infer_heads,
-    json_beside,
     patch_conv,
     patch_kernel,
     split_heads_in,
@@ -34,6 +33,7 @@ from .convert_common import (
     torch_norm,
 )
 from .convert_preprocess import SourcePreprocess, unservable
+from .convert_side import TIMM_CONFIG, read_side
 
 IMAGENET_MEAN, IMAGENET_STD = IMAGENET_PREPROCESS.mean, IMAGENET_PREPROCESS.std
 
@@ -44,8 +44,8 @@ SIDE_FILES = ("config.json",)
 def side_files(path: Path) -> dict:
     """timm's hub config.json (architecture, num_classes, global_pool, model_args,
     pretrained_cfg); its model_args over what the architecture passes itself (``_own_args``)."""
-    side = json_beside(path, "config.json")
-    own = _own_args(str(side.get("architecture", "")))
+    side = read_side(path, "config.json", TIMM_CONFIG)
+    own = _own_args(side.get("architecture", ""))
     if own:
         side["model_args"] = {**own, **(side.get("model_args") or {})}
     return side

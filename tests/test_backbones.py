@@ -222,7 +222,7 @@ def test_hf_config_that_contradicts_the_weights_names_both(tmp_path):
         ([16, 24], r"image_size=\[16, 24\], a non-square input"),
         (config["image_size"] * 2,
          rf"image_size // patch_size: config.json has {2 * grid}, the weights have {grid}"),
-        ("16", "image_size='16': expected a positive int or \\[height, width\\]"),
+        ("16", r'config.json: image_size is "16", not a whole number > 0 or a list of 2 whole'),
     ):
         (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "image_size": size}))
         with pytest.raises(ConvertError, match=message):

@@ -281,3 +281,124 @@ def test_an_open_clip_config_that_contradicts_the_weights_names_both(tmp_path):
         "x width): open_clip_config.json has 1920, the weights have 120; embed_dim: "
         "open_clip_config.json has 512, the weights have 24"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# hostile files beside and in place of the weights
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (("model_args", "num_heads"), "four", 'model_args.num_heads is "four", not a whole number'),
+        (("model_args", "num_heads"), 2.5, "model_args.num_heads is 2.5, not a whole number > 0"),
+        (("model_args", "depth"), True, "model_args.depth is true, not a whole number > 0"),
+        (("model_args", "img_size"), [16], r"model_args.img_size is \[16\], not a whole number"),
+        (("model_args", "norm_layer"), ["x"], r'model_args.norm_layer is \["x"\], not a string'),
+        (("model_args",), [1, 2], r"model_args is \[1, 2\], not a JSON object"),
+        (("pretrained_cfg", "input_size"), 16, "pretrained_cfg.input_size is 16, not a list of 3"),
+        (("pretrained_cfg", "crop_pct"), 0, "pretrained_cfg.crop_pct is 0, not a finite number >"),
+        (("pretrained_cfg", "mean"), 0.5, "pretrained_cfg.mean is 0.5, not a list of finite"),
+        (("pretrained_cfg", "std"), [1e400, 1, 1], r"pretrained_cfg.std is \[Infinity, 1, 1\]"),
+        (("architecture",), 5, "architecture is 5, not a string"),
+    ],
+)
+def test_a_timm_config_value_of_the_wrong_kind_is_refused_naming_file_key_and_value(
+    key, value, message, tmp_path
+):
+    """A value the converter reads, of another kind than it reads (a string for a count, true for
+    a depth, a number for a list): refused before use, not a traceback nor read as something
+    else (true as 1, 2.5 heads as 2)."""
+    folder = _timm_folder(tmp_path / "t", num_classes=0)
+
+    def edit(config):
+        *parents, last = key
+        for name in parents:
+            config = config[name]
+        config[last] = value
+
+    _edit_json(folder / "config.json", edit)
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(folder))}/config.json: {message}"):
+        convert("timm", folder)
+
+
+def test_hf_and_open_clip_config_values_of_the_wrong_kind_are_refused(tmp_path):
+    folder = _clip_folder(tmp_path / "c", _clip_processor())
+    for file, edit, message in (
+        ("config.json", lambda c: c.update(layer_norm_eps=True), "layer_norm_eps is true, not a"),
+        ("config.json", lambda c: c.update(hidden_act=["gelu"]), r'hidden_act is \["gelu"\], not'),
+        ("config.json", lambda c: c.update(num_attention_heads="4"), 'num_attention_heads is "4"'),
+        ("preprocessor_config.json", lambda c: c.update(image_mean="x"), 'image_mean is "x", not'),
+        ("preprocessor_config.json", lambda c: c.update(size={"shortest_edge": "18"}),
+         r'size is \{"shortest_edge": "18"\}, not a whole number > 0, or an object of them'),
+        ("preprocessor_config.json", lambda c: c.update(do_resize="no"), 'do_resize is "no", not'),
+    ):
+        original = (folder / file).read_text()
+        _edit_json(folder / file, edit)
+        with pytest.raises(ConvertError, match=rf"^{re.escape(str(folder / file))}: {message}"):
+            convert("hf", folder)
+        (folder / file).write_text(original)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConvertError, match=r"config.json: the file is \[1, 2\], not a JSON object"):
+        convert("hf", folder)
+
+    open_clip = import_open_clip()
+    oc = tmp_path / "oc"
+    oc.mkdir()
+    torch.save(
+        open_clip.model.CLIP(**OPEN_CLIP_CFG).state_dict(), oc / "open_clip_pytorch_model.bin"
+    )
+    for config, message in (
+        ({"model_cfg": {**OPEN_CLIP_CFG, "quick_gelu": "yes"}}, 'model_cfg.quick_gelu is "yes"'),
+        ({"model_cfg": {**OPEN_CLIP_CFG, "vision_cfg": 3}}, "model_cfg.vision_cfg is 3, not a"),
+        ({"model_cfg": OPEN_CLIP_CFG, "preprocess_cfg": {"mean": 0.5}},
+         "preprocess_cfg.mean is 0.5, not a list of finite numbers"),
+        ({"model_cfg": {**OPEN_CLIP_CFG, "vision_cfg": {
+            **OPEN_CLIP_CFG["vision_cfg"], "norm_kwargs": {"eps": "1e-5"}}}},
+         'model_cfg.vision_cfg.norm_kwargs.eps is "1e-5", not a finite number > 0'),
+    ):
+        (oc / "open_clip_config.json").write_text(json.dumps(config))
+        with pytest.raises(ConvertError, match=rf"open_clip_config.json: {message}"):
+            convert("open_clip", oc)
+
+
+def test_a_shard_index_must_name_files_in_its_own_folder(tmp_path):
+    folder = _clip_folder(tmp_path / "c")
+    (tmp_path / "other.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    index = folder / "model.safetensors.index.json"
+    for text, message in (
+        ("{oops", "not a JSON object holding a weight_map"),
+        ("[1]", "not a JSON object holding a weight_map"),
+        ("{}", "its weight_map is None, not an object of tensor names to shard files"),
+        (json.dumps({"weight_map": {"a": "../other.safetensors"}}),
+         "weight_map names '../other.safetensors', not a file in its folder"),
+        (json.dumps({"weight_map": {"a": 5}}), "weight_map names 5, not a file in its folder"),
+    ):
+        index.write_text(text)
+        with pytest.raises(ConvertError, match=rf"^{re.escape(str(index))}: {message}"):
+            convert("hf", folder)
+    index.write_text(json.dumps({"weight_map": {"a": "model.safetensors"}}))
+    assert convert("hf", folder).config.depth == 2
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a pickled call",))
+
+
+def test_weights_that_are_integers_or_pickled_objects_are_refused(tmp_path):
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, **TIMM_SHAPE).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for dtype in (torch.int8, torch.bool):
+        folder = tmp_path / str(dtype).removeprefix("torch.")
+        folder.mkdir()
+        weights = {**state, "blocks.0.mlp.fc1.weight": state["blocks.0.mlp.fc1.weight"].to(dtype)}
+        save_file(weights, str(folder / "model.safetensors"))
+        with pytest.raises(ConvertError, match=rf"key 'blocks.0.mlp.fc1.weight' holds "
+                                               rf"{folder.name} values, not floating point"):
+            convert("timm", folder, Hints(heads=4))
+    torch.save({**state, "extra": _RunsCode()}, tmp_path / "pickled.pth")
+    with pytest.raises(ConvertError, match=r"pickled.pth: holds pickled Python objects besides "
+                                           r"tensors \(print\), which are never loaded"):
+        convert("timm", tmp_path / "pickled.pth", Hints(heads=4))

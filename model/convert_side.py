@@ -1,0 +1,198 @@
+"""The config files beside a checkpoint's weights, checked for what the converters read.
+
+The converters read a few keys of timm's config.json, Hugging Face's config.json and
+preprocessor_config.json, and open_clip_config.json. Each key read has one kind here (a
+positive integer, a finite number, a string, a flag, a list, an object of further keys); a file
+whose value is of another kind is refused naming the file, the key and the value before any
+converter reads it, so none meets a string where it does arithmetic or reads ``true`` as 1.
+A key that is null is read as absent, the source's default (as transformers reads its processors'
+nulls: DINOv3's preprocessor_config.json has ``"crop_size": null``). Keys not listed are not
+read, and not checked (the files hold many more).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from .convert_common import ConvertError
+from .errors import is_number
+
+
+@dataclass(frozen=True)
+class Kind:
+    says: str  # what a value must be, as a refusal says it
+    many: str  # the same in the plural, for a list's items
+    test: Callable[[object], bool]
+
+
+def _finite(value: object) -> bool:
+    return is_number(value) and math.isfinite(value)
+
+
+def _whole(v: object) -> bool:
+    return is_number(v, numbers.Integral)
+
+
+COUNT = Kind("a whole number >= 0", "whole numbers >= 0", lambda v: _whole(v) and v >= 0)
+SIZE = Kind("a whole number > 0", "whole numbers > 0", lambda v: _whole(v) and v > 0)
+NUMBER = Kind("a finite number", "finite numbers", _finite)
+POSITIVE = Kind("a finite number > 0", "finite numbers > 0", lambda v: _finite(v) and v > 0)
+TEXT = Kind("a string", "strings", lambda v: isinstance(v, str))
+FLAG = Kind("true or false", "flags", lambda v: isinstance(v, bool))
+
+
+def list_of(kind: Kind, length: int | None = None) -> Kind:
+    says = f"a list of {f'{length} ' if length else ''}{kind.many}"
+    return Kind(says, f"lists of {kind.many}",
+                lambda v: isinstance(v, list) and (length is None or len(v) == length)
+                and all(kind.test(x) for x in v))
+
+
+def either(*kinds: Kind) -> Kind:
+    return Kind(" or ".join(k.says for k in kinds), " or ".join(k.many for k in kinds),
+                lambda v: any(k.test(v) for k in kinds))
+
+
+# A file's schema: its keys read, each a Kind or the schema of an object.
+Schema = dict[str, Union[Kind, "Schema"]]
+
+
+def read_side(path: Path, name: str, schema: Schema) -> dict:
+    """The JSON file ``name`` beside the weights at ``path`` ({} when there is none), checked."""
+    file = (path if path.is_dir() else path.parent) / name
+    if not file.exists():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
+        raise ConvertError(f"{file}: not valid JSON: {err}") from err
+    data = _without_nulls(data)
+    check_side(data, schema, str(file))
+    return data
+
+
+def _without_nulls(data: object) -> object:
+    if isinstance(data, dict):
+        return {k: _without_nulls(v) for k, v in data.items() if v is not None}
+    return data
+
+
+def check_side(data: object, schema: Schema, file: str, at: tuple[str, ...] = ()) -> None:
+    """Refuse ``data`` (a parsed JSON file) where a key the schema lists holds another kind."""
+    if not isinstance(data, dict):
+        where = ".".join(at) or "the file"
+        raise ConvertError(f"{file}: {where} is {_short(data)}, not a JSON object")
+    for key, kind in schema.items():
+        if key not in data:
+            continue
+        value, path = data[key], (*at, key)
+        if isinstance(kind, dict):
+            check_side(value, kind, file, path)
+        elif not kind.test(value):
+            raise ConvertError(f"{file}: {'.'.join(path)} is {_short(value)}, not {kind.says}")
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = json.dumps(value)  # as the file has it: true, "four", [1, 2]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+SQUARE = either(SIZE, list_of(SIZE, 2))  # a size: one side, or [height, width]
+
+TIMM_CONFIG: Schema = {
+    "architecture": TEXT,
+    "num_classes": COUNT,
+    "global_pool": TEXT,
+    "model_args": {
+        "num_heads": SIZE,
+        "embed_dim": SIZE,
+        "depth": SIZE,
+        "num_classes": COUNT,
+        "patch_size": SQUARE,
+        "img_size": SQUARE,
+        "pool_include_prefix": FLAG,
+        "no_embed_class": FLAG,
+        "use_rot_pos_emb": FLAG,
+        "act_layer": TEXT,
+        "norm_layer": TEXT,
+        "mlp_layer": TEXT,
+        "block_fn": TEXT,
+    },
+    "pretrained_cfg": {
+        "input_size": list_of(SIZE, 3),
+        "crop_pct": POSITIVE,
+        "crop_mode": TEXT,
+        "interpolation": TEXT,
+        "mean": list_of(NUMBER),
+        "std": list_of(NUMBER),
+    },
+}
+
+_HF_VISION: Schema = {
+    "model_type": TEXT,
+    "hidden_size": SIZE,
+    "num_hidden_layers": SIZE,
+    "intermediate_size": SIZE,
+    "num_attention_heads": SIZE,
+    "patch_size": SIZE,
+    "image_size": SQUARE,
+    "num_register_tokens": COUNT,
+    "projection_dim": SIZE,
+    "use_swiglu_ffn": FLAG,
+    "hidden_act": TEXT,
+    "layer_norm_eps": POSITIVE,
+    "rope_theta": POSITIVE,
+}
+HF_CONFIG: Schema = {**_HF_VISION, "vision_config": _HF_VISION}
+
+# transformers' size: one side, or {"height", "width"} / {"shortest_edge"} (others: _size's refusal)
+_HF_SIZE = Kind(
+    "a whole number > 0, or an object of them (height and width, or shortest_edge)", "sizes",
+    lambda v: SIZE.test(v) or (isinstance(v, dict) and all(
+        SIZE.test(v[k]) for k in ("height", "width", "shortest_edge") if k in v)),
+)
+HF_PREPROCESSOR: Schema = {
+    "do_resize": FLAG,
+    "size": _HF_SIZE,
+    "do_center_crop": FLAG,
+    "crop_size": _HF_SIZE,
+    "resample": either(COUNT, TEXT),  # PIL's filter number (a name: read as one)
+    "do_rescale": FLAG,
+    "rescale_factor": NUMBER,
+    "do_normalize": FLAG,
+    "image_mean": either(NUMBER, list_of(NUMBER)),
+    "image_std": either(NUMBER, list_of(NUMBER)),
+}
+
+OPEN_CLIP_CONFIG: Schema = {
+    "model_cfg": {
+        "embed_dim": SIZE,
+        "quick_gelu": FLAG,
+        "vision_cfg": {
+            "image_size": SQUARE,
+            "layers": either(SIZE, list_of(SIZE)),  # a list: a ResNet tower (refused by its keys)
+            "width": SIZE,
+            "patch_size": SIZE,
+            "head_width": SIZE,
+            "mlp_ratio": POSITIVE,
+            "pool_type": TEXT,
+            "attentional_pool": FLAG,
+            "final_ln_after_pool": FLAG,
+            "norm_kwargs": {"eps": POSITIVE},
+            "act_kwargs": {"approximate": TEXT},
+        },
+    },
+    "preprocess_cfg": {
+        "size": either(SIZE, list_of(SIZE)),
+        "resize_mode": TEXT,
+        "interpolation": TEXT,
+        "mean": list_of(NUMBER),
+        "std": list_of(NUMBER),
+    },
+}
