@@ -28,6 +28,7 @@ from .outputs import (
     MANIFEST,
     SHARDS_DIR,
     OutputsError,
+    read_ids,
     read_manifest,
     shard_file,
 )
@@ -156,13 +157,9 @@ class OutputStore:
             if all(f["file"] in present for f in files.values()):
                 self.done[entry["index"]] = entry
                 if entry["failed"]:
-                    self._failed[entry["index"]] = self._read_failed(files[IDS]["file"])
+                    rows = read_ids(self.where, files[IDS]["file"])
+                    self._failed[entry["index"]] = rows["failed"]
 
-    def _read_failed(self, rel: str) -> list[dict]:
-        try:
-            return json.loads(self.where.read(rel))["failed"]
-        except (OSError, ValueError, KeyError) as err:
-            raise OutputsError(f"{rel} in {self.directory} is unreadable: {err}") from None
 
     # -- writing -------------------------------------------------------------------------
     def write_shard(self, index: int, inputs_sha256: str, ids: list[str], paths: list[str],

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from vit22b.model.schema import COUNT, FLAG, TEXT, Each, Needed, Schema, Values, check, list_of
 
 from .storage import Location
 
@@ -53,6 +54,27 @@ ERRORS = "errors.jsonl"
 SHARDS_DIR = "shards"
 LOCK = ".lock"
 IDS = "ids"  # the per-shard file naming the rows (and the failures) of that shard
+
+# What the readers (open_outputs, a resumed job) take from the manifest and a shard's ids file:
+# a folder may come from anyone, and a job killed or edited by hand leaves what it leaves.
+_FILE: Schema = {"file": Needed(TEXT), "sha256": Needed(TEXT)}
+MANIFEST_SCHEMA: Schema = {
+    "identity": Needed({"format": TEXT, "outputs": list_of(TEXT)}),
+    "arrays": Needed(Values({"dtype": Needed(TEXT), "shape": Needed(list_of(COUNT))})),
+    "num_shards": Needed(COUNT),
+    "shards": Needed(Each({
+        "index": Needed(COUNT),
+        "count": Needed(COUNT),
+        "failed": Needed(COUNT),
+        "files": Needed(Values(_FILE, needed=(IDS,))),
+    })),
+    "complete": FLAG,
+}
+IDS_SCHEMA: Schema = {
+    "ids": Needed(list_of(TEXT)),
+    "paths": Needed(list_of(TEXT)),
+    "failed": Needed(Each({})),  # objects: id, path, reason
+}
 
 
 def array_name(output: str, layer: int | None = None) -> str:
@@ -188,12 +210,24 @@ def read_manifest(directory: str | Location) -> dict:
         manifest = json.loads(where.read(MANIFEST))
     except FileNotFoundError:
         raise OutputsError(f"{path} not found: not a vit22b embed output directory") from None
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8
         raise OutputsError(f"{path} is not valid JSON: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise OutputsError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}"
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT:
+        raise OutputsError(f"{path}: format {found!r}, expected {FORMAT!r}"
                            " (written by another version: embed into a new directory)")
+    check(manifest, MANIFEST_SCHEMA, path, OutputsError)
     return manifest
+
+
+def read_ids(where: Location, rel: str) -> dict:
+    """A shard's ids file: its rows' ids and paths, and its failures."""
+    try:
+        rows = json.loads(where.read(rel))
+    except (OSError, ValueError) as err:
+        raise OutputsError(f"{where.path(rel)} is unreadable: {err}") from None
+    check(rows, IDS_SCHEMA, where.path(rel), OutputsError)
+    return rows
 
 
 def verify_file(where: Location, entry: dict) -> None:
@@ -227,7 +261,7 @@ def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Out
                 _check_inside(where, file_entry["file"])
                 if verify:
                     verify_file(where, file_entry)
-            rows = json.loads(where.read(files[IDS]["file"]))
+            rows = read_ids(where, files[IDS]["file"])
             shard = ShardView(entry["index"], rows["ids"], rows["paths"], rows["failed"])
             for name, array in storage.read(where, files, specs, mmap).items():
                 if len(array) != len(shard.ids):  # rows would pair with the wrong ids

@@ -2,7 +2,8 @@
 
 jax-free modules (importable with the client install): ``config`` (configs and presets),
 ``outputs`` (the output request), ``pixels`` (the pixel contract), ``features`` (the feature
-container), ``identity`` (the model identity), ``errors`` (the plain failures). JAX/Flax modules:
+container), ``identity`` (the model identity), ``errors`` (the plain failures), ``schema``
+(kinds of JSON values, the check of a file read from outside). JAX/Flax modules:
 ``vit`` (the model), ``forward``, ``sharding``, ``checkpoint``, ``convert*``, ``info``.
 
 Imports nothing of the server, the clients or the probes. Exports load on first use, so

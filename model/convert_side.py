@@ -2,65 +2,20 @@
 
 The converters read a few keys of timm's config.json, Hugging Face's config.json and
 preprocessor_config.json, and open_clip_config.json. Each key read has one kind here (a
-positive integer, a finite number, a string, a flag, a list, an object of further keys); a file
-whose value is of another kind is refused naming the file, the key and the value before any
-converter reads it, so none meets a string where it does arithmetic or reads ``true`` as 1.
-A key that is null is read as absent, the source's default (as transformers reads its processors'
-nulls: DINOv3's preprocessor_config.json has ``"crop_size": null``). Keys not listed are not
-read, and not checked (the files hold many more).
+positive integer, a finite number, a string, a flag, a list, an object of further keys:
+``schema``); a file whose value is of another kind is refused naming the file, the key and the
+value before any converter reads it. A key that is null is read as absent, the source's default
+(as transformers reads its processors' nulls: DINOv3's preprocessor_config.json has
+``"crop_size": null``). Keys not listed are not read, and not checked (the files hold many more).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import numbers
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from .convert_common import ConvertError
-from .errors import is_number
-
-
-@dataclass(frozen=True)
-class Kind:
-    says: str  # what a value must be, as a refusal says it
-    many: str  # the same in the plural, for a list's items
-    test: Callable[[object], bool]
-
-
-def _finite(value: object) -> bool:
-    return is_number(value) and math.isfinite(value)
-
-
-def _whole(v: object) -> bool:
-    return is_number(v, numbers.Integral)
-
-
-COUNT = Kind("a whole number >= 0", "whole numbers >= 0", lambda v: _whole(v) and v >= 0)
-SIZE = Kind("a whole number > 0", "whole numbers > 0", lambda v: _whole(v) and v > 0)
-NUMBER = Kind("a finite number", "finite numbers", _finite)
-POSITIVE = Kind("a finite number > 0", "finite numbers > 0", lambda v: _finite(v) and v > 0)
-TEXT = Kind("a string", "strings", lambda v: isinstance(v, str))
-FLAG = Kind("true or false", "flags", lambda v: isinstance(v, bool))
-
-
-def list_of(kind: Kind, length: int | None = None) -> Kind:
-    says = f"a list of {f'{length} ' if length else ''}{kind.many}"
-    return Kind(says, f"lists of {kind.many}",
-                lambda v: isinstance(v, list) and (length is None or len(v) == length)
-                and all(kind.test(x) for x in v))
-
-
-def either(*kinds: Kind) -> Kind:
-    return Kind(" or ".join(k.says for k in kinds), " or ".join(k.many for k in kinds),
-                lambda v: any(k.test(v) for k in kinds))
-
-
-# A file's schema: its keys read, each a Kind or the schema of an object.
-Schema = dict[str, Union[Kind, "Schema"]]
+from .schema import COUNT, FLAG, NUMBER, POSITIVE, SIZE, TEXT, Kind, Schema, check, either, list_of
 
 
 def read_side(path: Path, name: str, schema: Schema) -> dict:
@@ -73,7 +28,7 @@ def read_side(path: Path, name: str, schema: Schema) -> dict:
     except ValueError as err:  # bad JSON, or bytes that are not UTF-8
         raise ConvertError(f"{file}: not valid JSON: {err}") from err
     data = _without_nulls(data)
-    check_side(data, schema, str(file))
+    check(data, schema, str(file), ConvertError)
     return data
 
 
@@ -81,26 +36,6 @@ def _without_nulls(data: object) -> object:
     if isinstance(data, dict):
         return {k: _without_nulls(v) for k, v in data.items() if v is not None}
     return data
-
-
-def check_side(data: object, schema: Schema, file: str, at: tuple[str, ...] = ()) -> None:
-    """Refuse ``data`` (a parsed JSON file) where a key the schema lists holds another kind."""
-    if not isinstance(data, dict):
-        where = ".".join(at) or "the file"
-        raise ConvertError(f"{file}: {where} is {_short(data)}, not a JSON object")
-    for key, kind in schema.items():
-        if key not in data:
-            continue
-        value, path = data[key], (*at, key)
-        if isinstance(kind, dict):
-            check_side(value, kind, file, path)
-        elif not kind.test(value):
-            raise ConvertError(f"{file}: {'.'.join(path)} is {_short(value)}, not {kind.says}")
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = json.dumps(value)  # as the file has it: true, "four", [1, 2]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 SQUARE = either(SIZE, list_of(SIZE, 2))  # a size: one side, or [height, width]

@@ -45,6 +45,7 @@ def test_importing_the_client_never_imports_jax():
         "import vit22b.clients as c\n"
         "c.FeatureClient, c.AsyncFeatureClient, c.Embeddings, c.Retry\n"
         "import vit22b.clients.client, vit22b.clients.aio, vit22b.clients.demo\n"
+        "import vit22b.clients.outputs  # the output reader: numpy alone\n"
         "import vit22b.v1.wire, vit22b.v1.features_pb2_grpc\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
         "print(heavy)\n"

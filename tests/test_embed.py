@@ -420,19 +420,55 @@ def test_an_output_folder_from_anyone_reads_nothing_outside_it(engine, tmp_path)
         return lambda m: m["shards"][0]["files"][role].__setitem__("file", rel)
 
     for edit in (name("ids", "../secret.json"), name("ids", str(tmp_path / "secret.json")),
-                 name("pooled", "shards/../manifest.json"), name("pooled", 5)):
+                 name("pooled", "shards/../manifest.json")):
         with pytest.raises(OutputsError, match="names a file outside shards/"):
             opened(edit)
-    for edit in (lambda m: m.__setitem__("shards", "x"), lambda m: m["shards"][0].pop("files"),
-                 lambda m: m.pop("identity")):
-        with pytest.raises(OutputsError, match="manifest.json is malformed"):
+    for edit, message in (
+        (lambda m: m.__setitem__("shards", "x"), 'shards is "x", not a list'),
+        (name("pooled", 5), "shards.0.files.pooled.file is 5, not a string"),
+        (lambda m: m["shards"][0].pop("files"), "shards.0.files is missing"),
+        (lambda m: m.pop("identity"), "identity is missing"),
+        (lambda m: m["arrays"].__setitem__("pooled", {"dtype": "float32", "shape": ["x"]}),
+         r'arrays.pooled.shape is \["x"\], not a list of whole numbers >= 0'),
+    ):
+        with pytest.raises(OutputsError, match=f"manifest.json: {message}"):
             opened(edit)
+    (out / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(OutputsError, match="manifest.json: format None, expected"):
+        open_outputs(str(out))
     (out / "manifest.json").write_text(json.dumps(manifest))
     ids_file = out / "shards" / "00000.ids.json"
     rows = json.loads(ids_file.read_text())
+    ids_file.write_text(json.dumps({**rows, "failed": 3}))  # out.failed iterated it, later
+    with pytest.raises(OutputsError, match='00000.ids.json: failed is 3, not a list'):
+        open_outputs(str(out))
     ids_file.write_text(json.dumps({**rows, "ids": rows["ids"][:2], "paths": rows["paths"][:2]}))
     with pytest.raises(OutputsError, match="shard 0 names 2 images, its pooled holds 3"):
         open_outputs(str(out))
+
+
+def test_a_job_resumed_on_a_damaged_manifest_is_refused_naming_the_key(engine, tmp_path):
+    """A resumed job read the manifest's shards without a check: a count that is a string, a
+    shard's files that are a list or an identity that is not an object ended in a TypeError or
+    AttributeError; each is now an OutputsError naming the key, and the folder is left as it
+    was."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_images(data, 3)
+    assert local_job(engine, data, out).complete
+    manifest = (out / "manifest.json").read_text()
+    for edit, message in (
+        (lambda m: m["shards"][0].__setitem__("count", "x"), 'shards.0.count is "x", not a whole'),
+        (lambda m: m["shards"][0].__setitem__("files", [1]), r"shards.0.files is \[1\], not a"),
+        (lambda m: m.__setitem__("identity", None), "identity is null, not a JSON object"),
+        (lambda m: m["shards"][0]["files"]["ids"].__setitem__("file", ["x"]),
+         r'shards.0.files.ids.file is \["x"\], not a string'),
+    ):
+        changed = json.loads(manifest)
+        edit(changed)
+        (out / "manifest.json").write_text(json.dumps(changed))
+        with pytest.raises(OutputsError, match=f"manifest.json: {message}"):
+            local_job(engine, data, out)
+        assert json.loads((out / "manifest.json").read_text()) == changed
 
 def test_the_local_jobs_decoded_size_guard_is_its_own_setting(tmp_path, capsys):
     """A local job's --max-image-pixels (a server states its own): images over it fail by
