@@ -251,6 +251,7 @@ def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Out
     manifest = read_manifest(where)
     try:
         storage = get_format(manifest["identity"]["format"])
+        storage.check()  # its library installed (pyarrow), before any shard is blamed
         names = list(manifest["identity"]["outputs"])  # the order the job was asked for
         specs = {name: manifest["arrays"][name] for name in names}
         shards: list[ShardView] = []
@@ -263,10 +264,7 @@ def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Out
                     verify_file(where, file_entry)
             rows = read_ids(where, files[IDS]["file"])
             shard = ShardView(entry["index"], rows["ids"], rows["paths"], rows["failed"])
-            for name, array in storage.read(where, files, specs, mmap).items():
-                if len(array) != len(shard.ids):  # rows would pair with the wrong ids
-                    raise OutputsError(f"{where.path(SHARDS_DIR)}: shard {shard.index} names "
-                                       f"{len(shard.ids)} images, its {name} holds {len(array)}")
+            for name, array in _read_shard(where, storage, files, specs, mmap, shard).items():
                 parts[name].append(array)
             shards.append(shard)
     except (KeyError, TypeError, AttributeError) as err:
@@ -274,6 +272,37 @@ def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Out
                            ) from None
     arrays = {name: ShardedArray(name, parts[name]) for name in names}
     return Outputs(directory, manifest, shards, arrays)
+
+
+def _read_shard(where: Location, storage, files: dict, specs: dict, mmap: bool,
+                shard: ShardView) -> dict[str, np.ndarray]:
+    """A shard's arrays, each a row per id, of the manifest's shape and of its dtype's kind."""
+    try:
+        arrays = storage.read(where, files, specs, mmap)
+    except Exception as err:  # noqa: BLE001 - a damaged file raises what its reader raises
+        names = ", ".join(sorted(e["file"] for role, e in files.items() if role != IDS))
+        raise OutputsError(
+            f"{where.path('')}: shard {shard.index} cannot be read ({names}: {type(err).__name__}:"
+            f" {err}); a damaged shard is recomputed by deleting its files and rerunning the job"
+        ) from None
+    for name, array in arrays.items():
+        if len(array) != len(shard.ids):  # rows would pair with the wrong ids
+            raise OutputsError(f"{where.path(SHARDS_DIR)}: shard {shard.index} names "
+                               f"{len(shard.ids)} images, its {name} holds {len(array)}")
+        spec = specs[name]
+        if array.shape[1:] != tuple(spec["shape"]) or _kind(array.dtype) != _kind(spec["dtype"]):
+            raise OutputsError(
+                f"{where.path(SHARDS_DIR)}: shard {shard.index}'s {name} holds {array.dtype} "
+                f"rows of shape {list(array.shape[1:])}; the manifest says {spec['dtype']} "
+                f"{spec['shape']}"
+            )
+    return arrays
+
+
+def _kind(dtype) -> str:
+    """numpy's kind letter, 'f' for bfloat16 too (stored as float32 in npy and Parquet)."""
+    name = str(dtype)
+    return "f" if name == "bfloat16" else np.dtype(name).kind
 
 
 def _check_inside(where: Location, rel) -> None:

@@ -124,6 +124,32 @@ def test_float16_parquet_and_a_format_mix_is_refused(engine, data, tmp_path):
         local_job(engine, data[0], out, spec, shard_size=4)
 
 
+@pytest.mark.parametrize("fmt", ["npy", "parquet", "safetensors"])
+def test_a_damaged_shard_is_named_in_every_format(engine, data, fmt, tmp_path):
+    """A shard truncated (a full disk), its header garbled or its rows of another shape or kind
+    raised what numpy, pyarrow, struct or json raise (ValueError, ArrowInvalid, struct.error,
+    UnicodeDecodeError, TokenError, EOFError), or read integers as features; each is an
+    OutputsError naming the shard, with and without memory mapping."""
+    out = tmp_path / "out"
+    assert local_job(engine, data[0], out, SPEC, shard_size=4, format=fmt).complete
+    entry = read_manifest(str(out))["shards"][0]["files"]
+    file = out / entry[{"npy": "pooled", "parquet": "table", "safetensors": "tensors"}[fmt]]["file"]
+    whole = file.read_bytes()
+    garbled = (whole[:-72] + b"\xff" * 64 + whole[-8:] if fmt == "parquet"  # its footer
+               else whole[:9] + b"\xff" * 64 + whole[73:])  # the header
+    for damaged in (whole[: len(whole) // 2], whole[:7], b"", garbled):
+        file.write_bytes(damaged)
+        for mmap in (True, False):
+            with pytest.raises(OutputsError, match=r"shard 0 cannot be read \(shards/00000\."):
+                open_outputs(str(out), mmap=mmap)
+    if fmt == "npy":  # well-formed files whose rows are not the manifest's
+        for rows in (np.zeros((4, 64), np.int64), np.zeros((4, 63), np.float32)):
+            np.save(file, rows)
+            with pytest.raises(OutputsError, match="shard 0's pooled holds .* the manifest says "
+                                                   r"bfloat16 \[64\]"):
+                open_outputs(str(out))
+
+
 def test_memory_filesystem_inputs_outputs_and_resume(engine, data, npy):
     root, good, bad = data
     fs = fsspec.filesystem("memory")
