@@ -339,7 +339,7 @@ def read_metadata(path) -> CheckpointMeta:
         return CheckpointMeta.from_dict(payload)
     except CheckpointError:
         raise
-    except (ValueError, KeyError, TypeError, ConfigError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, ConfigError) as err:
         raise CheckpointError(f"{meta_file} is unreadable: {type(err).__name__}: {err}") from err
 
 

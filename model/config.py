@@ -10,8 +10,12 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
+
+from .errors import is_number
 
 BlockType = Literal["parallel", "sequential"]
 NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
@@ -46,6 +50,39 @@ class ConfigError(ValueError):
     """A configuration that cannot describe a working model; the message names the field."""
 
 
+# A field's declared type -> (what its values must be, the value as that type or None). A config
+# read from a file (a checkpoint's metadata.json, a server's model info) is held to its types:
+# "false" is not read as true, nor 0 as False, nor "1e-6" as a number.
+_TYPES = {
+    "bool": ("true or false", lambda v: bool(v) if isinstance(v, bool) or _numpy_bool(v) else None),
+    "int": ("a whole number", lambda v: int(v) if is_number(v, numbers.Integral) else None),
+    "float": ("a finite number",
+              lambda v: float(v) if is_number(v) and math.isfinite(v) else None),
+    "str": ("a string", lambda v: v if isinstance(v, str) else None),
+}
+
+
+def _numpy_bool(value: object) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def _typed(owner: object, where: str) -> None:
+    """Hold each field of the dataclass ``owner`` whose declared type is in _TYPES (or that type
+    or None) to it, storing the value as that type (numpy scalars as Python's)."""
+    for f in dataclasses.fields(owner):
+        kind, value = str(f.type), getattr(owner, f.name)
+        optional = kind.endswith(" | None")
+        kind = kind.removesuffix(" | None")
+        if kind not in _TYPES or (optional and value is None):
+            continue
+        says, cast = _TYPES[kind]
+        typed = cast(value)
+        if typed is None:
+            raise ConfigError(f"{where}: {f.name}={value!r} is not {says}"
+                              + (" or null" if optional else ""))
+        object.__setattr__(owner, f.name, typed)  # frozen: set once, here
+
+
 @dataclass(frozen=True)
 class Preprocess:
     """The preprocessing contract the server applies and publishes (resize, crop, normalise)."""
@@ -63,15 +100,31 @@ class Preprocess:
             d.pop("crop")
         return d
 
+    def __post_init__(self) -> None:
+        _typed(self, "preprocess")
+        if self.resize <= 0:
+            raise ConfigError(f"preprocess: resize={self.resize} must be positive")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ConfigError(f"preprocess: interpolation={self.interpolation!r} is not one of "
+                              f"{INTERPOLATIONS}")
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if not (isinstance(values, (list, tuple)) and len(values) == 3 and all(
+                    is_number(v) and math.isfinite(v) for v in values)):
+                raise ConfigError(f"preprocess: {name}={values!r} is not 3 finite numbers")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
+        if min(self.std) <= 0:
+            raise ConfigError(f"preprocess: std={self.std} must be positive")
+
     @classmethod
     def from_dict(cls, d: dict) -> Preprocess:
-        return cls(
-            resize=int(d["resize"]),
-            interpolation=d["interpolation"],
-            mean=tuple(float(v) for v in d["mean"]),
-            std=tuple(float(v) for v in d["std"]),
-            crop=bool(d.get("crop", True)),
-        )
+        if not isinstance(d, dict):
+            raise ConfigError(f"preprocess is {d!r}, not an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown preprocess fields {unknown}")
+        return cls(**d)
 
 
 IMAGENET_PREPROCESS = Preprocess(resize=248, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
@@ -139,16 +192,25 @@ class ViTConfig:
     preprocess: Preprocess = field(default_factory=Preprocess)
 
     def __post_init__(self) -> None:
+        _typed(self, self.name if isinstance(self.name, str) else "config")
+        if not isinstance(self.preprocess, Preprocess):
+            raise ConfigError(f"{self.name}: preprocess={self.preprocess!r} is not a "
+                              "preprocessing contract")
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
                 raise ConfigError(f"{self.name}: {name}={value!r} is not one of {choices}")
         for name in ("width", "depth", "heads", "mlp_dim", "patch", "image_size", "channels"):
-            if int(getattr(self, name)) <= 0:
+            if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be positive")
-        for name in ("num_registers", "projection_dim", "num_classes"):
-            if int(getattr(self, name)) < 0:
+        for name in ("num_registers", "projection_dim", "num_classes", "posemb_grid"):
+            if getattr(self, name) < 0:
                 raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be >= 0")
+        if self.head_mlp_dim is not None and self.head_mlp_dim <= 0:
+            raise ConfigError(f"{self.name}: head_mlp_dim={self.head_mlp_dim} must be positive")
+        for name in ("norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{self.name}: {name}={getattr(self, name)} must be positive")
         if self.block == "parallel" and self.mlp == "swiglu":
             raise ConfigError(
                 f"{self.name}: mlp='swiglu' needs block='sequential' (the fused projection of a "
@@ -287,7 +349,7 @@ class ViTConfig:
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}")
         d = dict(d)
-        if "preprocess" in d and isinstance(d["preprocess"], dict):
+        if "preprocess" in d:
             d["preprocess"] = Preprocess.from_dict(d["preprocess"])
         return cls(**d)
 

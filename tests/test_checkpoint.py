@@ -259,6 +259,18 @@ def test_unreadable_or_future_metadata_is_refused(saved, tmp_path):
     (copy / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="newer than this code's"):
         ckpt.read_metadata(copy)
+    # hand edits of the wrong kind: "false" was read as true, a parameter table that is not
+    # an object raised AttributeError
+    for key, value, message in (("gelu_exact", "false", "gelu_exact='false' is not true or false"),
+                                ("norm_eps", "1e-6", "norm_eps='1e-6' is not a finite number")):
+        meta = saved[2].to_dict()
+        meta["config"][key] = value
+        (copy / "metadata.json").write_text(json.dumps(meta))
+        with pytest.raises(ckpt.CheckpointError, match=f"metadata.json is unreadable: .*{message}"):
+            ckpt.read_metadata(copy)
+    (copy / "metadata.json").write_text(json.dumps(saved[2].to_dict() | {"parameters": [1]}))
+    with pytest.raises(ckpt.CheckpointError, match="metadata.json is unreadable: AttributeError"):
+        ckpt.read_metadata(copy)
 
 
 def test_verify_catches_weights_swapped_under_the_metadata(saved, tmp_path):

@@ -1,5 +1,6 @@
 """The backbone: sizes, the recipe's pieces against textbook formulas, outputs, precision."""
 
+import json
 import math
 import re
 import subprocess
@@ -291,11 +292,45 @@ def test_bf16_policy_stays_close_to_f32():
         ({"norm": "batchnorm"}, "norm='batchnorm'"),
         ({"head": "cls"}, "class_token"),
         ({"head": "none", "pool_norm": True}, "pool_norm=True needs a pooling head"),
+        # a config read from a file is held to its fields' types: "false" was read as true,
+        # 0 as False, "1e-6" reached the forward as a string
+        ({"gelu_exact": "false"}, "gelu_exact='false' is not true or false"),
+        ({"qk_norm": 0}, "qk_norm=0 is not true or false"),
+        ({"norm_eps": "1e-6"}, "norm_eps='1e-6' is not a finite number"),
+        ({"norm_eps": 0.0}, "norm_eps=0.0 must be positive"),
+        ({"depth": 2.5}, "depth=2.5 is not a whole number"),
+        ({"head_mlp_dim": "8"}, "head_mlp_dim='8' is not a whole number or null"),
+        ({"name": 5}, "name=5 is not a string"),
+        ({"preprocess": {"resize": 72}}, "preprocess=.* is not a preprocessing contract"),
     ],
 )
 def test_bad_configs_fail_at_construction_naming_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         get_config("vit-22b-tiny/16").replace(**changes)
+
+
+def test_a_config_read_back_keeps_its_types_and_refuses_others():
+    """The metadata's config (and a server's model info) through from_dict: numpy scalars and
+    lists become the fields' own types, a preprocessing contract of the wrong kinds is
+    refused naming the field."""
+    cfg = get_config("vit-22b-tiny/16")
+    again = ViTConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.preprocess_hash() == cfg.preprocess_hash()
+    assert type(cfg.replace(width=np.int64(64)).width) is int
+    assert type(cfg.replace(norm_eps=np.float32(1e-6)).norm_eps) is float
+    contract = cfg.to_dict()["preprocess"]
+    for changes, message in (
+        ({"crop": "no"}, "crop='no' is not true or false"),
+        ({"resize": "72"}, "resize='72' is not a whole number"),
+        ({"mean": [0.5, 0.5]}, r"mean=\[0.5, 0.5\] is not 3 finite numbers"),
+        ({"std": [0.5, 0.0, 0.5]}, "std=.* must be positive"),
+        ({"interpolation": "nearest"}, "interpolation='nearest' is not one of"),
+        ({"gamma": 2.2}, r"unknown preprocess fields \['gamma'\]"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            ViTConfig.from_dict({**cfg.to_dict(), "preprocess": {**contract, **changes}})
+    with pytest.raises(ConfigError, match="preprocess is 3, not an object"):
+        ViTConfig.from_dict({**cfg.to_dict(), "preprocess": 3})
 
 
 def test_unknown_preset_lists_the_known_ones():
