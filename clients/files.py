@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import BinaryIO
 
 # An image file read whole (a 40-megapixel, 16-bit RGBA TIFF is 320 MB); a larger one, e.g. a
 # video in a folder of photos, is a failure read no further.
@@ -41,13 +42,18 @@ def over_limit(size: int, max_bytes: int | None, path: str) -> None:
                       path)
 
 
-def read_local(path: str, max_bytes: int | None = None) -> bytes:
-    """A local regular file's bytes, at most ``max_bytes`` of them (else OSError, unread)."""
+def open_local(path: str, max_bytes: int | None = None) -> BinaryIO:
+    """A local regular file opened for reading, of at most ``max_bytes`` (else OSError)."""
     fd = os.open(usable(path), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer
     try:
         over_limit(regular(os.fstat(fd), path).st_size, max_bytes, path)
     except OSError:
         os.close(fd)
         raise
-    with os.fdopen(fd, "rb") as f:
+    return os.fdopen(fd, "rb")
+
+
+def read_local(path: str, max_bytes: int | None = None) -> bytes:
+    """A local regular file's bytes, at most ``max_bytes`` of them (else OSError, unread)."""
+    with open_local(path, max_bytes) as f:
         return f.read()

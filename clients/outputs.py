@@ -210,6 +210,8 @@ def read_manifest(directory: str | Location) -> dict:
         manifest = json.loads(where.read(MANIFEST))
     except FileNotFoundError:
         raise OutputsError(f"{path} not found: not a vit22b embed output directory") from None
+    except OSError as err:  # a folder, a FIFO, no permission
+        raise OutputsError(f"{path} cannot be read: {err.strerror or err}") from None
     except ValueError as err:  # not JSON, or not UTF-8
         raise OutputsError(f"{path} is not valid JSON: {err}") from None
     found = manifest.get("format") if isinstance(manifest, dict) else None

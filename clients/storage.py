@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
-from .files import over_limit, read_local
+from .files import open_local, over_limit, read_local, regular
 
 TEMP_MARK = ".tmp-"
 FILE_SCHEME = "file://"
@@ -178,8 +178,13 @@ class Location:
         return f"{self.root}/{rel}" if rel else self.root
 
     def local_file(self, rel: str) -> str | None:
-        """The file's path on the local disk (to memory-map it), or None for remote storage."""
-        return None if self.remote else os.path.join(self.root, rel)
+        """The file's path on the local disk (to memory-map it), or None for remote storage;
+        OSError unless it is a regular file (a FIFO would block the mapping for ever)."""
+        if self.remote:
+            return None
+        path = os.path.join(self.root, rel)
+        regular(os.stat(path), path)
+        return path
 
     def makedirs(self, rel: str = "") -> None:
         if self.remote:
@@ -206,14 +211,13 @@ class Location:
     def read(self, rel: str) -> bytes:
         if self.remote:
             return self.fs.cat_file(self._inner(rel))
-        with open(os.path.join(self.root, rel), "rb") as f:
-            return f.read()
+        return read_local(os.path.join(self.root, rel))
 
     def open(self, rel: str) -> BinaryIO:
         """A binary file opened for reading (pyarrow and np.load take it)."""
         if self.remote:
             return self.fs.open(self._inner(rel), "rb")
-        return open(os.path.join(self.root, rel), "rb")
+        return open_local(os.path.join(self.root, rel))
 
     def remove(self, rel: str) -> None:
         if self.remote:

@@ -73,6 +73,24 @@ class Sizes:
 # ------------------------------------------------------------------------------------------
 
 
+MAX_JSON_BYTES = 16 << 20  # a config file or an index: kilobytes
+
+
+def read_json(file: Path) -> object:
+    """A JSON file beside the weights: a regular file (a pipe would wait, /dev/zero would fill
+    the memory) of a bounded size."""
+    if not file.is_file():
+        raise ConvertError(f"{file}: not a regular file")
+    size = file.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ConvertError(f"{file}: {size} bytes, over the {MAX_JSON_BYTES} a JSON file beside "
+                           "the weights may hold")
+    try:
+        return json.loads(file.read_text())
+    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
+        raise ConvertError(f"{file}: not valid JSON: {err}") from None
+
+
 def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[Path]:
     """The weight file(s) at ``path``: a file, or a directory holding one (or a sharded index);
     in a directory with several, the first of the ``preferred`` names present."""
@@ -96,13 +114,11 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
 
 def _index_shards(index: Path) -> list[str]:
     """The shard files transformers' index names: plain file names beside it, each once."""
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (ValueError, AttributeError) as err:  # bad JSON, or JSON that is not an object
-        raise ConvertError(f"{index}: not a JSON object holding a weight_map ({err})") from None
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ConvertError(f"{index}: its weight_map is {str(weight_map)[:60]}, not an object "
-                           "of tensor names to shard files")
+        raise ConvertError(f"{index}: holds no weight_map, an object of tensor names to shard "
+                           "files")
     for name in weight_map.values():
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise ConvertError(f"{index}: weight_map names {name!r}, not a file in its folder")
@@ -169,6 +185,8 @@ def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
         reader = readers.get(path.suffix)
         if reader is None:
             raise ConvertError(f"{path}: unknown weight format {path.suffix!r}")
+        if path.exists() and not path.is_file():  # a pipe would wait for a writer for ever
+            raise ConvertError(f"{path}: not a regular file")
         try:
             part = reader(path)
         except ConvertError:

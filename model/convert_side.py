@@ -11,10 +11,9 @@ value before any converter reads it. A key that is null is read as absent, the s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .convert_common import ConvertError
+from .convert_common import ConvertError, read_json
 from .schema import COUNT, FLAG, NUMBER, POSITIVE, SIZE, TEXT, Kind, Schema, check, either, list_of
 
 
@@ -23,11 +22,7 @@ def read_side(path: Path, name: str, schema: Schema) -> dict:
     file = (path if path.is_dir() else path.parent) / name
     if not file.exists():
         return {}
-    try:
-        data = json.loads(file.read_text())
-    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
-        raise ConvertError(f"{file}: not valid JSON: {err}") from err
-    data = _without_nulls(data)
+    data = _without_nulls(read_json(file))
     check(data, schema, str(file), ConvertError)
     return data
 

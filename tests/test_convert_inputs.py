@@ -6,6 +6,7 @@ family names what it has, a config that contradicts the weights names both value
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -368,9 +369,9 @@ def test_a_shard_index_must_name_files_in_its_own_folder(tmp_path):
     (tmp_path / "other.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     index = folder / "model.safetensors.index.json"
     for text, message in (
-        ("{oops", "not a JSON object holding a weight_map"),
-        ("[1]", "not a JSON object holding a weight_map"),
-        ("{}", "its weight_map is None, not an object of tensor names to shard files"),
+        ("{oops", "not valid JSON"),
+        ("[1]", "holds no weight_map, an object of tensor names to shard files"),
+        ("{}", "holds no weight_map, an object of tensor names to shard files"),
         (json.dumps({"weight_map": {"a": "../other.safetensors"}}),
          "weight_map names '../other.safetensors', not a file in its folder"),
         (json.dumps({"weight_map": {"a": 5}}), "weight_map names 5, not a file in its folder"),
@@ -382,9 +383,25 @@ def test_a_shard_index_must_name_files_in_its_own_folder(tmp_path):
     assert convert("hf", folder).config.depth == 2
 
 
+def test_a_pipe_or_device_in_place_of_a_file_is_refused_not_waited_on(tmp_path):
+    """A FIFO named config.json or model.safetensors blocked the converter for ever, a
+    config.json linked to /dev/zero filled the memory: each is refused unread."""
+    for name in ("config.json", "model.safetensors.index.json", "model.safetensors"):
+        folder = _clip_folder(tmp_path / name)
+        (folder / name).unlink(missing_ok=True)
+        os.mkfifo(folder / name)
+        with pytest.raises(ConvertError, match=rf"{re.escape(name)}: not a regular file"):
+            convert("hf", folder)
+    folder = _clip_folder(tmp_path / "zero")
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(ConvertError, match="config.json: not a regular file"):
+        convert("hf", folder)
+
+
 class _RunsCode:
-    def __reduce__(self):
-        return (print, ("a pickled call",))
+    def __reduce__(self):  # a harmless call, named by its module (print is rebound by ray)
+        return (os.getpid, ())
 
 
 def test_weights_that_are_integers_or_pickled_objects_are_refused(tmp_path):
@@ -399,6 +416,7 @@ def test_weights_that_are_integers_or_pickled_objects_are_refused(tmp_path):
                                                rf"{folder.name} values, not floating point"):
             convert("timm", folder, Hints(heads=4))
     torch.save({**state, "extra": _RunsCode()}, tmp_path / "pickled.pth")
-    with pytest.raises(ConvertError, match=r"pickled.pth: holds pickled Python objects besides "
-                                           r"tensors \(print\), which are never loaded"):
+    called = rf"\({os.getpid.__module__}\.getpid\)"
+    with pytest.raises(ConvertError, match=rf"pickled.pth: holds pickled Python objects besides "
+                                           rf"tensors {called}, which are never loaded"):
         convert("timm", tmp_path / "pickled.pth", Hints(heads=4))

@@ -447,6 +447,25 @@ def test_an_output_folder_from_anyone_reads_nothing_outside_it(engine, tmp_path)
         open_outputs(str(out))
 
 
+def test_a_fifo_in_an_output_folder_is_refused_not_waited_on(engine, tmp_path):
+    """A FIFO in place of the manifest or a shard blocked the loader (and a resumed job) for
+    ever: the folder may come from anyone; each is an OutputsError, unread."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_images(data, 3)
+    assert local_job(engine, data, out).complete
+    shard = out / "shards" / "00000.pooled.npy"
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(OutputsError, match="shard 0 cannot be read .*not a regular file: a FIFO"):
+        open_outputs(str(out))
+    (out / "manifest.json").unlink()
+    os.mkfifo(out / "manifest.json")
+    for read in (lambda: open_outputs(str(out)), lambda: local_job(engine, data, out)):
+        with pytest.raises(OutputsError, match="manifest.json cannot be read: not a regular "
+                                               "file: a FIFO"):
+            read()
+
+
 def test_a_job_resumed_on_a_damaged_manifest_is_refused_naming_the_key(engine, tmp_path):
     """A resumed job read the manifest's shards without a check: a count that is a string, a
     shard's files that are a list or an identity that is not an object ended in a TypeError or
