@@ -25,14 +25,12 @@ shape per output, and a stride in seconds gives each video its own frame count (
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from .embed import BatchResult, os_reason, to_stored
 from .embed_inputs import InputItem
-from .files import regular, usable
 from .storage import filesystem, is_url, local_path
 from .video import Clip, Sampling, VideoError, read_clip
 from .video_features import FramePlan
@@ -94,9 +92,7 @@ class VideoWorker:
                 fs, inner = filesystem(item.path)
                 with fs.open(inner, "rb") as remote:
                     return read_clip(remote, self.sampling, name=item.id)
-            source = local_path(item.path)
-            regular(os.stat(usable(source)), source)  # PyAV opens it: a FIFO would block it
-            return read_clip(source, self.sampling, name=item.id)
+            return read_clip(local_path(item.path), self.sampling, name=item.id)
         except OSError as err:
             return VideoError(item.id, os_reason(err))
         except VideoError as err:

@@ -63,6 +63,8 @@ from typing import BinaryIO
 import numpy as np
 from vit22b.model.errors import is_number
 
+from .files import regular, usable
+
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 # A path, the file's bytes, or an open, seekable binary file (an fsspec file of a remote
 # object: read in blocks as PyAV asks, never whole; each pass starts at its beginning).
@@ -248,9 +250,10 @@ def _open(av, source: VideoSource, name: str):
                 raise VideoError(name, "empty (0 bytes)")
             source.seek(0)
             return av.open(source, "r", metadata_errors=TAG_ERRORS)
-        if os.path.isfile(source) and os.path.getsize(source) == 0:
+        path = os.fspath(source)
+        if regular(os.stat(usable(path)), path).st_size == 0:  # a FIFO would block av.open
             raise VideoError(name, "empty file (0 bytes)")
-        return av.open(os.fspath(source), "r", metadata_errors=TAG_ERRORS)
+        return av.open(path, "r", metadata_errors=TAG_ERRORS)
     except OSError as err:  # av.error.FileNotFoundError etc.; av's EOFError too
         reason = getattr(err, "strerror", None) or str(err)
         raise VideoError(name, f"cannot open as a video: {reason}") from None

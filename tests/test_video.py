@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -181,6 +182,14 @@ def test_bad_videos_are_refused_with_their_reason(tmp_path):
         assert str(tmp_path / name) in str(caught.value)
     with pytest.raises(VideoError, match=r"<video bytes>: empty \(0 bytes\)"):
         read_clip(b"", Sampling(frames=1))
+    os.mkfifo(tmp_path / "pipe.mp4")  # PyAV opened it and waited for a writer for ever
+    for read in (probe, lambda path: read_clip(path, Sampling(frames=1))):
+        with pytest.raises(VideoError, match="pipe.mp4: cannot open as a video: not a regular "
+                                             "file: a FIFO"):
+            read(tmp_path / "pipe.mp4")
+    # FFmpeg's open stopped at a NUL byte: "good.mp4\0x.mp4" was read as good.mp4
+    with pytest.raises(VideoError, match="a path with a NUL byte names no file"):
+        probe(f"{tmp_path / 'good.mp4'}\0x.mp4")
     # many at once: each bad one is its error, in place
     out = read_clips([tmp_path / "good.mp4", tmp_path / "random.mp4"], Sampling(frames=2))
     assert out[0].frames.shape[0] == 2 and isinstance(out[1], VideoError)

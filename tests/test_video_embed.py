@@ -177,7 +177,7 @@ def test_a_listed_video_with_a_nul_byte_is_that_videos_failure(videos, tmp_path)
     summary = embed_job(backend, listing, tmp_path / "out")
     assert (summary.embedded, summary.failed) == (1, 1) and summary.complete
     (error,) = [json.loads(line) for line in open(tmp_path / "out" / "errors.jsonl")]
-    assert error["reason"] == "cannot read file: a path with a NUL byte names no file"
+    assert error["reason"] == "cannot open as a video: a path with a NUL byte names no file"
 
 
 def test_the_job_through_a_server_in_bfloat16(server, videos, tmp_path):
