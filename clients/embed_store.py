@@ -160,7 +160,6 @@ class OutputStore:
                     rows = read_ids(self.where, files[IDS]["file"])
                     self._failed[entry["index"]] = rows["failed"]
 
-
     # -- writing -------------------------------------------------------------------------
     def write_shard(self, index: int, inputs_sha256: str, ids: list[str], paths: list[str],
                     arrays: dict[str, np.ndarray], failed: list[dict]) -> dict:

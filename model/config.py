@@ -10,12 +10,10 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import is_number
+from .schema import FLAG, NUMBER, TEXT, WHOLE, list_of
 
 BlockType = Literal["parallel", "sequential"]
 NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
@@ -50,20 +48,11 @@ class ConfigError(ValueError):
     """A configuration that cannot describe a working model; the message names the field."""
 
 
-# A field's declared type -> (what its values must be, the value as that type or None). A config
-# read from a file (a checkpoint's metadata.json, a server's model info) is held to its types:
-# "false" is not read as true, nor 0 as False, nor "1e-6" as a number.
-_TYPES = {
-    "bool": ("true or false", lambda v: bool(v) if isinstance(v, bool) or _numpy_bool(v) else None),
-    "int": ("a whole number", lambda v: int(v) if is_number(v, numbers.Integral) else None),
-    "float": ("a finite number",
-              lambda v: float(v) if is_number(v) and math.isfinite(v) else None),
-    "str": ("a string", lambda v: v if isinstance(v, str) else None),
-}
-
-
-def _numpy_bool(value: object) -> bool:
-    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+# A field's declared type -> its kind and its Python type. A config read from a file (a
+# checkpoint's metadata.json, a server's model info) is held to its types: "false" is not read
+# as true, nor 0 as False, nor "1e-6" as a number.
+_TYPES = {"bool": (FLAG, bool), "int": (WHOLE, int), "float": (NUMBER, float), "str": (TEXT, str)}
+_CHANNELS = list_of(NUMBER, 3)  # a mean or std per channel R G B
 
 
 def _typed(owner: object, where: str) -> None:
@@ -75,12 +64,11 @@ def _typed(owner: object, where: str) -> None:
         kind = kind.removesuffix(" | None")
         if kind not in _TYPES or (optional and value is None):
             continue
-        says, cast = _TYPES[kind]
-        typed = cast(value)
-        if typed is None:
-            raise ConfigError(f"{where}: {f.name}={value!r} is not {says}"
+        accepted, python_type = _TYPES[kind]
+        if not accepted.test(value):
+            raise ConfigError(f"{where}: {f.name}={value!r} is not {accepted.says}"
                               + (" or null" if optional else ""))
-        object.__setattr__(owner, f.name, typed)  # frozen: set once, here
+        object.__setattr__(owner, f.name, python_type(value))  # frozen: set once, here
 
 
 @dataclass(frozen=True)
@@ -109,9 +97,8 @@ class Preprocess:
                               f"{INTERPOLATIONS}")
         for name in ("mean", "std"):
             values = getattr(self, name)
-            if not (isinstance(values, (list, tuple)) and len(values) == 3 and all(
-                    is_number(v) and math.isfinite(v) for v in values)):
-                raise ConfigError(f"preprocess: {name}={values!r} is not 3 finite numbers")
+            if not _CHANNELS.test(values):
+                raise ConfigError(f"preprocess: {name}={values!r} is not {_CHANNELS.says}")
             object.__setattr__(self, name, tuple(float(v) for v in values))
         if min(self.std) <= 0:
             raise ConfigError(f"preprocess: std={self.std} must be positive")

@@ -77,8 +77,8 @@ MAX_JSON_BYTES = 16 << 20  # a config file or an index: kilobytes
 
 
 def read_json(file: Path) -> object:
-    """A JSON file beside the weights: a regular file (a pipe would wait, /dev/zero would fill
-    the memory) of a bounded size."""
+    """A JSON file beside the weights: a regular file (a pipe would wait for a writer, a device
+    be read without end) of a bounded size."""
     if not file.is_file():
         raise ConvertError(f"{file}: not a regular file")
     size = file.stat().st_size

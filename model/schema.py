@@ -37,18 +37,24 @@ def _whole(value: object) -> bool:
     return is_number(value, numbers.Integral)
 
 
+def _flag(value: object) -> bool:  # numpy's bools too (a config built from arrays' facts)
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
+WHOLE = Kind("a whole number", "whole numbers", _whole)
 COUNT = Kind("a whole number >= 0", "whole numbers >= 0", lambda v: _whole(v) and v >= 0)
 SIZE = Kind("a whole number > 0", "whole numbers > 0", lambda v: _whole(v) and v > 0)
 NUMBER = Kind("a finite number", "finite numbers", _finite)
 POSITIVE = Kind("a finite number > 0", "finite numbers > 0", lambda v: _finite(v) and v > 0)
 TEXT = Kind("a string", "strings", lambda v: isinstance(v, str))
-FLAG = Kind("true or false", "flags", lambda v: isinstance(v, bool))
+FLAG = Kind("true or false", "flags", _flag)
 
 
 def list_of(kind: Kind, length: int | None = None) -> Kind:
     says = f"a list of {f'{length} ' if length else ''}{kind.many}"
     return Kind(says, f"lists of {kind.many}",
-                lambda v: isinstance(v, list) and (length is None or len(v) == length)
+                lambda v: isinstance(v, (list, tuple)) and (length is None or len(v) == length)
                 and all(kind.test(x) for x in v))
 
 

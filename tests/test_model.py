@@ -322,7 +322,7 @@ def test_a_config_read_back_keeps_its_types_and_refuses_others():
     for changes, message in (
         ({"crop": "no"}, "crop='no' is not true or false"),
         ({"resize": "72"}, "resize='72' is not a whole number"),
-        ({"mean": [0.5, 0.5]}, r"mean=\[0.5, 0.5\] is not 3 finite numbers"),
+        ({"mean": [0.5, 0.5]}, r"mean=\[0.5, 0.5\] is not a list of 3 finite numbers"),
         ({"std": [0.5, 0.0, 0.5]}, "std=.* must be positive"),
         ({"interpolation": "nearest"}, "interpolation='nearest' is not one of"),
         ({"gamma": 2.2}, r"unknown preprocess fields \['gamma'\]"),
