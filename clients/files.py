@@ -12,19 +12,16 @@ import os
 import stat
 from typing import BinaryIO
 
+from vit22b.model.errors import file_kind
+
 # An image file read whole (a 40-megapixel, 16-bit RGBA TIFF is 320 MB); a larger one, e.g. a
 # video in a folder of photos, is a failure read no further.
 MAX_IMAGE_BYTES = 1 << 30
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
 def regular(info: os.stat_result, path: str) -> os.stat_result:
     """``info`` if it is a regular file's, else OSError naming what it is."""
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a file")
-        raise OSError(errno.EINVAL, f"not a regular file: {kind}", path)
+        raise OSError(errno.EINVAL, f"not a regular file: {file_kind(info.st_mode)}", path)
     return info
 
 

@@ -23,7 +23,9 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,9 +34,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax.sharding import Mesh
 
 from .config import ConfigError, ViTConfig
+from .errors import file_kind
 from .sharding import check_mesh_fits, param_shardings
 from .vit import abstract_params
 
@@ -47,6 +51,7 @@ RESTORE_CONCURRENT_GB = 0.25
 METADATA_FILE = "metadata.json"
 PARAMS_DIR = "params"
 HEAD_FILE = "head.npz"
+MAX_METADATA_BYTES = 64 << 20  # a 22B model's is about 40 KB
 # Architecture fields that may differ between an expected config and a checkpoint's.
 _NOT_ARCHITECTURE = ("name", "compute_dtype", "preprocess", "posemb_resample")
 
@@ -318,8 +323,13 @@ def read_metadata(path) -> CheckpointMeta:
         raise CheckpointError(
             f"{path} has no {METADATA_FILE}: not a vit22b checkpoint, or a save that did not finish"
         )
-    if not meta_file.is_file():  # a folder, or a FIFO that would block the read for ever
-        raise CheckpointError(f"{meta_file} is not a regular file")
+    info = meta_file.stat()
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read for ever
+        raise CheckpointError(f"{meta_file} is {file_kind(info.st_mode)}, not a regular file")
+    size = info.st_size
+    if size > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{meta_file} is unreadable: {size} bytes, over the "
+                              f"{MAX_METADATA_BYTES} a checkpoint's metadata may hold")
     try:
         payload = json.loads(meta_file.read_text())
         if not isinstance(payload, dict):
@@ -365,14 +375,49 @@ def stored_shapes(path) -> Shapes:
     params_dir = Path(path) / PARAMS_DIR
     if not params_dir.is_dir():
         raise CheckpointError(f"{path} has no {PARAMS_DIR}/ directory: the weights are missing")
+    _check_entries(params_dir)
+    unreadable = f"{params_dir}: the weights' index is unreadable (truncated or corrupt)"
+    _check_index(params_dir, unreadable)
     try:
-        tree = _checkpointer().metadata(params_dir.absolute()).item_metadata.tree
+        with _quiet_orbax():  # a damaged index is a warning and a closed loop's traceback
+            item = _checkpointer().metadata(params_dir.absolute()).item_metadata
     except Exception as err:  # orbax raises many kinds; the message is what matters
-        raise CheckpointError(
-            f"{params_dir}: the weights' index is unreadable (truncated or corrupt): "
-            f"{_first_line(err)}"
-        ) from err
-    return shapes_of(tree)
+        raise CheckpointError(f"{unreadable}: {_first_line(err)}") from err
+    if item is None or item.tree is None:  # orbax logs the failure and returns nothing
+        raise CheckpointError(f"{unreadable}: orbax read no array metadata from it")
+    return shapes_of(item.tree)
+
+
+def _check_index(params_dir: Path, unreadable: str) -> None:
+    """Read the OCDBT index (its manifest and tree nodes carry checksums) and every array's
+    metadata synchronously, before orbax does: orbax reads them in one gather, and when one read
+    fails it closes its event loop under the others, whose ends then print a traceback each for
+    up to a second after the refusal."""
+    if not (params_dir / "manifest.ocdbt").is_file():  # not orbax's OCDBT layout: orbax decides
+        return
+    try:
+        base = {"driver": "file", "path": f"{params_dir.absolute()}{os.sep}"}
+        store = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+        for key in store.list().result():
+            if key.rsplit(b"/", 1)[-1] in (b".zarray", b"zarr.json"):
+                json.loads(store.read(key).result().value)
+    except Exception as err:  # tensorstore's errors are ValueErrors; a bad JSON value too
+        raise CheckpointError(f"{unreadable}: {_first_line(err)}") from err
+
+
+def _check_entries(params_dir: Path) -> None:
+    """Every entry under ``params/`` a folder or a regular file: orbax would wait for ever on a
+    FIFO in place of one of its files, and read a device without end."""
+    for folder, dirs, files in os.walk(params_dir):
+        for name in dirs + files:
+            entry = Path(folder, name)
+            try:
+                mode = entry.stat().st_mode
+            except OSError as err:  # a dangling or looping link
+                raise CheckpointError(f"{entry}: cannot be read: {err.strerror}") from None
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(f"{entry} is {file_kind(mode)}, not a regular file or a "
+                                      "folder: refused unread")
 
 
 def abstract_target(cfg: ViTConfig, mesh: Mesh) -> dict:
@@ -406,8 +451,9 @@ def _quiet_orbax():
     """What failed restores print held back, so that the refusal is what a user reads:
     orbax's INFO lines (about twenty per restore, through absl's logger: one restore per
     parameter made hundreds), and the reads a failed restore abandons, which report as they
-    finish on its closed event loop (tensorstore's callbacks print straight to file descriptor
-    2, held back here: nothing else runs while a checkpoint is being restored) or when
+    finish on its closed event loop (tensorstore's threads print a traceback each, through
+    ``sys.stderr`` to file descriptor 2, held back here: nothing else runs while a checkpoint is
+    being restored) or when
     collected unfinished (orbax's coroutines and tasks, through ``sys.unraisablehook`` and
     asyncio's logger, at any later time: those filters stay). Unchecked, up to two thousand
     lines of tracebacks about nothing a user can act on."""
@@ -427,6 +473,35 @@ def _quiet_orbax():
         os.close(stderr)
         os.close(devnull)
         logger.setLevel(level)
+
+
+class _NativeThreadsMuted:
+    """``sys.stderr`` for the length of a restore: what threads Python did not start write is
+    dropped. Those are tensorstore's, and what they write there is the tracebacks of reads a
+    failed restore abandoned, as each ends on orbax's closed event loop: they print as the
+    first read fails, before ``_quiet_orbax`` can start (about every other refusal of a
+    checkpoint whose data files were damaged printed one or two)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if isinstance(threading.current_thread(), threading._DummyThread):
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _native_threads_muted():
+    stream = sys.stderr
+    sys.stderr = _NativeThreadsMuted(stream)
+    try:
+        yield
+    finally:
+        sys.stderr = stream
 
 
 _ORBAX = f"{os.sep}orbax{os.sep}"  # in the paths of orbax's modules
@@ -501,10 +576,11 @@ def restore(
     check_mesh_fits(cfg, mesh)
     target = abstract_target(cfg, mesh)
     params_dir = path / PARAMS_DIR
-    try:
-        params = jax.block_until_ready(_orbax_restore(params_dir, target))
-    except Exception as err:
-        raise _unreadable(params_dir, target, err) from err
+    with _native_threads_muted():
+        try:
+            params = jax.block_until_ready(_orbax_restore(params_dir, target))
+        except Exception as err:
+            raise _unreadable(params_dir, target, err) from err
     if verify:
         actual = fingerprint(params)
         if actual != meta.fingerprint:

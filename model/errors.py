@@ -8,6 +8,7 @@ table in ``server/status.py``. Anything not in that table is a bug.
 from __future__ import annotations
 
 import numbers
+import stat
 
 
 class InvalidRequest(ValueError):
@@ -43,6 +44,15 @@ def quoted(text: object) -> str:
     if len(text) <= SHOWN_CHARS:
         return repr(text)
     return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is (its ``st_mode``), for a refusal."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
 
 
 def is_number(value: object, kind: type = numbers.Real) -> bool:
