@@ -97,6 +97,9 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
         except OSError as err:
             raise ValueError(f"--compile-cache {config.compile_cache}: cannot create "
                              f"{err.filename}: {err.strerror} (give a folder, or 'off')") from None
+        except ValueError as err:
+            raise ValueError(f"--compile-cache {config.compile_cache}: {err} (remove it, or "
+                             "'off')") from None
     engine = Engine.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,

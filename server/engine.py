@@ -27,6 +27,7 @@ import functools
 import logging
 import math
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -39,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from vit22b.model.config import DEFAULT_MODEL, ViTConfig, get_config
-from vit22b.model.errors import QueueFull
+from vit22b.model.errors import QueueFull, file_kind
 from vit22b.model.features import Features
 from vit22b.model.forward import cast_matmul_kernels, chunked_apply, store_transposed
 from vit22b.model.identity import ModelIdentity, seeded_source
@@ -86,18 +87,39 @@ def stored_config(model: str | None, checkpoint_dir: str | None) -> ViTConfig:
 
 def enable_compile_cache(directory: str) -> str:
     """JAX's persistent compilation cache under ``directory``, in a folder per jax/jaxlib
-    version; returns that folder. JAX keys each entry by the program, the compile options and
-    the devices, and writes entries atomically, so processes may share it; the version folder
-    keeps a cache written by another install from being read at all."""
+    version; returns that folder. JAX keys each entry by the program, the compile options
+    (the folder's path among them) and the devices, and stores it zlib-compressed: an entry
+    read while another process writes it, or damaged since, fails zlib's check and is compiled
+    afresh (a warning), so processes may share the folder. The version folder keeps a cache
+    written by another install from being read at all."""
     import jaxlib
 
     folder = os.path.join(os.path.expanduser(directory), f"jax-{jax.__version__}-jaxlib-"
                           f"{jaxlib.__version__}")
     os.makedirs(folder, exist_ok=True)
+    _check_cache_folder(folder)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def _check_cache_folder(folder: str) -> None:
+    """Refuse entries that are not regular files (JAX reads an entry whole when its key comes
+    up: a FIFO blocked start-up for ever, a link to /dev/zero filled the memory) and warn when
+    any user may write the folder: its entries are compiled programs this process runs."""
+    for path in (folder, os.path.dirname(folder)):
+        if os.stat(path).st_mode & stat.S_IWOTH:
+            log.warning("compile cache %s may be written by any user: its entries are "
+                        "compiled programs this server loads and runs", path)
+            break
+    for entry in os.scandir(folder):
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError as err:  # a dangling or looping link: JAX would write through it
+            raise ValueError(f"entry {entry.path}: {err.strerror}") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ValueError(f"entry {entry.path} is {file_kind(mode)}, not a regular file")
 
 
 def chosen_dtype(default: str, asked: str | None, platform: str) -> str:

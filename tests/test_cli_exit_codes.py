@@ -7,9 +7,11 @@ start), 2 bad options. `vit22b info --mesh`: refuses a mesh that `serve` would r
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +129,27 @@ def test_serve_names_a_compile_cache_that_cannot_be_a_folder(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert (f"vit22b serve: --compile-cache {cache}: cannot create {cache}: Not a directory "
             "(give a folder, or 'off')") in done.stderr
+
+
+def test_serve_refuses_a_compile_cache_entry_that_is_not_a_file(tmp_path):
+    """JAX reads the entry of a program's key whole: a FIFO there blocked start-up for ever and
+    a link to /dev/zero filled the memory (a sweep of edited cache folders). An entry that is
+    not a regular file is refused before anything compiles; a folder any user may write is
+    warned about (its entries are programs the server runs)."""
+    cache = tmp_path / "xla"
+    version = cache / f"jax-{metadata.version('jax')}-jaxlib-{metadata.version('jaxlib')}"
+    version.mkdir(parents=True)
+    entry = version / "jit_forward-0123abcd-cache"
+    os.mkfifo(entry)
+    cache.chmod(0o777)
+    done = vit22b("serve", "--model", "vit-22b-tiny/16", "--compile-cache", str(cache))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert (f"vit22b serve: --compile-cache {cache}: entry {entry} is a FIFO, not a regular file "
+            "(remove it, or 'off')") in done.stderr
+    assert f"compile cache {cache} may be written by any user" in done.stderr
+    entry.unlink()
+    entry.symlink_to(tmp_path / "gone")
+    cache.chmod(0o755)
+    done = vit22b("serve", "--model", "vit-22b-tiny/16", "--compile-cache", str(cache))
+    assert done.returncode == 2 and "may be written" not in done.stderr, done.stderr
+    assert f"entry {entry}: No such file or directory (remove it, or 'off')" in done.stderr
