@@ -22,6 +22,9 @@ PREFIX = "hf-hub:"
 SHARD_INDEX = "model.safetensors.index.json"
 SHARDS = "model-*-of-*.safetensors"
 _REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
+# a branch, tag or commit ("main", "v1.0", "refs/pr/1", a hash): huggingface_hub reads
+# refs/REVISION as a file, so "../" would read any file's first line as a commit
+_REVISION = re.compile(r"^(?!.*\.\.)[\w.-]+(/[\w.-]+)*$")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ def parse(source: str, name: str) -> HubModel | None:
             raise ConvertError(f"{spec}: not a hub model name (hf-hub:ORG/NAME[@REVISION])")
         return None  # a local path that does not exist: find_weights says so
     spec = spec.partition("@")[0]
+    if revision and not _REVISION.match(revision):
+        raise ConvertError(f"{spec}: revision {revision!r} is not a branch, tag or commit name")
     return HubModel(spec, repo, revision or "main")
 
 

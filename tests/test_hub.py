@@ -156,6 +156,12 @@ def test_a_model_neither_cached_nor_downloadable_names_the_repo_and_the_cache(hu
     )
     with pytest.raises(ConvertError, match=r"hf-hub:timm/absent: revision 'v2' is not in the"):
         convert("timm", "hf-hub:timm/absent@v2")
+    # huggingface_hub reads refs/REVISION as a file: "../" read any file's first line as a
+    # commit, and a folder was "Is a directory"
+    for revision in ("../../evil", "/etc", "a b", "x\ny", "refs/../main"):
+        with pytest.raises(ConvertError, match=re.escape(
+                f"hf-hub:timm/absent: revision {revision!r} is not a branch, tag or commit name")):
+            convert("timm", f"hf-hub:timm/absent@{revision}")
 
     # cached, but without any weight file the importer reads
     saved = tmp_path / "saved"
