@@ -464,6 +464,11 @@ def test_a_fifo_in_an_output_folder_is_refused_not_waited_on(engine, tmp_path):
         with pytest.raises(OutputsError, match="manifest.json cannot be read: not a regular "
                                                "file: a FIFO"):
             read()
+    (out / ".lock").unlink()  # a job opens it to write before anything else: a FIFO waited too
+    os.mkfifo(out / ".lock")
+    with pytest.raises(OutputsError, match=r"cannot be a folder of outputs: not a regular file: "
+                                           r"a FIFO \(.*\.lock\)"):
+        local_job(engine, data, out)
 
 
 def test_a_job_resumed_on_a_damaged_manifest_is_refused_naming_the_key(engine, tmp_path):
