@@ -308,6 +308,9 @@ def _refuse_architecture(t: SourceTensors, side: dict) -> None:
     elif (architecture.startswith(_EVA_PREFIXES) or any(m in architecture for m in _EVA_MARKS)
           or args.get("use_rot_pos_emb")):
         why = "timm's Eva models (rotary position embeddings, their own blocks)"
+        if "_dinov3" in architecture:  # the same weights are released for transformers too
+            why += ("; DINOv3 converts from its Hugging Face release (--from hf, the "
+                    "facebook/dinov3-* repositories' DINOv3ViTModel)")
     if why:
         raise ConvertError(f"{t.source} checkpoint: not supported: {why}")
 

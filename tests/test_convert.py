@@ -461,6 +461,9 @@ def test_timm_models_that_compute_otherwise_are_refused_not_misread(tmp_path):
     for eva in ("vit_base_patch16_rope_reg1_gap_256", "vit_base_patch16_dinov3"):
         with pytest.raises(ConvertError, match="timm's Eva models"):  # rotary: no weights show it
             _convert_with_config(plain, tmp_path, eva)
+    with pytest.raises(ConvertError, match=r"DINOv3 converts from its Hugging Face release "
+                                           r"\(--from hf"):  # where a user can go instead
+        _convert_with_config(plain, tmp_path, "vit_large_patch16_dinov3_qkvb")
     # vision_transformer.py's own eva_large_* are plain ViTs (were refused as rotary)
     assert _convert_with_config(plain, tmp_path, "eva_large_patch14_196").config.heads == 4
     branches = timm.create_model("vit_small_patch16_18x2_224", pretrained=False, **TINY)
