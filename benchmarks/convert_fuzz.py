@@ -156,23 +156,25 @@ def _maybe(rng: random.Random, p: float, value, options: dict, name: str, spec: 
 
 @functools.lru_cache(maxsize=1)
 def _timm_architectures() -> dict[str, tuple[str, ...]]:
-    """timm's registered VisionTransformer architectures and what a refusal of each may name:
-    the model_args it passes itself (names and source text), read from vision_transformer.py
-    (its hub config.json does not record them); and its Eva models (eva.py, rotary)."""
+    """timm's registered VisionTransformer and Eva architectures and what a refusal of each may
+    name: the model_args it passes itself (names and source text), read from
+    vision_transformer.py and eva.py (a hub config.json does not record them), and for the Eva
+    models their rotary embeddings."""
     timm = import_timm()
-    path = Path(timm.models.vision_transformer.__file__)
     found = {name: EVA_WORDS for name in timm.list_models(module="eva")}
-    for node in ast.parse(path.read_text()).body:
-        if not isinstance(node, ast.FunctionDef) or not any(
-            getattr(d, "id", None) == "register_model" for d in node.decorator_list
-        ):
-            continue
-        args = {}
-        for inner in ast.walk(node):
-            if (isinstance(inner, ast.Assign) and getattr(inner.targets[0], "id", "") ==
-                    "model_args" and isinstance(inner.value, ast.Call)):
-                args = {kw.arg: ast.unparse(kw.value) for kw in inner.value.keywords if kw.arg}
-        found[node.name] = tuple(args) + tuple(v.strip("'\"") for v in args.values())
+    for module, extra in ((timm.models.eva, EVA_WORDS), (timm.models.vision_transformer, ())):
+        for node in ast.parse(Path(module.__file__).read_text()).body:
+            if not isinstance(node, ast.FunctionDef) or not any(
+                getattr(d, "id", None) == "register_model" for d in node.decorator_list
+            ):
+                continue
+            args = {}
+            for inner in ast.walk(node):
+                if (isinstance(inner, ast.Assign) and getattr(inner.targets[0], "id", "") ==
+                        "model_args" and isinstance(inner.value, ast.Call)):
+                    args = {kw.arg: ast.unparse(kw.value) for kw in inner.value.keywords
+                            if kw.arg}
+            found[node.name] = (*extra, *args, *(v.strip("'\"") for v in args.values()))
     return found
 
 
@@ -483,7 +485,7 @@ def names_an_option(message: str, case: Case) -> bool:
         return True
     text = message.lower().replace(str(case.spec.get("architecture", "\0")).lower(), "")
     words = [*case.options, *case.words]
-    for name in case.options:
+    for name in (*case.options, *case.words):  # an architecture's own arguments count too
         words += OPTION_WORDS.get(name, ())
     return any(word.lower() in text for word in words if word and word != "architecture")
 

@@ -53,6 +53,11 @@ TIMM_CONFIG: Schema = {
         "norm_layer": TEXT,
         "mlp_layer": TEXT,
         "block_fn": TEXT,
+        "global_pool": TEXT,
+        "rope_type": TEXT,  # eva.py's DINOv3 port (convert_timm_dinov3)
+        "rope_temperature": POSITIVE,
+        "rope_rotate_half": FLAG,
+        "use_abs_pos_emb": FLAG,
     },
     "pretrained_cfg": {
         "input_size": list_of(SIZE, 3),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import convert_timm_dinov3
 from .config import IMAGENET_PREPROCESS, ViTConfig
 from .convert_common import (
     ConvertError,
@@ -82,6 +83,8 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     if side.get("architecture"):  # every message names it
         t.source = f"timm {side['architecture']}"
+    if convert_timm_dinov3.is_dinov3(side):  # eva.py's DINOv3 port: transformers' layout
+        return convert_timm_dinov3.infer_config(t, hints, side)
     t.refuse("blocks.0.attns.0.norm.weight", "a block of parallel attention and MLP branches "
              "(timm ParallelThingsBlock, the *_18x2_* models)")
     blocks = "blocks.0.norm1.weight" in t or "blocks.0.in_norm.weight" in t
@@ -308,9 +311,6 @@ def _refuse_architecture(t: SourceTensors, side: dict) -> None:
     elif (architecture.startswith(_EVA_PREFIXES) or any(m in architecture for m in _EVA_MARKS)
           or args.get("use_rot_pos_emb")):
         why = "timm's Eva models (rotary position embeddings, their own blocks)"
-        if "_dinov3" in architecture:  # the same weights are released for transformers too
-            why += ("; DINOv3 converts from its Hugging Face release (--from hf, the "
-                    "facebook/dinov3-* repositories' DINOv3ViTModel)")
     if why:
         raise ConvertError(f"{t.source} checkpoint: not supported: {why}")
 
@@ -481,6 +481,8 @@ def _timm_map_head(t: SourceTensors, cfg: ViTConfig) -> dict:
 
 
 def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
+    if t.family:  # read through another importer's layout (infer_config says which)
+        return convert_timm_dinov3.build_params(t, cfg)
     d, c, p = cfg.width, cfg.channels, cfg.patch
     table = cfg.table_rows(cfg.table_grid)  # the stored grid (posemb_grid)
     params = {

@@ -349,7 +349,20 @@ TIMM_CASES = {
          "pool_norm": True},
         dict(reg_tokens=2, class_token=False, global_pool="avg"),
     ),
+    # eva.py's DINOv3 port, read as transformers' DINOv3ViTModel: 2-D RoPE, 4 registers,
+    # LayerScale; pooled as timm pools these models by default (the patch tokens' mean) ...
+    "dinov3": ("vit_base_patch16_dinov3", {"posemb": "rope", "num_registers": 4, "head": "gap"}),
+    # ... or the class token (upstream's pooling); q and v biases, no k bias
+    "dinov3-token-qkvb": (
+        "vit_small_patch16_dinov3_qkvb",
+        {"posemb": "rope", "head": "cls", "qkv_bias": True},
+        dict(global_pool="token"),
+    ),
+    # SwiGLU with its gate and value apart (fc1_g, fc1_x)
+    "dinov3-swiglu": ("vit_small_plus_patch16_dinov3", {"posemb": "rope", "mlp": "swiglu"}),
 }
+# flexible-size models are served at pretrained_cfg's input size, whatever size they were built at
+TIMM_SERVED_SIZE = {"dinov3": 256}
 
 
 def timm_converted(name: str, folder, seed: int, preprocess=None, **kw):
@@ -385,7 +398,8 @@ def test_timm_parity(case, tmp_path):
     model, converted = timm_converted(name, tmp_path / case, 31 + len(case), **extra,
                                       **(kwargs[0] if kwargs else {}))
     cfg = converted.config
-    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, 16)
+    size = TIMM_SERVED_SIZE.get(case.partition("-")[0], 16)
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.patch, cfg.image_size) == (48, 2, 4, 4, size)
     assert {k: getattr(cfg, k) for k in expected} == expected
     pixels = _pixels()
     peer = timm_outputs(model, pixels)
@@ -421,6 +435,22 @@ def test_a_timm_dynamic_size_export_keeps_its_table_and_resamples_it_as_timm_doe
 def test_timm_options_the_model_cannot_express_are_refused_by_name(kwargs, message, tmp_path):
     with pytest.raises(ConvertError, match=message):
         timm_converted("vit_base_patch16_224", tmp_path / "m", 3, num_classes=0, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # rotary pairs interleaved, not halves: the weights look the same
+    (dict(rope_rotate_half=False), r"rope_rotate_half=False \(interleaved rotary pairs\)"),
+    (dict(rope_type="cat"), r"rope_type='cat' is not supported \(only DINOv3's"),
+    (dict(use_abs_pos_emb=True), r"use_abs_pos_emb=True \(a position table beside"),
+    (dict(use_fc_norm=True), r"a norm after pooling \(timm use_fc_norm\)"),
+    (dict(scale_attn_inner=True), r"a norm inside attention \(timm scale_attn_inner\)"),
+    (dict(scale_mlp=True), r"a norm inside the MLP \(timm scale_mlp\)"),
+    (dict(global_pool="max"), r"global_pool='max' is not supported"),
+])
+def test_timm_dinov3_options_the_model_cannot_express_are_refused_by_name(kwargs, message,
+                                                                          tmp_path):
+    with pytest.raises(ConvertError, match=message):
+        timm_converted("vit_base_patch16_dinov3", tmp_path / "m", 3, num_classes=0, **kwargs)
 
 
 def test_a_timm_table_covering_its_registers_is_read_by_its_length_or_its_config(tmp_path):

@@ -198,6 +198,7 @@ TIMM_ARCHS = (
     "vit_base_patch14_dinov2",  # crop_pct 1.0, ImageNet mean/std
     "vit_base_patch16_siglip_224",
     "vit_base_patch16_clip_quickgelu_224",  # OpenAI mean/std
+    "vit_base_patch16_dinov3",  # eva.py's DINOv3 port: 256 px, crop_pct 1.0, ImageNet mean/std
 )
 
 
