@@ -67,6 +67,9 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
                            f"supported (supported: {', '.join(a for a in _ACTS if a)})")
     t.tensors = _renamed(t)
     size = (side.get("pretrained_cfg") or {}).get("input_size")
+    if size and size[-1] != size[-2]:
+        raise ConvertError(f"{t.source} checkpoint: config.json pretrained_cfg.input_size="
+                           f"{size}, a non-square input; only square inputs are served")
     hf_side = {
         "model_type": "dinov3_vit",
         "hidden_act": act,

@@ -446,6 +446,8 @@ def test_timm_options_the_model_cannot_express_are_refused_by_name(kwargs, messa
     (dict(scale_attn_inner=True), r"a norm inside attention \(timm scale_attn_inner\)"),
     (dict(scale_mlp=True), r"a norm inside the MLP \(timm scale_mlp\)"),
     (dict(global_pool="max"), r"global_pool='max' is not supported"),
+    (dict(pretrained_cfg_overlay=dict(input_size=(3, 256, 320))),
+     r"pretrained_cfg.input_size=\[3, 256, 320\], a non-square input"),
 ])
 def test_timm_dinov3_options_the_model_cannot_express_are_refused_by_name(kwargs, message,
                                                                           tmp_path):
