@@ -59,6 +59,8 @@ _SIGLIP2 = ("vit_base_patch32_siglip_256", "vit_large_patch16_siglip_512",
             "vit_so400m_patch16_siglip_512", "vit_giantopt_patch16_siglip_256",
             "vit_giantopt_patch16_siglip_384")
 _GELU_TANH = frozenset(_SIGLIP2 + tuple(n.replace("_siglip_", "_siglip_gap_") for n in _SIGLIP2))
+# registrations passing pool_include_prefix=True (attention pooling over the register too)
+_POOL_INCLUDE_PREFIX = frozenset({"test_vit3"})
 
 
 def _own_args(architecture: str) -> dict:
@@ -70,6 +72,8 @@ def _own_args(architecture: str) -> dict:
         args["act_layer"] = "quick_gelu"
     elif architecture in _GELU_TANH:
         args["act_layer"] = "gelu_tanh"
+    if architecture in _POOL_INCLUDE_PREFIX:
+        args["pool_include_prefix"] = True
     return args
 
 
@@ -147,8 +151,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     pool = side.get("global_pool")
     if model_args.get("pool_include_prefix"):
         raise ConvertError(
-            f"{t.source} checkpoint: pool_include_prefix=True (an average over the class and "
-            "register tokens too) is not supported: the model averages patch tokens only"
+            f"{t.source} checkpoint: pool_include_prefix=True (the pooling reads the class and "
+            "register tokens too) is not supported: the model pools the patch tokens only"
         )
     if "attn_pool.latent" in t:
         head = "map"

@@ -464,6 +464,12 @@ def test_timm_models_that_compute_otherwise_are_refused_not_misread(tmp_path):
     # name are not: their table has no place beside the rotary embedding
     with pytest.raises(ConvertError, match="an absolute position table beside the rotary"):
         _convert_with_config(plain, tmp_path, "vit_large_patch16_dinov3_qkvb")
+    # test_vit3's registration pools over its register too (pool_include_prefix), which a hub
+    # config.json does not record: converted, its pooled output was 8% off (convert_fuzz.py)
+    prefixed = timm.create_model("test_vit3", pretrained=False, **TINY, num_classes=0)
+    with pytest.raises(ConvertError, match=r"pool_include_prefix=True \(the pooling reads the "
+                                           r"class and register tokens too\)"):
+        _convert_with_config(prefixed, tmp_path, "test_vit3")
     # vision_transformer.py's own eva_large_* are plain ViTs (were refused as rotary)
     assert _convert_with_config(plain, tmp_path, "eva_large_patch14_196").config.heads == 4
     branches = timm.create_model("vit_small_patch16_18x2_224", pretrained=False, **TINY)
