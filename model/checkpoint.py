@@ -38,7 +38,7 @@ import tensorstore as ts
 from jax.sharding import Mesh
 
 from .config import ConfigError, ViTConfig
-from .errors import file_kind
+from .errors import file_kind, odd_entry
 from .sharding import check_mesh_fits, param_shardings
 from .vit import abstract_params
 
@@ -406,18 +406,10 @@ def _check_index(params_dir: Path, unreadable: str) -> None:
 
 
 def _check_entries(params_dir: Path) -> None:
-    """Every entry under ``params/`` a folder or a regular file: orbax would wait for ever on a
-    FIFO in place of one of its files, and read a device without end."""
-    for folder, dirs, files in os.walk(params_dir):
-        for name in dirs + files:
-            entry = Path(folder, name)
-            try:
-                mode = entry.stat().st_mode
-            except OSError as err:  # a dangling or looping link
-                raise CheckpointError(f"{entry}: cannot be read: {err.strerror}") from None
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise CheckpointError(f"{entry} is {file_kind(mode)}, not a regular file or a "
-                                      "folder: refused unread")
+    """Every entry under ``params/`` a folder or a regular file (orbax opens each it meets)."""
+    problem = odd_entry(params_dir)
+    if problem:
+        raise CheckpointError(f"{problem}: refused unread")
 
 
 def abstract_target(cfg: ViTConfig, mesh: Mesh) -> dict:

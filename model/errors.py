@@ -8,6 +8,7 @@ table in ``server/status.py``. Anything not in that table is a bug.
 from __future__ import annotations
 
 import numbers
+import os
 import stat
 
 
@@ -53,6 +54,23 @@ _FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_IS
 def file_kind(mode: int) -> str:
     """What a path that is not a regular file is (its ``st_mode``), for a refusal."""
     return next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+
+
+def odd_entry(folder: str | os.PathLike) -> str | None:
+    """The first entry under ``folder`` (any depth, links followed) that is neither a regular
+    file nor a folder, said as ``PATH is a FIFO, ...`` or ``PATH cannot be read: REASON``; None
+    if there is none. For folders whose reader opens every entry it meets (orbax, JAX's
+    compile cache): it would wait for ever on a FIFO and read a device without end."""
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(parent, name)
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as err:  # a dangling or looping link
+                return f"{path} cannot be read: {err.strerror}"
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                return f"{path} is {file_kind(mode)}, not a regular file or a folder"
+    return None
 
 
 def is_number(value: object, kind: type = numbers.Real) -> bool:

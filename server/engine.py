@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from vit22b.model.config import DEFAULT_MODEL, ViTConfig, get_config
-from vit22b.model.errors import QueueFull, file_kind
+from vit22b.model.errors import QueueFull, odd_entry
 from vit22b.model.features import Features
 from vit22b.model.forward import cast_matmul_kernels, chunked_apply, store_transposed
 from vit22b.model.identity import ModelIdentity, seeded_source
@@ -113,13 +113,9 @@ def _check_cache_folder(folder: str) -> None:
             log.warning("compile cache %s may be written by any user: its entries are "
                         "compiled programs this server loads and runs", path)
             break
-    for entry in os.scandir(folder):
-        try:
-            mode = os.stat(entry.path).st_mode
-        except OSError as err:  # a dangling or looping link: JAX would write through it
-            raise ValueError(f"entry {entry.path}: {err.strerror}") from None
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise ValueError(f"entry {entry.path} is {file_kind(mode)}, not a regular file")
+    problem = odd_entry(folder)  # a dangling link too: JAX would write through it
+    if problem:
+        raise ValueError(f"entry {problem}")
 
 
 def chosen_dtype(default: str, asked: str | None, platform: str) -> str:

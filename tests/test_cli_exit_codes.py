@@ -145,11 +145,12 @@ def test_serve_refuses_a_compile_cache_entry_that_is_not_a_file(tmp_path):
     done = vit22b("serve", "--model", "vit-22b-tiny/16", "--compile-cache", str(cache))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert (f"vit22b serve: --compile-cache {cache}: entry {entry} is a FIFO, not a regular file "
-            "(remove it, or 'off')") in done.stderr
+            "or a folder (remove it, or 'off')") in done.stderr
     assert f"compile cache {cache} may be written by any user" in done.stderr
     entry.unlink()
     entry.symlink_to(tmp_path / "gone")
     cache.chmod(0o755)
     done = vit22b("serve", "--model", "vit-22b-tiny/16", "--compile-cache", str(cache))
     assert done.returncode == 2 and "may be written" not in done.stderr, done.stderr
-    assert f"entry {entry}: No such file or directory (remove it, or 'off')" in done.stderr
+    assert f"entry {entry} cannot be read: No such file or directory (remove it, or 'off')" in \
+        done.stderr
