@@ -65,6 +65,11 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     if act is None:
         raise ConvertError(f"{t.source} checkpoint: act_layer={args['act_layer']!r} is not "
                            f"supported (supported: {', '.join(a for a in _ACTS if a)})")
+    heads = args.get("num_heads") or _registered_heads(side)
+    if hints.heads and heads and hints.heads != heads:  # said here in timm's words
+        where = "config.json's model_args" if args.get("num_heads") else "the architecture's"
+        raise ConvertError(f"{t.source} checkpoint: --heads {hints.heads} contradicts {where} "
+                           f"num_heads={heads}")
     t.tensors = _renamed(t)
     size = (side.get("pretrained_cfg") or {}).get("input_size")
     if size and size[-1] != size[-2]:
@@ -76,7 +81,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         "layer_norm_eps": 1e-5,  # every registration's LayerNorm (timm passes it in code)
         "rope_theta": float(args.get("rope_temperature", 100.0)),
         "image_size": size[-1] if size else args.get("img_size", 224),
-        "num_attention_heads": args.get("num_heads") or _registered_heads(side),
+        "num_attention_heads": heads,
     }
     cfg = convert_hf.infer_config(t, hints, {k: v for k, v in hf_side.items() if v is not None})
     pool = side.get("global_pool", args.get("global_pool"))

@@ -455,6 +455,20 @@ def test_timm_dinov3_options_the_model_cannot_express_are_refused_by_name(kwargs
         timm_converted("vit_base_patch16_dinov3", tmp_path / "m", 3, num_classes=0, **kwargs)
 
 
+def test_timm_dinov3_heads_come_from_the_architecture_when_its_config_has_no_model_args(tmp_path):
+    """A hub config.json records no model_args: the heads are the registration's (12 for the
+    base), and a --heads against them is said in timm's words, not transformers'."""
+    model = timm.create_model("vit_base_patch16_dinov3", pretrained=False, img_size=32,
+                              patch_size=8, embed_dim=48, depth=1, num_classes=0).eval()
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architecture": "vit_base_patch16_dinov3", "num_classes": 0}))
+    assert convert("timm", tmp_path).config.heads == 12
+    with pytest.raises(ConvertError, match=r"timm vit_base_patch16_dinov3 checkpoint: --heads 4 "
+                                           r"contradicts the architecture's num_heads=12"):
+        convert("timm", tmp_path, Hints(heads=4))
+
+
 def test_a_timm_table_covering_its_registers_is_read_by_its_length_or_its_config(tmp_path):
     """Without a config.json, 64 + 1 + 4 rows are a table covering every prefix token (64 + 5
     is no square); with one, model_args.img_size tells 2x2 + 5 rows from a 3x3 grid. Both are
