@@ -93,6 +93,11 @@ class OutputRequest:
     register_tokens: bool = False  # [B, R, d] after the final norm (DINOv2-reg, DINOv3)
     pre_projection: bool = False  # [B, d]: the pooled feature before the projection (CLIP)
 
+    def __post_init__(self) -> None:
+        if self.norm_patches and not self.patch_layers:  # as l2_normalize without pooled
+            raise InvalidRequest("normalize_patches applies to patch tokens, which were not "
+                                 "requested (ask for patch_tokens or layers)")
+
     @classmethod
     def of(
         cls,

@@ -31,15 +31,18 @@ import hmac
 import json
 import logging
 import math
+import re
 import socket
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import ClassVar, Literal
 
 import grpc
+import jiter
 import numpy as np
 import safetensors.numpy
 import uvicorn
@@ -97,9 +100,11 @@ except (ImportError, AttributeError):  # Windows
     _OUTQ = None
 
 SAFETENSORS = "application/vnd.safetensors"
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own bound on a header
 OPEN_PATHS = ("/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 ROUTES = {"/v1/embeddings", "/v1/features", "/v1/models", *OPEN_PATHS}  # metric labels
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the call's deadline, like gRPC's
+ARRIVED = "vit22b.arrived"  # the ASGI scope's key for when a request's headers were complete
 # A request's line and headers (nginx: 4 x 8 KiB, Node.js 16 KiB); httptools has no limit of
 # its own and joins a header's pieces as they come: one endless header would grow the memory
 # and hold the event loop the gRPC door shares.
@@ -141,12 +146,14 @@ class Image(_Body):
 class FeaturesRequest(_Body):
     images: list[Image | str] = Field(description="images; a string is an image's `data`")
     outputs: list[str] = Field([], max_length=MAX_SPELLED,
-                               description=f"{', '.join(KINDS)} (default: pooled)")
+                               description=f"{', '.join(KINDS)} (default: pooled; with "
+                               "`layers` alone, those layers' patch tokens only)")
     layers: list[int] = Field([], max_length=MAX_SPELLED, description="blocks whose patch tokens "
                               "to return (negative count from the end; imply patch_tokens)")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
     l2_normalize: bool = Field(False, description="L2-normalise pooled features")
-    normalize_patches: bool = Field(False, description="apply the final norm to patch tokens")
+    normalize_patches: bool = Field(False, description="apply the final norm to patch tokens "
+                                    "(which must be asked for)")
     skip_invalid: bool = Field(False, description="invalid images become errors beside the "
                                "others' features instead of failing the call")
     resolution: int = Field(0, ge=0, description="square input size (0: the model's own; "
@@ -247,27 +254,36 @@ def from_base64(text: str) -> bytes:
     return base64.b64decode(text.translate(_LINE_BREAKS), validate=True)
 
 
+# A URL's scheme (RFC 3986 3.1, any case) and "://": never base64, whose alphabet has no ':'.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def image_bytes(text: str) -> bytes:
-    """An image's ``data``: base64, or a ``data:`` URI with base64 data."""
-    if text.startswith("data:"):
+    """An image's ``data``: base64, or a ``data:`` URI with base64 data (scheme and the
+    ``;base64`` marker in any case, as RFC 2397 reads them)."""
+    if text[:5].lower() == "data:":
         head, comma, text = text.partition(",")
-        if not comma or not head.endswith(";base64"):
+        if not comma or not head.lower().endswith(";base64"):
             raise InvalidImage("a data: URI must carry base64 data (data:image/png;base64,...)")
-    elif text.startswith(("http://", "https://")):
-        raise InvalidImage("image URLs are not fetched (fetching is off on this server): send "
-                           "the file as base64 or a data: URI")
+    elif _URL.match(text):
+        scheme = text.partition(":")[0]
+        raise InvalidImage(f"image URLs ({quoted(scheme)}://...) are not fetched (fetching is "
+                           "off on this server): send the file as base64 or a data: URI")
     try:
         return from_base64(text)
     except (binascii.Error, ValueError) as err:
-        raise InvalidImage(f"image data is not base64 ({err})") from None
+        hint = (": the standard alphabet (+ and /), not the URL-safe one (- and _)"
+                if "-" in text or "_" in text else "")
+        raise InvalidImage(f"image data is not base64 ({err}){hint}") from None
 
 
 def _image(item: Image | str) -> ImageInput:
     if isinstance(item, str):
         item = Image(data=item)
     if (item.data is None) == (item.pixels is None):
-        return ImageInput(None, item.id, "set one of `data` (an encoded file as base64 or a "
-                                         "data: URI) or `pixels`")
+        given = "both were set" if item.data is not None else "neither was set"
+        return ImageInput(None, item.id, "set exactly one of `data` (an encoded file as base64 "
+                                         f"or a data: URI) and `pixels` ({given})")
     if item.data is not None:
         try:
             return ImageInput(image_bytes(item.data), item.id)
@@ -363,16 +379,32 @@ def _parse(body: bytes, model: type[BaseModel], max_commas: int):
                              f"the allowed images, outputs and layers can ({max_commas}; "
                              "commas in ids count too)")
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as err:
         problems = [
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
             for e in err.errors(include_url=False)[:4]
         ]
         raise InvalidRequest(f"request body ({model.__name__}): {'; '.join(problems)}") from None
+    _refuse_duplicate_keys(body, model)
+    return parsed
+
+
+def _refuse_duplicate_keys(body: bytes, model: type[BaseModel]) -> None:
+    """pydantic (like ``json.loads``) keeps an object's last value under a repeated key: a body
+    built by joining pieces would lose its first ``images`` without a word. Refused, as serde's
+    derived readers (TEI's) refuse them; a second parse by the same parser (about 40 ms for
+    60 MB of base64), after validation so every other fault keeps its own message."""
+    try:
+        jiter.from_json(body, catch_duplicate_keys=True)
+    except ValueError as err:
+        raise InvalidRequest(f"request body ({model.__name__}): {err}; each key once per "
+                             "object") from None
 
 
 def _deadline(request: Request) -> float | None:
+    """``X-Request-Timeout`` counted from the request's arrival (its headers, as ``_Guard``
+    saw them), as gRPC's deadline is: the body's upload, parsing and base64 included."""
     text = request.headers.get(TIMEOUT_HEADER)
     if text is None:
         return None
@@ -382,7 +414,7 @@ def _deadline(request: Request) -> float | None:
         seconds = math.nan
     if not seconds > 0 or math.isinf(seconds):
         raise InvalidRequest(f"X-Request-Timeout is seconds > 0, got {quoted(text)}")
-    return time.monotonic() + seconds
+    return request.scope.get(ARRIVED, time.monotonic()) + seconds
 
 
 def _ref(model: type[BaseModel]) -> dict:
@@ -406,6 +438,26 @@ async def _routing_error(request: Request, exc: StarletteHTTPException) -> Respo
                         type=kind, code=code.name)
     return _json(ErrorBody(error=error).model_dump(exclude_none=True), exc.status_code,
                  dict(exc.headers or {}))
+
+
+def _json_id_bytes(image_id: str) -> int:
+    """An id as ``_json`` writes it: ASCII with escapes (an 'é' is 6 bytes, an emoji 12)."""
+    return len(json.dumps(image_id))
+
+
+def _safetensors_id_bytes(image_id: str) -> int:
+    """An id in a safetensors body's metadata: JSON text (UTF-8) that the header's JSON
+    escapes once more."""
+    return len(json.dumps(json.dumps(image_id, ensure_ascii=False), ensure_ascii=False).encode())
+
+
+def _check_safetensors_header(ids: list[str]) -> None:
+    """safetensors refuses to write a header over its limit, whatever the message limit."""
+    size = wire.response_bytes(0, ids, _safetensors_id_bytes)
+    if size > SAFETENSORS_MAX_HEADER:
+        raise TooLarge(f"the ids would make a safetensors header of about {size >> 20} MiB, "
+                       f"over safetensors' limit of {SAFETENSORS_MAX_HEADER} bytes: send "
+                       "shorter ids, or ask for JSON")
 
 
 def _prefers_safetensors(accept: str) -> bool:
@@ -492,7 +544,10 @@ class HttpDoor:
         self._task: asyncio.Task | None = None
 
     def _app(self) -> FastAPI:
-        app = FastAPI(title="vit22b", version=server_version(), description=__doc__)
+        # No redirect of '/v1/features/' to '/v1/features': a 307 with an empty body, to the
+        # Host header the client sent; a 404 in the refusals' shape instead.
+        app = FastAPI(title="vit22b", version=server_version(), description=__doc__,
+                      redirect_slashes=False)
         app.add_exception_handler(StarletteHTTPException, _routing_error)
         app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"],
                           response_model=EmbeddingsResponse, summary="OpenAI-compatible embeddings")
@@ -501,7 +556,8 @@ class HttpDoor:
         app.add_api_route("/v1/models", self.list_models, methods=["GET"], summary="Model info")
         app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness")
         app.add_api_route("/ready", self.ready, methods=["GET"], summary="SERVING or not")
-        for path, route in (("/health", self.health), ("/ready", self.ready)):
+        for path, route in (("/health", self.health), ("/ready", self.ready),
+                            ("/v1/models", self.list_models)):
             # HEAD too, as load balancers probe; out of the document (one operation per path)
             app.add_api_route(path, route, methods=["HEAD"], include_in_schema=False)
         bodies = {"/v1/embeddings": EmbeddingsRequest, "/v1/features": FeaturesRequest}
@@ -604,7 +660,9 @@ class HttpDoor:
             self.infer.engine.executor.check()
         except NotReady:
             serving = False
-        return _json({"status": "SERVING" if serving else "NOT_SERVING"}, 200 if serving else 503)
+        if serving:
+            return _json({"status": "SERVING"})
+        return _json({"status": "NOT_SERVING"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
     async def list_models(self, request: Request) -> Response:
         return await self._serve("GET /v1/models", request, self._models)
@@ -660,8 +718,12 @@ class HttpDoor:
             geometry=Geometry(body.resolution, body.dense),
         )
         as_safetensors = _prefers_safetensors(request.headers.get("accept", ""))
-        result = await self._run(request, call, 1.0 if as_safetensors else BASE64_RATIO)
-        arrays, patches = self.infer.tensors(call, result)
+        if as_safetensors:
+            _check_safetensors_header([image.id for image in call.images])
+            result = await self._run(request, call, 1.0, _safetensors_id_bytes)
+        else:
+            result = await self._run(request, call, BASE64_RATIO, _json_id_bytes)
+        arrays, patches = self.infer.tensors(call, result, self.info)
         ref = json_format.MessageToDict(self.info.model, preserving_proto_field_name=True)
         ref["preprocess_hash"] = result.preprocess_hash or ref["preprocess_hash"]
         t = result.timings
@@ -678,7 +740,8 @@ class HttpDoor:
         if as_safetensors:
             tensors = {**arrays, **{f"patch_tokens.{k}": v for k, v in patches.items()}}
             tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-            metadata = {k: json.dumps(v, separators=(",", ":")) for k, v in meta.items()}
+            metadata = {k: json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+                        for k, v in meta.items()}
             return Response(safetensors.numpy.save(tensors, metadata), media_type=SAFETENSORS)
         outputs: dict = {k: _tensor(v) for k, v in arrays.items()}
         if patches:
@@ -690,12 +753,14 @@ class HttpDoor:
         return json_body(dict(request.scope["headers"]), await request.body(),
                          self.infer.limits.max_message_bytes)
 
-    async def _run(self, request: Request, call: EmbedCall, text_ratio: float) -> EmbedResult:
+    async def _run(self, request: Request, call: EmbedCall, text_ratio: float,
+                   id_bytes: Callable[[str], int] = _json_id_bytes) -> EmbedResult:
         """Validate, admit and run ``call``; its images are dropped if the client goes away or
-        the deadline passes first. ``text_ratio``: the response's bytes per tensor byte."""
+        the deadline passes first. ``text_ratio``: the response's bytes per tensor byte;
+        ``id_bytes``: an id's bytes in the response."""
         outputs = self.infer.validate(call)
         check_response_size(self.info, call, outputs, self.infer.limits.max_message_bytes,
-                            text_ratio)
+                            text_ratio, id_bytes)
         admitted = await self.infer.admit(call, outputs)
         work = asyncio.ensure_future(self.infer.run(admitted))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -786,18 +851,19 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[ARRIVED] = time.monotonic()
         path = scope["path"]
         route = f"{scope['method']} {path if path in ROUTES else '(other)'}"
         headers = dict(scope["headers"])
         if self.tokens and path not in OPEN_PATHS and not self._allowed(headers):
             err = Unauthenticated("missing or wrong bearer token (header 'Authorization: "
                                   "Bearer <token>')")
-            return await self.door.refuse(route, err)(scope, receive, send)
+            return await self._unread(route, err)(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self.door.refuse(route, self._too_large(int(declared)))(
+            return await self._unread(route, self._too_large(int(declared)))(
                 scope, receive, send)
         chunks, size = [], 0
         first = last = time.monotonic()  # the first and the latest body bytes (headers: none yet)
@@ -817,7 +883,7 @@ class _Guard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                return await self.door.refuse(route, self._too_large(size))(scope, receive, send)
+                return await self._unread(route, self._too_large(size))(scope, receive, send)
             if not message.get("more_body", False):
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
@@ -830,6 +896,14 @@ class _Guard:
             return message
 
         return await self.app(scope, replay, send)
+
+    def _unread(self, route: str, err: BaseException) -> Response:
+        """A refusal before the body was read: the connection closes after it, since the
+        rest of the body would otherwise be read as the next request (uvicorn drops it and
+        keeps the client waiting for its keep-alive timeout)."""
+        response = self.door.refuse(route, err)
+        response.headers["Connection"] = "close"
+        return response
 
     def _floor(self, first: float, size: int) -> float:
         """When the body's average rate falls under the floor with no more bytes: ``first +

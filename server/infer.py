@@ -44,6 +44,8 @@ from vit22b.model.pixels import (
     open_encoded,
     plain_jpeg,
 )
+from vit22b.v1 import features_pb2 as pb
+from vit22b.v1 import wire
 
 from .batcher import Batcher
 from .engine import Engine
@@ -322,11 +324,20 @@ class Infer:
         return await self.run(await self.admit(call, self.validate(call)))
 
     def tensors(
-        self, call: EmbedCall, result: EmbedResult
+        self, call: EmbedCall, result: EmbedResult, info: pb.ModelInfo
     ) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-        """A result's arrays by name, and its patch tokens by layer as the call spelled them."""
+        """A result's arrays by name, and its patch tokens by layer as the call spelled them;
+        with no image computed (every one refused under skip_invalid), each output asked for
+        with no rows, so a caller reads the same keys whatever was refused."""
         if not result.indices:
-            return {}, {}
+            g = call.geometry
+            shapes = wire.row_shapes(info, call.outputs.kinds, call.outputs.patch_layers,
+                                     wire.patches_at(info, g.resolution, g.dense))
+            empty = {name: np.zeros((0, *shape), OUTPUT_DTYPES[call.dtype])
+                     for name, shape in shapes.items()}
+            patches = {layer: empty.pop(f"patch_tokens[{layer}]")
+                       for layer in call.outputs.patch_layers}
+            return empty, patches
         depth, features = self.engine.cfg.depth, result.features
         patches = {layer: features.patch_tokens[layer % depth]
                    for layer in call.outputs.patch_layers}

@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
@@ -317,7 +317,7 @@ class FeatureService:
             timings=pb.Timings(queue_ms=t.queue_s * 1e3, preprocess_ms=t.preprocess_s * 1e3,
                                compute_ms=t.compute_s * 1e3, total_ms=t.total_s * 1e3),
         )
-        arrays, patches = self.infer.tensors(call, result)
+        arrays, patches = self.infer.tensors(call, result, self.info)
         if result.indices:
             response.grid_rows, response.grid_cols = result.grid
         for name, array in arrays.items():
@@ -329,21 +329,23 @@ class FeatureService:
 
 def check_response_size(
     info: pb.ModelInfo, call: EmbedCall, outputs: OutputRequest, limit: int,
-    text_ratio: float = 1.0,
+    text_ratio: float = 1.0, id_bytes: Callable[[str], int] = wire.utf8_bytes,
 ) -> None:
     """``TooLarge`` when the call's response would not fit the message limit. ``text_ratio``:
     the bytes the response's encoding spends per tensor byte (1 for protobuf and safetensors;
-    more for JSON, which carries tensors as base64 or numbers)."""
+    more for JSON, which carries tensors as base64 or numbers); ``id_bytes``: an id's bytes as
+    the encoding writes it (JSON escapes)."""
     layers = list(call.outputs.patch_layers)
     g = call.geometry
     patches = wire.patches_at(info, g.resolution, g.dense)
     row = wire.row_bytes(info, list(outputs.kinds), layers, call.dtype, patches)
     row = math.ceil(row * text_ratio)
-    size = wire.response_bytes(row, [image.id for image in call.images])
+    size = wire.response_bytes(row, [image.id for image in call.images], id_bytes)
     if size > limit:
         raise TooLarge(
-            f"the response for {len(call.images)} images would be about {size >> 20} MiB, "
-            f"over the message limit of {limit >> 20} MiB; send fewer images per request"
+            f"the response for {len(call.images)} images would be about {size} bytes, over "
+            f"the message limit of {limit} bytes (--max-message-mb); send fewer images per "
+            "request"
         )
 
 

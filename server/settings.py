@@ -18,6 +18,7 @@ from vit22b.clients.settings import (
     setting,
 )
 from vit22b.model.config import parse_seed
+from vit22b.model.errors import InvalidRequest
 from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
 
@@ -37,7 +38,10 @@ def parse_outputs(spec: str) -> OutputRequest:
             fields[part] = True
         else:
             raise argparse.ArgumentTypeError(f"unknown output {part!r} in {spec!r}")
-    return OutputRequest(**fields)
+    try:
+        return OutputRequest(**fields)
+    except InvalidRequest as err:
+        raise argparse.ArgumentTypeError(f"{spec!r}: {err}") from None
 
 
 # Upper bounds of the time settings: past them a value is a mistake, not a policy (and the

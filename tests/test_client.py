@@ -251,6 +251,9 @@ def test_output_requests_spelled_alike_are_one_and_refusals_repeat():
             OutputRequest.of(("cls",))
         with pytest.raises(InvalidRequest, match="is not an integer"):  # an unhashable layer
             OutputRequest.of((), ([1],))  # is spelled anew, to the same error
+        # as l2_normalize without pooled: it changed nothing, yet compiled a forward of its own
+        with pytest.raises(InvalidRequest, match="normalize_patches applies to patch tokens"):
+            OutputRequest.of(("pooled", "attention_stats"), (), True)
 
 
 def test_one_response_merged_is_what_the_general_merge_gives():

@@ -161,6 +161,112 @@ def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
     assert meta["model"]["fingerprint"] == server.engine.identity.fingerprint
 
 
+def test_ids_are_counted_as_each_encoding_writes_them(server, http):
+    """JSON writes an id ASCII-escaped ('é': 6 bytes, 2 in UTF-8), safetensors inside its
+    header's JSON: an id that fits as UTF-8 could make a JSON answer over the limit (it was
+    sent, 264 kB against 256 KiB) and a safetensors header escaped twice ('é': 7 bytes)."""
+    image_id = "é" * 44_000  # 88 kB in UTF-8; 264 kB as JSON writes it
+    body = json.dumps({"images": [{"id": image_id, "data": b64(png(GOOD))}]},
+                      ensure_ascii=False).encode()
+    as_json = http.post("/v1/features", content=body)
+    assert as_json.status_code == 413, len(as_json.content)
+    assert "the response for 1 images would be about" in as_json.json()["error"]["message"]
+    as_safetensors = http.post("/v1/features", content=body,
+                               headers={"Accept": "application/vnd.safetensors"})
+    assert as_safetensors.status_code == 200 and len(as_safetensors.content) < 100_000
+    size = int.from_bytes(as_safetensors.content[:8], "little")
+    header = json.loads(as_safetensors.content[8 : 8 + size])
+    assert json.loads(header["__metadata__"]["ids"]) == [image_id]
+
+
+def test_the_safetensors_header_is_counted_and_bounded_before_the_forward():
+    """safetensors refuses to write a header over 100 MB whatever the message limit (a 500
+    after the forward had run); an id's share is counted as the library writes it."""
+    from vit22b.model.errors import TooLarge
+    from vit22b.server.http import (
+        SAFETENSORS_MAX_HEADER,
+        _check_safetensors_header,
+        _safetensors_id_bytes,
+    )
+
+    odd = ["a\x00\"\\é\n\x7f\x1f\u2028😀" * 5, "plain", ""]
+    tensors = {"pooled": np.zeros((3, 2), np.float32)}
+    bare = safetensors.numpy.save(tensors, {"ids": "[]"})
+    written = safetensors.numpy.save(
+        tensors, {"ids": json.dumps(odd, separators=(",", ":"), ensure_ascii=False)})
+    grown = int.from_bytes(written[:8], "little") - int.from_bytes(bare[:8], "little")
+    counted = sum(_safetensors_id_bytes(i) - 2 for i in odd) + len(odd) - 1  # quotes, commas
+    assert abs(grown - counted) < 8  # the header is padded to 8 bytes
+    nul_ids = ["\x00" * (SAFETENSORS_MAX_HEADER // 7 + 1)]  # 6 bytes each in JSON, 7 escaped again
+    with pytest.raises(safetensors.SafetensorError, match="header too large"):
+        safetensors.numpy.save(tensors, {"ids": json.dumps(nul_ids, ensure_ascii=False)})
+    with pytest.raises(TooLarge, match="over safetensors' limit of 100000000 bytes"):
+        _check_safetensors_header(nul_ids)
+    _check_safetensors_header(["\x00" * 1000] * 256)
+
+
+@pytest.mark.parametrize("route, body, key", [
+    ("/v1/features", '{"images": ["%(a)s"], "images": ["%(b)s"]}', "images"),
+    ("/v1/features", '{"images": [{"id": "x", "data": "%(a)s", "id": "y"}]}', "id"),
+    ("/v1/features", '{"images": ["%(a)s"], "skip_invalid": true, "skip_invalid": false}',
+     "skip_invalid"),
+    ("/v1/embeddings", '{"model": "nope", "input": "%(a)s", "model": "' + MODEL + '"}', "model"),
+])
+def test_a_key_twice_in_an_object_is_refused(http, route, body, key):
+    """pydantic keeps the last value: a body joined from pieces lost its first images without
+    a word. Refused as TEI's serde readers refuse them, naming the key."""
+    images = pngs(random_images(2, seed=41))
+    response = http.post(route, content=(body % {"a": images[0], "b": images[1]}).encode())
+    assert response.status_code == 400, response.text[:300]
+    message = response.json()["error"]["message"]
+    assert f'duplicate key "{key}"' in message and "each key once per object" in message
+
+
+def test_an_all_refused_call_keeps_every_output_with_no_rows(server, http):
+    """skip_invalid with every image refused: each output asked for, with 0 rows, on both doors
+    (the JSON had no `outputs` keys at all, the gRPC answer no tensors)."""
+    body = {"images": ["junk", {"id": "b", "data": "AAAA"}], "skip_invalid": True,
+            "outputs": ["pooled", "attention_stats"], "layers": [-1], "dtype": "bfloat16"}
+    got = http.post("/v1/features", json=body).json()
+    assert [e["index"] for e in got["errors"]] == [0, 1] and got["ids"] == []
+    outputs = got["outputs"]
+    assert outputs["pooled"]["shape"] == [0, 64] and outputs["pooled"]["dtype"] == "bfloat16"
+    assert outputs["attention_entropy"]["shape"] == [0, 4, 4]
+    assert outputs["patch_tokens"]["-1"]["shape"] == [0, 16, 64]
+    assert tensor(outputs["pooled"]).shape == (0, 64)
+    request = pb.EmbedRequest(images=[pb.Image(encoded=b"junk")], skip_invalid_images=True,
+                              patch_layers=[-1], outputs=[pb.OUTPUT_KIND_POOLED])
+    answer = stub(server.address).Embed(request, timeout=60)
+    assert wire.from_tensor(answer.pooled).shape == (0, 64)
+    assert wire.from_tensor(answer.patch_tokens[-1]).shape == (0, 16, 64)
+
+
+def test_a_request_timeout_counts_from_the_requests_arrival(server):
+    """X-Request-Timeout is the call's deadline as gRPC's is: a body that takes longer to
+    arrive than the timeout is 504, not computed (the clock started after the body was read)."""
+    body = json.dumps({"images": pngs(random_images(1, seed=43))}).encode()
+
+    def slowly():
+        for i in range(0, len(body), len(body) // 4 + 1):
+            time.sleep(0.25)
+            yield body[i : i + len(body) // 4 + 1]
+
+    before = metrics(server)
+    response = httpx.post(server.http_url + "/v1/features", content=slowly(), timeout=60,
+                          headers={"X-Request-Timeout": "0.5", "Content-Length": str(len(body))})
+    assert response.status_code == 504, response.text[:300]
+    after = metrics(server)
+    assert metric(after, "vit22b_batch_images_count") == metric(before, "vit22b_batch_images_count")
+
+
+def test_a_refusal_before_the_body_is_read_closes_the_connection(http):
+    """The unread body would be the next request's bytes: the connection closes at once
+    (it idled for uvicorn's keep-alive timeout)."""
+    big = json.dumps({"images": ["A" * (300 << 10)]}).encode()
+    response = http.post("/v1/features", content=big)
+    assert response.status_code == 413 and response.headers["connection"] == "close"
+
+
 @pytest.mark.parametrize("accept, safetensors", [
     ("application/vnd.safetensors", True),
     ("application/json;q=0.5, application/vnd.safetensors", True),
@@ -247,12 +353,16 @@ def test_health_ready_models_and_openapi(server, http):
     assert model["outputs"] == ["pooled", "patch_tokens", "attention_stats"]
     assert model["config"]["width"] == 64 and model["parameter_count"] > 0
     assert all(isinstance(v, (int, float, list)) for v in model["limits"].values())  # no int64
-    for path in ("/health", "/ready"):  # load balancers probe with HEAD too
+    for path in ("/health", "/ready", "/v1/models"):  # load balancers probe with HEAD too
         assert http.head(path).status_code == 200
     for method, path, status, code in (("GET", "/nowhere", 404, "NOT_FOUND"),
-                                       ("GET", "/v1/features", 405, "UNIMPLEMENTED")):
-        refused = http.request(method, path)
+                                       ("GET", "/v1/features", 405, "UNIMPLEMENTED"),
+                                       # not a bare 307 to the Host header the client sent
+                                       ("POST", "/v1/features/", 404, "NOT_FOUND"),
+                                       ("GET", "/health/", 404, "NOT_FOUND")):
+        refused = http.request(method, path, headers={"Host": "elsewhere.example"})
         assert refused.status_code == status  # in the refusals' own shape
+        assert "location" not in refused.headers
         assert refused.json()["error"]["code"] == code and path in refused.json()["error"][
             "message"]
     assert http.request("GET", "/v1/features").headers["allow"] == "POST"
@@ -356,6 +466,7 @@ def test_base64_wrapped_in_lines_is_read_as_base64(server, http):
     bodies = [
         {"images": [wrapped(png(image), "\n")]},
         {"images": [{"data": "data:image/png;base64," + wrapped(png(image), "\r\n")}]},
+        {"images": ["DATA:IMAGE/PNG;BASE64," + b64(png(image))]},  # RFC 2397: any case
         {"images": [{"pixels": {"dtype": "uint8", "shape": [40, 56, 3],
                                 "data": wrapped(image.tobytes(), "\n")}}]},
     ]
@@ -370,7 +481,18 @@ HTTP_ONLY = {
     "url": ({"images": ["https://example.com/cat.jpg"]}, 400, "fetching is off"),
     "data uri without base64": ({"images": ["data:image/png,abc"]}, 400, "must carry base64"),
     "data and pixels": ({"images": [{"data": "", "pixels": {"dtype": "uint8", "shape": [1],
-                                                            "data": ""}}]}, 400, "set one of"),
+                                                            "data": ""}}]}, 400,
+                        "set exactly one of `data` (an encoded file as base64 or a data: URI) "
+                        "and `pixels` (both were set)"),
+    "neither data nor pixels": ({"images": [{"id": "a"}]}, 400, "(neither was set)"),
+    "a url in capitals": ({"images": ["HTTPS://example.com/cat.jpg"]}, 400,
+                          "image URLs ('HTTPS'://...) are not fetched"),
+    "a file url": ({"images": ["file:///etc/passwd"]}, 400, "URLs ('file'://...) are not fetched"),
+    "an s3 url": ({"images": ["s3://bucket/cat.jpg"]}, 400, "are not fetched"),
+    "url-safe base64": ({"images": ["iVBORw0KGgo-_w=="]}, 400,
+                        "not the URL-safe one (- and _)"),
+    "normalize_patches without patches": ({"images": [b64(png(GOOD))], "normalize_patches": True},
+                                          400, "normalize_patches applies to patch tokens"),
     "pixels not base64": ({"images": [{"pixels": {"dtype": "uint8", "shape": [1, 1, 3],
                                                   "data": "@@"}}]}, 400, "raw pixels: "),
     "pixels unknown dtype": ({"images": [{"pixels": {"dtype": "int7", "shape": [1, 1, 3],
@@ -603,7 +725,8 @@ def test_non_finite_outputs_are_422_or_per_image_errors():
         body["skip_invalid"] = True
         got = httpx.post(srv.http_url + "/v1/features", json=body, timeout=120).json()
         assert got["indices"] == [] and [e["index"] for e in got["errors"]] == [0, 1]
-        assert got["outputs"] == {}
+        assert got["outputs"] == {"patch_tokens": {"-1": {"dtype": "float32", "data": "",
+                                                          "shape": [0, 16, 64]}}}
 
 
 # ---- operating it: auth and TLS, overload, deadlines, disconnects, draining -----------------
@@ -771,7 +894,8 @@ def test_drain_finishes_accepted_calls_on_both_doors_then_refuses():
     stopper = threading.Thread(target=lambda: outcome.update(clean=srv.stop()))
     stopper.start()
     wait_for(lambda: httpx.get(url + "/ready").status_code == 503)
-    assert httpx.get(url + "/ready").json() == {"status": "NOT_SERVING"}
+    not_ready = httpx.get(url + "/ready")
+    assert not_ready.json() == {"status": "NOT_SERVING"} and not_ready.headers["retry-after"]
     refused = httpx.post(url + "/v1/features", json={"images": pngs(random_images(1))})
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert "shutting down" in refused.json()["error"]["message"]

@@ -49,6 +49,8 @@ def test_bad_values_are_refused_naming_the_flag():
         parse([], {"VIT22B_CHUNK_IMAGES": "-3"}).check()
     with pytest.raises(argparse.ArgumentError):
         parse([], {"VIT22B_COMPUTE_DTYPE": "float8"})
+    with pytest.raises(argparse.ArgumentError, match="normalize_patches applies to patch"):
+        parse(["--warm-outputs", "pooled+norm_patches"], {})  # a warm forward of no use
     with pytest.raises(ValueError, match="--port must be 0..65535, got 99999"):
         parse(["--port", "99999"], {}).check()
     with pytest.raises(ValueError, match="--http-port must be 0..65535, got 70000"):

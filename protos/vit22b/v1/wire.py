@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -185,13 +185,19 @@ def row_bytes(
 MESSAGE_SLACK = 4096
 
 
-def image_overhead(image_id: str) -> int:
-    return len(image_id.encode()) + 32
+def utf8_bytes(text: str) -> int:
+    return len(text.encode())
 
 
-def response_bytes(row: int, ids: list[str]) -> int:
+def image_overhead(image_id: str, id_bytes: Callable[[str], int] = utf8_bytes) -> int:
+    """An image's share of a message beside its tensors: its id as the message's encoding
+    writes it (``id_bytes``; protobuf's is UTF-8) and its fields' framing."""
+    return id_bytes(image_id) + 32
+
+
+def response_bytes(row: int, ids: list[str], id_bytes: Callable[[str], int] = utf8_bytes) -> int:
     """Upper bound of a response's size for images with these ids, ``row`` bytes each."""
-    return sum(row + image_overhead(i) for i in ids) + MESSAGE_SLACK
+    return sum(row + image_overhead(i, id_bytes) for i in ids) + MESSAGE_SLACK
 
 
 def model_ref(identity) -> pb.ModelRef:
