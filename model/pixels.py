@@ -66,6 +66,7 @@ import io
 import math
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -270,14 +271,22 @@ def check_size(height: int, width: int, max_pixels: int, what: str = "image") ->
         )
 
 
+def check_pixel_shape(shape: Sequence[int]) -> None:
+    """Raw pixels' shape: [H, W, 3] with H, W > 0 (said in the tensor's order, not as a
+    file's WxH); a door checks it before it reads the bytes."""
+    if len(shape) != 3 or shape[-1] != 3 or min(shape) < 0:
+        got = list(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
+        raise InvalidImage(f"raw pixels must have shape [height, width, 3] (RGB), got {got}")
+    if not (shape[0] and shape[1]):
+        raise InvalidImage(f"raw pixels of shape {list(shape)} are zero-sized: [height, width, "
+                           "3] with both sides at least 1")
+
+
 def check_pixels(pixels: np.ndarray, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
     """Raw pixels must be uint8 [H, W, 3] with H, W > 0; they are used as given."""
     if pixels.dtype != np.uint8:
         raise InvalidImage(f"raw pixels must be uint8, got {pixels.dtype}")
-    if pixels.ndim != 3 or pixels.shape[-1] != 3:
-        raise InvalidImage(
-            f"raw pixels must have shape [height, width, 3] (RGB), got {list(pixels.shape)}"
-        )
+    check_pixel_shape(pixels.shape)
     check_size(pixels.shape[0], pixels.shape[1], max_pixels, "raw image")
     return pixels
 

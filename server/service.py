@@ -21,9 +21,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 from google.protobuf.message import DecodeError
-from vit22b.model.errors import Draining, InvalidRequest, TooLarge
+from vit22b.model.errors import Draining, InvalidImage, InvalidRequest, TooLarge
 from vit22b.model.outputs import OutputRequest, check_listed
-from vit22b.model.pixels import OWN_GEOMETRY, Geometry
+from vit22b.model.pixels import OWN_GEOMETRY, Geometry, check_pixel_shape
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -89,13 +89,18 @@ def image_input(image: pb.Image) -> ImageInput:
             return ImageInput(None, image.id, f"raw pixels must be uint8, got dtype "
                                               f"{_dtype_label(image.pixels.dtype)}")
         try:
+            check_pixel_shape(image.pixels.shape)  # before its bytes: [] needs 1 byte
             return ImageInput(wire.from_tensor(image.pixels, copy=False), image.id)
+        except InvalidImage as err:
+            return ImageInput(None, image.id, err.reason)
         except wire.WireError as err:
             return ImageInput(None, image.id, f"raw pixels: {err}")
     return ImageInput(None, image.id, "no image data: set `encoded` (file bytes) or `pixels`")
 
 
 def _dtype_label(code: int) -> str:
+    if code == pb.DTYPE_UNSPECIFIED:
+        return "DTYPE_UNSPECIFIED (unset: raw pixels are DTYPE_UINT8)"
     try:
         return wire.dtype_name(code)
     except wire.WireError:

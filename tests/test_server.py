@@ -263,16 +263,26 @@ BAD_INPUTS = {
         pb.EmbedRequest(images=[_raw(np.zeros((8, 8, 4), np.uint8))]),
         "[height, width, 3]",
     ),
-    "zero-sized": (pb.EmbedRequest(images=[_raw(np.zeros((0, 8, 3), np.uint8))]), "zero-sized"),
+    "zero-sized": (pb.EmbedRequest(images=[_raw(np.zeros((0, 8, 3), np.uint8))]),
+                   "raw pixels of shape [0, 8, 3] are zero-sized"),  # not "8x0", as a file's
     "raw with 66 dimensions": (  # numpy holds 64: its own error was INTERNAL
         pb.EmbedRequest(images=[pb.Image(id="bad", pixels=pb.Tensor(
             dtype=pb.DTYPE_UINT8, shape=[1] * 65 + [3], data=b"\0" * 3))]),
-        "tensor has 66 dimensions; at most 8",
+        "[height, width, 3] (RGB), got 66 dimensions",
     ),
     "raw shape beyond any array": (  # no bytes, yet sides whose product overflows
         pb.EmbedRequest(images=[pb.Image(id="bad", pixels=pb.Tensor(
-            dtype=pb.DTYPE_UINT8, shape=[1 << 40, 1 << 40, 0]))]),
+            dtype=pb.DTYPE_UINT8, shape=[1 << 40, 1 << 40, 3]))]),
         "is beyond any array's size",
+    ),
+    "raw with no shape": (  # its shape's fault, not the 1 byte a scalar would need
+        pb.EmbedRequest(images=[pb.Image(id="bad", pixels=pb.Tensor(dtype=pb.DTYPE_UINT8))]),
+        "must have shape [height, width, 3] (RGB), got []",
+    ),
+    "raw dtype unset": (
+        pb.EmbedRequest(images=[pb.Image(id="bad", pixels=pb.Tensor(shape=[1, 1, 3],
+                                                                    data=b"\0" * 3))]),
+        "got dtype DTYPE_UNSPECIFIED (unset: raw pixels are DTYPE_UINT8)",
     ),
     "unknown output kind": (
         pb.EmbedRequest(images=[raw_image(GOOD)], outputs=[99]),
@@ -320,6 +330,8 @@ IMAGE_LEVEL = {
     "zero-sized",
     "raw with 66 dimensions",
     "raw shape beyond any array",
+    "raw with no shape",
+    "raw dtype unset",
 }
 
 
