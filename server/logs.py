@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import logging
+import warnings
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
@@ -50,8 +51,15 @@ class JsonLines(logging.Formatter):
 
 
 def configure(level: str, fmt: str, process: int | None = None) -> None:
-    """The root logger's level and format (``process``: a group member's id, in every line)."""
+    """The root logger's level and format (``process``: a group member's id, in every line).
+
+    Warnings become log records (``py.warnings``), so a JSON log stays one object per line;
+    Pillow's about a client's file ("Skipping tag 40001", "Corrupt EXIF data") are dropped:
+    the image is decoded or refused either way, and their text, the client's to choose, would
+    fill the log and Python's registry of warnings already shown (one entry per text)."""
     logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+    logging.captureWarnings(True)
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonLines(process))

@@ -22,6 +22,22 @@ try:
 except ZeroDivisionError:
     log.exception("a bug")
 logging.getLogger("jax").info("backend probing is not news")
+import io, struct, sys, warnings
+import numpy as np
+from PIL import Image
+from vit22b.model.pixels import decode
+for tag in (40000, 40001):  # a client's TIFF: each tag's count past the file's end
+    out = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(out, "TIFF", tiffinfo={tag: "abcdefgh"})
+    data = bytearray(out.getvalue())
+    ifd = struct.unpack_from("<I", data, 4)[0]
+    for i in range(struct.unpack_from("<H", data, ifd)[0]):
+        if struct.unpack_from("<H", data, ifd + 2 + 12 * i)[0] == tag:
+            struct.pack_into("<I", data, ifd + 6 + 12 * i, 10_000_000)
+    assert decode(bytes(data), 10**6, 8).shape == (8, 8, 3)
+shown = getattr(sys.modules["PIL.TiffImagePlugin"], "__warningregistry__", {})
+assert [key for key in shown if key != "version"] == []  # no entry per text
+warnings.warn("another library's warning")
 """
 
 
@@ -30,9 +46,13 @@ def test_json_logs_are_one_object_per_line_with_the_traceback():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stderr.splitlines()]
-    assert [(r["level"], r["logger"], r["message"]) for r in lines] == [
+    assert [(r["level"], r["logger"], r["message"]) for r in lines[:2]] == [
         ("INFO", "vit22b.server.batcher", "two\nlines and \u00e9"),
         ("ERROR", "vit22b.server.batcher", "a bug")]
+    # a warning is a record too; Pillow's about a client's TIFF are not shown at all
+    assert len(lines) == 3 and (lines[2]["level"], lines[2]["logger"]) == ("WARNING",
+                                                                          "py.warnings")
+    assert "UserWarning: another library's warning" in lines[2]["message"]
     assert all(r["process"] == 1 and r["time"].endswith("+00:00") for r in lines)
     assert "ZeroDivisionError: division by zero" in lines[1]["exception"]
     assert "exception" not in lines[0]
