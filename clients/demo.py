@@ -2,8 +2,9 @@
 
 Starts `vit22b serve` with the embedded default (the tiny ViT-22B-recipe preset, seeded random
 weights) on 8 emulated CPU devices as a ``data=2,model=4`` mesh, embeds the cue-conflict sample
-(``../shared/data/cue-conflict-sample/``) through the client SDK, prints a summary and stops the
-server with SIGTERM. This module is a client: it never imports jax (the server is a subprocess).
+(``SAMPLE``, the workplace's data beside the checkout; ``--images`` for another folder of
+``<class>/<name>.png``) through the client SDK, prints a summary and stops the server with
+SIGTERM. This module is a client: it never imports jax (the server is a subprocess).
 """
 
 from __future__ import annotations

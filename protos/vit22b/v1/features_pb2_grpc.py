@@ -62,7 +62,9 @@ class FeatureServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EmbedStream(self, request_iterator, context):
-        """Bulk: one response per request message, in request order.
+        """Bulk: one response per request message, in request order. A refused message ends the
+        stream with its status (naming the image by its index in that message): every message
+        before it is answered, none after it (resend those).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
