@@ -32,7 +32,7 @@ from vit22b.model.errors import CallerGone, DeadlineExpired, Draining, QueueFull
 from vit22b.model.features import Features
 from vit22b.model.outputs import OutputRequest
 
-from .engine import LEVELS, Engine
+from .engine import LEVELS, MAX_PENDING_COMPILES, CompileLimit, Engine
 from .handoff import hand_back
 from .metrics import Metrics
 from .settings import check_batch_wait
@@ -169,10 +169,31 @@ class Batcher:
         job = Job(images, outputs, grid, deadline, solo,
                   future=asyncio.get_running_loop().create_future())
         with self._cond:
+            if grid != tuple(self.engine.grid):
+                self._check_new_grid(job.key)
             self._queue.append(job)
             self._decoding -= job.size
             self._cond.notify()
         return job
+
+    def _check_new_grid(self, key: tuple[OutputRequest, tuple[int, int]]) -> None:
+        """``CompileLimit`` for a job of a grid no forward is compiled for while the queued
+        jobs already wait on ``MAX_PENDING_COMPILES`` such (output set, grid) pairs (lock
+        held). Every dense aspect ratio is a compile of its own (minutes for ViT-22B): a
+        client cycling through them would queue compiles without end ahead of everyone's.
+        The queue is the count, so a job that leaves it (done, expired, gone) frees its place."""
+        own = tuple(self.engine.grid)
+        waiting = {job.key for job in self._queue if job.key[1] != own}
+        if key in waiting or self.engine.has_forwards(*key):
+            return  # its compile is counted already, or needs none
+        waiting = [k for k in waiting if not self.engine.has_forwards(*k)]
+        if len(waiting) >= MAX_PENDING_COMPILES:
+            rows, cols = key[1]
+            raise CompileLimit(
+                f"{len(waiting)} patch grids are waiting to be compiled (the limit); this "
+                f"request's images make a {rows}x{cols} grid, which would be another: retry "
+                "later, or send images of a grid already in use (dense: the same aspect ratio)"
+            )
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

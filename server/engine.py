@@ -64,7 +64,7 @@ from .plan import AUTO_DTYPE, Plan, auto_compute_dtype, auto_data_devices, cpu_b
 log = logging.getLogger(__name__)
 
 CACHE_IDLE_S = 60.0  # an on-demand forward unused this long may make room for a new output set
-MAX_PENDING_COMPILES = 4  # output sets waiting for the compile thread; beyond: refused
+MAX_PENDING_COMPILES = 4  # output sets (or patch grids) waiting to compile; beyond: refused
 # XLA:CPU takes a host batch without copying it only when its data is this aligned; NumPy's
 # allocator gives 16 bytes for arrays below the mmap threshold: a tiny model's batch of 16 goes
 # to the device in 146 us copied, 49 us aligned (benchmarks/serve_parts.py, device_put_16_us).
@@ -72,7 +72,8 @@ HOST_ALIGN = 64
 
 
 class CompileLimit(QueueFull):
-    """A new output set cannot be compiled now (cache full of recent sets, or compiles queued)."""
+    """A new output set or patch grid cannot be compiled now (cache full of recent sets, or
+    compiles queued)."""
 
 
 def stored_config(model: str | None, checkpoint_dir: str | None) -> ViTConfig:
@@ -343,6 +344,12 @@ class Engine:
         key = (bucket, outputs, tuple(grid or self.grid), pixel_dtype(pixels))
         with self._lock:
             return key in self._warm or key in self._compiled
+
+    def has_forwards(self, outputs: OutputRequest, grid: Grid) -> bool:
+        """Whether any bucket's forward for ``outputs`` at ``grid`` is compiled (or warm)."""
+        grid = tuple(grid)
+        with self._lock:
+            return any(k[1] == outputs and k[2] == grid for k in (*self._warm, *self._compiled))
 
     def admit_outputs(self, outputs: OutputRequest) -> None:
         """Refuse a new on-demand output set the cache cannot take without thrashing."""

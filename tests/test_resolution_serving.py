@@ -329,3 +329,69 @@ def test_a_dense_job_stores_each_images_grid_and_padded_tokens(tmp_path, capsys)
                            (["--frames", "2"], "--dense is for images")):
         rc = main(["embed", data, "--output", str(tmp_path / "x"), "--dense", *flags])
         assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_new_dense_grids_waiting_to_compile_are_bounded():
+    """Each dense aspect ratio is a compile of its own (minutes for ViT-22B): a client cycling
+    through them queued compiles without end (8 ratios, 7 compiles). While 4 grids wait for
+    the compile thread, a fifth is RESOURCE_EXHAUSTED; a waiting grid is still taken, and the
+    refused one is served once the others are compiled."""
+    import threading
+    import time
+
+    from vit22b.server.engine import MAX_PENDING_COMPILES
+
+    eng = engine()
+    pooled = eng.resolve(OutputRequest())
+    pre = Preprocessor(eng.cfg, Geometry(64, True, DENSE))
+    grids: dict[tuple, tuple] = {}
+    for size in [(64, w) for w in range(68, 200, 4)] + [(h, 64) for h in range(68, 200, 4)]:
+        grid = eng.cfg.grid_at(*pre.crop(np.zeros((*size, 3), np.uint8)).shape[:2])
+        if grid != tuple(eng.grid) and not eng.has_forwards(pooled, grid):
+            grids.setdefault(grid, size)  # a grid no forward is compiled for yet
+    assert len(grids) > MAX_PENDING_COMPILES
+    (*waiting, (last_grid, last_size)) = list(grids.items())[: MAX_PENDING_COMPILES + 1]
+
+    def dense(size) -> pb.EmbedRequest:
+        return pb.EmbedRequest(images=[raw_image(random_images(1, 0, size)[0])], dense=True)
+
+    compiling, release = threading.Event(), threading.Event()
+    original = eng._compile
+
+    def held_compile(*key):  # the compile thread busy until released
+        compiling.set()
+        release.wait(60)
+        return original(*key)
+
+    answers: list = []
+    with _server() as server:
+        stub = make_stub(server.address)
+
+        def call(size) -> None:
+            answers.append(stub.Embed(dense(size), timeout=120).grid_rows)
+
+        eng._compile = held_compile
+        sent = [size for _, size in waiting] + [waiting[0][1]]  # the first grid twice
+        threads = [threading.Thread(target=call, args=(size,)) for size in sent]
+        try:
+            for thread in threads:
+                thread.start()
+            assert compiling.wait(30)
+            queue, deadline = server.server.batcher._queue, time.monotonic() + 30
+            while len(queue) < len(sent):
+                assert time.monotonic() < deadline, len(queue)
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Embed(dense(last_size), timeout=60)
+        finally:
+            release.set()
+            for thread in threads:
+                thread.join(120)
+            del eng._compile
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        rows, cols = last_grid
+        assert (f"4 patch grids are waiting to be compiled (the limit); this request's images "
+                f"make a {rows}x{cols} grid") in refused.value.details()
+        assert sorted(answers) == sorted(grid[0] for grid, _ in [*waiting, waiting[0]])
+        assert stub.Embed(dense(last_size), timeout=120).grid_rows == rows
+        assert metric(metrics(server), "vit22b_queue_images") == 0
