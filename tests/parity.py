@@ -50,7 +50,7 @@ def check_parity(case: str, source: str, converted, pixels_nchw, peer: dict, nor
     request = OutputRequest(
         pooled="pooled" in peer,
         patch_layers=(-1,) if "patch_tokens" in peer else (),
-        norm_patches=norm_patches,
+        norm_patches=norm_patches and "patch_tokens" in peer,
         register_tokens="register_tokens" in peer,
         pre_projection="pre_projection" in peer,
     )
