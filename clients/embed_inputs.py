@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from vit22b.model.errors import quoted
 
+from .files import as_text
 from .storage import filesystem, is_url
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
@@ -47,17 +48,6 @@ class InputItem:
     def shown_path(self) -> str:
         """The path as the outputs record it: text (see ``as_text``)."""
         return as_text(self.path)
-
-
-def as_text(name: str) -> str:
-    """A file name as text the outputs can hold (JSON, Parquet, protobuf want UTF-8): a name
-    whose bytes are not UTF-8 reaches Python with each such byte as a lone surrogate; here that
-    byte is written ``\\xNN`` instead (``bad\\xffname.jpg``)."""
-    try:
-        raw = name.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a lone surrogate no file system decoding made
-        return name.encode("utf-8", "backslashreplace").decode("utf-8")
-    return raw.decode("utf-8", "backslashreplace")
 
 
 def _posix(path: str) -> str:

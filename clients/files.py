@@ -25,6 +25,17 @@ def regular(info: os.stat_result, path: str) -> os.stat_result:
     return info
 
 
+def as_text(name: str) -> str:
+    """A file name as text the outputs and the wire can hold (JSON, Parquet, protobuf want
+    UTF-8): a name whose bytes are not UTF-8 reaches Python with each such byte as a lone
+    surrogate; here that byte is written ``\\xNN`` instead (``bad\\xffname.jpg``)."""
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate no file system decoding made
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
 def usable(path: str) -> str:
     """``path``, or OSError if no file can have it: a NUL byte (a list file's line, say), for
     which os functions raise ValueError, would end a job instead of failing its input."""

@@ -9,6 +9,7 @@ lossy re-encoding).
 from __future__ import annotations
 
 import io
+import numbers
 import os
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -20,7 +21,7 @@ from vit22b.model.pixels import to_rgb
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
-from .files import MAX_IMAGE_BYTES, read_local
+from .files import MAX_IMAGE_BYTES, as_text, read_local
 
 ImageInput = str | os.PathLike | bytes | bytearray | memoryview | Image.Image | np.ndarray
 ENCODED = (bytes, bytearray, memoryview)  # a file's bytes, sent as they are
@@ -78,12 +79,27 @@ def read_opened(item: Item) -> Item:
 
 
 def default_id(image: ImageInput, index: int) -> str:
+    """A path's id is the path (its bytes that are not UTF-8 written ``\\xNN``, as the wire
+    carries text only), an open file's its name, any other image's its position."""
     if type(image) is bytes:  # the usual case, before os.PathLike's (costlier) ABC check
         return str(index)
     if isinstance(image, (str, os.PathLike)):
-        return os.fspath(image)
+        return as_text(os.fspath(image)) or str(index)
     name = getattr(image, "name", None) if _opened(image) else None
-    return name if isinstance(name, str) else str(index)  # open(path): its path
+    return as_text(name) if isinstance(name, str) and name else str(index)  # open(path)
+
+
+def given_id(value, index: int) -> str:
+    """An id the caller gave: text (a str; an integer or a path as written), never the
+    ``repr`` of something else: ``b'a'`` or ``None`` would label a row without a word."""
+    if isinstance(value, str):
+        return as_text(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, os.PathLike):
+        return as_text(os.fspath(value))
+    raise TypeError(f"the id of image {index} is a {type(value).__name__}, not text: ids are "
+                    "str (or an int, or a path)")
 
 
 def wire_size(image: ImageInput) -> int:
@@ -92,7 +108,7 @@ def wire_size(image: ImageInput) -> int:
     if isinstance(image, (str, os.PathLike)):
         try:
             return os.path.getsize(image)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a NUL byte
             return 0  # reported when the file is read
     if isinstance(image, ENCODED):
         return memoryview(image).nbytes
@@ -130,7 +146,7 @@ def with_ids(images: Iterable, ids: Iterable) -> Iterator[tuple[int, object, str
         image_id = next(ids_iter, end)
         if image_id is end:
             raise ValueError(f"the ids ran out at image {count - 1}: give one id per image")
-        yield count - 1, image, str(image_id)
+        yield count - 1, image, given_id(image_id, count - 1)
     if next(ids_iter, end) is not end:
         raise ValueError(f"more ids than the {count} images: give one id per image")
 

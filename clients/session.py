@@ -289,15 +289,31 @@ class AsyncEmbedSession:
     """Asyncio session (``AsyncFeatureClient.session()``); tasks of one loop may share it."""
 
     def __init__(self, client, window: int = WINDOW):
-        self._client = client
-        self._room = asyncio.Semaphore(window)
+        self._client, self._window = client, window
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: _AsyncStream | None = None
         self._closed = False
+
+    def _bind(self) -> None:
+        """Its stream and window belong to one event loop, as the client's channels do: taken
+        up again in a later loop once that one has ended (``asyncio.run`` after
+        ``asyncio.run``; the old stream ended with its loop), refused beside a live one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("this session's stream belongs to another event loop, still "
+                               "open; open a session in each event loop")
+        self._loop, self._stream = loop, None
+        self._room = asyncio.Semaphore(self._window)
         self._retries: set[asyncio.Task] = set()
 
     async def embed(self, images, *, ids=None, batch_size: int | None = None,
                     timeout: float | None = None, **options) -> Embeddings:
         """``AsyncFeatureClient.embed``'s inputs, keywords and result."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        self._bind()
         await self._client.model_info()
         unsent: list[ImageError] = []
         timeout = self._client._timeout(timeout)
@@ -362,8 +378,8 @@ class AsyncEmbedSession:
 
     async def close(self) -> None:
         self._closed = True
-        if self._stream is not None:
-            await self._stream.close()
+        if self._stream is not None and self._loop is asyncio.get_running_loop():
+            await self._stream.close()  # another loop's stream ended with it
 
     async def __aenter__(self) -> AsyncEmbedSession:
         return self

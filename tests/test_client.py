@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -485,6 +486,31 @@ def test_ids_must_be_one_per_image():
         list(items(iter(images), iter(["x"])))
     with pytest.raises(ValueError, match="more ids than the 2 images"):
         list(items(iter(images), iter(["x", "y", "z"])))
+    # ids are text: an int or a path as written; bytes or None were labels like "b'a'"
+    assert [i.id for i in items(images, [7, Path("a/b.png")])] == ["7", "a/b.png"]
+    for odd, kind in ((b"a", "bytes"), (None, "NoneType"), (1.5, "float"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"the id of image 1 is a {kind}, not text"):
+            list(items(images, ["x", odd]))
+
+
+def test_paths_that_no_file_or_wire_text_can_hold_are_that_images_refusal(tmp_path):
+    """A name whose bytes are not UTF-8 (os.listdir gives it with lone surrogates) made its
+    default id unsendable: a raw UnicodeEncodeError, skip_invalid or not; a NUL byte a raw
+    ValueError. The id writes the odd bytes \\xNN, as the embed job does, and a NUL path is
+    that image's refusal."""
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "x.png")
+    odd = tmp_path / os.fsdecode(b"caf\xe9.png")
+    (tmp_path / "x.png").rename(odd)
+    (item,) = list(items([odd]))
+    assert item.id == str(tmp_path / "caf\\xe9.png") and item.size > 0
+    assert to_proto(item).id == item.id and to_proto(item).encoded.startswith(b"\x89PNG")
+    with open(odd, "rb") as f:
+        assert list(items([f]))[0].id == item.id
+    assert list(items([odd], [str(odd)]))[0].id == item.id  # a given id, the same rule
+    (nul,) = list(items(["x\0.png"]))
+    assert nul.size == 0
+    with pytest.raises(InvalidImage, match="image 0.*a path with a NUL byte names no file"):
+        to_proto(nul)
 
 
 def test_timeouts_are_positive_numbers_and_long_ones_mean_no_limit():

@@ -341,3 +341,37 @@ def test_an_async_client_made_outside_any_loop_works_in_each_loop_in_turn(server
         other.call_soon_threadsafe(other.stop)
         thread.join(10)
         other.close()
+
+
+def test_an_async_session_is_taken_up_again_in_a_later_event_loop(server):
+    """The client works in each loop in turn; a session kept across ``asyncio.run`` queued its
+    request on the stream of the ended loop: DEADLINE_EXCEEDED, or a hang with no timeout.
+    It now opens a stream in the new loop, and beside a live loop says so."""
+    image = random_images(1, seed=84, size=(64, 64))
+    want = in_process(server.engine, image)["pooled"]
+    client = AsyncFeatureClient(server.address, timeout=30)
+    session = client.session()
+
+    async def pooled() -> np.ndarray:
+        return (await asyncio.wait_for(session.embed(image), 30)).pooled
+
+    for _ in range(3):
+        np.testing.assert_array_equal(asyncio.run(pooled()), want)
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+    try:
+        fresh = AsyncFeatureClient(server.address, timeout=30)
+        shared = fresh.session()
+        asyncio.run_coroutine_threadsafe(shared.embed(image), other).result(30)
+        with pytest.raises(RuntimeError, match="session's stream belongs to another event loop"):
+            asyncio.run(shared.embed(image))
+        asyncio.run_coroutine_threadsafe(shared.close(), other).result(30)
+        asyncio.run_coroutine_threadsafe(fresh.close(), other).result(30)
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        thread.join(10)
+        other.close()
+    asyncio.run(session.close())
+    with pytest.raises(RuntimeError, match="the session is closed"):
+        asyncio.run(session.embed(image))
