@@ -329,8 +329,12 @@ class ClientBase:
 
     def _open(self) -> None:
         """A channel (and its stub) per address."""
-        # No client-side caps: requests are sized to the server's limits, which rule.
-        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        # No client-side caps: requests are sized to the server's limits, which rule. A
+        # connection of its own per client: gRPC shares one between the channels of a process
+        # to one address, so another client's forgotten sessions (a stream each, up to the
+        # server's per-connection bound) would block this client's calls too.
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                   ("grpc.use_local_subchannel_pool", 1)]
         if self._credentials is not None:
             self._channels = [self._grpc.secure_channel(a, self._credentials, options)
                               for a in self.addresses]

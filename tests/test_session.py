@@ -375,3 +375,24 @@ def test_an_async_session_is_taken_up_again_in_a_later_event_loop(server):
     asyncio.run(session.close())
     with pytest.raises(RuntimeError, match="the session is closed"):
         asyncio.run(session.embed(image))
+
+
+def test_one_clients_open_sessions_do_not_hold_another_clients_calls():
+    """A session holds a stream until it is closed, and the server bounds the streams of one
+    connection; gRPC shared one connection between a process's clients of one address, so a
+    client's forgotten sessions blocked every other client's calls (DEADLINE_EXCEEDED)."""
+    srv = start_server(max_streams_per_connection=2)
+    image = random_images(1, seed=85, size=(64, 64))
+    try:
+        with FeatureClient(srv.address, timeout=30) as leaky:
+            sessions = [leaky.session(), leaky.session()]
+            for session in sessions:  # each opens its stream with its first call
+                session.embed(image)
+            with FeatureClient(srv.address, timeout=10) as other:
+                assert len(other.embed(image)) == 1
+                with other.session() as session:
+                    assert len(session.embed(image)) == 1
+            for session in sessions:
+                session.close()
+    finally:
+        srv.stop()
