@@ -10,7 +10,15 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 from vit22b.v1 import features_pb2 as pb
 
-from .client import CLOSED, CLOSED_IN_FLIGHT, ClientBase, build_request, chunk_result, start_embed
+from .client import (
+    CLOSED,
+    CLOSED_IN_FLIGHT,
+    ClientBase,
+    build_request,
+    chunk_result,
+    nothing_sent,
+    start_embed,
+)
 from .embeddings import Embeddings, merge
 from .inputs import Item
 
@@ -82,7 +90,7 @@ class AsyncFeatureClient(ClientBase):
             # Reading files and packing pixels stays off the event loop.
             request, sent, local_errors = await asyncio.to_thread(build_request, chunk, options)
             if not sent:
-                return Embeddings(errors=local_errors)
+                return nothing_sent(info, options, local_errors)
             response = await self._call("Embed", request, timeout, chunk[0].index, len(chunk))
             return chunk_result(response, sent, local_errors)
 

@@ -220,6 +220,16 @@ def build_request(chunk: list[Item], options: EmbedOptions):
     return options.request(images), sent, errors
 
 
+def nothing_sent(info: pb.ModelInfo, options: EmbedOptions,
+                 errors: list[ImageError]) -> Embeddings:
+    """A chunk none of whose images could be sent: its outputs with no rows, as the server
+    answers a request whose every image it refused."""
+    arrays, patches = wire.empty_outputs(
+        info, options.kinds, options.patch_layers, options.dtype,
+        wire.patches_at(info, options.resolution, options.dense))
+    return Embeddings(**arrays, patch_tokens=patches, errors=errors)
+
+
 def chunk_result(
     response: pb.EmbedResponse, sent: list[int], local_errors: list[ImageError]
 ) -> Embeddings:
@@ -428,10 +438,12 @@ class FeatureClient(ClientBase):
             dense=dense,
         )
 
+        info = self.model_info()
+
         def run(chunk: list[Item]) -> Embeddings:
             request, sent, local_errors = build_request(chunk, options)
             if not sent:
-                return Embeddings(errors=local_errors)
+                return nothing_sent(info, options, local_errors)
             response = self._call("Embed", request, timeout, chunk[0].index, len(chunk))
             return chunk_result(response, sent, local_errors)
 

@@ -109,7 +109,8 @@ def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) 
             f"these images give different patch grids ({sorted(grids)}): their patch tokens "
             "do not stack; use iter_embed (one result per request) for dense images"
         )
-    arrays = Features.concat(with_rows) if with_rows else Features()
+    # no rows at all: the outputs with none (each part's answer holds them), as one part's
+    arrays = Features.concat(with_rows) if with_rows else (parts[0] if parts else Features())
     return Embeddings(
         **{name: getattr(arrays, name) for name in FEATURE_FIELDS},
         ids=[i for p in parts for i in p.ids],

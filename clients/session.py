@@ -40,7 +40,14 @@ from typing import Any
 import grpc
 from vit22b.v1 import features_pb2 as pb
 
-from .client import CLOSED_IN_FLIGHT, FeatureError, build_request, chunk_result, start_embed
+from .client import (
+    CLOSED_IN_FLIGHT,
+    FeatureError,
+    build_request,
+    chunk_result,
+    nothing_sent,
+    start_embed,
+)
 from .embeddings import Embeddings, ImageError, merge
 
 WINDOW = 16  # requests of one session in flight (the server admits 8 per stream at a time)
@@ -112,22 +119,22 @@ def failover(entries: list[_Entry], err: grpc.RpcError, client) -> _Failover:
     return _Failover(rest, head, delay)
 
 
-def _messages(client, images, ids, batch_size, options: dict, unsent: list[ImageError]):
-    """(request, sent indices, local errors) per message, built as they are sent; errors of
-    chunks with nothing left to send go to ``unsent``."""
+def _messages(client, images, ids, batch_size, options: dict, unsent: list[Embeddings]):
+    """(request, sent indices, local errors) per message, built as they are sent; chunks with
+    nothing left to send go to ``unsent`` (their errors, and their outputs with no rows)."""
     opts, chunks, _ = start_embed(images, ids, client._info, False, batch_size, **options)
     for chunk in chunks:
         request, sent, local_errors = build_request(chunk, opts)
         if sent:
             yield request, sent, local_errors
         else:
-            unsent.extend(local_errors)
+            unsent.append(nothing_sent(client._info, opts, local_errors))
 
 
-def _results(entries: list[_Entry], responses: list, unsent: list[ImageError]) -> Embeddings:
+def _results(entries: list[_Entry], responses: list, unsent: list[Embeddings]) -> Embeddings:
     parts = [chunk_result(response, entry.sent, entry.local_errors)
              for entry, response in zip(entries, responses)]
-    return merge(parts, unsent)
+    return merge([*parts, *unsent])
 
 
 def _deadline(now: float, timeout: float | None) -> float | None:
@@ -175,7 +182,7 @@ class EmbedSession:
         """``FeatureClient.embed``'s inputs, keywords and result (``batch_size``: images per
         message)."""
         self._client.model_info()
-        unsent: list[ImageError] = []
+        unsent: list[Embeddings] = []
         timeout = self._client._timeout(timeout)
         deadline = _deadline(time.monotonic(), timeout)
         entries: list[_Entry] = []
@@ -315,7 +322,7 @@ class AsyncEmbedSession:
             raise RuntimeError("the session is closed")
         self._bind()
         await self._client.model_info()
-        unsent: list[ImageError] = []
+        unsent: list[Embeddings] = []
         timeout = self._client._timeout(timeout)
         loop = asyncio.get_running_loop()
         entries: list[_Entry] = []

@@ -331,13 +331,8 @@ class Infer:
         with no rows, so a caller reads the same keys whatever was refused."""
         if not result.indices:
             g = call.geometry
-            shapes = wire.row_shapes(info, call.outputs.kinds, call.outputs.patch_layers,
-                                     wire.patches_at(info, g.resolution, g.dense))
-            empty = {name: np.zeros((0, *shape), OUTPUT_DTYPES[call.dtype])
-                     for name, shape in shapes.items()}
-            patches = {layer: empty.pop(f"patch_tokens[{layer}]")
-                       for layer in call.outputs.patch_layers}
-            return empty, patches
+            return wire.empty_outputs(info, call.outputs.kinds, call.outputs.patch_layers,
+                                      call.dtype, wire.patches_at(info, g.resolution, g.dense))
         depth, features = self.engine.cfg.depth, result.features
         patches = {layer: features.patch_tokens[layer % depth]
                    for layer in call.outputs.patch_layers}

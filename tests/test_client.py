@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from PIL import Image
@@ -328,6 +329,31 @@ def servers():
     yield pair
     for srv in pair:
         srv.stop()
+
+
+def test_nothing_computed_still_gives_every_output_with_no_rows(servers, tmp_path):
+    """skip_invalid with every image refused: `pooled` was None when the SDK refused them
+    (or they filled several requests) and a [0, 64] array when one request's worth were
+    refused by the server; now each output asked for has no rows, whichever refused, on
+    every call kind."""
+    from vit22b.clients import AsyncFeatureClient
+
+    missing = [tmp_path / f"gone{i}.png" for i in range(3)]  # refused here, unsent
+    junk = [b"junk"] * 3  # refused by the server
+    asked = {"outputs": ["pooled"], "layers": [-1], "skip_invalid": True, "batch_size": 2,
+             "dtype": "bfloat16"}
+
+    def check(result, count: int) -> None:
+        assert len(result) == 0 and len(result.errors) == count
+        assert result.pooled.shape == (0, 64) and result.pooled.dtype == ml_dtypes.bfloat16
+        assert result.patch_tokens[-1].shape == (0, 16, 64)
+
+    with FeatureClient(servers[0].address) as client:
+        for images in (missing, junk, missing + junk, junk[:1]):
+            check(client.embed(images, **asked), len(images))
+            with client.session() as session:
+                check(session.embed(images, **asked), len(images))
+    check(asyncio.run(AsyncFeatureClient(servers[0].address).embed(missing + junk, **asked)), 6)
 
 
 def test_requests_are_spread_over_several_addresses(servers):

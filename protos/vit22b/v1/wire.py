@@ -159,6 +159,18 @@ def row_shapes(
     return shapes
 
 
+def empty_outputs(
+    info: pb.ModelInfo, kinds: Sequence[str], layers: Sequence[int], dtype: str,
+    num_patches: int = 0,
+) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+    """Each output a request asks for with no rows (every image refused), and its patch
+    tokens by layer as spelled: a caller reads the same keys and row shapes either way."""
+    numpy = _NUMPY[dtype_code(dtype)]
+    arrays = {name: np.zeros((0, *shape), numpy)
+              for name, shape in row_shapes(info, kinds, layers, num_patches).items()}
+    return arrays, {layer: arrays.pop(f"patch_tokens[{layer}]") for layer in layers}
+
+
 def patches_at(info: pb.ModelInfo, resolution: int = 0, dense: bool = False) -> int:
     """Patches per image at a request's geometry (dense: at most the server's bound)."""
     if dense:
