@@ -39,11 +39,18 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class FeatureError(RuntimeError):
-    """A call the server refused or failed; ``code`` is the gRPC status code."""
+    """A call the server refused or failed; ``code`` is the gRPC status code; ``index``: the
+    caller's index of the image at fault, when one was (the message names it the same)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, first_index: int = 0, count: int = 0):
+    def __init__(self, code: grpc.StatusCode, details: str, first_index: int = 0, count: int = 0,
+                 in_request: int | None = None):
         self.code, self.details, self.first_index = code, details, first_index
-        where = f" (request of images {first_index}..{first_index + count - 1})" if count else ""
+        self.index = None if in_request is None else first_index + in_request
+        named, where = f"image {in_request}", ""
+        if self.index is not None and details.startswith((f"{named} ", f"{named}:")):
+            details = f"image {self.index}{details[len(named):]}"
+        elif count:
+            where = f" (request of images {first_index}..{first_index + count - 1})"
         super().__init__(f"{code.name}: {details}{where}")
 
 
@@ -368,8 +375,20 @@ class ClientBase:
         if self.closed:  # the channel closed under the call
             raise RuntimeError(CLOSED_IN_FLIGHT) from None
         if not self.retry.should_retry(err, attempt):
-            raise FeatureError(err.code(), err.details() or "", first, count) from None
+            raise FeatureError(err.code(), err.details() or "", first, count,
+                               _image_index(err)) from None
         return self.retry.delay(attempt)
+
+
+def _image_index(err: grpc.RpcError) -> int | None:
+    """The refused image's index in its request, from the refusal's trailing metadata. A
+    request's images are the caller's, in order, from its first index on: a request with
+    images left out (skip_invalid) gets no refusal for one image, but errors in its answer."""
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == wire.IMAGE_INDEX and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
 
 
 class FeatureClient(ClientBase):

@@ -194,7 +194,11 @@ class FeatureService:
         else:
             log.info("%s refused: %s: %s", method, code.name, message[:300])
         self.metrics.requests.labels(method, code.name).inc()
-        await refuse(context, code, message)
+        # the image at fault, as its request (or stream message) lists it: a client that split
+        # its input into requests names it by the caller's own index (``wire.IMAGE_INDEX``)
+        trailing = ((wire.IMAGE_INDEX, str(err.index)),) if isinstance(err, InvalidImage) and (
+            err.index is not None) else ()
+        await refuse(context, code, message, trailing)
 
     @contextlib.asynccontextmanager
     async def _call(self, method: str, context):

@@ -87,14 +87,14 @@ def status_of(err: BaseException) -> Status:
 
 
 async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                 message: str) -> NoReturn:
+                 message: str, trailing: tuple = ()) -> NoReturn:
     """End a gRPC call with ``code`` (``context.abort``), also one that ended meanwhile.
 
     A call whose deadline passes (or whose client leaves) between the failure and its answer
     makes the abort itself fail inside gRPC's core, which gRPC logs as an error of the server.
     Nobody is left to tell: the call ends as cancelled (gRPC logs that at debug level)."""
     try:
-        await context.abort(code, message)
+        await context.abort(code, message, trailing)
     except grpc.aio.AbortError:
         raise  # the status was sent: how abort unwinds the handler
     except Exception as err:  # noqa: BLE001 - gRPC core's ExecuteBatchError (not public)

@@ -20,6 +20,7 @@ from vit22b.clients import (
     AsyncFeatureClient,
     Embeddings,
     FeatureClient,
+    FeatureError,
     InvalidImage,
     MixedModelsError,
     Retry,
@@ -354,6 +355,30 @@ def test_nothing_computed_still_gives_every_output_with_no_rows(servers, tmp_pat
             with client.session() as session:
                 check(session.embed(images, **asked), len(images))
     check(asyncio.run(AsyncFeatureClient(servers[0].address).embed(missing + junk, **asked)), 6)
+
+
+def test_a_refused_image_is_named_by_the_callers_index_across_requests(servers):
+    """An input split into requests: the server names a bad image by its index in its
+    request ("image 1 ... (request of images 2..3)"); the error now says the caller's 3, as
+    ``index`` does, on every call kind."""
+    from vit22b.clients import AsyncFeatureClient
+
+    images = [*random_images(3, seed=31, size=(64, 64)), b"not an image", *random_images(
+        2, seed=32, size=(64, 64))]
+    ids = [f"im{i}" for i in range(len(images))]
+    with FeatureClient(servers[0].address) as client:
+        calls = [lambda: client.embed(images, ids=ids, batch_size=2)]
+        session = client.session()
+        calls.append(lambda: session.embed(images, ids=ids, batch_size=2))
+        calls.append(lambda: asyncio.run(AsyncFeatureClient(servers[0].address).embed(
+            images, ids=ids, batch_size=2)))
+        for call in calls:
+            with pytest.raises(FeatureError) as refused:
+                call()
+            assert refused.value.index == 3 and refused.value.details.startswith("image 1 ")
+            assert str(refused.value).startswith("INVALID_ARGUMENT: image 3 (id 'im3'): ")
+            assert "request of images" not in str(refused.value)
+        session.close()
 
 
 def test_requests_are_spread_over_several_addresses(servers):

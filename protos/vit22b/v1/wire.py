@@ -191,6 +191,10 @@ def row_bytes(
     return sum(math.prod(s) for s in shapes.values()) * itemsize
 
 
+# Trailing metadata of a refusal caused by one image: its index in the request (or stream
+# message). The message names it too ("image N ..."), at that index.
+IMAGE_INDEX = "vit22b-image-index"
+
 # Message-size accounting, the same on both sides so the client's requests always fit the
 # server's limit: per image its id and field framing, per message the rest (model reference,
 # timings, tensor headers).
