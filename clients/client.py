@@ -380,6 +380,30 @@ class ClientBase:
         return self.retry.delay(attempt)
 
 
+class _Calls:
+    """The gRPC calls of one ``iter_embed``'s pool: cancelled together when its caller leaves
+    early; one that starts after that is cancelled as it starts."""
+
+    def __init__(self) -> None:
+        self._lock, self._calls, self._cancelled = threading.Lock(), set(), False
+
+    def add(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._calls.add(call)
+            if self._cancelled:
+                call.cancel()
+
+    def discard(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            for call in self._calls:
+                call.cancel()
+
+
 def _image_index(err: grpc.RpcError) -> int | None:
     """The refused image's index in its request, from the refusal's trailing metadata. A
     request's images are the caller's, in order, from its first index on: a request with
@@ -399,12 +423,24 @@ class FeatureClient(ClientBase):
         self._open()
 
     def _call(
-        self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0
+        self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0,
+        in_flight: _Calls | None = None,
     ):
+        """One call, retried by the client's policy; with ``in_flight``, each attempt's gRPC
+        future is held there while it runs, so another thread can cancel it
+        (grpc.FutureCancelledError here)."""
         for attempt in itertools.count():
             call = self._pick(method)
             try:
-                return call(request, timeout=self._timeout(timeout), metadata=self.metadata)
+                if in_flight is None:
+                    return call(request, timeout=self._timeout(timeout), metadata=self.metadata)
+                future = call.future(request, timeout=self._timeout(timeout),
+                                     metadata=self.metadata)
+                in_flight.add(future)
+                try:
+                    return future.result()
+                finally:
+                    in_flight.discard(future)
             except grpc.RpcError as err:
                 time.sleep(self._backoff(err, attempt, first, count))
             except ValueError:  # gRPC's "closed channel", closed between the check and the call
@@ -459,11 +495,14 @@ class FeatureClient(ClientBase):
 
         info = self.model_info()
 
+        in_flight = _Calls()  # the pool's calls, cancelled when the caller leaves early
+
         def run(chunk: list[Item]) -> Embeddings:
             request, sent, local_errors = build_request(chunk, options)
             if not sent:
                 return nothing_sent(info, options, local_errors)
-            response = self._call("Embed", request, timeout, chunk[0].index, len(chunk))
+            response = self._call("Embed", request, timeout, chunk[0].index, len(chunk),
+                                  in_flight)
             return chunk_result(response, sent, local_errors)
 
         first = next(chunks, None)
@@ -492,6 +531,9 @@ class FeatureClient(ClientBase):
             finally:
                 for future, _ in window:
                     future.cancel()
+                # an early exit (an error, Ctrl-C, a loop left): the running calls end now,
+                # not when their timeout passes (the pool waits for its threads)
+                in_flight.cancel()
                 if bar is not None:
                     bar.close()
 

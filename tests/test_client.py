@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -15,7 +16,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 from PIL import Image
-from serving import assert_same_rows, in_process, metric, metrics, png, random_images, start_server
+from serving import (
+    assert_same_rows,
+    in_process,
+    metric,
+    metrics,
+    png,
+    random_images,
+    start_server,
+    wait_for,
+)
 from vit22b.clients import (
     AsyncFeatureClient,
     Embeddings,
@@ -379,6 +389,37 @@ def test_a_refused_image_is_named_by_the_callers_index_across_requests(servers):
             assert str(refused.value).startswith("INVALID_ARGUMENT: image 3 (id 'im3'): ")
             assert "request of images" not in str(refused.value)
         session.close()
+
+
+def test_leaving_a_split_embed_early_ends_its_running_calls_at_once():
+    """Ctrl-C (here a signal whose handler raises) while the pool's calls wait on the server:
+    the exit waited for them to finish or time out (120 s by default, for ever with no
+    timeout). Their gRPC calls are cancelled now, and the interruption is the caller's."""
+    import signal
+    import time
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    srv = start_server(max_delay_ms=8_000, batch_wait="delay")  # lone calls wait 8 s
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        with FeatureClient(srv.address, concurrency=2, timeout=60) as client:
+            images = random_images(4, seed=33, size=(64, 64))
+            start = time.monotonic()
+            timer.start()
+            with pytest.raises(Interrupted):
+                client.embed(images, batch_size=1)  # two calls in flight, waiting
+            assert time.monotonic() - start < 5
+            wait_for(lambda: metric(metrics(srv), "vit22b_queue_images") == 0, timeout=30)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        srv.stop()
 
 
 def test_requests_are_spread_over_several_addresses(servers):
