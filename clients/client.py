@@ -99,8 +99,8 @@ class EmbedOptions:
         r = self.resolution
         if not (is_number(r, numbers.Integral) and 0 <= r < 2**31):
             raise ValueError(f"resolution must be an integer >= 0, got {r!r}")
-        if not isinstance(self.dtype, str):  # np.float16, np.dtype("float16"), ml_dtypes'
-            with contextlib.suppress(TypeError):
+        if self.dtype is not None and not isinstance(self.dtype, str):  # np.float16, ...
+            with contextlib.suppress(TypeError):  # (np.dtype(None) is float64: not a choice)
                 object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
         if self.dtype not in wire.OUTPUT_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {wire.OUTPUT_DTYPES}")

@@ -42,7 +42,7 @@ def as_images(images) -> Iterable[ImageInput]:
     if isinstance(images, (str, os.PathLike, *ENCODED, Image.Image)) or _opened(images):
         return [images]  # an open file iterates over lines, not images
     if isinstance(images, np.ndarray):
-        return [images] if images.ndim in (2, 3) else list(images)
+        return [images] if images.ndim in (0, 2, 3) else list(images)  # 0-d: refused as one
     try:
         iter(images)
     except TypeError:

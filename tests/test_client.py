@@ -680,3 +680,10 @@ def test_images_that_are_neither_an_image_nor_several_are_named():
         with pytest.raises(TypeError, match=f"or an iterable of them, not {type(bad).__name__}"):
             as_images(bad)
     assert list(as_images(iter([b"x"]))) == [b"x"]  # an iterator is taken as it comes
+    # a 0-d array is one image, refused by what it is (numpy's "iteration over a 0-d array")
+    with pytest.raises(InvalidImage, match="image 0: a ndarray, not an image"):
+        [to_proto(i) for i in items(np.array(5))]
+    from vit22b.clients.client import options_of
+
+    with pytest.raises(ValueError, match="dtype None is not one of"):  # not "'float64'"
+        options_of({"dtype": None})
