@@ -34,7 +34,7 @@ from vit22b.model.pixels import Geometry
 
 from .embed_formats import FORMATS
 from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
-from .embed_inputs import InputItem, enumerate_inputs, ids_digest, shard_slices
+from .embed_inputs import InputItem, enumerate_inputs, ids_digest, places_digest, shard_slices
 from .embed_store import OutputStore, ShardWriter
 from .files import MAX_IMAGE_BYTES
 from .outputs import ERRORS, array_name
@@ -316,7 +316,8 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         "normalize_patches": spec.normalize_patches,
         "shard_size": config.shard_size,
         "format": config.format,
-        "inputs": {"count": len(items), "sha256": ids_digest(items)},
+        "inputs": {"count": len(items), "sha256": ids_digest(items),
+                   "places_sha256": places_digest(items)},
         # a resumed job never mixes geometries (absent: the model's own, as before geometries)
         **({"resolution": spec.resolution, "num_patches": model.num_patches}
            if spec.resolution or spec.dense else {}),

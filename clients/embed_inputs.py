@@ -10,8 +10,12 @@ Each INPUT, a local path or an fsspec URL (``s3://bucket/photos/``, ``gs://...``
 Every image gets a stable id: its path relative to the folder when a single folder is given,
 otherwise the path as written (folder argument + relative path; the glob match; the list line);
 a name that is not UTF-8 has its odd bytes written ``\\xNN`` in its id (``as_text``).
-The list is sorted by id and de-duplicated, so the same command always sees the same list in the
-same order: shard ``k`` is positions ``k*shard_size ...`` of it, whatever was done before.
+The list is sorted by id and de-duplicated (a file that several INPUTs or a glob name twice, by
+other spellings or through a link, is listed once: under the name that goes through no link, is
+the shortest, then sorts first), so the same command always sees the
+same list in the same order: shard ``k`` is positions ``k*shard_size ...`` of it, whatever was
+done before. The job's identity holds where the files were read from too (``places_digest``):
+another folder with the same names is another list.
 Non-image files are kept: the job records them as failures with the reason, which is what a
 user who pointed it at the folder needs to know. ``extensions`` narrows the walk when wanted.
 The job's own output folder, when it lies below an INPUT (``vit22b embed photos -o
@@ -20,6 +24,7 @@ photos/embeddings``), holds no inputs: its files would change the list on every 
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import os
@@ -98,6 +103,43 @@ def _read_list(list_path: str) -> list[InputItem]:
     return items
 
 
+def _recursive_glob(spec: str) -> list[str]:
+    """What ``glob.glob(spec, recursive=True)`` matches, each folder below the pattern's base
+    walked once as a folder INPUT is (Python's glob follows links to folders, so a link back
+    up the tree listed one file once per lap, and three such links never ended), hidden names
+    skipped, a folder that cannot be listed refused by name."""
+    parts = spec.split(os.sep)
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    base, pattern = os.sep.join(parts[:fixed]), parts[fixed:]
+    if fixed == 1 and not base:  # "/**/x.png"
+        base = os.sep
+    matches = [base] if base and _matches([], pattern) else []
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, files in os.walk(base or os.curdir, onerror=_unlisted, followlinks=True):
+        info = os.stat(root)
+        if (info.st_dev, info.st_ino) in seen:  # a link back up the tree: walked once
+            dirs[:] = []
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        dirs[:] = [d for d in dirs if _visible(d)]
+        rel = [] if root == (base or os.curdir) else os.path.relpath(
+            root, base or os.curdir).split(os.sep)
+        for name in [*dirs, *filter(_visible, files)]:
+            if _matches([*rel, name], pattern):
+                matches.append(os.path.join(root, name) if base else os.path.join(*rel, name))
+    return matches
+
+
+def _matches(names: list[str], pattern: list[str]) -> bool:
+    """A path's names against a glob's, ``**`` standing for any number of folders."""
+    if not pattern:
+        return not names
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_matches(names[k:], rest) for k in range(len(names) + 1))
+    return bool(names) and fnmatch.fnmatchcase(names[0], head) and _matches(names[1:], rest)
+
+
 def _listed(entry: str, resolve) -> InputItem:
     return InputItem(entry, entry) if is_url(entry) else InputItem(_posix(entry), resolve(entry))
 
@@ -160,7 +202,7 @@ def _expand(spec: str, several: bool) -> list[InputItem]:
         raise InputListError(
             f"input {spec!r} does not exist (want a folder, a glob or a list file)"
         )
-    matches = sorted(glob.glob(spec, recursive=True))
+    matches = sorted(_recursive_glob(spec) if "**" in spec else glob.glob(spec))
     if not matches:
         raise InputListError(f"input glob {spec!r} matches nothing")
     items = []
@@ -198,6 +240,9 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = (),
         raise InputListError("no INPUT given")
     several = len(specs) > 1
     by_id: dict[str, InputItem] = {}
+    # several INPUTs (or a glob through links) may name one file twice: it is listed once,
+    # under the name that goes through no link, is the shortest, then sorts first
+    by_file: dict[str, tuple[tuple, InputItem]] = {}
     wanted = tuple("." + e.lower().lstrip(".") for e in extensions)
     in_output = _below(output)
     for spec in specs:
@@ -209,6 +254,16 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = (),
             if (wanted and not item.path.lower().endswith(wanted)) or in_output(item.path):
                 continue
             item = InputItem(as_text(item.id), item.path)
+            if several or glob.has_magic(spec):  # "photos" and "/abs/photos", a folder and a
+                # list of its files, a glob through a link to a folder it also reaches: once
+                real = item.path if is_url(item.path) else os.path.realpath(item.path)
+                rank = (real != item.path, item.id.count("/"), item.id)
+                first = by_file.get(real)
+                if first is not None:
+                    if rank >= first[0]:
+                        continue
+                    del by_id[first[1].id]  # the better name wins, whatever the order given
+                by_file[real] = (rank, item)
             seen = by_id.setdefault(item.id, item)
             if seen.path != item.path:
                 raise InputListError(
@@ -224,6 +279,16 @@ def ids_digest(items: list[InputItem]) -> str:
     digest = hashlib.sha256()
     for item in items:
         digest.update(item.id.encode("utf-8", "surrogateescape") + b"\n")
+    return digest.hexdigest()
+
+
+def places_digest(items: list[InputItem]) -> str:
+    """sha256 of where the ordered inputs are read from: a folder's ids are relative to it,
+    so another folder of the same names has the same ids, and a resume from it would mix the
+    two folders' images under one list."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(item.path.encode("utf-8", "surrogateescape") + b"\n")
     return digest.hexdigest()
 
 

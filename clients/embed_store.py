@@ -142,8 +142,9 @@ class OutputStore:
     def _resume(self, manifest: dict) -> None:
         diff = _identity_diff(manifest["identity"], self.identity)
         if manifest["identity"].get("inputs") != self.identity.get("inputs"):
-            diff.append("  (the input list changed: files added, removed or renamed; shards are "
-                        "positions in the sorted list, so a changed list needs a new --output)")
+            diff.append("  (the input list changed: files added, removed or renamed, or read "
+                        "from another folder; shards are positions in the sorted list, so a "
+                        "changed list needs a new --output)")
         if diff:
             raise JobMismatch(
                 f"refusing to mix into {self.directory}: it holds a job with different settings\n"

@@ -53,7 +53,7 @@ def write_bad_files(root) -> dict[str, str]:
 # ---- inputs ------------------------------------------------------------------------------
 
 
-def test_folder_glob_and_list_inputs(tmp_path):
+def test_folder_glob_and_list_inputs(tmp_path, monkeypatch):
     data = tmp_path / "data"
     ids = write_images(data, 9)
     (data / ".hidden.jpg").write_bytes(b"x")
@@ -82,9 +82,33 @@ def test_folder_glob_and_list_inputs(tmp_path):
     # of the same file collapse to one
     both = enumerate_inputs([str(data), str(data / ids[1])])
     assert [i.id for i in both] == [f"{data}/{i}" for i in ids]
+    # one file spelled otherwise by another INPUT (a relative folder, an absolute one, a link
+    # to it, a list of its files) was embedded once per spelling; now once
+    os.symlink(data, tmp_path / "data-link")
+    monkeypatch.chdir(tmp_path)
+    spellings = ["data", str(data), "data-link", str(listing), f"data/{ids[3]}"]
+    once = enumerate_inputs(spellings)
+    assert sorted(os.path.realpath(i.path) for i in once) == sorted(str(data / i) for i in ids)
+    assert [i.id for i in once] == [f"data/{i}" for i in ids]  # no link, the shortest
 
     assert [i.id for i in enumerate_inputs([str(data)], extensions=("PNG",))] == [
         i for i in ids if i.endswith(".png")]
+
+
+def test_a_recursive_glob_walks_each_folder_once(tmp_path, monkeypatch):
+    """Python's glob follows links to folders: with a link back up the tree, `**` listed one
+    file once per lap (41 rows for one file), and three such links ran on for minutes. Each folder
+    is walked once now, as for a folder INPUT, and the matches are glob's on a tree without
+    links (same ids)."""
+    ids = write_images(tmp_path / "data", 9)
+    monkeypatch.chdir(tmp_path)
+    plain = {spec: [i.id for i in enumerate_inputs([spec])]
+             for spec in ("data/**/*.png", "data/**", "data/*/**/*.jpg", "**/*.png")}
+    assert plain["data/**/*.png"] == [f"data/{i}" for i in ids if i.endswith(".png")]
+    for loop in ("data/class0/up", "data/class0/deep/up"):
+        os.symlink(tmp_path / "data", loop)
+    for spec, want in plain.items():
+        assert [i.id for i in enumerate_inputs([spec])] == want, spec
 
 
 def test_bad_inputs_are_named(tmp_path):
@@ -358,6 +382,12 @@ def test_resume_refuses_other_options(engine, tmp_path):
     data, out = tmp_path / "data", tmp_path / "out"
     write_images(data, 5)
     local_job(engine, data, out)
+    # another folder of the same names: the ids are relative to the folder, so they are the
+    # same; a resume from it mixed the two folders' images under one list, and said complete
+    other = tmp_path / "other"
+    write_images(other, 5, seed=1)
+    with pytest.raises(JobMismatch, match="read from another folder"):
+        local_job(engine, other, out)
     with pytest.raises(JobMismatch, match="outputs") as err:
         local_job(engine, data, out, OutputSpec(pooled=True, patch_layers=(-1,)))
     assert "choose another --output" in str(err.value)
