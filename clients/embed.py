@@ -175,8 +175,24 @@ def read_file(item: InputItem) -> bytes:
     return read_bytes(item.path, MAX_IMAGE_BYTES)
 
 
+READ_FAILURE = "cannot read file: "  # a failure to read a file, not to decode it
+
+
 def os_reason(err: OSError) -> str:
-    return f"cannot read file: {err.strerror or err}"
+    return f"{READ_FAILURE}{err.strerror or err}"
+
+
+def readable_now(failure: dict) -> bool:
+    """Whether a failure recorded as a file that could not be read is one whose file can be
+    read now (its folder mounted again, a link or a permission fixed): a rerun recomputes its
+    shard. A file that could not be decoded stays a failure."""
+    if not failure.get("reason", "").startswith(READ_FAILURE):
+        return False
+    try:
+        read_bytes(failure["path"], MAX_IMAGE_BYTES)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def embed_files(worker, items: Sequence[InputItem]) -> BatchResult:
@@ -348,7 +364,8 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     identity = identity_of(model, config, items, list(arrays))
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,
              "num_patches": model.num_patches}
-    store = OutputStore.open(config.output, identity, arrays, len(slices), about)
+    store = OutputStore.open(config.output, identity, arrays, len(slices), about,
+                             retry=readable_now)
     summary = Summary(len(items), len(slices), output=config.output)
     try:
         pending = [k for k in range(len(slices)) if k not in store.done]

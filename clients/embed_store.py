@@ -103,13 +103,18 @@ class OutputStore:
         self.done: dict[int, dict] = {}  # shard index -> manifest entry
         self._failed: dict[int, list[dict]] = {}
         self._lock = threading.Lock()
+        self._retry = None
+        self.retried: list[int] = []  # done shards recomputed for failures worth a retry
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
     def open(cls, directory: str, identity: dict, arrays: dict, num_shards: int,
-             about: dict | None = None) -> OutputStore:
-        """Create or resume ``directory``; JobMismatch if it holds a job with other settings."""
+             about: dict | None = None, retry=None) -> OutputStore:
+        """Create or resume ``directory``; JobMismatch if it holds a job with other settings.
+        ``retry(failure)``: whether a done shard's recorded failure (``errors.jsonl``'s row)
+        should be tried again, which makes its shard one to recompute."""
         store = cls(directory, identity, arrays, num_shards, about)
+        store._retry = retry
         cls.prepare(directory)
         try:
             locked = store.where.lock(LOCK)
@@ -156,10 +161,16 @@ class OutputStore:
             files = entry["files"]
             # a shard whose files were deleted by hand is simply recomputed
             if all(f["file"] in present for f in files.values()):
+                failed = read_ids(self.where, files[IDS]["file"])["failed"] if (
+                    entry["failed"]) else []
+                if self._retry is not None and any(map(self._retry, failed)):
+                    self.retried.append(entry["index"])  # recomputed, its files rewritten
+                    continue
                 self.done[entry["index"]] = entry
-                if entry["failed"]:
-                    rows = read_ids(self.where, files[IDS]["file"])
-                    self._failed[entry["index"]] = rows["failed"]
+                if failed:
+                    self._failed[entry["index"]] = failed
+        if self.retried:
+            self._write_errors()
 
     # -- writing -------------------------------------------------------------------------
     def write_shard(self, index: int, inputs_sha256: str, ids: list[str], paths: list[str],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -394,6 +395,31 @@ def test_resume_refuses_other_options(engine, tmp_path):
     with pytest.raises(JobMismatch, match="inputs"):
         write_images(data / "more", 1)
         local_job(engine, data, out)
+
+
+def test_a_rerun_retries_files_that_could_not_be_read_and_can_be_now(engine, tmp_path):
+    """A file the job could not read (its folder unmounted mid-run, a link fixed later) was a
+    failure for good: the complete job's rerun skipped its shard. A rerun now recomputes the
+    shards in which such a file can be read; a file that cannot be decoded stays a failure."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    ids = write_images(data, 8)
+    (data / "notes.txt").write_bytes(b"not an image")
+    listing = tmp_path / "all.txt"
+    listing.write_text("".join(f"data/{i}\n" for i in ids) + "data/late.png\ndata/notes.txt\n")
+    first = local_job(engine, listing, out, shard_size=4)
+    assert first.complete and first.embedded == 8
+    failed = {f["id"]: f["reason"] for f in open_outputs(str(out)).failed}
+    assert failed == {"data/late.png": "cannot read file: No such file or directory",
+                      "data/notes.txt": failed["data/notes.txt"]}
+    assert local_job(engine, listing, out, shard_size=4).skipped == 10  # nothing to retry
+    shutil.copy(data / ids[1], data / "late.png")  # readable now
+    again = local_job(engine, listing, out, shard_size=4)
+    assert again.complete and again.embedded == 1 and again.skipped == 8  # its shard alone
+    result = open_outputs(str(out), verify=True)
+    assert [f["id"] for f in result.failed] == ["data/notes.txt"]
+    assert "data/late.png" in result.ids and len(result.ids) == 9
+    errors = (out / "errors.jsonl").read_text().splitlines()
+    assert [json.loads(row)["id"] for row in errors] == ["data/notes.txt"]
 
 
 def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):
