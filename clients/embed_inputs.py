@@ -106,8 +106,8 @@ def _read_list(list_path: str) -> list[InputItem]:
 def _recursive_glob(spec: str) -> list[str]:
     """What ``glob.glob(spec, recursive=True)`` matches, each folder below the pattern's base
     walked once as a folder INPUT is (Python's glob follows links to folders, so a link back
-    up the tree listed one file once per lap, and three such links never ended), hidden names
-    skipped, a folder that cannot be listed refused by name."""
+    up the tree listed one file once per lap, and three such links ran on for minutes), hidden
+    names skipped, a folder that cannot be listed refused by name."""
     parts = spec.split(os.sep)
     fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
     base, pattern = os.sep.join(parts[:fixed]), parts[fixed:]
@@ -116,7 +116,10 @@ def _recursive_glob(spec: str) -> list[str]:
     matches = [base] if base and _matches([], pattern) else []
     seen: set[tuple[int, int]] = set()
     for root, dirs, files in os.walk(base or os.curdir, onerror=_unlisted, followlinks=True):
-        info = os.stat(root)
+        try:
+            info = os.stat(root)
+        except OSError as err:
+            _unlisted(err)
         if (info.st_dev, info.st_ino) in seen:  # a link back up the tree: walked once
             dirs[:] = []
             continue
