@@ -225,13 +225,21 @@ def _folder(spec: str) -> str:
     return os.path.join(os.path.abspath(spec.removeprefix("file://")), "")
 
 
-def _below(output: str | None):
-    """item path -> whether it lies in the folder ``output`` (a local path or a URL)."""
+def _below(output: str | None, specs: list[str]):
+    """item path -> whether it lies in the folder ``output`` (a local path or a URL), as the
+    items of ``specs`` spell it: an INPUT reached through a link (``photos-link`` for
+    ``photos``, with ``-o photos/emb``) reads the output as ``photos-link/emb``."""
     if output is None:
         return lambda path: False
     roots = {_folder(output)}
     if not is_url(output):
-        roots.add(os.path.join(os.path.realpath(output.removeprefix("file://")), ""))
+        real_out = os.path.realpath(output.removeprefix("file://"))
+        roots.add(os.path.join(real_out, ""))
+        for spec in (s.removeprefix("file://") for s in specs if not is_url(s)):
+            real = os.path.realpath(spec)
+            if os.path.join(real_out, "").startswith(os.path.join(real, "")):
+                roots.add(os.path.join(os.path.abspath(spec), os.path.relpath(real_out, real),
+                                       ""))
     return lambda path: path.startswith(tuple(roots))
 
 
@@ -247,7 +255,7 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = (),
     # under the name that goes through no link, is the shortest, then sorts first
     by_file: dict[str, tuple[tuple, InputItem]] = {}
     wanted = tuple("." + e.lower().lstrip(".") for e in extensions)
-    in_output = _below(output)
+    in_output = _below(output, specs)
     for spec in specs:
         if output is not None and in_output(_folder(spec)):
             raise InputListError(f"input {spec!r} lies in the output folder {output!r}, whose "

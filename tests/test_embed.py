@@ -368,6 +368,13 @@ def test_an_output_folder_inside_the_input_folder_is_not_an_input(engine, tmp_pa
     assert open_outputs(str(data / "embeddings")).ids == ids
     spelled = local_job(engine, f"{data}/", f"{data}/class0/../embeddings")
     assert spelled.skipped == 5
+    # the input reached through a link, the output named in the real folder: its files were
+    # read as inputs "link/emb2/..." by the rerun, which then refused the changed list
+    linked = tmp_path / "linked"
+    write_images(linked, 5)
+    os.symlink(linked, tmp_path / "link")
+    assert local_job(engine, tmp_path / "link", linked / "emb").embedded == 5
+    assert local_job(engine, tmp_path / "link", linked / "emb").skipped == 5
     for output in (data, tmp_path):  # the inputs in the output folder: refused, nothing read
         with pytest.raises(InputListError, match="lies in the output folder"):
             local_job(engine, data, output)
