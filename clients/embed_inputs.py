@@ -70,19 +70,27 @@ def _unlisted(err: OSError) -> None:
                          f"{err.strerror or err} (its images would be left out)") from None
 
 
-def _walk(folder: str, prefix: str | None) -> list[InputItem]:
-    items, seen = [], set()
-    for root, dirs, files in os.walk(folder, onerror=_unlisted, followlinks=True):
+def _each_folder_once(top: str):
+    """``os.walk`` below ``top``, links followed, each folder once (a link back up the tree is
+    not walked again), hidden names left out, a folder that cannot be listed refused by name."""
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, files in os.walk(top, onerror=_unlisted, followlinks=True):
         try:
-            stat = os.stat(root)
+            info = os.stat(root)
         except OSError as err:
             _unlisted(err)
-        if (stat.st_dev, stat.st_ino) in seen:  # a symlink back up the tree: walk it once
+        if (info.st_dev, info.st_ino) in seen:
             dirs[:] = []
             continue
-        seen.add((stat.st_dev, stat.st_ino))
+        seen.add((info.st_dev, info.st_ino))
         dirs[:] = [d for d in dirs if _visible(d)]
-        for name in filter(_visible, files):
+        yield root, dirs, [f for f in files if _visible(f)]
+
+
+def _walk(folder: str, prefix: str | None) -> list[InputItem]:
+    items = []
+    for root, _, files in _each_folder_once(folder):
+        for name in files:
             path = os.path.join(root, name)
             rel = _posix(os.path.relpath(path, folder))
             item_id = rel if prefix is None else f"{prefix}/{rel}"
@@ -104,30 +112,19 @@ def _read_list(list_path: str) -> list[InputItem]:
 
 
 def _recursive_glob(spec: str) -> list[str]:
-    """What ``glob.glob(spec, recursive=True)`` matches, each folder below the pattern's base
-    walked once as a folder INPUT is (Python's glob follows links to folders, so a link back
-    up the tree listed one file once per lap, and three such links ran on for minutes), hidden
-    names skipped, a folder that cannot be listed refused by name."""
+    """What ``glob.glob(spec, recursive=True)`` matches, walked as a folder INPUT is
+    (``_each_folder_once``): Python's glob follows links to folders, so a link back up the
+    tree listed one file once per lap."""
     parts = spec.split(os.sep)
     fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
     base, pattern = os.sep.join(parts[:fixed]), parts[fixed:]
     if fixed == 1 and not base:  # "/**/x.png"
         base = os.sep
+    top = base or os.curdir
     matches = [base] if base and _matches([], pattern) else []
-    seen: set[tuple[int, int]] = set()
-    for root, dirs, files in os.walk(base or os.curdir, onerror=_unlisted, followlinks=True):
-        try:
-            info = os.stat(root)
-        except OSError as err:
-            _unlisted(err)
-        if (info.st_dev, info.st_ino) in seen:  # a link back up the tree: walked once
-            dirs[:] = []
-            continue
-        seen.add((info.st_dev, info.st_ino))
-        dirs[:] = [d for d in dirs if _visible(d)]
-        rel = [] if root == (base or os.curdir) else os.path.relpath(
-            root, base or os.curdir).split(os.sep)
-        for name in [*dirs, *filter(_visible, files)]:
+    for root, dirs, files in _each_folder_once(top):
+        rel = [] if root == top else os.path.relpath(root, top).split(os.sep)
+        for name in [*dirs, *files]:
             if _matches([*rel, name], pattern):
                 matches.append(os.path.join(root, name) if base else os.path.join(*rel, name))
     return matches

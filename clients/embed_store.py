@@ -92,7 +92,7 @@ class OutputStore:
     """The output directory of one job: knows which shards are done and records the others."""
 
     def __init__(self, directory: str, identity: dict, arrays: dict, num_shards: int,
-                 about: dict | None = None):
+                 about: dict | None = None, retry=None):
         self.directory = directory
         self.where = Location(directory)
         self.identity = identity
@@ -103,8 +103,7 @@ class OutputStore:
         self.done: dict[int, dict] = {}  # shard index -> manifest entry
         self._failed: dict[int, list[dict]] = {}
         self._lock = threading.Lock()
-        self._retry = None
-        self.retried: list[int] = []  # done shards recomputed for failures worth a retry
+        self._retry = retry
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -113,8 +112,7 @@ class OutputStore:
         """Create or resume ``directory``; JobMismatch if it holds a job with other settings.
         ``retry(failure)``: whether a done shard's recorded failure (``errors.jsonl``'s row)
         should be tried again, which makes its shard one to recompute."""
-        store = cls(directory, identity, arrays, num_shards, about)
-        store._retry = retry
+        store = cls(directory, identity, arrays, num_shards, about, retry)
         cls.prepare(directory)
         try:
             locked = store.where.lock(LOCK)
@@ -157,6 +155,7 @@ class OutputStore:
                 + "\nrerun with the manifest's settings to resume it, or choose another --output"
             )
         present = {f"{SHARDS_DIR}/{name}" for name in self.where.files(SHARDS_DIR)}
+        retried = False
         for entry in manifest["shards"]:
             files = entry["files"]
             # a shard whose files were deleted by hand is simply recomputed
@@ -164,12 +163,12 @@ class OutputStore:
                 failed = read_ids(self.where, files[IDS]["file"])["failed"] if (
                     entry["failed"]) else []
                 if self._retry is not None and any(map(self._retry, failed)):
-                    self.retried.append(entry["index"])  # recomputed, its files rewritten
+                    retried = True  # recomputed, its files rewritten
                     continue
                 self.done[entry["index"]] = entry
                 if failed:
                     self._failed[entry["index"]] = failed
-        if self.retried:
+        if retried:
             self._write_errors()
 
     # -- writing -------------------------------------------------------------------------

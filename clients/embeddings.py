@@ -92,9 +92,9 @@ def _sent(sent: Sequence[int], index: int) -> int:
     return sent[index]
 
 
-def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) -> Embeddings:
+def merge(parts: Sequence[Embeddings]) -> Embeddings:
     """Concatenate per-request results in order; refuses results of different models."""
-    if len(parts) == 1 and not extra_errors:  # one request (a session's call): it is the result
+    if len(parts) == 1:  # one request (a session's call): it is the result
         return parts[0]
     models = {wire.identity_of_ref(p.model) for p in parts if p.model is not None}
     if len(models) > 1:
@@ -116,7 +116,7 @@ def merge(parts: Sequence[Embeddings], extra_errors: Sequence[ImageError] = ()) 
         ids=[i for p in parts for i in p.ids],
         indices=np.concatenate([p.indices for p in parts]) if parts else np.zeros(0, np.int64),
         errors=sorted(
-            [e for p in parts for e in p.errors] + list(extra_errors), key=lambda e: e.index
+            [e for p in parts for e in p.errors], key=lambda e: e.index
         ),
         model=next((p.model for p in parts if p.model is not None), None),
         timings=[t for p in parts for t in p.timings],

@@ -98,9 +98,9 @@ def test_folder_glob_and_list_inputs(tmp_path, monkeypatch):
 
 def test_a_recursive_glob_walks_each_folder_once(tmp_path, monkeypatch):
     """Python's glob follows links to folders: with a link back up the tree, `**` listed one
-    file once per lap (41 rows for one file), and three such links ran on for minutes. Each folder
-    is walked once now, as for a folder INPUT, and the matches are glob's on a tree without
-    links (same ids)."""
+    file once per lap (an outside tester's one-loop tree: 41 rows for one file; with more
+    loops the listing ran on). Each folder is walked once now, as for a folder INPUT, and the
+    matches are glob's on a tree without links (same ids)."""
     ids = write_images(tmp_path / "data", 9)
     monkeypatch.chdir(tmp_path)
     plain = {spec: [i.id for i in enumerate_inputs([spec])]
