@@ -36,9 +36,9 @@ from .embed_formats import FORMATS
 from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
 from .embed_inputs import InputItem, enumerate_inputs, ids_digest, places_digest, shard_slices
 from .embed_store import OutputStore, ShardWriter
-from .files import MAX_IMAGE_BYTES
+from .files import MAX_IMAGE_BYTES, READ_FAILURE, os_reason
 from .outputs import ERRORS, array_name
-from .storage import read_bytes
+from .storage import check_readable, read_bytes
 from .video import Sampling
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
@@ -175,21 +175,15 @@ def read_file(item: InputItem) -> bytes:
     return read_bytes(item.path, MAX_IMAGE_BYTES)
 
 
-READ_FAILURE = "cannot read file: "  # a failure to read a file, not to decode it
-
-
-def os_reason(err: OSError) -> str:
-    return f"{READ_FAILURE}{err.strerror or err}"
-
-
-def readable_now(failure: dict) -> bool:
+def readable_now(failure: dict, max_bytes: int | None = MAX_IMAGE_BYTES) -> bool:
     """Whether a failure recorded as a file that could not be read is one whose file can be
-    read now (its folder mounted again, a link or a permission fixed): a rerun recomputes its
-    shard. A file that could not be decoded stays a failure."""
+    read now (its folder mounted again, a link or a permission fixed), within ``max_bytes``
+    (None for videos, read in pieces): a rerun recomputes its shard. A file that could not be
+    decoded stays a failure."""
     if not failure.get("reason", "").startswith(READ_FAILURE):
         return False
     try:
-        read_bytes(failure["path"], MAX_IMAGE_BYTES)
+        check_readable(failure["path"], max_bytes)
     except (OSError, ValueError):
         return False
     return True
@@ -222,9 +216,10 @@ class Summary:
     seconds: float = 0.0
     complete: bool = False
     output: str = ""
-    held: int = 0  # images the output directory holds now (all runs)
+    held: int = 0  # inputs the output directory holds now (all runs)
     held_failed: int = 0  # failures it lists now (all runs)
     lost_workers: list[str] = field(default_factory=list)
+    noun: str = "images"  # what the inputs are: "videos" for a job over videos
 
     def add(self, entry: dict) -> None:
         """Count a shard written by this run (its manifest entry)."""
@@ -236,9 +231,9 @@ class Summary:
         state = "complete" if self.complete else "INCOMPLETE (rerun the same command to resume)"
         return (
             f"embedded {self.embedded}, skipped {self.skipped} (done by an earlier run), "
-            f"failed {self.failed}; {self.output} holds {self.held} images and "
+            f"failed {self.failed}; {self.output} holds {self.held} {self.noun} and "
             f"{self.held_failed} failures ({ERRORS}) of {self.inputs} inputs in {self.shards} "
-            f"shards, {state}; {self.seconds:.1f}s, {rate:.1f} images/s"
+            f"shards, {state}; {self.seconds:.1f}s, {rate:.1f} {self.noun}/s"
         )
 
 
@@ -364,9 +359,11 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     identity = identity_of(model, config, items, list(arrays))
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,
              "num_patches": model.num_patches}
+    limit = None if config.video is not None else MAX_IMAGE_BYTES
     store = OutputStore.open(config.output, identity, arrays, len(slices), about,
-                             retry=readable_now)
-    summary = Summary(len(items), len(slices), output=config.output)
+                             retry=lambda failure: readable_now(failure, limit))
+    summary = Summary(len(items), len(slices), output=config.output,
+                      noun="images" if config.video is None else "videos")
     try:
         pending = [k for k in range(len(slices)) if k not in store.done]
         summary.skipped = sum(len(slices[k]) for k in store.done)

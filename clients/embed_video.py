@@ -29,8 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .embed import BatchResult, os_reason, to_stored
+from .embed import BatchResult, to_stored
 from .embed_inputs import InputItem
+from .files import os_reason
 from .storage import filesystem, is_url, local_path
 from .video import Clip, Sampling, VideoError, read_clip
 from .video_features import FramePlan

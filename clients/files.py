@@ -17,6 +17,13 @@ from vit22b.model.errors import file_kind
 # An image file read whole (a 40-megapixel, 16-bit RGBA TIFF is 320 MB); a larger one, e.g. a
 # video in a folder of photos, is a failure read no further.
 MAX_IMAGE_BYTES = 1 << 30
+READ_FAILURE = "cannot read file: "  # a failure to read a file, not to decode it
+
+
+def os_reason(err: OSError) -> str:
+    """An input's failure to be read, as a job records it (a rerun retries those)."""
+    return f"{READ_FAILURE}{err.strerror or err}"
+
 
 def regular(info: os.stat_result, path: str) -> os.stat_result:
     """``info`` if it is a regular file's, else OSError naming what it is."""

@@ -89,7 +89,7 @@ def default_id(image: ImageInput, index: int) -> str:
     return as_text(name) if isinstance(name, str) and name else str(index)  # open(path)
 
 
-def given_id(value, index: int) -> str:
+def given_id(value, index: int, what: str = "image") -> str:
     """An id the caller gave: text (a str; an integer or a path as written), never the
     ``repr`` of something else: ``b'a'`` or ``None`` would label a row without a word."""
     if isinstance(value, str):
@@ -98,7 +98,7 @@ def given_id(value, index: int) -> str:
         return str(int(value))
     if isinstance(value, os.PathLike):
         return as_text(os.fspath(value))
-    raise TypeError(f"the id of image {index} is a {type(value).__name__}, not text: ids are "
+    raise TypeError(f"the id of {what} {index} is a {type(value).__name__}, not text: ids are "
                     "str (or an int, or a path)")
 
 

@@ -16,6 +16,7 @@ Atomicity differs by kind, and the job relies on nothing more than this:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -78,15 +79,38 @@ def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
     if not is_url(path):
         return read_local(local_path(path), max_bytes)
     fs, inner = filesystem(path)
-    try:
+    with _reasons(path):
         data = fs.cat_file(inner) if max_bytes is None else _ranged(fs, inner, max_bytes)
-    except (FileNotFoundError, PermissionError) as err:  # remote ones carry only the path
+    over_limit(len(data), max_bytes, path)
+    return data
+
+
+def check_readable(path: str, max_bytes: int | None = None) -> None:
+    """OSError, as ``read_bytes`` would raise it, unless the file at a local path or URL is a
+    regular file of at most ``max_bytes`` whose first byte can be read (the rest is not read)."""
+    if not is_url(path):
+        with open_local(local_path(path), max_bytes) as f:
+            f.read(1)
+        return
+    fs, inner = filesystem(path)
+    with _reasons(path):
+        size = fs.size(inner)
+        over_limit(size, max_bytes, path)
+        if size:
+            fs.cat_file(inner, start=0, end=1)
+
+
+@contextlib.contextmanager
+def _reasons(path: str):
+    """A remote store's FileNotFoundError / PermissionError, which carry only the path, with
+    the reason a local file's would give."""
+    try:
+        yield
+    except (FileNotFoundError, PermissionError) as err:
         if err.strerror is not None:
             raise
         code = errno.ENOENT if isinstance(err, FileNotFoundError) else errno.EACCES
         raise type(err)(code, os.strerror(code), path) from None
-    over_limit(len(data), max_bytes, path)
-    return data
 
 
 def _ranged(fs, inner: str, max_bytes: int) -> bytes:

@@ -36,12 +36,15 @@ video's (read in the demux pass, so ``probe`` knows it), and every frame must ca
 ``VideoInfo.width``/``height`` are the upright frames'; ``rotation`` and ``mirrored`` say what
 was applied. The matrix's scale and translation are ignored (as the pixel aspect ratio is).
 
-Refused, with ``VideoError`` naming the file and the reason: unreadable or non-video data,
-a still image (a one-frame GIF too), no video stream, no decoder for the codec, no decodable
+Refused, with ``VideoError`` naming the file and the reason: a file that cannot be read
+(``cannot read file: ...``, as the embed job words it, which a rerun retries), non-video data,
+a still image (a one-frame GIF too), no video stream (an attached picture, an audio file's cover
+art, is none), no decoder for the codec, no decodable
 frame, timestamps that are missing or not increasing, a decode error, a frame the decoder flags as
 corrupt (damaged data it concealed with guessed pixels, as h264 and MPEG-4 decoders do; VP8/VP9
 decoders flag nothing), a stream that ends more than
-``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file), a
+``max(2 frame intervals, 5%)`` before the duration its container declares (a truncated file;
+where that is the longest stream's, as Matroska's with audio, every stream ending so early), a
 frame size that changes among the frames sampled, a display matrix that changes among the frames,
 turns them by an angle that is not a multiple of 90 degrees (beyond ``ANGLE_TOLERANCE``), skews
 them or is singular, and a sample over ``MAX_SAMPLES`` times or ``MAX_CLIP_BYTES`` of decoded
@@ -63,7 +66,7 @@ from typing import BinaryIO
 import numpy as np
 from vit22b.model.errors import is_number
 
-from .files import regular, usable
+from .files import open_local, os_reason
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 # A path, the file's bytes, or an open, seekable binary file (an fsspec file of a remote
@@ -123,13 +126,12 @@ class Sampling:
             raise ValueError("give exactly one of frames=K and stride_s=S")
         frames, stride = self.frames, self.stride_s
         if frames is not None and not (is_number(frames, numbers.Integral) and frames >= 1):
-            raise ValueError(f"frames must be a positive integer, got {frames!r}")
+            raise ValueError(f"frames must be a positive integer, got {_shown(frames)}")
         if frames is not None and frames > MAX_SAMPLES:
-            raise ValueError(f"frames must be at most {MAX_SAMPLES}, got {frames}")
-        if stride is not None and not (is_number(stride) and math.isfinite(stride)
-                                       and stride > 0):
+            raise ValueError(f"frames must be at most {MAX_SAMPLES}, got {_shown(frames)}")
+        if stride is not None and not (is_number(stride) and _finite(stride) and stride > 0):
             raise ValueError(f"stride_s must be a positive, finite number of seconds, got "
-                             f"{stride!r}")
+                             f"{_shown(stride)}")
 
     @property
     def stride(self) -> Fraction:
@@ -142,8 +144,9 @@ class Sampling:
             return [(2 * k + 1) * duration / (2 * self.frames) for k in range(self.frames)]
         count = max(1, -(-duration // self.stride))  # ceil: every j*S < D
         if count > MAX_SAMPLES:
-            raise ValueError(f"stride_s={self.stride_s} gives {float(count):.4g} sampling "
-                             f"times over {float(duration):.3f} s, over the {MAX_SAMPLES} allowed")
+            many = count if count < 10**9 else f"about 10^{len(str(count)) - 1}"
+            raise ValueError(f"stride_s={self.stride_s} gives {many} sampling times over "
+                             f"{float(duration):.3f} s, over the {MAX_SAMPLES} allowed")
         return [j * self.stride for j in range(int(count))]
 
     def describe(self) -> dict:
@@ -151,6 +154,19 @@ class Sampling:
         if self.frames is not None:
             return {"frames": self.frames, "rule": "centres of K equal segments of [0, D)"}
         return {"stride_s": self.stride_s, "rule": "every S seconds from 0 while below D"}
+
+
+def _shown(value) -> str:
+    """A caller's value in a message, cut short (10**400 has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond any float (10**400)
+        return False
 
 
 @dataclass(frozen=True)
@@ -240,6 +256,15 @@ TAG_ERRORS = "replace"
 
 
 def _open(av, source: VideoSource, name: str):
+    if isinstance(source, (str, os.PathLike)):  # FFmpeg's reasons would not say it is the file's
+        source = os.fspath(source)
+        try:
+            with open_local(source) as f:  # a regular file (a FIFO would block av.open)
+                size = os.fstat(f.fileno()).st_size
+        except OSError as err:
+            raise VideoError(name, os_reason(err)) from None
+        if size == 0:
+            raise VideoError(name, "empty file (0 bytes)")
     try:
         if isinstance(source, (bytes, bytearray)):
             if not source:
@@ -250,40 +275,43 @@ def _open(av, source: VideoSource, name: str):
                 raise VideoError(name, "empty (0 bytes)")
             source.seek(0)
             return av.open(source, "r", metadata_errors=TAG_ERRORS)
-        path = os.fspath(source)
-        if regular(os.stat(usable(path)), path).st_size == 0:  # a FIFO would block av.open
-            raise VideoError(name, "empty file (0 bytes)")
-        return av.open(path, "r", metadata_errors=TAG_ERRORS)
-    except OSError as err:  # av.error.FileNotFoundError etc.; av's EOFError too
-        reason = getattr(err, "strerror", None) or str(err)
-        raise VideoError(name, f"cannot open as a video: {reason}") from None
-    except av.error.FFmpegError as err:
-        raise VideoError(name, f"not a readable video container ({_ffmpeg(err)})") from None
+        return av.open(source, "r", metadata_errors=TAG_ERRORS)
+    except (OSError, av.error.FFmpegError) as err:  # FFmpeg's EIO / EOF: data it cannot parse
+        raise VideoError(name, f"not a readable video container ({_ffmpeg(err)}; damaged or "
+                         "truncated?)") from None
 
 
 def _ffmpeg(err) -> str:
     return getattr(err, "strerror", None) or str(err)
 
 
-def _video_stream(container, name: str):
-    """The first video stream, refusing still images and codecs without a decoder here."""
+def _video_stream(av, container, name: str):
+    """The first video stream that is no attached picture (an audio file's cover art),
+    refusing still images and codecs without a decoder here."""
     fmt = container.format.name
     if fmt.endswith("_pipe") or fmt == "image2":
         raise _still(container, name)
-    streams = container.streams.video
     if not container.streams:
         raise VideoError(name, f"no streams at all in the {fmt} container (a truncated MP4 or "
                          "MOV, whose index is written last, reads like this)")
+    pictures = av.stream.Disposition.attached_pic
+    streams = [s for s in container.streams.video if not s.disposition & pictures]
     if not streams:
-        kinds = ", ".join(s.type for s in container.streams)
+        kinds = ", ".join("attached picture (cover art)" if s.disposition & pictures else s.type
+                          for s in container.streams)
         raise VideoError(name, f"no video stream in the {fmt} container (streams: {kinds})")
     stream = streams[0]
     if stream.codec_context is None:
-        raise VideoError(name, f"no decoder for the video codec of the {fmt} container here")
+        raise VideoError(name, f"no decoder here for the video codec of the {fmt} container, or "
+                         "a codec it does not describe (a damaged or truncated file?)")
     return stream
 
 
 def _still(container, name: str) -> VideoError:
+    fmt = container.format.name
+    if fmt == "webp_pipe":  # FFmpeg's WebP decoder reads one frame: an animated WebP too
+        return VideoError(name, "a WebP image, not a video (an animated WebP is not read as "
+                          "one: FFmpeg decodes a WebP's first frame only)")
     return VideoError(name, f"a still image ({container.format.long_name}), not a video")
 
 
@@ -359,12 +387,17 @@ def _demux(av, source, name: str) -> tuple[_Timeline | None, dict]:
     """The timeline from a demux pass (None when packets lack timestamps) and the stream's
     description, with the orientation of its first frame (the only one decoded)."""
     with _open(av, source, name) as container:
-        stream = _video_stream(container, name)
+        stream = _video_stream(av, container, name)
         meta = _stream_meta(container, stream)
-        entries, first = [], None
+        entries, first, end = [], None, None
         try:
-            for packet in container.demux(stream):
-                if packet.size:
+            for packet in container.demux():
+                if packet.pts is not None and packet.size:
+                    ends = (packet.pts + max(packet.duration or 0, 0)) * packet.time_base
+                    end = ends if end is None else max(end, ends)
+                if packet.stream_index != stream.index:  # others tell where the file ends only
+                    continue
+                if packet.size and not packet.is_discard:  # an edit list cut it: never shown
                     entries.append((packet.pts, packet.duration))
                 if first is None:  # the last, empty packet flushes the decoder
                     first = next(iter(_decoded(av, packet, name)), None)
@@ -374,6 +407,7 @@ def _demux(av, source, name: str) -> tuple[_Timeline | None, dict]:
             raise VideoError(name, f"damaged container ({_ffmpeg(err)})") from None
         if meta["container"] == "gif" and len(entries) == 1:  # animated GIFs are videos
             raise _still(container, name)
+        meta["streams_end"] = end
         try:
             return _timeline(entries, stream, name) if entries else None, meta
         except VideoError:  # packets without or with shared timestamps: the frames decide
@@ -388,19 +422,37 @@ def _decoded(av, packet, name: str) -> list:
         raise VideoError(name, f"decoding failed after 0 frames ({_ffmpeg(err)})") from None
 
 
-def _decode(av, source, name: str, wanted: set[int]):
+class _DecodeOrderStamps(Exception):
+    """AVI frames whose stamps go backwards: see ``_decode``'s ``order``."""
+
+
+def _decode(av, source, name: str, wanted: set[int], order: tuple[int, ...] | None = None):
     """Decode every frame; upright RGB copies of the frames whose pts is in ``wanted``, and the
-    orientation applied (the first frame's display matrix, which every frame must carry)."""
+    orientation applied (the first frame's display matrix, which every frame must carry).
+
+    ``order``: the packets' sorted stamps, for an AVI file, which stores decode times only: with
+    B-frames the decoder gives the frames in display order but with their packets' decode-order
+    stamps (``_DecodeOrderStamps`` when not given), so the i-th frame shown takes the i-th
+    stamp, as players show them."""
     with _open(av, source, name) as container:
-        stream = _video_stream(container, name)
+        stream = _video_stream(av, container, name)
         stream.thread_type = "AUTO"  # frame and slice threads: the same pixels, sooner
         entries, kept = [], {}
         last_pts, first, orientation = None, None, UPRIGHT
+        avi = container.format.name == "avi"
         try:
             for frame in container.decode(stream):
-                if last_pts is not None and frame.pts is not None and frame.pts < last_pts:
-                    raise VideoError(name, f"frame timestamps go backwards at pts {frame.pts}")
-                last_pts = frame.pts
+                pts = frame.pts
+                if order is not None:
+                    if len(entries) == len(order):
+                        raise VideoError(name, f"its decoder gives more frames than its "
+                                         f"{len(order)} packets")
+                    pts = order[len(entries)]
+                if last_pts is not None and pts is not None and pts < last_pts:
+                    if avi and order is None:
+                        raise _DecodeOrderStamps
+                    raise VideoError(name, f"frame timestamps go backwards at pts {pts}")
+                last_pts = pts
                 if frame.is_corrupt:  # the decoder concealed errors: its pixels are guesses
                     raise VideoError(name, f"frame {len(entries)} is damaged (the "
                                      f"{stream.codec_context.name} decoder concealed errors "
@@ -412,9 +464,9 @@ def _decode(av, source, name: str, wanted: set[int]):
                     raise VideoError(name, f"its display matrix (rotation) changes within the "
                                      f"video, at frame {len(entries)}; the frames of one video "
                                      "must share one")
-                entries.append((frame.pts, getattr(frame, "duration", None)))
-                if frame.pts in wanted:
-                    kept[frame.pts] = orientation.apply(frame.to_ndarray(format="rgb24"))
+                entries.append((pts, getattr(frame, "duration", None)))
+                if pts in wanted:
+                    kept[pts] = orientation.apply(frame.to_ndarray(format="rgb24"))
         except av.error.FFmpegError as err:
             raise VideoError(
                 name, f"decoding failed after {len(entries)} frames ({_ffmpeg(err)})"
@@ -424,13 +476,26 @@ def _decode(av, source, name: str, wanted: set[int]):
         return _timeline(entries, stream, name), kept, orientation
 
 
+def _decode_in_order(av, source, name: str, wanted: set[int], timeline: _Timeline | None):
+    """``_decode``, again with the packets' stamps in order when an AVI's go backwards."""
+    try:
+        return _decode(av, source, name, wanted)
+    except _DecodeOrderStamps:
+        if timeline is None:
+            raise VideoError(name, "frame timestamps go backwards, and its packets have none "
+                             "to order them by") from None
+        return _decode(av, source, name, wanted, timeline.pts)
+
+
 def _stream_meta(container, stream) -> dict:
-    declared = None
+    declared, longest = None, False
     if stream.duration:
         declared = stream.duration * stream.time_base
-    elif len(container.streams) == 1 and container.duration:
-        # AV_TIME_BASE units; Matroska's counts from 0, not from its first frame (start_time)
+    elif container.duration:
+        # AV_TIME_BASE units; Matroska's counts from 0, not from its first frame (start_time).
+        # With other streams (audio), it is the longest stream's: measured against theirs.
         declared = Fraction(max(0, container.duration - (container.start_time or 0)), 1_000_000)
+        longest = len(container.streams) > 1
     return {
         "container": container.format.name,
         "codec": stream.codec_context.name,
@@ -438,6 +503,9 @@ def _stream_meta(container, stream) -> dict:
         "height": stream.codec_context.height,
         "time_base": Fraction(stream.time_base),
         "declared": declared,
+        "declared_is_longest": longest,
+        "start": Fraction(container.start_time or 0, 1_000_000),
+        "streams_end": None,  # seconds, the end of the last packet of any stream (demux pass)
         "orientation": UPRIGHT,  # the first decoded frame's, when one decodes
     }
 
@@ -458,12 +526,18 @@ def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
         return
     tb = meta["time_base"]
     decoded = (timeline.end - timeline.pts[0]) * tb
+    ends = f"its frames end at {float(decoded):.3f} s ({len(timeline.pts)} frames)"
+    if meta["declared_is_longest"] and meta["streams_end"] is not None:
+        # a video shorter than its audio is no damage; every stream ending early is
+        decoded = max(decoded, meta["streams_end"] - meta["start"])
+        ends = f"its streams end at {float(decoded):.3f} s (the video's {len(timeline.pts)} " \
+               "frames earlier still)"
     intervals = np.diff(timeline.pts)
     interval = Fraction(int(np.median(intervals))) * tb if len(intervals) else 0
     if declared - decoded > max(_TRUNCATION_FRAMES * interval, _TRUNCATION_FRACTION * declared):
         raise VideoError(
             name, f"truncated or damaged: its container declares {float(declared):.3f} s, "
-            f"but its frames end at {float(decoded):.3f} s ({len(timeline.pts)} frames)"
+            f"but {ends}"
         )
 
 
@@ -485,7 +559,7 @@ def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
     timeline, meta = _demux(av, source, name)
     orientation = meta["orientation"]
     if timeline is None:
-        timeline, _, orientation = _decode(av, source, name, set())
+        timeline, _, orientation = _decode_in_order(av, source, name, set(), None)
     return _info(timeline, meta, orientation)
 
 
@@ -513,9 +587,10 @@ def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
     for _ in range(2):
         wanted = set()
         if timeline is not None:
-            wanted = {timeline.pts[i] for i in timeline.choose(sampling, time_base, name)}
-            _fits(len(wanted), meta, name)
-        decoded, kept, orientation = _decode(av, source, name, wanted)
+            chosen = timeline.choose(sampling, time_base, name)
+            _fits(len(chosen), meta, name)  # the clip holds a copy per sample, repeats too
+            wanted = {timeline.pts[i] for i in chosen}
+        decoded, kept, orientation = _decode_in_order(av, source, name, wanted, timeline)
         if decoded == timeline:
             break
         timeline = decoded  # the packets' timeline was not the frames': choose again

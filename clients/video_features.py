@@ -18,6 +18,8 @@ import numpy as np
 from vit22b.model.features import FEATURE_FIELDS, Features
 
 from .embeddings import ImageError
+from .files import as_text
+from .inputs import given_id
 from .video import Clip, Sampling, VideoError, VideoInfo, VideoSource, read_clips
 
 
@@ -82,6 +84,7 @@ class VideoEmbedding:
     frame_indices: np.ndarray  # int64 [frames], positions in the presentation order
     info: VideoInfo
     model: object = None  # the responses' ModelRef (name, fingerprint, preprocessing, dtype)
+    index: int | None = None  # the video's position in the caller's list
 
     @property
     def pooled(self) -> np.ndarray:
@@ -114,13 +117,36 @@ class VideoEmbeddings:
         return self.videos[i]
 
 
+def _sources(videos) -> list[VideoSource]:
+    """The caller's videos as a list of sources, refusing anything that is not one (a numpy
+    array of decoded frames, say: those go to ``embed``)."""
+    if isinstance(videos, (str, os.PathLike, bytes, bytearray, memoryview)) \
+            or hasattr(videos, "read"):
+        videos = [videos]  # one video (an open file iterates over lines, not videos)
+    if isinstance(videos, np.ndarray):
+        raise TypeError("videos are paths, bytes or open binary files, not a numpy array "
+                        "(decoded frames are images: embed() takes them)")
+    out = []
+    for i, video in enumerate(videos):
+        if isinstance(video, memoryview):
+            video = video.tobytes()
+        if not (isinstance(video, (str, os.PathLike, bytes, bytearray))
+                or hasattr(video, "read")):
+            raise TypeError(f"video {i} is a {type(video).__name__}: a video is a path, its "
+                            "bytes or an open binary file")
+        out.append(video)
+    return out
+
+
 def _ids(videos: Sequence[VideoSource], ids: Sequence[str] | None) -> list[str]:
     if ids is not None:
-        ids = [str(i) for i in ids]
+        if isinstance(ids, (str, bytes)):
+            raise TypeError("ids is one text: give a list of ids, one per video")
+        ids = [given_id(value, i, "video") for i, value in enumerate(ids)]
         if len(ids) != len(videos):
-            raise ValueError(f"{len(ids)} ids for {len(videos)} videos")
+            raise ValueError(f"{len(ids)} ids for {len(videos)} videos: give one id per video")
         return ids
-    return [os.fspath(v) if isinstance(v, (str, os.PathLike)) else str(i)
+    return [as_text(os.fspath(v)) if isinstance(v, (str, os.PathLike)) else str(i)
             for i, v in enumerate(videos)]
 
 
@@ -139,14 +165,12 @@ def embed_videos(
 
     ``frames=K`` (uniform: the centres of K equal segments) or ``stride_s=S`` (every S seconds);
     ``embed_kwargs`` are ``embed``'s (``outputs``, ``layers``, ``dtype``, ``l2_normalize``,
-    ...). A video that cannot be decoded raises ``VideoError`` naming it and the reason, or with
-    ``skip_invalid`` is listed in ``errors`` (as is a video whose frame the server refused).
-    Every video is decoded before anything is sent: for many videos, call it batch by batch
-    (as the embed job does).
+    ...). A video that cannot be decoded, or a frame of which the server refuses, raises
+    ``VideoError`` naming the video (and the frame) and the reason, or with ``skip_invalid`` is
+    listed in ``errors``. Every video is decoded before anything is sent: for many videos, call
+    it batch by batch (as the embed job does).
     """
-    if isinstance(videos, (str, os.PathLike, bytes, bytearray)) or hasattr(videos, "read"):
-        videos = [videos]  # one video (an open file iterates over lines, not videos)
-    videos = list(videos)
+    videos = _sources(videos)
     sampling = Sampling(frames, stride_s)
     names = _ids(videos, ids)
     plan = FramePlan.read(videos, sampling, names)
@@ -155,10 +179,15 @@ def embed_videos(
             if isinstance(clip, VideoError):
                 raise clip
     pixels = plan.frames
-    result = client.embed(pixels, skip_invalid=skip_invalid, **embed_kwargs) if pixels else None
+    # frames are refused one by one, so that a refusal names its video and frame, not its
+    # position among all the videos' frames
+    result = client.embed(pixels, skip_invalid=True, **embed_kwargs) if pixels else None
     embedded = result.indices if result is not None else []
     failed = [(e.index, e.reason) for e in result.errors] if result is not None else []
     rows, errors = plan.regroup(embedded, failed)
+    if errors and not skip_invalid:
+        video = min(errors)
+        raise VideoError(names[video], errors[video])
     everything = None
     if result is not None:
         everything = Features(**{name: getattr(result, name) for name in FEATURE_FIELDS})
@@ -174,5 +203,6 @@ def embed_videos(
             frame_indices=clip.indices,
             info=clip.info,
             model=result.model,
+            index=video,
         ))
     return out

@@ -146,7 +146,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--world-seed", type=int, default=0, help="seed of the shapes world")
     src.add_argument(
-        "--frames", type=_positive(int), default=9, metavar="K",
+        "--frames", type=_positive(int), metavar="K",
         help="video: frames sampled per video, at the centres of K equal segments (default 9)",
     )
     src.add_argument("--world-size", type=_positive(int), help="shapes-world image side in pixels "
@@ -248,8 +248,7 @@ def _embed(args, images, kind: str):
 
 def _file_bytes(path) -> bytes:
     """An image file's bytes, as the embed job reads them (a regular file, at most 1 GiB)."""
-    from vit22b.clients.embed import os_reason
-    from vit22b.clients.files import MAX_IMAGE_BYTES, read_local
+    from vit22b.clients.files import MAX_IMAGE_BYTES, os_reason, read_local
 
     try:
         return read_local(str(path), MAX_IMAGE_BYTES)
@@ -335,6 +334,9 @@ def _video_data(args):
     if args.save_features:
         raise DataError("--save-features is for image probes; a video embed output folder "
                         "(`vit22b embed --frames K`) keeps video features")
+    if args.features and args.frames:  # the folder's own K was chosen when it was embedded
+        raise DataError(f"--frames chooses the frames sampled; {args.features} holds its own "
+                        "(drop --frames, or embed the videos again with --frames K)")
     if args.features:
         frames, stamps, paths, meta = video_features_from_embed_folder(args.features)
         return VideoFeatures(frames, *labels_from_folders(paths), stamps, meta)
@@ -349,9 +351,7 @@ def _video_data(args):
         raise DataError("the video probe reads videos: --moving-world N, --data DIR (class "
                         "subfolders of videos) or --features DIR (a `vit22b embed --frames K` "
                         "output)")
-    if args.frames < 1:
-        raise DataError(f"--frames must be at least 1, got {args.frames}")
-    frames, stamps, meta = video_features(paths, args.frames, server=args.server,
+    frames, stamps, meta = video_features(paths, args.frames or 9, server=args.server,
                                           token=args.token, tls=args.tls, model=args.model,
                                           seed=args.seed)
     return VideoFeatures(frames, labels, names, stamps, meta)

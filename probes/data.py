@@ -229,7 +229,17 @@ def image_files(folder: str | Path) -> list[Path]:
 
 
 def labels_from_folders(paths) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Class of each image = the name of its folder; classes in sorted order."""
+    """Class of each image = the name of its folder; classes in sorted order. A file in a
+    folder that also holds class folders (an embedded folder's top, beside its class
+    subfolders) is refused: its class would be that folder's own name."""
+    folders = {Path(p).parent for p in paths}
+    above = folders & {a for f in folders for a in f.parents}
+    if above:
+        first = next(p for p in paths if Path(p).parent in above)
+        inner = next(f for f in sorted(folders) if Path(first).parent in f.parents)
+        raise DataError(f"{first}: in {Path(first).parent}, which also holds the class folder "
+                        f"{inner.name!r}: a file's class is its folder's name (move it into a "
+                        "class folder, or leave it out)")
     parents = [Path(p).parent.name for p in paths]
     names = tuple(sorted(set(parents)))
     index = {name: i for i, name in enumerate(names)}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import in_process, png
-from vit22b.clients.embed import JobConfig, OutputSpec, run_job
+from vit22b.clients.embed import JobConfig, OutputSpec, readable_now, run_job
 from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
 from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
@@ -427,6 +427,19 @@ def test_a_rerun_retries_files_that_could_not_be_read_and_can_be_now(engine, tmp
     assert "data/late.png" in result.ids and len(result.ids) == 9
     errors = (out / "errors.jsonl").read_text().splitlines()
     assert [json.loads(row)["id"] for row in errors] == ["data/notes.txt"]
+
+
+def test_whether_a_failed_file_is_readable_now_reads_a_byte_within_the_limit(tmp_path):
+    """The check read the whole file within the image limit: a video over 1 GiB (a job's
+    limit is none for videos, read in pieces) never counted as readable."""
+    big = tmp_path / "big.mp4"
+    with open(big, "wb") as f:
+        f.truncate((1 << 30) + 1)  # sparse: nothing is written
+    failure = {"reason": "cannot read file: No such file or directory", "path": str(big)}
+    assert readable_now(failure, None)
+    assert not readable_now(failure)  # an image of that size is still over the limit
+    assert not readable_now({**failure, "path": str(tmp_path / "gone.mp4")}, None)
+    assert not readable_now({**failure, "reason": "cannot decode: truncated"}, None)
 
 
 def test_patch_tokens_bfloat16_and_loader(engine, tmp_path):

@@ -369,6 +369,15 @@ def test_probes_read_an_embed_output_folder(server, tmp_path, capsys):
     assert main(["probe", "knn", "--features", str(tmp_path / "e2"), "--out", str(tmp_path)]) == 2
     assert (f"an image's class is the name of its folder, and all 40 images are in {flat}: the "
             "knn probe needs a subfolder per class") in capsys.readouterr().err
+    # one image at the top beside the class folders was a class of its own, named after the
+    # embedded folder
+    (tmp_path / "images" / "stray.png").write_bytes((flat / "000.png").read_bytes())
+    assert main(["embed", str(tmp_path / "images"), "--server", server, "--output",
+                 str(tmp_path / "e3"), "--quiet"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["probe", "knn", "--features", str(tmp_path / "e3"), "--out", str(tmp_path)]) == 2
+    assert (f"stray.png: in {tmp_path / 'images'}, which also holds the class folder"
+            in capsys.readouterr().err)
 
 
 def test_dense_probes_at_a_resolution(tmp_path):

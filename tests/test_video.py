@@ -133,6 +133,16 @@ def test_sampling_settings_are_checked():
     assert Sampling(stride_s=0.1).stride == Fraction(1, 10)  # the decimal, not the binary float
 
 
+def mux_silence(container, stream, count: int) -> None:
+    """``count`` frames of 1024 silent mono samples at 16 kHz into an AAC ``stream``."""
+    for i in range(count):
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp",
+                                           layout="mono")
+        frame.sample_rate, frame.pts = 16000, i * 1024
+        for packet in stream.encode(frame):
+            container.mux(packet)
+
+
 def bad_videos(folder: Path) -> dict[str, tuple[str, str]]:
     """Bad files -> (name, words their reason must contain)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -152,12 +162,7 @@ def bad_videos(folder: Path) -> dict[str, tuple[str, str]]:
         container.start_encoding()
     with av.open(str(folder / "audio.mp4"), "w") as container:  # an audio stream only
         stream = container.add_stream("aac", rate=16000)
-        for i in range(8):
-            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp",
-                                               layout="mono")
-            frame.sample_rate, frame.pts = 16000, i * 1024
-            for packet in stream.encode(frame):
-                container.mux(packet)
+        mux_silence(container, stream, 8)
         for packet in stream.encode():
             container.mux(packet)
     return {
@@ -168,7 +173,7 @@ def bad_videos(folder: Path) -> dict[str, tuple[str, str]]:
         "still.mp4": ("still.mp4", "a still image"),
         "zero.avi": ("zero.avi", "no decodable frame in its mpeg4 stream"),
         "audio.mp4": ("audio.mp4", "no video stream in the mov,mp4"),
-        "missing.mp4": ("missing.mp4", "cannot open as a video: No such file or directory"),
+        "missing.mp4": ("missing.mp4", "cannot read file: No such file or directory"),
     }
 
 
@@ -184,8 +189,8 @@ def test_bad_videos_are_refused_with_their_reason(tmp_path):
         read_clip(b"", Sampling(frames=1))
     os.mkfifo(tmp_path / "pipe.mp4")  # PyAV opened it and waited for a writer for ever
     for read in (probe, lambda path: read_clip(path, Sampling(frames=1))):
-        with pytest.raises(VideoError, match="pipe.mp4: cannot open as a video: not a regular "
-                                             "file: a FIFO"):
+        with pytest.raises(VideoError, match="pipe.mp4: cannot read file: not a regular file: "
+                                             "a FIFO"):
             read(tmp_path / "pipe.mp4")
     # FFmpeg's open stopped at a NUL byte: "good.mp4\0x.mp4" was read as good.mp4
     with pytest.raises(VideoError, match="a path with a NUL byte names no file"):
@@ -302,8 +307,12 @@ def test_odd_but_real_videos(tmp_path, monkeypatch):
         read_clip(tmp_path / "still_gif.mp4", Sampling(frames=2))
     frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:], duration=100)
     assert read_clip(tmp_path / "moving.gif", Sampling(frames=3)).indices.tolist() == [0, 1, 2]
-    with pytest.raises(VideoError, match=r"stride_s=1e-300 gives 2.5e\+300 sampling times"):
+    with pytest.raises(VideoError, match=r"stride_s=1e-300 gives about 10\^300 sampling times"):
         read_clip(tmp_path / "late.mkv", Sampling(stride_s=1e-300))
+    with pytest.raises(VideoError, match=r"stride_s=5e-324 gives about 10\^323 sampling times"):
+        read_clip(tmp_path / "late.mkv", Sampling(stride_s=5e-324))  # float(count) overflowed
+    with pytest.raises(ValueError, match=r"finite number of seconds, got 1000.*\(401 char"):
+        Sampling(stride_s=10**400)  # math.isfinite raised OverflowError
     with pytest.raises(ValueError, match="frames must be at most 10000"):
         Sampling(frames=10**12)
     # refused when the sampling is made, before any video is read (inf failed per video, with
@@ -318,6 +327,10 @@ def test_odd_but_real_videos(tmp_path, monkeypatch):
     monkeypatch.setattr(video, "MAX_CLIP_BYTES", 3 * 16 * 16 * 3)
     with pytest.raises(VideoError, match="4 frames of 16x16 sampled .* over the"):
         read_clip(tmp_path / "late.mkv", Sampling(frames=4))
+    # the clip holds a copy per sample: 4 of a 2-frame video are 4 frames (counted 2, and
+    # frames=10000 of a 2-frame 4K clip asked numpy for 249 GB)
+    with pytest.raises(VideoError, match="two.mkv: 4 frames of 16x16 sampled .* over the"):
+        read_clip(_encoded(tmp_path, "two.mkv", "matroska", 2, 16, 0), Sampling(frames=4))
 
     def surprise(*args):  # what a decoder may raise on a file nobody foresaw
         raise RuntimeError("a decoder's surprise")
@@ -519,3 +532,133 @@ def test_display_matrices_that_are_no_exact_turn_are_refused(tmp_path, monkeypat
     with pytest.raises(VideoError, match=r"changing.mp4: its display matrix \(rotation\) "
                                          r"changes within the video, at frame 3"):
         read_clip(tmp_path / "changing.mp4", Sampling(frames=2))
+
+
+def _with_audio(path: Path, video_frames: int, audio_seconds: float) -> Path:
+    """An h264 (MKV) or VP9 (WebM) video of ``video_frames`` indexed frames at FPS with an
+    Opus / AAC track of ``audio_seconds`` interleaved, as cameras and screen recorders write."""
+    webm = path.suffix == ".webm"
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libvpx-vp9" if webm else "libx264", rate=FPS)
+        video.width = video.height = SIZE
+        video.pix_fmt = "yuv420p"
+        audio = container.add_stream("libopus" if webm else "aac", rate=48000)
+        audio.layout = "mono"
+        step, samples = 960, 0
+        frames = indexed_frames(video_frames)
+        for i in range(max(video_frames, math.ceil(audio_seconds * FPS))):
+            if i < video_frames:
+                for packet in video.encode(av.VideoFrame.from_ndarray(frames[i], format="rgb24")):
+                    container.mux(packet)
+            while samples < min((i + 1) / FPS, audio_seconds) * 48000:
+                frame = av.AudioFrame.from_ndarray(np.zeros((1, step), np.float32),
+                                                   format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = 48000, samples
+                samples += step
+                for packet in audio.encode(frame):
+                    container.mux(packet)
+        for stream in (video, audio):
+            for packet in stream.encode():
+                container.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".webm", ".mkv"])
+def test_a_truncated_file_with_audio_is_refused(tmp_path, suffix):
+    """Matroska keeps one duration for the file, which with an audio track is no stream's own:
+    a truncated recording (every camera's has audio) was read as a shorter video. Every stream
+    ending early is refused; a video that ends before its audio is no damage."""
+    whole = _with_audio(tmp_path / f"av{suffix}", 40, 4.0)
+    assert read_clip(whole, Sampling(frames=4)).indices.tolist() == [5, 15, 25, 35]
+    data = whole.read_bytes()
+    for fraction in (0.5, 0.7):
+        cut = tmp_path / f"cut{suffix}"
+        cut.write_bytes(data[: int(len(data) * fraction)])
+        with pytest.raises(VideoError, match=r"cut\..*: truncated or damaged: its container "
+                                             r"declares 4\.0\d+ s, but its streams end at"):
+            read_clip(cut, Sampling(frames=4))
+    short = _with_audio(tmp_path / f"short{suffix}", 20, 4.0)  # 2 s of video, 4 s of audio
+    clip = read_clip(short, Sampling(frames=4))
+    assert clip.indices.tolist() == [2, 7, 12, 17] and clip.info.duration_s == 2.0
+    assert [read_index(f) for f in clip.frames] == [2, 7, 12, 17]
+
+
+def test_frames_an_edit_list_cuts_are_not_counted(tmp_path):
+    """An MP4 whose edit list starts 4 frames in (as a cut with `-c copy` writes): `probe`
+    counted the cut frames' packets (24 frames, 2.4 s), while the frames shown are 20."""
+    path = tmp_path / "cut.mp4"
+    frames = indexed_frames(24)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=FPS, options={"bf": "0"})
+        stream.width = stream.height = SIZE
+        for i, pixels in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts = i - 4  # the muxer writes the negative start as an edit list
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    info = probe(path)
+    assert (info.frame_count, info.duration_s) == (20, 2.0)
+    clip = read_clip(path, Sampling(frames=4))
+    assert clip.info == info and clip.indices.tolist() == [2, 7, 12, 17]
+    assert [read_index(f) for f in clip.frames] == [6, 11, 16, 21]  # 4 frames in
+
+
+def test_h264_with_b_frames_in_avi_is_read_in_display_order(tmp_path):
+    """AVI stores decode times only: x264's B-frames leave the decoder in display order with
+    decode-order stamps, which went backwards and refused a file every player shows."""
+    path = tmp_path / "bframes.avi"
+    assert write_video(path, indexed_frames(N), fps=FPS, codec="libx264") == "libx264"
+    with av.open(str(path)) as container:
+        stamps = [f.pts for f in container.decode(video=0)]
+    assert stamps != sorted(stamps)  # what the file is
+    for k in (4, 7, N):
+        clip = read_clip(path, Sampling(frames=k))
+        assert clip.indices.tolist() == expected_uniform(N, k)
+        assert [read_index(f) for f in clip.frames] == expected_uniform(N, k)
+    np.testing.assert_allclose(read_clip(path, Sampling(frames=N)).timestamps,
+                               np.arange(N) / FPS)
+    assert probe(path).frame_count == N
+
+
+def _cover_art(path: Path, video_frames: int) -> Path:
+    """AAC audio with a PNG cover (an attached picture, as music files carry), and before the
+    cover, when ``video_frames``, a video stream."""
+    from io import BytesIO
+
+    png = BytesIO()
+    Image.fromarray(indexed_frames(1)[0]).save(png, "PNG")
+    with av.open(str(path), "w") as container:
+        video = None
+        if video_frames:
+            video = container.add_stream("libx264", rate=FPS)
+            video.width = video.height = SIZE
+        audio = container.add_stream("aac", rate=16000)
+        audio.layout = "mono"
+        cover = container.add_stream("png")
+        cover.width = cover.height = SIZE
+        cover.pix_fmt = "rgb24"
+        cover.disposition = av.stream.Disposition.attached_pic
+        packet = av.Packet(png.getvalue())
+        packet.stream, packet.pts, packet.dts = cover, 0, 0
+        container.mux(packet)
+        for pixels in indexed_frames(video_frames):
+            for packet in video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        mux_silence(container, audio, 20)
+        for stream in (video, audio) if video else (audio,):
+            for packet in stream.encode():
+                container.mux(packet)
+    return path
+
+
+def test_cover_art_is_no_video(tmp_path):
+    """An audio file's cover is a one-picture 'video' stream to FFmpeg: it was read, and
+    refused as 'frames without timestamps'; now it is named for what it is."""
+    song = _cover_art(tmp_path / "song.mp4", 0)
+    with pytest.raises(VideoError, match=r"song.mp4: no video stream in the mov,mp4.* "
+                                         r"\(streams: audio, attached picture \(cover art\)\)"):
+        read_clip(song, Sampling(frames=2))
+    clip = read_clip(_cover_art(tmp_path / "clip.mp4", 12), Sampling(frames=4))
+    assert [read_index(f) for f in clip.frames] == expected_uniform(12, 4)

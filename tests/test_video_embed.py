@@ -177,7 +177,68 @@ def test_a_listed_video_with_a_nul_byte_is_that_videos_failure(videos, tmp_path)
     summary = embed_job(backend, listing, tmp_path / "out")
     assert (summary.embedded, summary.failed) == (1, 1) and summary.complete
     (error,) = [json.loads(line) for line in open(tmp_path / "out" / "errors.jsonl")]
-    assert error["reason"] == "cannot open as a video: a path with a NUL byte names no file"
+    assert error["reason"] == "cannot read file: a path with a NUL byte names no file"
+
+
+def test_a_video_that_could_not_be_read_is_retried_once_it_can(videos, tmp_path):
+    """A video behind a dangling link was "cannot open as a video", which a rerun never
+    retried (an image's "cannot read file" is): the same words now, and the rerun embeds it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.mp4").symlink_to(videos[0])
+    (data / "b.mp4").symlink_to(tmp_path / "later" / "b.mp4")
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    first = embed_job(backend, data, tmp_path / "out")
+    assert (first.embedded, first.failed, first.complete) == (1, 1, True)
+    assert "holds 1 videos and 1 failures" in first.line()
+    (tmp_path / "later").mkdir()
+    (tmp_path / "later" / "b.mp4").symlink_to(videos[1])
+    again = embed_job(backend, data, tmp_path / "out")
+    assert (again.embedded, again.failed, again.held) == (2, 0, 2)
+    outputs = open_outputs(str(tmp_path / "out"))
+    assert outputs.ids == ["a.mp4", "b.mp4"] and not outputs.failed
+    alone = read_clip(videos[1], Sampling(frames=4))
+    np.testing.assert_array_equal(np.asarray(outputs["timestamps"])[1], alone.timestamps)
+
+
+def test_a_frame_the_server_refuses_names_its_video(videos, tmp_path):
+    """A frame over the server's pixel limit was "image 6: ..." (its place among all the
+    videos' frames); now it is the video's refusal, naming the frame."""
+    big = tmp_path / "big.mp4"
+    write_video(big, coloured(6, seed=9, size=(96, 128)), fps=FPS)
+    srv = start_server(max_image_pixels=96 * 100)
+    try:
+        with FeatureClient(srv.address) as client:
+            with pytest.raises(VideoError) as caught:
+                client.embed_videos([videos[0], videos[1], big], frames=3)
+            result = client.embed_videos([videos[0], big, videos[1]], frames=3,
+                                         skip_invalid=True)
+    finally:
+        srv.stop()
+    assert caught.value.source == str(big)
+    assert caught.value.reason.startswith("frame 0 (at 0.100 s): raw image is 128x96 = 12288 "
+                                          "pixels, over the limit of 9600")
+    assert [(v.index, v.id) for v in result.videos] == [(0, str(videos[0])), (2, str(videos[1]))]
+    assert [(e.index, e.id) for e in result.errors] == [(1, str(big))]
+
+
+def test_what_the_sdk_takes_as_videos_and_ids(server, videos):
+    """A memoryview was iterated byte by byte (2080 'videos'), a numpy array frame by frame;
+    ids were str()-ed (None -> 'None', "ab" -> 'a', 'b')."""
+    with FeatureClient(server.address) as client:
+        view = client.embed_videos(memoryview(videos[0].read_bytes()), frames=2)
+        path = client.embed_video(videos[0], frames=2)
+        np.testing.assert_array_equal(view.videos[0].pooled, path.pooled)
+        with pytest.raises(TypeError, match="not a numpy array"):
+            client.embed_videos(read_clip(videos[0], Sampling(frames=2)).frames, frames=2)
+        with pytest.raises(TypeError, match="video 1 is a int: a video is a path"):
+            client.embed_videos([videos[0], 7], frames=2)
+        with pytest.raises(TypeError, match="the id of video 0 is a NoneType"):
+            client.embed_videos([videos[0]], frames=2, ids=[None])
+        with pytest.raises(TypeError, match="ids is one text"):
+            client.embed_videos([videos[0], videos[1]], frames=2, ids="ab")
+        named = client.embed_videos([videos[0], videos[1]], frames=2, ids=["x", 5])
+    assert [(v.index, v.id) for v in named.videos] == [(0, "x"), (1, "5")]
 
 
 def test_the_job_through_a_server_in_bfloat16(server, videos, tmp_path):

@@ -50,6 +50,11 @@ def test_the_video_probe_beats_the_middle_frame_where_motion_decides(tmp_path, c
     assert cli(["probe", "linear", "--features", str(spec_out), "--out", str(tmp_path / "r")]) == 2
     assert "per-frame features of videos (`vit22b embed --frames K`): probe them with `vit22b " \
         "probe video --features`" in capsys.readouterr().err
+    # --frames with stored features was silently the folder's own K
+    assert cli(["probe", "video", "--features", str(spec_out), "--frames", "5", "--out",
+                str(tmp_path / "r")]) == 2  # fmt: skip
+    assert f"--frames chooses the frames sampled; {spec_out} holds its own" in \
+        capsys.readouterr().err
     assert cli(["probe", "video", "--features", str(spec_out), "--out", str(tmp_path / "r")]) == 0
     line = capsys.readouterr().out
     report = json.loads((tmp_path / "r" / "video.json").read_text())
