@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from vit22b.model.errors import quoted
 
 from .files import as_text
-from .storage import filesystem, is_url
+from .storage import check_url, filesystem, is_url
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
 LIST_ENCODING = "utf-8-sig"  # UTF-8, less the byte-order mark Windows editors put first
@@ -145,20 +145,25 @@ def _listed(entry: str, resolve) -> InputItem:
 
 
 def _hidden(rel: str) -> bool:
-    return any(part.startswith(".") for part in rel.split("/"))
+    """A name starting with '.' on the way (a store's key may hold '.' and '..' as names)."""
+    return any(part.startswith(".") and part not in (".", "..") for part in rel.split("/"))
 
 
 def _expand_url(spec: str, several: bool) -> list[InputItem]:
     """The same rules as for local INPUTs, through the URL's fsspec filesystem."""
-    fs, path = filesystem(spec)
+    fs, path = filesystem(check_url(spec))
 
     def resolve(entry: str) -> str:  # a list line, relative to the list file's folder
+        if entry.startswith(("/", "file://")):  # the list's store has no such root
+            raise InputListError(f"list {spec}: the line {entry!r} names a local file; a list "
+                                 "on remote storage names URLs, or keys relative to its folder")
         return fs.unstrip_protocol(posixpath.normpath(f"{posixpath.dirname(path)}/{entry}"))
 
     def walk(folder: str, prefix: str | None) -> list[InputItem]:
-        items = []
+        items, base = [], folder.rstrip("/") + "/"
         for found in fs.find(folder):
-            rel = posixpath.relpath(found, folder)
+            # the key as it is: a key's "..", "." or "//" are part of its name on a store
+            rel = found[len(base):] if found.startswith(base) else posixpath.basename(found)
             if not _hidden(rel) and not found.endswith("/"):  # "a/": a folder's marker
                 items.append(InputItem(rel if prefix is None else f"{prefix}/{rel}",
                                        fs.unstrip_protocol(found)))
@@ -174,10 +179,15 @@ def _expand_url(spec: str, several: bool) -> list[InputItem]:
             return [_listed(line.strip(), resolve) for line in lines
                     if line.strip() and not line.strip().startswith("#")]
         if not glob.has_magic(spec):
+            fs.info(path)  # isdir and isfile say False for a store they cannot reach: say why
+            raise FileNotFoundError(path)
+        # hidden names match only a pattern that names them, as Python's glob does locally
+        explicit = any(part.startswith(".") for part in path.split("/"))
+        matches = sorted(m for m in fs.glob(path) if explicit or not _hidden(m))
+    except (FileNotFoundError, PermissionError) as err:  # no such key or bucket, access denied
+        if isinstance(err, FileNotFoundError) and not glob.has_magic(spec):
             raise InputListError(
-                f"input {spec!r} does not exist (want a folder, a glob or a list file)")
-        matches = sorted(fs.glob(path))
-    except OSError as err:  # e.g. no such bucket, access denied
+                f"input {spec!r} does not exist (want a folder, a glob or a list file)") from None
         raise InputListError(f"input {spec!r}: {err}") from None
     if not matches:
         raise InputListError(f"input glob {spec!r} matches nothing")
@@ -186,6 +196,16 @@ def _expand_url(spec: str, several: bool) -> list[InputItem]:
         url = fs.unstrip_protocol(match)
         items.extend(walk(match, url) if fs.isdir(match) else [InputItem(url, url)])
     return items
+
+
+def _same_file(path: str) -> str:
+    """One spelling per file: the real path of a local one (a NUL byte: as given, that
+    input's failure later), a URL as its filesystem writes it (``memory://a`` is
+    ``memory:///a``)."""
+    if is_url(path):
+        fs, inner = filesystem(path)
+        return fs.unstrip_protocol(inner)
+    return path if "\0" in path else os.path.realpath(path)
 
 
 def _expand(spec: str, several: bool) -> list[InputItem]:
@@ -262,9 +282,10 @@ def enumerate_inputs(specs: list[str], extensions: tuple[str, ...] = (),
             if (wanted and not item.path.lower().endswith(wanted)) or in_output(item.path):
                 continue
             item = InputItem(as_text(item.id), item.path)
-            if several or glob.has_magic(spec):  # "photos" and "/abs/photos", a folder and a
-                # list of its files, a glob through a link to a folder it also reaches: once
-                real = item.path if is_url(item.path) else os.path.realpath(item.path)
+            if several or glob.has_magic(spec) or spec.lower().endswith(LIST_SUFFIXES):
+                # "photos" and "/abs/photos", a folder and a list of its files, a list naming
+                # a file twice, a glob through a link to a folder it also reaches: once
+                real = _same_file(item.path)
                 rank = (real != item.path, item.id.count("/"), item.id)
                 first = by_file.get(real)
                 if first is not None:

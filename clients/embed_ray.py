@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import pickle
+import socket
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -209,6 +210,19 @@ class EmbedShards:
             backend.close()
 
 
+def _reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """ValueError unless something answers at a HOST:PORT (or ray://HOST:PORT) address: Ray
+    retries a cluster that is not there for about 15 minutes, in warnings."""
+    host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:  # "auto", "local", a new instance
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ValueError(f"cannot join the Ray cluster at {address}: nothing answers at "
+                         f"{host}:{port} ({err.strerror or err})") from None
+
+
 def connect(address: str | None = None) -> bool:
     """Join the Ray cluster at ``address`` (None: RAY_ADDRESS, or a new local instance) unless
     this process already has; True if this call connected (and so should disconnect)."""
@@ -216,6 +230,7 @@ def connect(address: str | None = None) -> bool:
 
     if ray.is_initialized():
         return False
+    _reachable(address or os.environ.get("RAY_ADDRESS"))
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:

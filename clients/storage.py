@@ -40,6 +40,17 @@ def local_path(path: str) -> str:
     return path[len(FILE_SCHEME):] if path.startswith(FILE_SCHEME) else path
 
 
+def check_url(url: str) -> str:
+    """``url``, or ValueError when an empty segment ('//') is in its path: an object store
+    keeps it in its keys (``s3://b//x`` is the key ``/x``), which its listings do not show, so
+    an output there would never resume."""
+    scheme, _, rest = url.partition("://")
+    if "//" in rest.strip("/"):
+        raise ValueError(f"{url}: an empty segment ('//') in the URL's path: write each "
+                         "folder once")
+    return url
+
+
 def filesystem(url: str):
     """(fsspec filesystem, path within it) of a URL; a clear error when fsspec is missing."""
     try:
@@ -176,6 +187,8 @@ class Location:
         scheme, sep, rest = url.partition("://")
         if sep and not rest.strip("/"):  # "s3://" was a local folder "s3:"
             raise ValueError(f"{url}: the URL names no bucket or folder after {scheme}://")
+        if self.remote:
+            check_url(url)
         self.url = url.rstrip("/") or url
         if self.remote:
             self.fs, self.root = filesystem(self.url)

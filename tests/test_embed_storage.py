@@ -20,7 +20,7 @@ from PIL import Image
 from test_embed import engine, local_job, read_dir, write_bad_files, write_images  # noqa: F401
 from vit22b.clients.embed import OutputSpec
 from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
-from vit22b.clients.embed_store import JobMismatch
+from vit22b.clients.embed_store import JobMismatch, OutputStore
 from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
 
 SPEC = OutputSpec(pooled=True, patch_layers=(-1, 1), dtype="bfloat16")
@@ -313,3 +313,99 @@ def test_outputs_that_cannot_hold_the_job_are_refused_before_the_model(tmp_path,
     err = capsys.readouterr().err
     assert "remote storage: NoCredentialsError" in err and "AWS_ACCESS_KEY_ID" in err
     assert "Traceback" not in err
+
+
+def _store(directory: str, inputs: str = "a") -> OutputStore:
+    identity = {"format": "npy", "outputs": ["pooled"], "inputs": inputs}
+    return OutputStore.open(directory, identity, {"pooled": {"dtype": "float32", "shape": [2]}},
+                            num_shards=4)
+
+
+def _write(store: OutputStore, index: int) -> None:
+    store.write_shard(index, "x", [f"{index}.jpg"], [f"{index}.jpg"],
+                      {"pooled": np.zeros((1, 2), np.float32)}, [])
+
+
+def test_two_jobs_on_one_object_store_output_do_not_both_finish(monkeypatch):
+    """An object store has no lock: two jobs started on one output both wrote every shard and
+    both said complete, their files mixed. The one that finds another's writing stops."""
+    import vit22b.clients.embed_store as embed_store
+
+    monkeypatch.setattr(embed_store, "MANIFEST_SHARE", 0)  # a write per shard
+    first = _store("memory://race/out")
+    _write(first, 0)
+    second = _store("memory://race/out")  # the same command started twice: it resumes...
+    assert sorted(second.done) == [0]
+    _write(second, 1)
+    with pytest.raises(JobMismatch, match=r"another vit22b embed \(host .*, pid \d+\) has "
+                                          r"written to memory://race/out since this job did"):
+        _write(first, 1)  # ... and the first stops at its next record
+    for index in (2, 3):
+        _write(second, index)
+    second.finish()
+    manifest = read_manifest("memory://race/out")
+    assert manifest["complete"] and "writer" not in manifest  # finished: it names no writer
+
+
+def test_the_manifest_is_written_less_often_as_it_grows_and_whole_at_the_end(monkeypatch):
+    """Rewritten after every shard, 2,000 shards wrote 4.8 GB of manifest to S3. Now at most a
+    share of the time goes to it; what is recorded is written when the job ends, early too."""
+    import vit22b.clients.embed_store as embed_store
+
+    monkeypatch.setattr(embed_store, "MANIFEST_SHARE", 10**9)  # no write after the first
+    store = _store("memory://often/out")
+    for index in range(3):
+        _write(store, index)
+    written = read_manifest("memory://often/out")
+    assert [s["index"] for s in written["shards"]] == [0] and written["writer"]
+    store.close()  # a job ending early (an error) writes what it recorded
+    assert [s["index"] for s in read_manifest("memory://often/out")["shards"]] == [0, 1, 2]
+    resumed = _store("memory://often/out")
+    assert sorted(resumed.done) == [0, 1, 2]
+    _write(resumed, 3)
+    resumed.finish()
+    assert read_manifest("memory://often/out")["complete"]
+
+
+def test_remote_listings_keep_keys_as_named_and_hidden_names_out_of_globs():
+    """A key's '..' or '.' was tidied away (photos/d/../e.jpg became e.jpg, and collided with
+    photos/e.jpg); a glob took hidden names a local glob leaves out; a list on a store took its
+    local absolute lines as keys under its folder, and named one file twice in two spellings."""
+    fs = fsspec.filesystem("memory")
+    for key in ("d/../e.jpg", "e.jpg", "./dot.jpg", ".h.jpg", ".hd/x.jpg", "a.jpg"):
+        fs.pipe(f"/keys/photos/{key}", b"x")
+    items = enumerate_inputs(["memory://keys/photos"])
+    assert [i.id for i in items] == ["./dot.jpg", "a.jpg", "d/../e.jpg", "e.jpg"]
+    assert items[2].path == "memory:///keys/photos/d/../e.jpg"
+    assert [i.id for i in enumerate_inputs(["memory://keys/photos/*.jpg"])] == [
+        "memory:///keys/photos/a.jpg", "memory:///keys/photos/e.jpg"]
+    assert [i.id for i in enumerate_inputs(["memory://keys/photos/.h*"])] == [
+        "memory:///keys/photos/.h.jpg", "memory:///keys/photos/.hd/x.jpg"]  # named: taken
+    fs.pipe("/keys/list.txt", b"photos/a.jpg\nmemory://keys/photos/a.jpg\n")
+    assert [i.path for i in enumerate_inputs(["memory://keys/list.txt"])] == [
+        "memory:///keys/photos/a.jpg"]
+    fs.pipe("/keys/local.txt", b"/tmp/x.jpg\n")
+    with pytest.raises(InputListError, match="the line '/tmp/x.jpg' names a local file"):
+        enumerate_inputs(["memory://keys/local.txt"])
+    with pytest.raises(InputListError, match="'memory://keys/nothing' does not exist"):
+        enumerate_inputs(["memory://keys/nothing"])
+    with pytest.raises(ValueError, match=r"an empty segment \('//'\)"):
+        enumerate_inputs(["memory://keys//photos"])
+    with pytest.raises(ValueError, match=r"memory://keys//out: an empty segment \('//'\)"):
+        _store("memory://keys//out")
+
+
+def test_an_unreachable_store_is_said_so_not_a_missing_input(monkeypatch, capsys):
+    """gcsfs's isdir and isfile say False when the store cannot be reached: the input was
+    "does not exist" (exit 2, after six tracebacks); the store's own error is said now."""
+    from vit22b.clients.cli import main
+
+    fs = fsspec.filesystem("memory")
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 1)")
+
+    monkeypatch.setattr(type(fs), "info", unreachable)
+    assert main(["embed", "memory://far/photos", "-o", "/nonexistent/out", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "Connect call failed" in err and "does not exist" not in err
