@@ -12,6 +12,7 @@ job over videos (clients/embed_video.py, either runner): inputs narrowed to vide
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -208,10 +209,17 @@ def ray_runner(args: EmbedSettings):
                      max_retries=args.ray_max_retries)
 
 
+# Storage libraries' own logs of a failure this command then says in one line: gcsfs logs each
+# request out of retries with its traceback, asyncio each orphaned aiohttp task's.
+QUIET_LOGGERS = ("gcsfs", "s3fs", "aiobotocore", "asyncio")
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit 0 complete, 1 incomplete (every server lost, at the start or during the job: rerun
     to resume), 2 bad options, inputs or a refused mix, 130 interrupted."""
     backend = None
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         options = settings.from_args(EmbedSettings, args)
         settings.check(options)
@@ -246,9 +254,11 @@ def run(args: argparse.Namespace) -> int:
     except JobFailed as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 1
-    except OSError as err:  # writing the outputs failed (disk full, ...): what was written stays
-        print(f"vit22b embed: {err.filename or args.output}: {err.strerror or err}; completed "
-              "shards are kept: rerun the same command to resume", file=sys.stderr)
+    except OSError as err:  # writing the outputs failed (disk full, ...), or a store could not
+        # be reached (no file named: not the output's fault): what was written stays
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"vit22b embed: {where}{err.strerror or err}; completed shards are kept: rerun the "
+              "same command to resume", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("vit22b embed: interrupted; rerun the same command to resume", file=sys.stderr)
