@@ -91,9 +91,30 @@ def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
         return read_local(local_path(path), max_bytes)
     fs, inner = filesystem(path)
     with _reasons(path):
-        data = fs.cat_file(inner) if max_bytes is None else _ranged(fs, inner, max_bytes)
+        data = _within(fs, inner, None if max_bytes is None else max_bytes + 1, path)
     over_limit(len(data), max_bytes, path)
     return data
+
+
+# A remote read's deadline: an endpoint that accepts and never answers stalled a job for more
+# than 10 minutes in the storage libraries' own retries. 1 GiB within it is 1.8 MB/s.
+READ_TIMEOUT_S = 600
+
+
+def _within(fs, inner: str, end: int | None, path: str) -> bytes:
+    """The object's bytes up to ``end`` (None: all), within READ_TIMEOUT_S on a filesystem
+    that reads asynchronously (s3fs, gcsfs: the read is cancelled there), else as it reads."""
+    if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
+        return fs.cat_file(inner) if end is None else _ranged(fs, inner, end)
+    from fsspec.asyn import FSTimeoutError, sync
+
+    try:
+        if end is None:
+            return sync(fs.loop, fs._cat_file, inner, timeout=READ_TIMEOUT_S)
+        return sync(fs.loop, _ranged_async, fs, inner, end, timeout=READ_TIMEOUT_S)
+    except FSTimeoutError:
+        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {READ_TIMEOUT_S} s from the "
+                           "store", path) from None
 
 
 def check_readable(path: str, max_bytes: int | None = None) -> None:
@@ -124,15 +145,28 @@ def _reasons(path: str):
         raise type(err)(code, os.strerror(code), path) from None
 
 
-def _ranged(fs, inner: str, max_bytes: int) -> bytes:
-    """The object's first ``max_bytes + 1`` bytes: never more than one byte over. S3 refuses
-    any range of an empty object (416, an OSError), which its size then tells apart."""
+def _ranged(fs, inner: str, end: int) -> bytes:
+    """The object's first ``end`` bytes (the limit and one more: never more than one byte
+    over). S3 refuses any range of an empty object (416, an OSError), which its size then tells
+    apart."""
     try:
-        return fs.cat_file(inner, start=0, end=max_bytes + 1)
+        return fs.cat_file(inner, start=0, end=end)
     except (FileNotFoundError, PermissionError):
         raise
     except OSError:
         if fs.size(inner) == 0:
+            return b""
+        raise
+
+
+async def _ranged_async(fs, inner: str, end: int) -> bytes:
+    """``_ranged`` on the filesystem's event loop."""
+    try:
+        return await fs._cat_file(inner, start=0, end=end)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError:
+        if await fs._size(inner) == 0:
             return b""
         raise
 

@@ -409,3 +409,53 @@ def test_an_unreachable_store_is_said_so_not_a_missing_input(monkeypatch, capsys
     assert main(["embed", "memory://far/photos", "-o", "/nonexistent/out", "-q"]) == 1
     err = capsys.readouterr().err
     assert "Connect call failed" in err and "does not exist" not in err
+
+
+@pytest.fixture
+def silent_endpoint(monkeypatch):
+    """An S3 endpoint on loopback that accepts connections and never answers."""
+    import socket
+    import threading
+
+    s3fs = pytest.importorskip("s3fs")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept())
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"),
+                        ("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{server.getsockname()[1]}")):
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # one made for another endpoint is reused else
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.close()
+    for conn, _ in held:
+        conn.close()
+
+
+def test_a_store_that_never_answers_is_a_read_failure_within_the_deadline(silent_endpoint,
+                                                                          monkeypatch):
+    """An endpoint that accepted and never answered stalled a job for over 10 minutes in the
+    storage libraries' retries: a read now has a deadline, and missing it is that file's
+    failure ('cannot read file', which a rerun retries)."""
+    import time
+
+    import vit22b.clients.storage as storage
+    from vit22b.clients.embed import embed_files
+    from vit22b.clients.embed_inputs import InputItem
+
+    monkeypatch.setattr(storage, "READ_TIMEOUT_S", 2)
+    start = time.perf_counter()
+    result = embed_files(None, [InputItem("k.jpg", "s3://bucket/k.jpg")])
+    assert time.perf_counter() - start < 10
+    assert result.failed == [(0, "cannot read file: no answer within 2 s from the store")]
