@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from vit22b.model.errors import CallerGone, DeadlineExpired, Draining, QueueFull
+from vit22b.model.errors import CallerGone, DeadlineExpired, Draining, NotReady, QueueFull
 from vit22b.model.features import Features
 from vit22b.model.outputs import OutputRequest
 
@@ -337,7 +337,10 @@ class Batcher:
         try:
             features = self.engine.forward(images, outputs)
         except Exception as err:  # a bug: fail the batch's callers, keep serving the others
-            log.exception("forward failed for a batch of %d images", len(images))
+            if isinstance(err, NotReady):  # a group that lost a process: said where it broke
+                log.warning("a batch of %d images not computed: %s", len(images), err)
+            else:
+                log.exception("forward failed for a batch of %d images", len(images))
             for job, _, _ in batch:
                 _fail(job.future, err)
             features = None

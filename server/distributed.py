@@ -117,6 +117,8 @@ class GroupExecutor:
         self.on_lost: Callable[[str], None] = lambda reason: None
         self._lost_lock = threading.Lock()
         self._batches = 0  # headers posted (process 0) or taken (workers)
+        self.terminated: float | None = None  # a worker's SIGTERM (monotonic time)
+        self.stop_grace_s = 60.0  # how long a terminated worker waits for process 0's stop
         # One thread makes every collective on process 0, so a hung one blocks only itself.
         self._collectives = ThreadPoolExecutor(1, thread_name_prefix="vit22b-collective")
 
@@ -166,6 +168,10 @@ class GroupExecutor:
             key = _KEY.format("batch", self._batches)
             header = None
             while header is None:  # the wait may be long: in slices, not in one call
+                if self.terminated is not None and \
+                        time.monotonic() - self.terminated > self.stop_grace_s:
+                    raise GroupError(f"stopped by SIGTERM: process 0 did not stop the group "
+                                     f"within --drain-timeout {self.stop_grace_s:g}s")
                 try:
                     header = json.loads(self.client.blocking_key_value_get(key, 10_000))
                 except jax.errors.JaxRuntimeError as err:
@@ -311,6 +317,9 @@ def settings(config: ServeConfig, group: Group) -> dict:
         "cpu_bf16": cpu_bf16(cpu_flags()) if jax.devices()[0].platform == "cpu" else None,
         "max_batch_images": config.max_batch_images,
         "max_batch_patches": config.max_batch_patches,
+        "chunk_images": config.chunk_images,  # the programs' chunk steps, posted per batch
+        # the pixels are broadcast to a [processes, local devices] layout
+        "local_devices": jax.local_device_count(),
         "warm_outputs": [repr(o) for o in config.warm_outputs],
         "warm_resolutions": list(config.warm_resolutions),
         "num_processes": group.num_processes,
@@ -336,6 +345,10 @@ def _differences(mine: dict, leader: dict) -> list[str]:
 def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]) -> int:
     """Join, agree, load and compile, then lead (process 0) or follow (workers)."""
     join(group)
+    # jax.distributed's preemption notifier took SIGTERM (it logs it and nothing else): a
+    # worker told to stop, or process 0 still loading, ends as the signal says; process 0
+    # drains on it once serving (its own handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     report("joined")
     client = _client()
     mine = settings(config, group)
@@ -343,7 +356,7 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
         watch = Watch(client, group)
         client.key_value_set(_KEY.format("settings", 0), json.dumps(mine))
         watch.await_workers("agreed")
-        engine = _load(config)
+        engine = _load_with(watch, config)
         fingerprints = watch.await_workers("ready")
         wrong = {i: f for i, f in fingerprints.items() if f != engine.identity.fingerprint}
         if wrong:
@@ -352,6 +365,7 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
                 f"{engine.identity.fingerprint}; give every process the same checkpoint"
             )
         return run_loop(_lead(config, group, engine, watch, report))
+    _claim(client, group)
     start_heartbeat(client, group.process_id)
     try:
         leader = json.loads(
@@ -364,6 +378,7 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
         engine = _load(config)
         client.key_value_set(_KEY.format("ready", group.process_id), engine.identity.fingerprint)
         report("ready")
+        _stop_on_term(engine.executor, config.drain_timeout_s)
         print(
             f"vit22b serve: process {group.process_id} of {group.num_processes} ready "
             f"({jax.local_device_count()} of {jax.device_count()} devices, mesh "
@@ -383,6 +398,47 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
     print(f"vit22b serve: process {group.process_id} stopped (process 0 stopped)", flush=True)
     client.key_value_set(_KEY.format("stopped", group.process_id), "yes")
     return 0
+
+
+def _stop_on_term(executor: GroupExecutor, grace_s: float) -> None:
+    """A worker's SIGTERM once loaded: the whole group is being stopped (every member gets it
+    at once), so it serves on until process 0 has drained and stops it, for at most
+    ``grace_s``; then it leaves, which breaks the group (it alone was being stopped)."""
+    executor.stop_grace_s = grace_s
+
+    def on_term(signum, frame) -> None:
+        log.warning("SIGTERM: serving until process 0 stops the group, at most %gs", grace_s)
+        executor.terminated = executor.terminated or time.monotonic()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def _claim(client, group: Group) -> None:
+    """GroupError when another process already holds this process id in the group (a stray,
+    or a worker restarted into a group that cannot take it back): before it could beat or
+    report for the process that holds it."""
+    try:
+        client.key_value_set(_KEY.format("member", group.process_id), str(os.getpid()))
+    except Exception:  # noqa: BLE001 - ALREADY_EXISTS, the runtime's own error type
+        raise GroupError(
+            f"process id {group.process_id} is already in the group at {group.coordinator} (a "
+            "process with the same --process-id, or this one restarted: a group cannot take "
+            "a process back; restart the whole group)") from None
+
+
+def _load_with(watch: Watch, config: ServeConfig) -> Engine:
+    """Process 0's load; when it fails, a worker that reported its own failure first is the
+    cause (a worker without its checkpoint leaves process 0's restore waiting in a collective,
+    which then fails as if process 0's checkpoint were damaged)."""
+    try:
+        return _load(config)
+    except Exception as err:
+        gone = watch.gone()
+        if not gone:
+            raise
+        causes = "; ".join(f"process {i}: {why}" for i, why in gone.items())
+        raise GroupError(f"{causes} (process 0's own load then failed: {type(err).__name__})") \
+            from err
 
 
 def _load(config: ServeConfig) -> Engine:

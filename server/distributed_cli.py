@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,7 +51,7 @@ def add_group_arguments(parser: argparse.ArgumentParser) -> None:
 
 def group_from_args(args: argparse.Namespace):
     """The Group of these flags, or None for a single-process server."""
-    from .distributed import Group  # jax: only for a group
+    from .distributed import BEAT_S, Group  # jax: only for a group
 
     given = [args.coordinator, args.num_processes, args.process_id]
     if all(v is None for v in given):
@@ -58,12 +60,18 @@ def group_from_args(args: argparse.Namespace):
         raise ValueError("--coordinator, --num-processes and --process-id go together")
     if not re.fullmatch(r"\S+:\d+", args.coordinator):
         raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
-    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
-        raise ValueError(
-            f"--process-id must be in 0..{args.num_processes - 1} and --num-processes positive, "
-            f"got {args.process_id} of {args.num_processes}"
-        )
+    if args.num_processes < 2:  # one process: its plan and buckets are a single server's
+        raise ValueError(f"--num-processes must be at least 2, got {args.num_processes} (one "
+                         "process serves without --coordinator, --num-processes and "
+                         "--process-id)")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in 0..{args.num_processes - 1}, got "
+                         f"{args.process_id}")
     settings.check(settings.from_args(GroupSettings, args))
+    if args.peer_timeout < 2 * BEAT_S:  # else a live worker between two beats counts as gone
+        raise ValueError(f"--peer-timeout must be at least {2 * BEAT_S:g}s (two of a worker's "
+                         f"heartbeats, every {BEAT_S:g}s), got {args.peer_timeout:g}")
+    _check_coordinator(args.coordinator, args.process_id == 0)
     return Group(
         args.coordinator,
         args.num_processes,
@@ -71,6 +79,34 @@ def group_from_args(args: argparse.Namespace):
         init_timeout_s=args.init_timeout,
         peer_timeout_s=args.peer_timeout,
     )
+
+
+def _check_coordinator(address: str, here: bool) -> None:
+    """ValueError when the coordinator's host does not resolve, or (on process 0, which
+    listens there on all interfaces) its port is taken: the runtime said neither (a join that
+    timed out; a crash, SIGSEGV)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"--coordinator {address}: cannot resolve {host!r} ({err})") from None
+    if not here:
+        return
+    for family, any_host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free
+            try:
+                probe.bind((any_host, int(port)))
+            except OSError as err:
+                if err.errno != errno.EADDRINUSE:  # e.g. a port below 1024: the runtime's to say
+                    return
+                raise ValueError(f"--coordinator {address}: port {port} is in use on this host "
+                                 f"({err.strerror}); process 0 listens there") from None
+        return
 
 
 def _die_with_parent() -> None:

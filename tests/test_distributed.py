@@ -226,13 +226,78 @@ def test_peer_that_never_arrives_ends_the_start_with_a_clear_message(tmp_path):
         assert "within --init-timeout 2s" in leader.text()
 
 
-def test_worker_with_other_settings_is_refused_before_loading(tmp_path):
-    with running(tmp_path, worker_extra=("--max-batch-images", "8")) as members:
+@pytest.mark.parametrize("flags, difference", [
+    (("--max-batch-images", "8"), "max_batch_images: 8 here, 4 on process 0"),
+    # another chunk size compiled other programs: a batch of 4 came back with a row of zeros
+    (("--chunk-images", "1"), "chunk_images: 1 here, None on process 0"),
+])
+def test_worker_with_other_settings_is_refused_before_loading(tmp_path, flags, difference):
+    with running(tmp_path, worker_extra=flags) as members:
         assert members[0].wait(90) == 2, members[0].text()
         assert members[1].wait(30) != 0
         text = members[0].text()
         assert "settings differ from process 0's" in text
-        assert "max_batch_images: 8 here, 4 on process 0" in text
+        assert difference in text
+
+
+def test_a_second_process_with_a_taken_id_is_refused_and_the_group_serves_on(checkpoint_dir,
+                                                                             tmp_path):
+    """A stray with the worker's --process-id (or the worker restarted) failed on an internal
+    key with a traceback, and process 0 took its failure for the healthy worker's. Then the
+    whole group gets SIGTERM at once, as an orchestrator sends it: the worker serves until
+    process 0 has drained and stops it, and both end cleanly."""
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir)) as members:
+        address = serving_address(members[0], members)
+        coordinator = members[0].proc.args[members[0].proc.args.index("--coordinator") + 1]
+        (tmp_path / "stray").mkdir()  # its own log
+        stray = Member(tmp_path / "stray", coordinator, 1, "--checkpoint", str(checkpoint_dir),
+                       n=2)
+        try:
+            assert stray.wait(90) == 2, stray.text()
+        finally:
+            stray.kill()
+        assert "process id 1 is already in the group" in stray.text()
+        assert "Traceback" not in stray.text()
+        assert health(address) == SERVING
+        s = stub(address)
+        assert len(s.Embed(request(random_images(3)), timeout=60).ids) == 3
+        for member in members:
+            member.kill(signal.SIGTERM)
+        assert members[0].wait(60) == 0, members[0].text()
+        assert members[1].wait(30) == 0, members[1].text()
+        assert "SIGTERM: serving until process 0 stops the group" in members[1].text()
+        assert "process 1 stopped" in members[1].text()
+
+
+def test_sigterm_to_a_worker_alone_ends_it_and_process_0_says_so(checkpoint_dir, tmp_path):
+    """JAX's preemption notifier took a worker's SIGTERM and did nothing: the worker ran on
+    until a SIGKILL. Now it waits --drain-timeout for process 0 to stop the group, then
+    leaves, and process 0 names why."""
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir),
+                 worker_extra=("--drain-timeout", "2")) as members:
+        address = serving_address(members[0], members)
+        members[1].kill(signal.SIGTERM)
+        assert members[1].wait(30) == 2, members[1].text()
+        assert ("stopped by SIGTERM: process 0 did not stop the group within --drain-timeout 2s"
+                in members[1].text())
+        end = time.monotonic() + 15
+        while health(address) != NOT_SERVING:
+            assert time.monotonic() < end, members[0].text()
+            time.sleep(0.1)
+        assert "process 1 of the group is gone: GroupError: stopped by SIGTERM" in \
+            members[0].text()
+
+
+def test_a_worker_without_its_checkpoint_is_named_not_process_0s(checkpoint_dir, tmp_path):
+    """Process 0's restore waited in a collective for the worker that had failed, then called
+    its own, healthy checkpoint "unreadable, truncated or corrupt"."""
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir),
+                 worker_extra=("--checkpoint", str(tmp_path / "missing"))) as members:
+        assert members[1].wait(60) == 2, members[1].text()
+        assert members[0].wait(120) == 2, members[0].text()
+        text = members[0].text()
+        assert "process 1: " in text and f"no checkpoint at {tmp_path / 'missing'}" in text
+        assert "process 0's own load then failed" in text
 
 
 def parse(*argv: str, environ: dict | None = None):
@@ -251,17 +316,35 @@ def test_group_flags_and_environment():
     assert parse() is None  # one process: the single-process server, untouched
     group = parse("--coordinator", "10.0.0.1:1234", "--num-processes", "4", "--process-id", "3")
     assert (group.coordinator, group.num_processes, group.process_id) == ("10.0.0.1:1234", 4, 3)
-    env = {"VIT22B_COORDINATOR": "h:9", "VIT22B_NUM_PROCESSES": "2", "VIT22B_PROCESS_ID": "1",
+    free = f"127.0.0.1:{free_port()}"
+    env = {"VIT22B_COORDINATOR": free, "VIT22B_NUM_PROCESSES": "2", "VIT22B_PROCESS_ID": "1",
            "VIT22B_PEER_TIMEOUT": "7.5"}
     group = parse(environ=env)
-    assert (group.coordinator, group.process_id, group.peer_timeout_s) == ("h:9", 1, 7.5)
+    assert (group.coordinator, group.process_id, group.peer_timeout_s) == (free, 1, 7.5)
     assert parse("--process-id", "0", environ=env).process_id == 0  # a flag beats the variable
-    for argv, complaint in [
-        (("--coordinator", "h:9"), "go together"),
-        (("--coordinator", "h", "--num-processes", "2", "--process-id", "0"), "HOST:PORT"),
-        (("--coordinator", "h:9", "--num-processes", "2", "--process-id", "2"), "0..1"),
-        (("--coordinator", "h:9", "--num-processes", "2", "--process-id", "0",
-          "--peer-timeout", "0"), "positive"),
-    ]:
-        with pytest.raises(ValueError, match=complaint):
-            parse(*argv)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        for argv, complaint in [
+            (("--coordinator", free), "go together"),
+            (("--coordinator", "h", "--num-processes", "2", "--process-id", "0"), "HOST:PORT"),
+            (("--coordinator", free, "--num-processes", "2", "--process-id", "2"), "0..1"),
+            (("--coordinator", free, "--num-processes", "2", "--process-id", "0",
+              "--peer-timeout", "0"), "positive"),
+            # these reached SERVING and broke at the first call, or blamed a healthy worker
+            (("--coordinator", free, "--num-processes", "1", "--process-id", "0"),
+             "at least 2, got 1"),
+            (("--coordinator", free, "--num-processes", "0", "--process-id", "0"),
+             "at least 2, got 0"),  # was "--process-id must be in 0..-1"
+            (("--coordinator", free, "--num-processes", "2", "--process-id", "1",
+              "--peer-timeout", "0.2"), "at least 1s .*heartbeats, every 0.5s"),
+            # the runtime: a join that timed out naming no cause; SIGSEGV on a taken port
+            (("--coordinator", "nosuchhost.invalid:9", "--num-processes", "2",
+              "--process-id", "1"), "cannot resolve 'nosuchhost.invalid'"),
+            (("--coordinator", busy, "--num-processes", "2", "--process-id", "0"),
+             f"port {busy.split(':')[1]} is in use on this host"),
+        ]:
+            with pytest.raises(ValueError, match=complaint):
+                parse(*argv)
+        parse("--coordinator", busy, "--num-processes", "2", "--process-id", "1")  # not here
