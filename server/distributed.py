@@ -179,6 +179,8 @@ class GroupExecutor:
                         raise
             if header["command"] == "stop":
                 return
+            if header["command"] == "refuse":
+                raise GroupError(f"refused by process 0: {header['reason']}")
             grid = tuple(header["grid"])
             self._step(engine, header["bucket"], outputs_from_dict(header["outputs"]), None, grid,
                        header["active"], header["pixels"])
@@ -360,10 +362,10 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
         fingerprints = watch.await_workers("ready")
         wrong = {i: f for i, f in fingerprints.items() if f != engine.identity.fingerprint}
         if wrong:
-            raise GroupError(
-                f"the workers hold other weights: fingerprints {wrong}, process 0 has "
-                f"{engine.identity.fingerprint}; give every process the same checkpoint"
-            )
+            reason = (f"the workers hold other weights: fingerprints {wrong}, process 0 has "
+                      f"{engine.identity.fingerprint}; give every process the same checkpoint")
+            _refuse(client, watch, reason)
+            raise GroupError(reason)
         return run_loop(_lead(config, group, engine, watch, report))
     _claim(client, group)
     start_heartbeat(client, group.process_id)
@@ -411,6 +413,17 @@ def _stop_on_term(executor: GroupExecutor, grace_s: float) -> None:
         executor.terminated = executor.terminated or time.monotonic()
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+def _refuse(client, watch: Watch, reason: str) -> None:
+    """Process 0 refuses the loaded workers: the reason as their first header, and a wait
+    (a peer timeout) for each to report it, which it says before process 0 leaves; else the
+    runtime aborts them as "process 0 is gone", saying nothing of why."""
+    client.key_value_set(_KEY.format("batch", 1), json.dumps({"command": "refuse",
+                                                               "reason": reason}))
+    end = time.monotonic() + watch.group.peer_timeout_s
+    while time.monotonic() < end and len(watch._read("failed")) < len(watch.group.workers):
+        time.sleep(BEAT_S / 5)
 
 
 def _claim(client, group: Group) -> None:

@@ -348,3 +348,18 @@ def test_group_flags_and_environment():
             with pytest.raises(ValueError, match=complaint):
                 parse(*argv)
         parse("--coordinator", busy, "--num-processes", "2", "--process-id", "1")  # not here
+
+
+def test_a_worker_with_other_weights_is_told_why(checkpoint_dir, tmp_path):
+    """Process 0 refused a worker whose checkpoint has other weights, and the worker, waiting
+    for its first batch, was aborted as "process 0 (the coordinator) is gone"."""
+    cfg = dataclasses.replace(get_config("vit-22b-tiny/16"), compute_dtype="float32")
+    other = tmp_path / "other"
+    ckpt.save(other, cfg, init_sharded(cfg, make_mesh(MESH), seed=6), "init:seed=6")
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir),
+                 worker_extra=("--checkpoint", str(other))) as members:
+        assert members[0].wait(120) == 2, members[0].text()
+        assert members[1].wait(30) == 2, members[1].text()
+        assert "the workers hold other weights: fingerprints {1: " in members[0].text()
+        assert ("process 1: refused by process 0: the workers hold other weights"
+                in members[1].text())
