@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from vit22b.model.config import ViTConfig
 from vit22b.v1 import features_pb2 as pb
 
-from .auth import TokenAuth, read_tokens, server_credentials
+from .auth import TokenAuth, Tokens, check_tls_pair, read_tokens, server_credentials
 from .batcher import Batcher
 from .engine import Engine, Executor, enable_compile_cache, stored_config
 from .infer import Infer, Limits, new_event_loop
@@ -85,6 +85,14 @@ def _add_reflection(servicer: reflection.aio.ReflectionServicer,
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
     )}
     registrar.add_registered_method_handlers(REFLECTION_V1, handlers)
+
+
+def preflight(config: ServeConfig) -> Tokens:
+    """The token file and the TLS pair, read and checked (ValueError, naming the flag): what
+    a server refuses to start with, said before it loads and compiles anything."""
+    if config.tls_cert:
+        check_tls_pair(config.tls_cert, config.tls_key)
+    return Tokens(read_tokens(config.token_file) if config.token_file else ())
 
 
 def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engine:
@@ -169,6 +177,7 @@ class FeatureServer:
         self, config: ServeConfig, engine: Engine | None = None, tracing: Tracing | None = None
     ):
         config.check()
+        self.tokens = preflight(config)  # before any model work: a bad file is said at once
         self.config = config
         self.engine = engine
         self.metrics = Metrics()
@@ -206,7 +215,7 @@ class FeatureServer:
         )
         self.service = FeatureService(self.infer, self.metrics)
         interceptors = []
-        tokens = read_tokens(config.token_file) if config.token_file else ()
+        tokens = self.tokens
         if tokens:
             reject = self.metrics.requests.labels
             interceptors.append(

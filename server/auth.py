@@ -4,18 +4,30 @@ Every method needs ``authorization: Bearer <token>`` except the health service, 
 balancers and orchestrators probe without credentials, and server reflection: the schema is
 public (features.proto), so generic tools (grpcurl, Postman, reflection-driven clients) can list
 and describe the service; every feature call needs the token. A refused call gets
-UNAUTHENTICATED before its body is read.
+UNAUTHENTICATED before its body is read. ``Tokens`` is the one check both doors make: exactly
+one ``authorization`` value, the bearer scheme, a token whose SHA-256 is among the file's (a
+set lookup: it costs the same whichever token matches, or none). The file is read once, at
+start: a token is revoked by a restart.
 """
 
 from __future__ import annotations
 
-import hmac
+import hashlib
+import logging
+import os
 import ssl
+import stat
 from pathlib import Path
 
 import grpc
 
 from .status import refuse
+
+log = logging.getLogger(__name__)
+# gRPC refuses metadata over 16 KiB in all (value length 20007 vs. 16384): a longer token could
+# never be presented there, with the call's other metadata beside it
+MAX_TOKEN_BYTES = 8192
+MAX_TOKEN_FILE_BYTES = 64 << 20
 
 OPEN_SERVICES = (
     "/grpc.health.v1.Health/",
@@ -25,10 +37,18 @@ OPEN_SERVICES = (
 
 
 def read_tokens(path: str | Path) -> tuple[str, ...]:
-    """One token per line; blank lines and ``#`` comments are ignored. A token must be printable
-    ASCII: gRPC metadata carries nothing else, so any other token could never be presented."""
+    """One token per line; blank lines and ``#`` comments are ignored (and a UTF-8 byte order
+    mark, as Notepad writes). A token must be printable ASCII of at most MAX_TOKEN_BYTES: gRPC
+    metadata carries nothing else, so any other token could never be presented. Only a regular
+    file is read (a FIFO would block the start for ever)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"--token-file {path}: not a regular file of at most "
+                             f"{MAX_TOKEN_FILE_BYTES >> 20} MiB")
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
+    except OSError as err:
+        raise ValueError(f"--token-file {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"token file {path} is not text: {err.reason} at byte {err.start}"
                          ) from None
@@ -40,6 +60,10 @@ def read_tokens(path: str | Path) -> tuple[str, ...]:
         if not (token.isascii() and token.isprintable()):
             raise ValueError(f"token file {path}, line {number}: a token must be printable "
                              "ASCII (gRPC metadata cannot carry it otherwise)")
+        if len(token) > MAX_TOKEN_BYTES:
+            raise ValueError(f"token file {path}, line {number}: a token of {len(token)} "
+                             f"characters, over {MAX_TOKEN_BYTES} (gRPC metadata cannot carry "
+                             "it)")
         tokens.append(token)
     if not tokens:
         raise ValueError(f"token file {path} holds no token")
@@ -49,8 +73,12 @@ def read_tokens(path: str | Path) -> tuple[str, ...]:
 def check_tls_pair(cert: str | Path, key: str | Path) -> None:
     """The certificate chain and key load and match (gRPC and uvicorn report a bad pair as a
     port they cannot bind, or not at all)."""
+    def encrypted() -> str:  # else OpenSSL asks for a pass phrase on the terminal, and waits
+        raise ValueError(f"--tls-key {key}: the key is encrypted (a pass phrase); give an "
+                         "unencrypted PEM key")
+
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=encrypted)
     except (ssl.SSLError, OSError) as err:
         raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded as a PEM "
                          f"certificate chain and its private key: {err}") from None
@@ -61,19 +89,35 @@ def server_credentials(cert: str | Path, key: str | Path) -> grpc.ServerCredenti
     return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
 
 
+class Tokens:
+    """The accepted bearer tokens, kept as SHA-256 digests."""
+
+    def __init__(self, tokens: tuple[str, ...]):
+        self._digests = frozenset(hashlib.sha256(t.encode()).digest() for t in tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def allow(self, values: list[bytes]) -> bool:
+        """Whether a request's ``authorization`` values (all of them) admit it: one value,
+        ``Bearer <token>`` (any case, spaces around the token), a known token. Two values are
+        refused: the doors would each pick one."""
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].partition(b" ")
+        return scheme.lower() == b"bearer" and \
+            hashlib.sha256(token.strip()).digest() in self._digests
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, tokens: tuple[str, ...], on_reject=None):
-        self._tokens = tuple(t.encode() for t in tokens)
+    def __init__(self, tokens: Tokens, on_reject=None):
+        self._tokens = tokens
         self._on_reject = on_reject  # called with the method name (metrics)
 
     def _allowed(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                if scheme.lower() == "bearer":
-                    given = token.strip().encode()
-                    return any(hmac.compare_digest(given, t) for t in self._tokens)
-        return False
+        values = [v.encode() if isinstance(v, str) else b"" for k, v in metadata or ()
+                  if k == "authorization"]
+        return self._tokens.allow(values)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -81,6 +125,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return handler
         if self._allowed(details.invocation_metadata):
             return handler
+        log.info("%s refused: UNAUTHENTICATED (missing or wrong bearer token)", details.method)
         if self._on_reject is not None:
             self._on_reject(details.method)
         return _rejecting(handler)

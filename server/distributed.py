@@ -49,7 +49,7 @@ from vit22b.model.errors import NotReady
 from vit22b.model.outputs import POOLED, OutputRequest
 
 from . import logs
-from .app import FeatureServer, build_engine, serve_started
+from .app import FeatureServer, build_engine, preflight, serve_started
 from .cpu_devices import cpu_flags
 from .engine import Engine, pixel_dtype
 from .infer import run_loop
@@ -355,6 +355,7 @@ def run_process(config: ServeConfig, group: Group, report: Callable[[str], None]
     client = _client()
     mine = settings(config, group)
     if group.leader:
+        preflight(config)  # the front end's files, before the group loads
         watch = Watch(client, group)
         client.key_value_set(_KEY.format("settings", 0), json.dumps(mine))
         watch.await_workers("agreed")

@@ -27,7 +27,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -73,6 +72,7 @@ from vit22b.model.pixels import Geometry
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
+from .auth import Tokens
 from .infer import EmbedCall, EmbedResult, ImageInput, Infer
 from .metrics import Metrics
 from .service import check_response_size, image_input, server_version
@@ -525,16 +525,16 @@ CORS_HEADERS = ("Authorization", "Content-Type", "Content-Encoding", "Accept", "
 
 class HttpDoor:
     def __init__(self, infer: Infer, metrics: Metrics, info: pb.ModelInfo, limits: ClientLimits,
-                 tokens: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()):
+                 tokens: Tokens | None = None, cors_origins: tuple[str, ...] = ()):
         self.infer, self.metrics, self.info, self.limits = infer, metrics, info, limits
         self.serving = False  # set by the server once every bucket is compiled
+        tokens = tokens or Tokens(())
         self.guarded = bool(tokens)
         self.max_commas = (COMMAS_PER_IMAGE * infer.limits.max_request_images
                            + 2 * MAX_SPELLED + COMMAS_PER_IMAGE)
         self.models = {"object": "list", "data": [model_json(info, int(time.time()))]}
         self.app = self._app()
-        self.asgi = _Guard(self.app, self, tuple(t.encode() for t in tokens),
-                           infer.limits.max_message_bytes, limits)
+        self.asgi = _Guard(self.app, self, tokens, infer.limits.max_message_bytes, limits)
         if cors_origins:  # outside the guard: a preflight carries no token, and refusals
             # need the headers too, or the page cannot read why it was refused
             self.asgi = CORSMiddleware(self.asgi, allow_origins=cors_origins,
@@ -843,7 +843,7 @@ class _Guard:
     at once, else while the body arrives), its stall timeout and its rate floor; the body is
     handed on whole, so a route (and the facade's admission) starts only once it has all of it."""
 
-    def __init__(self, app, door: HttpDoor, tokens: tuple[bytes, ...], limit: int,
+    def __init__(self, app, door: HttpDoor, tokens: Tokens, limit: int,
                  clients: ClientLimits):
         self.app, self.door, self.tokens, self.limit = app, door, tokens, limit
         self.body_timeout_s, self.min_rate = clients.body_timeout_s, clients.min_body_rate
@@ -855,7 +855,8 @@ class _Guard:
         path = scope["path"]
         route = f"{scope['method']} {path if path in ROUTES else '(other)'}"
         headers = dict(scope["headers"])
-        if self.tokens and path not in OPEN_PATHS and not self._allowed(headers):
+        if self.tokens and path not in OPEN_PATHS and not self.tokens.allow(
+                [value for key, value in scope["headers"] if key == b"authorization"]):
             err = Unauthenticated("missing or wrong bearer token (header 'Authorization: "
                                   "Bearer <token>')")
             return await self._unread(route, err)(scope, receive, send)
@@ -919,13 +920,6 @@ class _Guard:
         return RequestTimeout(
             f"request body too slow: {size} bytes in {elapsed:.1f} s ({size / elapsed:.0f} "
             f"bytes/s), under the floor of {self.min_rate} bytes/s (--http-min-body-rate)")
-
-    def _allowed(self, headers: dict) -> bool:
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        given = token.strip()
-        return any(hmac.compare_digest(given, t) for t in self.tokens)
 
     def _too_large(self, size: int) -> TooLarge:
         return TooLarge(f"request body of {size} bytes is over the message limit of "

@@ -785,6 +785,31 @@ def test_tls_and_token_shared_with_grpc(secure):
         wrong.embeddings.create(model=MODEL, input=image)
 
 
+def test_two_authorization_values_are_refused_on_both_doors(secure):
+    """With two Authorization headers the HTTP door took the last and gRPC the first: a good
+    and a bad token were admitted in one order on one door and the other on the other."""
+    srv, cert = secure
+    image = pngs(random_images(1, seed=28))
+    good, bad = f"Bearer {TOKEN}", "Bearer wrong"
+    with httpx.Client(base_url=srv.http_url, verify=cert, timeout=60) as client:
+        for pair in ((good, bad), (bad, good), (good, good)):
+            response = client.post("/v1/features", json={"images": image},
+                                   headers=[("Authorization", v) for v in pair])
+            assert response.status_code == 401, pair
+    with open(srv.server.config.tls_cert, "rb") as f:
+        channel = grpc.secure_channel(srv.address, grpc.ssl_channel_credentials(f.read()))
+    with channel:
+        info = channel.unary_unary("/vit22b.v1.FeatureService/GetModelInfo",
+                                   request_serializer=pb.GetModelInfoRequest.SerializeToString,
+                                   response_deserializer=pb.ModelInfo.FromString)
+        assert info(pb.GetModelInfoRequest(), metadata=[("authorization", good)], timeout=10)
+        for pair in ((good, bad), (bad, good), (good, good)):
+            with pytest.raises(grpc.RpcError) as refused:
+                info(pb.GetModelInfoRequest(), timeout=10,
+                     metadata=[("authorization", v) for v in pair])
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, pair
+
+
 def test_browser_pages_of_the_allowed_origins_may_call_with_a_token(tmp_path):
     """--http-cors-allow-origin: a preflight (which carries no token) is answered for the
     allowed origin and refused for others; answers, refusals included, carry the origin so a

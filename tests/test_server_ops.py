@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import re
 import signal
+import subprocess
 import threading
 
 import grpc
@@ -27,6 +29,7 @@ from serving import (
     wait_for,
 )
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
+from vit22b.server.settings import ServeConfig
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -190,6 +193,36 @@ def test_token_files_and_tls_pairs_that_cannot_work_are_refused_at_start(tmp_pat
             check_tls_pair(cert, key)
     with pytest.raises(ValueError, match="--tls-cert .* cannot be loaded"):
         start_server(tls_cert=str(a / "cert.pem"), tls_key=str(b / "key.pem"))
+
+
+def test_token_files_and_keys_an_operator_gets_wrong(tmp_path):
+    """A byte order mark (Notepad's) refused the first token; a FIFO blocked the start for
+    ever; a token gRPC metadata cannot carry (over 16 KiB in all) was taken; an encrypted key
+    asked for its pass phrase on the terminal (or failed as 'Invalid argument'); each was read
+    only after the model was built and compiled."""
+    from vit22b.server.app import FeatureServer
+    from vit22b.server.auth import check_tls_pair, read_tokens
+
+    (tmp_path / "bom").write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n")
+    assert read_tokens(tmp_path / "bom") == ("one", "two")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="--token-file .*fifo: not a regular file"):
+        read_tokens(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="--token-file .*missing: No such file"):
+        read_tokens(tmp_path / "missing")
+    (tmp_path / "long").write_text("x" * 8193 + "\n")
+    with pytest.raises(ValueError, match="line 1: a token of 8193 characters, over 8192"):
+        read_tokens(tmp_path / "long")
+    self_signed(tmp_path)
+    encrypted = tmp_path / "encrypted.pem"
+    subprocess.run(["openssl", "pkey", "-in", str(tmp_path / "key.pem"), "-aes256", "-passout",
+                    "pass:secret", "-out", str(encrypted)], check=True, capture_output=True)
+    with pytest.raises(ValueError, match="the key is encrypted .*give an unencrypted PEM key"):
+        check_tls_pair(tmp_path / "cert.pem", encrypted)
+    (tmp_path / "empty").write_text("# nobody yet\n")
+    config = ServeConfig(token_file=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="holds no token"):
+        FeatureServer(config)  # no engine yet: said before any model work
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token", ""])
