@@ -12,8 +12,8 @@ the manifest and errors.jsonl: the job's driver.
 
 The manifest is rewritten whole, so its cost grows with the job: after a shard it is written
 only when the time since its last write is at least ``MANIFEST_SHARE`` times that write's
-duration (on an object store, 2,000 shards of 1,024 images rewrote 4.8 GB of manifest per shard
-recorded), and always at the end; a kill loses at most that many shards' records, which a
+duration (written after every shard, 2,000 shards of 1,024 images put 4.8 GB of manifests on
+an object store), and always at the end; a kill loses at most that many shards' records, which a
 resume recomputes. While a job runs, its manifest names it (``writer``: host, pid, a token);
 object stores have no lock, so before each write the driver reads the manifest back and stops
 when another job has written there since (two jobs started on one output both wrote every
