@@ -328,6 +328,8 @@ class ClientBase:
                                       and token.isascii()):
             # gRPC would refuse the metadata at every call, in its own words
             raise ValueError("token must be a string of printable ASCII characters")
+        if token is not None and not token.strip():  # an unset variable, say: no token sent
+            raise ValueError("token is empty (for no token, leave it out or pass None)")
         if retry is not None and not isinstance(retry, Retry):
             raise TypeError(f"retry must be a Retry, not {type(retry).__name__}")
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -337,6 +339,10 @@ class ClientBase:
         self.concurrency = check_count("concurrency", concurrency, default_none=False)
         # The roots are read here: a bad path fails now, not at the first call.
         roots = None if tls is True or not tls else Path(tls).read_bytes()
+        if roots is not None and b"-----BEGIN CERTIFICATE-----" not in roots:
+            # a key or a DER file failed at the first call, as a handshake gRPC cannot make
+            raise ValueError(f"tls={os.fspath(tls)!r} holds no PEM certificate: give the trusted "
+                             "roots (or the server's own certificate) as PEM")
         self._credentials = grpc.ssl_channel_credentials(roots) if tls else None
         self._channels: list = []
         self._stubs: list = []

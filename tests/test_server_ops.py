@@ -225,7 +225,20 @@ def test_token_files_and_keys_an_operator_gets_wrong(tmp_path):
         FeatureServer(config)  # no engine yet: said before any model work
 
 
-@pytest.mark.parametrize("token", [None, "wrong-token", ""])
+def test_client_credentials_that_cannot_work_are_refused_when_made(secure, tmp_path):
+    """An empty token (an unset variable) sent no token at all; a private key given as the
+    trusted roots failed 2.6 s into the first call as 'Failed to create security handshaker'."""
+    srv, cert = secure
+    with pytest.raises(ValueError, match="token is empty"):
+        FeatureClient(srv.address, tls=cert, token="")
+    key = cert.parent / "key.pem"
+    with pytest.raises(ValueError, match=r"tls='.*key.pem' holds no PEM certificate"):
+        FeatureClient(srv.address, tls=key, token=TOKEN)
+    with pytest.raises(ValueError, match="holds no PEM certificate"):
+        AsyncFeatureClient(srv.address, tls=key, token=TOKEN)
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_missing_or_wrong_token_is_unauthenticated(secure, token):
     srv, cert = secure
     with FeatureClient(srv.address, tls=cert, token=token) as client:
