@@ -212,7 +212,7 @@ class EmbedShards:
 
 def _reachable(address: str | None, timeout_s: float = 5.0) -> None:
     """ValueError unless something answers at a HOST:PORT (or ray://HOST:PORT) address: Ray
-    retries a cluster that is not there for about 15 minutes, in warnings."""
+    retries a cluster that is not there for many minutes, in warnings."""
     host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit() or not host:  # "auto", "local", a new instance
         return

@@ -12,12 +12,13 @@ the manifest and errors.jsonl: the job's driver.
 
 The manifest is rewritten whole, so its cost grows with the job: after a shard it is written
 only when the time since its last write is at least ``MANIFEST_SHARE`` times that write's
-duration (written after every shard, 2,000 shards of 1,024 images put 4.8 GB of manifests on
-an object store), and always at the end; a kill loses at most that many shards' records, which a
-resume recomputes. While a job runs, its manifest names it (``writer``: host, pid, a token);
-object stores have no lock, so before each write the driver reads the manifest back and stops
-when another job has written there since (two jobs started on one output both wrote every
-shard, and their files mixed). A finished manifest names no writer.
+duration (written after every shard, what the manifests put on an object store grows with the
+square of the job's shards: benchmarks/NOTES.md), and always at the end; a kill loses the
+records of the shards since the last write, which a resume recomputes. While a job runs, its
+manifest names it (``writer``: host, pid, a token); object stores have no lock, so before each
+write the driver reads the manifest back and stops when another job has written there since
+(two jobs started on one output both wrote every shard, and their files mixed). A finished
+manifest names no writer.
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
     return data
 
 
-# A remote read's deadline: an endpoint that accepts and never answers stalled a job for more
-# than 10 minutes in the storage libraries' own retries. 1 GiB within it is 1.8 MB/s.
+# A remote read's deadline: an endpoint that accepts and never answers stalls a read for many
+# minutes in the storage libraries' own retries. 1 GiB within it is 1.8 MB/s.
 READ_TIMEOUT_S = 600
 
 
@@ -105,7 +105,7 @@ def _within(fs, inner: str, end: int | None, path: str) -> bytes:
     """The object's bytes up to ``end`` (None: all), within READ_TIMEOUT_S on a filesystem
     that reads asynchronously (s3fs, gcsfs: the read is cancelled there), else as it reads."""
     if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
-        return fs.cat_file(inner) if end is None else _ranged(fs, inner, end)
+        return fs.cat_file(inner, start=None if end is None else 0, end=end)
     from fsspec.asyn import FSTimeoutError, sync
 
     try:
@@ -126,10 +126,8 @@ def check_readable(path: str, max_bytes: int | None = None) -> None:
         return
     fs, inner = filesystem(path)
     with _reasons(path):
-        size = fs.size(inner)
-        over_limit(size, max_bytes, path)
-        if size:
-            fs.cat_file(inner, start=0, end=1)
+        over_limit(fs.size(inner), max_bytes, path)
+        _within(fs, inner, 1, path)
 
 
 @contextlib.contextmanager
@@ -145,22 +143,10 @@ def _reasons(path: str):
         raise type(err)(code, os.strerror(code), path) from None
 
 
-def _ranged(fs, inner: str, end: int) -> bytes:
-    """The object's first ``end`` bytes (the limit and one more: never more than one byte
-    over). S3 refuses any range of an empty object (416, an OSError), which its size then tells
-    apart."""
-    try:
-        return fs.cat_file(inner, start=0, end=end)
-    except (FileNotFoundError, PermissionError):
-        raise
-    except OSError:
-        if fs.size(inner) == 0:
-            return b""
-        raise
-
-
 async def _ranged_async(fs, inner: str, end: int) -> bytes:
-    """``_ranged`` on the filesystem's event loop."""
+    """The object's first ``end`` bytes (the limit and one more: never more than one byte
+    over), on the filesystem's event loop. S3 refuses any range of an empty object (416, an
+    OSError), which its size then tells apart."""
     try:
         return await fs._cat_file(inner, start=0, end=end)
     except (FileNotFoundError, PermissionError):

@@ -423,7 +423,7 @@ def _refuse(client, watch: Watch, reason: str) -> None:
     client.key_value_set(_KEY.format("batch", 1), json.dumps({"command": "refuse",
                                                                "reason": reason}))
     end = time.monotonic() + watch.group.peer_timeout_s
-    while time.monotonic() < end and len(watch._read("failed")) < len(watch.group.workers):
+    while time.monotonic() < end and len(watch.gone()) < len(watch.group.workers):
         time.sleep(BEAT_S / 5)
 
 
