@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from .parsing import METHOD_HANDLERS
 from .status import refuse
 
 log = logging.getLogger(__name__)
@@ -134,20 +135,14 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     message = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
 
-    async def unary(request, context):
-        await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
+    async def unary(requests, context):  # the server's handlers all take their requests
+        await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)  # as a stream (unread)
 
-    async def streaming(request_iterator, context):
+    async def streaming(requests, context):
         await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator like the real handler
 
-    kind = (handler.request_streaming, handler.response_streaming)
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[kind]
+    make = METHOD_HANDLERS[(handler.request_streaming, handler.response_streaming)][1]
     behaviour = streaming if handler.response_streaming else unary
     return make(
         behaviour,

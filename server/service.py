@@ -29,6 +29,7 @@ from vit22b.v1 import wire
 
 from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
+from .parsing import only_message
 from .status import refuse, status_of
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class FeatureService:
         self.info = model_info(infer)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The service's methods, taking raw request bytes (parsed in the handlers)."""
+        """The service's methods, taking raw request bytes (parsed in the handlers); the unary
+        ones read their message themselves (``parsing.only_message``)."""
         serialize = {
             "Embed": pb.EmbedResponse.SerializeToString,
             "EmbedStream": pb.EmbedResponse.SerializeToString,
@@ -171,13 +173,13 @@ class FeatureService:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Embed": grpc.unary_unary_rpc_method_handler(
+                "Embed": grpc.stream_unary_rpc_method_handler(
                     self.Embed, response_serializer=serialize["Embed"]
                 ),
                 "EmbedStream": grpc.stream_stream_rpc_method_handler(
                     self.EmbedStream, response_serializer=serialize["EmbedStream"]
                 ),
-                "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                "GetModelInfo": grpc.stream_unary_rpc_method_handler(
                     self.GetModelInfo, response_serializer=serialize["GetModelInfo"]
                 ),
             },
@@ -222,13 +224,14 @@ class FeatureService:
             self.metrics.requests.labels(method, "OK").inc()
 
     # ---- handlers ------------------------------------------------------------------------
-    async def GetModelInfo(self, raw: bytes, context):
+    async def GetModelInfo(self, requests, context):
         async with self._call("GetModelInfo", context):
-            parse(raw, pb.GetModelInfoRequest)
+            parse(await only_message(context, "GetModelInfo"), pb.GetModelInfoRequest)
             return self.info
 
-    async def Embed(self, raw: bytes, context):
+    async def Embed(self, requests, context):
         async with self._call("Embed", context):
+            raw = await only_message(context, "Embed")
             call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
             self._check_size(call, outputs)

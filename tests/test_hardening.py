@@ -108,6 +108,40 @@ def test_the_hosted_library_services_refuse_bad_bytes_the_same_and_still_answer(
     assert "Traceback" not in caplog.text
 
 
+UNARY_REQUEST_METHODS = (SERVICE + "Embed", SERVICE + "GetModelInfo",
+                         "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+
+
+def closed_with_no_message(address: str, method: str, token: str | None = None):
+    """A call of ``method`` whose client half-closes without sending a message (what a unary
+    stub never does, a hand-made or fuzzing client can); (status code, details)."""
+    with grpc.insecure_channel(address) as channel:
+        metadata = [("authorization", f"Bearer {token}")] if token else None
+        try:
+            list(channel.stream_stream(method)(iter([]), timeout=20, metadata=metadata))
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+
+
+def test_a_unary_call_closed_with_no_message_is_refused_not_held(server):
+    """grpcio's aio server answers such a call only when its deadline passes, and never without
+    one: each held one of --max-concurrent-rpcs' places, so enough of them shut every client
+    out. The handlers read their one message themselves and refuse its absence at once."""
+    before = metrics(server)
+    for method in UNARY_REQUEST_METHODS:
+        code, details = closed_with_no_message(server.address, method)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
+        assert "takes one request message; the call was closed with none" in details, method
+    after = metrics(server)
+    for method in ("Embed", "GetModelInfo"):
+        counted = (metric(after, "vit22b_requests_total", method=method, code="INVALID_ARGUMENT")
+                   - metric(before, "vit22b_requests_total", method=method,
+                            code="INVALID_ARGUMENT"))
+        assert counted == 1, method
+    assert stub(server.address).Embed(embed_request(1), timeout=30).indices == [0]  # still up
+
+
 def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
@@ -115,6 +149,9 @@ def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):
     try:
         for method in METHODS:
             code, _ = raw_call(srv.address, method, b"\xff\xfe not a message")
+            assert code == grpc.StatusCode.UNAUTHENTICATED, method
+        for method in UNARY_REQUEST_METHODS[:2]:  # refused without waiting for a message
+            code, _ = closed_with_no_message(srv.address, method)
             assert code == grpc.StatusCode.UNAUTHENTICATED, method
         code, details = raw_call(srv.address, "Embed", b"\xff\xfe", token="s3cret")
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a vit22b.v1" in details
