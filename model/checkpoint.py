@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -51,6 +52,7 @@ RESTORE_CONCURRENT_GB = 0.25
 METADATA_FILE = "metadata.json"
 PARAMS_DIR = "params"
 HEAD_FILE = "head.npz"
+ORBAX_TMP = PARAMS_DIR + ".orbax-checkpoint-tmp"  # where orbax writes the params folder first
 MAX_METADATA_BYTES = 64 << 20  # a 22B model's is about 40 KB
 # Architecture fields that may differ between an expected config and a checkpoint's.
 _NOT_ARCHITECTURE = ("name", "compute_dtype", "preprocess", "posemb_resample")
@@ -246,8 +248,31 @@ def _checkpointer(restore_concurrent_gb: float | None = None) -> ocp.Checkpointe
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(payload, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _staging(path: Path) -> Path:
+    """Where a save is written before it takes ``path``'s place: beside it (one filesystem, so
+    the move is a rename), hidden, named for it."""
+    return path.with_name(f".{path.name}.saving")
+
+
+def _disk_error(err: BaseException, path: Path) -> OSError | None:
+    """A failed write as an OSError naming the checkpoint, not the folder it was written in:
+    the disk's own, or tensorstore's (orbax raises it as a ValueError carrying the OS error,
+    e.g. "RESOURCE_EXHAUSTED: ... [os_error_code='28']" on a full disk)."""
+    if isinstance(err, OSError) and err.errno:
+        return OSError(err.errno, err.strerror, str(path))
+    found = re.search(r"os_error_code='?(\d+)", str(err)) if isinstance(err, ValueError) else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def check_writable(path, overwrite: bool = False) -> bool:
@@ -259,7 +284,8 @@ def check_writable(path, overwrite: bool = False) -> bool:
         return False
     if not overwrite:
         raise CheckpointError(f"{path} already exists and is not empty (overwrite to replace)")
-    if not (path / METADATA_FILE).exists() and not (path / PARAMS_DIR).exists():
+    if not any(entry.name in (METADATA_FILE, PARAMS_DIR) or entry.name.startswith(ORBAX_TMP)
+               for entry in path.iterdir()):  # orbax's: a save into it that did not finish
         raise CheckpointError(f"{path} is not a checkpoint directory; refusing to replace it")
     return True
 
@@ -273,20 +299,42 @@ def save(
     notes: tuple[str, ...] = (),
     overwrite: bool = False,
 ) -> CheckpointMeta:
-    """Write ``params`` (host or sharded arrays) with their metadata; returns the metadata."""
+    """Write ``params`` (host or sharded arrays) with their metadata; returns the metadata.
+
+    The checkpoint is written beside ``path`` (``_staging``) and renamed into place when whole:
+    a save that fails leaves no partial checkpoint at ``path``, and one that replaces another
+    (``overwrite``) leaves the other as it was; a failed write is an OSError naming ``path``.
+    Replacing needs the disk space of both until the new one is in place."""
     path = Path(path).absolute()
     shapes = shapes_of(params)
     _raise(
         shape_problems(expected_shapes(cfg), shapes, f"config {cfg.name}", "the parameter tree"),
         f"cannot save a checkpoint of {cfg.name}: the parameters do not fit the config",
     )
-    if check_writable(path, overwrite):
-        for name in (METADATA_FILE, HEAD_FILE):
-            (path / name).unlink(missing_ok=True)
-        shutil.rmtree(path / PARAMS_DIR, ignore_errors=True)
-    path.mkdir(parents=True, exist_ok=True)
+    replacing = check_writable(path, overwrite)
+    staging = _staging(path)
+    primary = jax.process_index() == 0
+    try:
+        if primary:
+            shutil.rmtree(staging, ignore_errors=True)  # what a save that failed left
+            staging.mkdir(parents=True)
+        meta = _write(staging, cfg, params, source, notes, shapes, primary)
+    except BaseException as err:
+        if primary:  # give its space back
+            shutil.rmtree(staging, ignore_errors=True)
+        disk = _disk_error(err, path)
+        if disk is None:
+            raise
+        raise disk from None
+    if primary:
+        _take_place(staging, path, replacing)
+    return meta
 
-    _checkpointer().save(path / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+
+def _write(folder: Path, cfg: ViTConfig, params, source: str, notes: tuple[str, ...],
+           shapes: dict, primary: bool) -> CheckpointMeta:
+    with _quiet_orbax():  # a failed write's tracebacks: save's OSError says it
+        _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
     meta = CheckpointMeta(
         config=cfg,
         fingerprint=fingerprint(params),
@@ -297,15 +345,26 @@ def save(
         shapes=shapes,
         notes=tuple(notes),
     )
-    if jax.process_index() == 0:
+    if primary:
         if cfg.num_classes:
             np.savez(
-                path / HEAD_FILE,
+                folder / HEAD_FILE,
                 kernel=_host_copy(params["classifier"]),
                 bias=_host_copy(params["classifier_bias"]),
             )
-        _write_json_atomic(path / METADATA_FILE, meta.to_dict())
+        _write_json_atomic(folder / METADATA_FILE, meta.to_dict())
     return meta
+
+
+def _take_place(staging: Path, path: Path, replacing: bool) -> None:
+    """Move a finished save to ``path``; the checkpoint it replaces goes only once the new one
+    is whole, so a save that fails (a full disk) leaves the old one as it was."""
+    old = path.with_name(f".{path.name}.replaced")
+    if replacing:
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(staging, path)  # over an empty folder, or none
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -440,7 +499,7 @@ def _first_line(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_orbax():
-    """What failed restores print held back, so that the refusal is what a user reads:
+    """What failed restores and saves print held back, so that the refusal is what a user reads:
     orbax's INFO lines (about twenty per restore, through absl's logger: one restore per
     parameter made hundreds), and the reads a failed restore abandons, which report as they
     finish on its closed event loop (tensorstore's threads print a traceback each, through
@@ -518,6 +577,9 @@ def _dropping_orbax_reads(previous):
         target = unraisable.object
         if inspect.iscoroutine(target) and _ORBAX in target.cr_code.co_filename:
             return  # a read an earlier, failed restore abandoned
+        if target is None and isinstance(unraisable.exc_value, RuntimeError) and str(
+                unraisable.exc_value) == "Event loop is closed":
+            return  # tensorstore's callback of a write a failed save abandoned, on orbax's loop
         previous(unraisable)
 
     hook.drops_orbax_reads = True

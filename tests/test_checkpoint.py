@@ -121,6 +121,58 @@ def test_cli_init_writes_a_checkpoint_and_refuses_to_overwrite(tmp_path, capsys)
     assert "unknown model preset 'nope'" in capsys.readouterr().err
 
 
+_CAPPED_CLI = """
+import resource, sys
+cap = int(sys.argv[1])
+if cap:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+from vit22b.clients.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _init_limited(out: Path, *flags: str, max_file_bytes: int = 0):
+    """``vit22b init`` in a process of its own, its files capped at ``max_file_bytes`` (the
+    write past it fails with EFBIG, as a full disk's with ENOSPC)."""
+    return subprocess.run([sys.executable, "-c", _CAPPED_CLI, str(max_file_bytes), "init",
+                           "--model", "vit-22b-tiny/16", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_save_that_fails_on_the_disk_leaves_the_checkpoint_it_would_replace(tmp_path):
+    """The new checkpoint is written beside the old and renamed into place when whole: a full
+    disk during an --overwrite had removed the old one first and left half a new one, which a
+    rerun then refused as "not a checkpoint directory"; orbax's failure also printed hundreds
+    of lines of tracebacks."""
+    out = tmp_path / "c"
+    assert _init_limited(out, "--seed", "1").returncode == 0
+    kept = ckpt.read_metadata(out).fingerprint
+    failed = _init_limited(out, "--seed", "2", "--overwrite", max_file_bytes=64 << 10)
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert failed.stderr.strip() == f"vit22b init: {out}: File too large", failed.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no staging folder left
+    cfg, params, meta = ckpt.restore(out, make_mesh("data=2,model=4"), verify=True)
+    assert meta.fingerprint == kept
+    fresh = _init_limited(tmp_path / "new", max_file_bytes=64 << 10)  # no checkpoint before
+    assert fresh.returncode == 1 and not (tmp_path / "new").exists(), fresh.stderr[-2000:]
+    assert _init_limited(out, "--seed", "2", "--overwrite").returncode == 0
+    assert ckpt.read_metadata(out).fingerprint != kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_save_left_unfinished_by_an_earlier_version_can_be_replaced(tmp_path):
+    """Before saves were staged, a failed one left orbax's temporary params folder in place."""
+    out = tmp_path / "c"
+    (out / (ckpt.PARAMS_DIR + ".orbax-checkpoint-tmp")).mkdir(parents=True)
+    with pytest.raises(ckpt.CheckpointError, match="overwrite to replace"):
+        ckpt.check_writable(out)
+    assert ckpt.check_writable(out, overwrite=True)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint directory"):
+        ckpt.check_writable(tmp_path / "mine", overwrite=True)
+
+
 # ------------------------------------------------------------------------------------------
 # refusals
 # ------------------------------------------------------------------------------------------
