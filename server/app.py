@@ -28,7 +28,7 @@ from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
 from .parsing import ParsingRegistrar
 from .service import SERVICE_NAME, FeatureService
-from .settings import ServeConfig
+from .settings import ServeConfig, default_compile_cache
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,13 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
         try:
             log.info("compilation cache: %s", enable_compile_cache(config.compile_cache))
         except OSError as err:
-            raise ValueError(f"--compile-cache {config.compile_cache}: cannot create "
-                             f"{err.filename}: {err.strerror} (give a folder, or 'off')") from None
+            problem = f"cannot create {err.filename}: {err.strerror}"
+            if config.compile_cache != default_compile_cache():
+                raise ValueError(f"--compile-cache {config.compile_cache}: {problem} (give a "
+                                 "folder, or 'off')") from None
+            # not asked for: a read-only home (a container's) costs compiles, not the start
+            log.warning("compilation cache off: %s (--compile-cache to choose a folder)",
+                        problem)
         except ValueError as err:
             raise ValueError(f"--compile-cache {config.compile_cache}: {err} (remove it, or "
                              "'off')") from None

@@ -23,6 +23,7 @@ per device (about 10 GB for ViT-22B at batch 32).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -107,8 +108,9 @@ def enable_compile_cache(directory: str) -> str:
 
 def _check_cache_folder(folder: str) -> None:
     """Refuse entries that are not regular files (JAX reads an entry whole when its key comes
-    up: a FIFO blocked start-up for ever, a link to /dev/zero filled the memory) and warn when
-    any user may write the folder: its entries are compiled programs this process runs."""
+    up: a FIFO blocked start-up for ever, a link to /dev/zero filled the memory), warn when
+    any user may write the folder (its entries are compiled programs this process runs) and
+    remove empty entries."""
     for path in (folder, os.path.dirname(folder)):
         if os.stat(path).st_mode & stat.S_IWOTH:
             log.warning("compile cache %s may be written by any user: its entries are "
@@ -117,6 +119,15 @@ def _check_cache_folder(folder: str) -> None:
     problem = odd_entry(folder)  # a dangling link too: JAX would write through it
     if problem:
         raise ValueError(f"entry {problem}")
+    # JAX writes an entry in place and never replaces one: an entry a full disk left empty
+    # would fail to load (and compile afresh) at every start. One cut short still does: only
+    # reading it whole would tell (JAX warns and compiles it afresh).
+    for entry in os.scandir(folder):
+        if entry.name.endswith("-cache") and entry.is_file(follow_symlinks=False) and \
+                entry.stat(follow_symlinks=False).st_size == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                log.info("compile cache: removed the empty entry %s", entry.name)
 
 
 def chosen_dtype(default: str, asked: str | None, platform: str) -> str:

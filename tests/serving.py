@@ -63,15 +63,18 @@ def in_process(
 
 def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]:
     """A real `vit22b serve` process on a free port; (process, address) once it is SERVING.
-    The caller stops it (SIGTERM) and reads the rest of its output. With ``--http-port``, the
-    announced HTTP door's URL is ``process.http_url``."""
+    The caller stops it (SIGTERM) and reads the rest of its output; what it printed until
+    SERVING is ``process.start_output``. With ``--http-port``, the announced HTTP door's URL
+    is ``process.http_url``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     command = [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
                "--metrics-port", "-1", *flags]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    proc.start_output = ""
     for line in proc.stdout:
+        proc.start_output += line
         if match := re.search(r"HTTP on (\S+)", line):
             proc.http_url = match[1]
         match = re.search(r"SERVING .* on (\S+),", line)

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
+from serving import serve_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,6 +133,26 @@ def test_serve_names_a_compile_cache_that_cannot_be_a_folder(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert (f"vit22b serve: --compile-cache {cache}: cannot create {cache}: Not a directory "
             "(give a folder, or 'off')") in done.stderr
+
+
+def test_a_default_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monkeypatch):
+    """A read-only home (a container's root filesystem) or a full disk under the default
+    cache folder refused the start, where the same folder, once made, only warned as each
+    entry failed to write. Not asked for, the cache is left off, said once; a folder given
+    with --compile-cache is still refused (the test above)."""
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    proc, address = serve_process("--model", "vit-22b-tiny/16", "--mesh", "data=2,model=4")
+    try:
+        assert health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Check(
+            health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+    assert (f"compilation cache off: cannot create {tmp_path / 'file' / 'vit22b'}: Not a "
+            "directory (--compile-cache to choose a folder)") in proc.start_output
 
 
 def test_serve_refuses_a_compile_cache_entry_that_is_not_a_file(tmp_path):

@@ -29,6 +29,7 @@ from serving import (
     wait_for,
 )
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
+from vit22b.server.engine import _check_cache_folder
 from vit22b.server.settings import ServeConfig
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
@@ -343,6 +344,18 @@ def test_sigterm_during_load_loses_no_accepted_request():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_empty_compile_cache_entries_are_removed_at_start(tmp_path):
+    """JAX writes an entry in place and never replaces one: the empty entries a full disk
+    left (a sweep: 24 of 25 written) failed to load and compiled afresh at every start."""
+    folder = tmp_path / "jax-version"
+    folder.mkdir()
+    (folder / "jit_forward-00ff-cache").write_bytes(b"")
+    (folder / "jit_forward-11aa-cache").write_bytes(b"x\x9c")
+    (folder / "notes").write_bytes(b"")
+    _check_cache_folder(str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["jit_forward-11aa-cache", "notes"]
 
 
 def test_a_warm_compile_cache_gives_identical_outputs(tmp_path):
