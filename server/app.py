@@ -326,22 +326,30 @@ async def serve_started(server: FeatureServer, mesh_note: str = "") -> int:
     log.info("%s (%s) on mesh %s", engine.cfg.name, engine.identity.source, engine.mesh_spec)
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
     if server.http_url:  # its own line: the SERVING line's format is what scripts parse
-        print(f"vit22b serve: HTTP on {server.http_url}", flush=True)
-    print(
+        _announce(f"vit22b serve: HTTP on {server.http_url}")
+    _announce(
         f"vit22b serve: SERVING {engine.cfg.name} ({engine.identity.source}) on "
         f"{server.address}, mesh {engine.mesh_spec}{mesh_note}, buckets {list(engine.buckets)}"
-        f"{metrics}",
-        flush=True,
+        f"{metrics}"
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("vit22b serve: draining (NOT_SERVING, new calls UNAVAILABLE)", flush=True)
+    _announce("vit22b serve: draining (NOT_SERVING, new calls UNAVAILABLE)")
     clean = await server.drain_and_stop()
-    print(f"vit22b serve: stopped ({'clean' if clean else 'drain timed out'})", flush=True)
+    _announce(f"vit22b serve: stopped ({'clean' if clean else 'drain timed out'})")
     return 0 if clean else 1
+
+
+def _announce(line: str) -> None:
+    """A status line on stdout, for scripts. One that cannot be written (stdout on a full disk,
+    a reader gone) goes to the log instead: it must not end the server, nor skip its drain."""
+    try:
+        print(line, flush=True)
+    except OSError as err:
+        log.warning("cannot write to stdout (%s): %s", err.strerror or err, line)
 
 
 class BackgroundServer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -153,6 +154,35 @@ def test_a_default_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monk
     assert proc.returncode == 0, rest
     assert (f"compilation cache off: cannot create {tmp_path / 'file' / 'vit22b'}: Not a "
             "directory (--compile-cache to choose a folder)") in proc.start_output
+
+
+def test_serve_with_stdout_on_a_full_disk_serves_and_drains():
+    """The status lines go to stdout, for scripts: a failed write there (a full disk, a reader
+    gone) ended the start with "[Errno 28] No space left on device", or skipped the drain after
+    SIGTERM. Each such line now goes to the log instead."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vit22b.clients.cli", "serve", "--model", "vit-22b-tiny/16",
+             "--port", "0", "--metrics-port", "-1", "--compile-cache", "off"],
+            cwd=ROOT, env=env, stdout=full, stderr=subprocess.PIPE, text=True)
+    try:
+        started = ""
+        for line in proc.stderr:
+            started += line
+            if match := re.search(r"cannot write to stdout \(No space left on device\): "
+                                  r"vit22b serve: SERVING .* on (\S+),", line):
+                break
+        else:
+            raise AssertionError(f"no SERVING line in the log (exit {proc.wait()}): {started}")
+        assert health_pb2_grpc.HealthStub(grpc.insecure_channel(match[1])).Check(
+            health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, rest
+    assert "vit22b serve: stopped (clean)" in rest and "Traceback" not in started + rest
 
 
 def test_serve_refuses_a_compile_cache_entry_that_is_not_a_file(tmp_path):
