@@ -19,6 +19,7 @@ provide ``model`` (a ``ModelIdentity``) and ``workers()``; a worker's
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import sys
 import threading
@@ -502,5 +503,25 @@ def progress_bar(total: int, quiet: bool):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="img", desc="embed", file=sys.stderr, smoothing=0.1,
-                dynamic_ncols=True)
+    return tqdm(total=total, unit="img", desc="embed", file=_BestEffort(sys.stderr),
+                smoothing=0.1, dynamic_ncols=True)
+
+
+class _BestEffort:
+    """A stream whose failed writes are dropped (stderr on a full disk, a terminal gone): the
+    progress bar must not end the job it reports on (its first write failed the job)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError):
+            return self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

@@ -272,5 +272,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if backend is not None:
             backend.close()
-    print(summary.line())
+    try:
+        print(summary.line(), flush=True)
+    except OSError as err:  # stdout on a full disk, its reader gone: the outputs are written
+        print(f"vit22b embed: cannot write the summary to stdout: {err.strerror or err} (the "
+              f"job is {'complete' if summary.complete else 'incomplete'})", file=sys.stderr)
+        return 1
     return 0 if summary.complete else 1

@@ -188,9 +188,11 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(err, OSError) and err.errno and not err.filename:  # a write's, as ENOSPC
+            raise OSError(err.errno, err.strerror, path) from None  # names no file
         raise
     return writer.digest.hexdigest()
 

@@ -56,6 +56,40 @@ def test_embed_with_no_reachable_server_exits_1_naming_each(tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+_CAPPED_EMBED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+from vit22b.clients.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_embed_with_its_terminal_or_its_disk_full(tmp_path):
+    """The progress bar's first write to a full stderr failed the job before any shard, and a
+    summary stdout could not take ended in a traceback; a shard's failed write (ENOSPC, EFBIG)
+    named no file."""
+    data = one_image(tmp_path)
+    with open("/dev/full", "w") as full:
+        job = subprocess.run([sys.executable, "-m", "vit22b.clients.cli", "embed", str(data),
+                              "--local", "--output", str(tmp_path / "a")], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=full, text=True, timeout=300)
+        assert job.returncode == 0 and job.stdout.startswith("embedded 1, "), job.stdout
+        job = subprocess.run([sys.executable, "-m", "vit22b.clients.cli", "embed", str(data),
+                              "--local", "--quiet", "--output", str(tmp_path / "b")], cwd=ROOT,
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert job.returncode == 1, job.stderr
+    assert job.stderr.strip() == ("vit22b embed: cannot write the summary to stdout: No space "
+                                  "left on device (the job is complete)"), job.stderr
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["complete"]
+    job = subprocess.run([sys.executable, "-c", _CAPPED_EMBED, "embed", str(data), "--local",
+                          "--quiet", "--output", str(tmp_path / "c")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 1, job.stderr
+    assert re.fullmatch(rf"vit22b embed: {re.escape(str(tmp_path / 'c'))}/\S+: File too large; "
+                        r"completed shards are kept: rerun the same command to resume\n",
+                        job.stderr), job.stderr
+
+
 def test_embed_bad_options_exit_2(tmp_path):
     job = vit22b("embed", str(one_image(tmp_path)), "--server", "127.0.0.1:1", "--local",
                  "--output", str(tmp_path / "out"))
