@@ -439,9 +439,12 @@ def _run_probe_command(args) -> int:
         if args.save_features:
             save_probe_data(args.save_features, data)
         report = run_probe(kind, data, out_dir=args.out, seed=args.seed, **extra, **options)
-    except (DataError, ValueError, OSError) as err:
+    except (DataError, ValueError) as err:
         print(f"vit22b probe {kind}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the inputs' are DataErrors: this is writing the results
+        print(f"vit22b probe {kind}: error: {_disk(err, args.out)}", file=sys.stderr)
+        return 1
     except FeatureError as err:  # the server refused the images, or was not there
         print(f"vit22b probe {kind}: error: the server at {args.server}: {err}", file=sys.stderr)
         return 2 if err.code.name in REFUSED_INPUT else 1
@@ -492,12 +495,21 @@ def _run_explore_command(args) -> int:
         )
         return 2
     report = explore(args.scales, tokens=args.tokens, width=args.width, seed=args.seed)
-    figure = entropy_vs_scale(report, args.out / "entropy_vs_scale.png")
-    report["figure"] = str(figure)
-    path = write_report(report, args.out, "explore")
+    try:
+        figure = entropy_vs_scale(report, args.out / "entropy_vs_scale.png")
+        report["figure"] = str(figure)
+        path = write_report(report, args.out, "explore")
+    except OSError as err:
+        print(f"vit22b explore: error: {_disk(err, args.out)}", file=sys.stderr)
+        return 1
     print(format_table(report))
     print(f"report: {path}  figure: {figure}")
     return 0
+
+
+def _disk(err: OSError, out: Path) -> str:
+    """A failed write (a full disk, a folder that cannot be made) in one line, naming the file."""
+    return f"{err.filename or out}: {err.strerror or err}"
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser):

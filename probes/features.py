@@ -8,6 +8,7 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
+import os
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -79,10 +80,29 @@ def real_array(value, name: str) -> np.ndarray:
 
 def save_features(path: str | Path, features: Features) -> None:
     """One .npz (numpy alone opens it): the arrays, patch tokens as ``patch_tokens/<layer>``."""
+    write_npz(path, feature_arrays(features))
+
+
+def feature_arrays(features: Features) -> dict[str, np.ndarray]:
     arrays = {k: getattr(features, k) for k in _ARRAY_KEYS if getattr(features, k) is not None}
     arrays |= {f"patch_tokens/{k}": v for k, v in features.patch_tokens.items()}
     arrays["meta"] = np.asarray(repr(sorted(features.meta.items())))
-    np.savez(path, **arrays)
+    return arrays
+
+
+def write_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """``arrays`` as one .npz at ``path``, named as given, whole or not at all (a temporary
+    file, then a rename: a full disk had left a truncated file under the final name); a failed
+    write is an OSError naming ``path``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(path)) from None
 
 
 def load_npz_features(path: str | Path) -> Features:

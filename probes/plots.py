@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +18,20 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path) -> Path:
+    """``fig`` as ``path`` (its suffix the format), whole or not at all: a temporary file, then
+    a rename; a failed write is an OSError naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    finally:
+        _pyplot().close(fig)
     return path
 
 

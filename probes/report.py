@@ -30,8 +30,12 @@ def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(to_jsonable(report), indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(to_jsonable(report), indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(path)) from None
     return path
 
 

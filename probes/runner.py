@@ -13,7 +13,7 @@ import numpy as np
 
 from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shape_bias, video
 from .data import DataError, ShapesWorld
-from .features import Features, check_finite, load_npz_features, save_features
+from .features import Features, check_finite, feature_arrays, load_npz_features, write_npz
 from .heads import LinearHead
 from .metrics import (
     MAX_CLASSES,
@@ -112,9 +112,7 @@ def probe_data_from_shapes_world(world: ShapesWorld, features: Features) -> Prob
 
 def save_probe_data(path: str | Path, data: ProbeData) -> None:
     """Features and targets in one .npz (``target/<name>``), reloadable with ``--features``."""
-    save_features(path, data.features)
-    with np.load(path, allow_pickle=False) as npz:
-        arrays = dict(npz)
+    arrays = feature_arrays(data.features)
     for name in _TARGETS:
         if getattr(data, name) is not None:
             arrays[f"target/{name}"] = getattr(data, name)
@@ -122,7 +120,7 @@ def save_probe_data(path: str | Path, data: ProbeData) -> None:
         arrays["target/class_names"] = np.asarray(data.class_names, dtype=str)
     if data.num_mask_classes:
         arrays["target/num_mask_classes"] = np.asarray(data.num_mask_classes)
-    np.savez(path, **arrays)
+    write_npz(path, arrays)
 
 
 def load_probe_data(path: str | Path) -> ProbeData:
