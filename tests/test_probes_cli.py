@@ -230,7 +230,10 @@ def test_in_process_features_come_in_chunks_and_name_a_bad_image_across_them(mon
     whole = features_from_model(images)
     monkeypatch.setattr(embed_local, "IN_PROCESS_CHUNK", 5)
     chunked = features_from_model(iter(list(images)))
-    np.testing.assert_array_equal(chunked.pooled, whole.pooled)
+    # batches of 5 run other programs than one of 12: equal to rounding (the README's batch
+    # bounds; bit-equal on some hosts only), each row its own image's
+    scale = np.abs(whole.pooled).max()
+    np.testing.assert_allclose(chunked.pooled, whole.pooled, rtol=0, atol=5e-3 * scale)
     encoded = []
     for image in images:
         buffer = io.BytesIO()
