@@ -9,6 +9,8 @@ import json
 import logging
 import warnings
 
+from .tracing import CLIENT_TEXT_LOGGERS
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 
@@ -56,8 +58,11 @@ def configure(level: str, fmt: str, process: int | None = None) -> None:
     Warnings become log records (``py.warnings``), so a JSON log stays one object per line;
     Pillow's about a client's file ("Skipping tag 40001", "Corrupt EXIF data") are dropped:
     the image is decoded or refused either way, and their text, the client's to choose, would
-    fill the log and Python's registry of warnings already shown (one entry per text)."""
+    fill the log and Python's registry of warnings already shown (one entry per text).
+    OpenTelemetry's warnings about a caller's trace context are dropped for the same reason."""
     logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
+    for name in CLIENT_TEXT_LOGGERS:  # a caller's bad trace context: its text, a line a call
+        logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
     logging.captureWarnings(True)
     handler = logging.StreamHandler()

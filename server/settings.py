@@ -23,6 +23,7 @@ from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
 
 from .logs import check_log_format, parse_log_level
+from .tracing import check_otlp_endpoint
 
 
 def parse_outputs(spec: str) -> OutputRequest:
@@ -177,8 +178,9 @@ class ServeConfig:
         "client's further calls wait for a free stream, so no one connection takes every "
         "--max-concurrent-rpcs place", check=positive)
     otlp_endpoint: str | None = setting(
-        None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317: a trace span "
-        "per call with its admission, preprocessing, queueing and compute (default: off)")
+        None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317 (https:// for "
+        "TLS): a trace span per call with its admission, preprocessing, queueing and compute "
+        "(default: off)", check=check_otlp_endpoint)
     token_file: str | None = setting(
         None, "bearer tokens, one per line (health and reflection stay open)")
     tls_cert: str | None = setting(None, "PEM certificate chain (with --tls-key)")

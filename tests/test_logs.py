@@ -38,6 +38,10 @@ for tag in (40000, 40001):  # a client's TIFF: each tag's count past the file's 
 shown = getattr(sys.modules["PIL.TiffImagePlugin"], "__warningregistry__", {})
 assert [key for key in shown if key != "version"] == []  # no entry per text
 warnings.warn("another library's warning")
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+TraceContextTextMapPropagator().extract({  # a caller's: OpenTelemetry warned with its text
+    "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "tracestate": "a=1,ERROR vit22b.server.app: INJECTED"})
 """
 
 
@@ -49,7 +53,8 @@ def test_json_logs_are_one_object_per_line_with_the_traceback():
     assert [(r["level"], r["logger"], r["message"]) for r in lines[:2]] == [
         ("INFO", "vit22b.server.batcher", "two\nlines and \u00e9"),
         ("ERROR", "vit22b.server.batcher", "a bug")]
-    # a warning is a record too; Pillow's about a client's TIFF are not shown at all
+    # a warning is a record too; Pillow's about a client's TIFF, and OpenTelemetry's about a
+    # caller's trace context, are not shown at all
     assert len(lines) == 3 and (lines[2]["level"], lines[2]["logger"]) == ("WARNING",
                                                                           "py.warnings")
     assert "UserWarning: another library's warning" in lines[2]["message"]

@@ -76,6 +76,25 @@ def test_cors_origins_are_origins_or_refused():
             parse(["--http-cors-allow-origin", bad], {})
 
 
+@pytest.mark.parametrize(("endpoint", "message"), [
+    # no scheme: the exporter took TLS to a plaintext collector and exported nothing, silently
+    ("127.0.0.1:4317", "must name http:// \\(plaintext\\) or https:// \\(TLS\\) and a host"),
+    ("http://", "must name http://"),
+    ("ftp://127.0.0.1:4317", "must name http://"),
+    ("http://[::1", "is not a URL \\(Invalid IPv6 URL\\)"),  # was "Invalid IPv6 URL" alone
+    ("http://127.0.0.1:99999", "is not a URL \\(Port out of range"),
+    ("http://127.0.0.1:4317/v1/traces", "takes no path"),  # OTLP/HTTP's path, dropped
+    ("http://127.0.0.1:0", "names port 0"),
+    (" ", "must be a URL"),
+    ("http://" + "a" * 3000, "must be a URL"),
+])
+def test_an_otlp_endpoint_that_cannot_be_a_collector_is_refused(endpoint, message):
+    with pytest.raises(ValueError, match="--otlp-endpoint " + message):
+        parse(["--otlp-endpoint", endpoint], {}).check()
+    for good in ("http://127.0.0.1:4317", "https://collector.example:4317/", "http://[::1]:4317"):
+        parse(["--otlp-endpoint", good], {}).check()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--max-delay-ms", "inf"], "--max-delay-ms must be a finite number, got inf"),
     (["--max-delay-ms", "nan"], "--max-delay-ms must be a finite number, got nan"),

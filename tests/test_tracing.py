@@ -4,6 +4,8 @@ seen by an in-memory exporter, and exported over OTLP to a collector on loopback
 from __future__ import annotations
 
 import base64
+import logging
+import socket
 import threading
 from concurrent import futures
 
@@ -16,6 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from serving import png, random_images, raw_image, start_server, stub, wait_for
+from vit22b.server import tracing
 from vit22b.server.tracing import Tracing
 from vit22b.v1 import features_pb2 as pb
 
@@ -126,6 +129,22 @@ def test_otlp_endpoint_exports_the_spans_to_a_collector():
         assert STEPS <= set(collector.names)
     finally:
         receiver.stop(None)
+
+
+def test_a_collector_that_does_not_answer_holds_the_stop_for_shutdown_s_at_most(
+        monkeypatch, caplog):
+    """A collector down, silent or retrying held the end of a drain for the exporter's own
+    30 s (26-31 s against about 1 s); the stop now waits ``SHUTDOWN_S`` and says so."""
+    monkeypatch.setattr(tracing, "SHUTDOWN_S", 0.5)
+    caplog.set_level(logging.WARNING)
+    with socket.socket() as silent:  # the kernel accepts the connection; nothing answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        traced = Tracing.export_to(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        with traced.call("vit22b.v1.FeatureService/Embed", {}):
+            pass
+        traced.shutdown()
+    assert "no answer from the collector within 0.5 s" in caplog.text
 
 
 def test_tracing_is_off_by_default():
