@@ -179,7 +179,8 @@ class HashingWriter:
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> str:
-    """Write local ``path`` via a temp file + fsync + rename; returns the sha256 written."""
+    """Write local ``path`` via a temp file + fsync + rename, whole or not at all; returns the
+    sha256 written. A failed write is an OSError naming ``path``."""
     tmp = f"{path}{TEMP_MARK}{os.getpid()}-{threading.get_ident()}"
     try:
         with open(tmp, "wb") as f:
@@ -191,8 +192,8 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> str:
     except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(err, OSError) and err.errno and not err.filename:  # a write's, as ENOSPC
-            raise OSError(err.errno, err.strerror, path) from None  # names no file
+        if isinstance(err, OSError) and err.errno:  # ENOSPC names no file, EROFS the temporary
+            raise OSError(err.errno, err.strerror, path) from None
         raise
     return writer.digest.hexdigest()
 

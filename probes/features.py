@@ -8,13 +8,13 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
-import os
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from vit22b.clients.storage import atomic_write
 from vit22b.model.features import ARRAYS as _ARRAY_KEYS
 from vit22b.model.features import Features as FeatureArrays
 
@@ -91,18 +91,18 @@ def feature_arrays(features: Features) -> dict[str, np.ndarray]:
 
 
 def write_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
-    """``arrays`` as one .npz at ``path``, named as given, whole or not at all (a temporary
-    file, then a rename: a full disk had left a truncated file under the final name); a failed
-    write is an OSError naming ``path``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, err.strerror, str(path)) from None
+    """``arrays`` as one .npz at ``path`` (``np.load`` opens it), named as given, whole or not at
+    all (a full disk had left a truncated file under the final name). Written entry by entry
+    through ``atomic_write``'s stream, which ``np.savez`` does not take (it wants a readable
+    file)."""
+
+    def write(f) -> None:
+        with zipfile.ZipFile(f, "w") as npz:
+            for name, array in arrays.items():
+                with npz.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                    np.lib.format.write_array(entry, np.asanyarray(array), allow_pickle=False)
+
+    atomic_write(str(path), write)
 
 
 def load_npz_features(path: str | Path) -> Features:

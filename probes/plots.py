@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
+from vit22b.clients.storage import atomic_write
 
 
 def _pyplot():
@@ -18,18 +18,13 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path) -> Path:
-    """``fig`` as ``path`` (its suffix the format), whole or not at all: a temporary file, then
-    a rename; a failed write is an OSError naming ``path``."""
+    """``fig`` as ``path`` (its suffix the format), whole or not at all."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
-        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, err.strerror, str(path)) from None
+        atomic_write(str(path), lambda f: fig.savefig(f, dpi=100,
+                                                      format=path.suffix.lstrip(".") or "png"))
     finally:
         _pyplot().close(fig)
     return path

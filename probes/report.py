@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from vit22b.clients.storage import atomic_write
 
 
 def to_jsonable(value):
@@ -25,17 +26,12 @@ def to_jsonable(value):
 
 
 def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
-    """Write ``<out_dir>/<name>.json`` atomically (temporary file, then rename)."""
+    """Write ``<out_dir>/<name>.json`` whole or not at all (temporary file, then rename)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    try:
-        tmp.write_text(json.dumps(to_jsonable(report), indent=2) + "\n")
-        tmp.replace(path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, err.strerror, str(path)) from None
+    text = (json.dumps(to_jsonable(report), indent=2) + "\n").encode()
+    atomic_write(str(path), lambda f: f.write(text))
     return path
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from vit22b.model.features import Features
@@ -82,6 +83,36 @@ def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]
             return proc, match[1]
     proc.kill()
     raise AssertionError(f"the server did not report SERVING (exit {proc.wait()})")
+
+
+_CAPPED_CLI = """
+import resource, sys
+cap = int(sys.argv[1])
+if cap:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+from vit22b.clients.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def capped_cli(max_file_bytes: int, *argv: str) -> subprocess.CompletedProcess:
+    """`vit22b ARGV` in a process of its own whose files are capped at ``max_file_bytes`` (0:
+    not capped): the write past it fails with EFBIG, as a full disk's with ENOSPC."""
+    return subprocess.run([sys.executable, "-c", _CAPPED_CLI, str(max_file_bytes), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def serving_then_stopped(proc: subprocess.Popen, address: str) -> str:
+    """Health says SERVING at ``address``; then SIGTERM. Returns what the process wrote after
+    (the piped one of its stdout and stderr)."""
+    try:
+        assert health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Check(
+            health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    return out if out is not None else err
 
 
 def sigterm_under_load(proc: subprocess.Popen, loads, enough) -> list[tuple[str, str]]:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from peers import rel_err
+from serving import capped_cli
 from tiny_models import PARALLEL, images, random_params
 from vit22b.clients.cli import main
 from vit22b.model import OutputRequest, apply, get_config
@@ -121,22 +122,9 @@ def test_cli_init_writes_a_checkpoint_and_refuses_to_overwrite(tmp_path, capsys)
     assert "unknown model preset 'nope'" in capsys.readouterr().err
 
 
-_CAPPED_CLI = """
-import resource, sys
-cap = int(sys.argv[1])
-if cap:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
-from vit22b.clients.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def _init_limited(out: Path, *flags: str, max_file_bytes: int = 0):
-    """``vit22b init`` in a process of its own, its files capped at ``max_file_bytes`` (the
-    write past it fails with EFBIG, as a full disk's with ENOSPC)."""
-    return subprocess.run([sys.executable, "-c", _CAPPED_CLI, str(max_file_bytes), "init",
-                           "--model", "vit-22b-tiny/16", "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=300)
+    return capped_cli(max_file_bytes, "init", "--model", "vit-22b-tiny/16", "--out", str(out),
+                      *flags)
 
 
 def test_a_save_that_fails_on_the_disk_leaves_the_checkpoint_it_would_replace(tmp_path):

@@ -9,18 +9,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
-from serving import serve_process
+from serving import capped_cli, serve_process, serving_then_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,14 +53,6 @@ def test_embed_with_no_reachable_server_exits_1_naming_each(tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-_CAPPED_EMBED = """
-import resource, sys
-resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
-from vit22b.clients.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_embed_with_its_terminal_or_its_disk_full(tmp_path):
     """The progress bar's first write to a full stderr failed the job before any shard, and a
     summary stdout could not take ended in a traceback; a shard's failed write (ENOSPC, EFBIG)
@@ -81,9 +70,8 @@ def test_embed_with_its_terminal_or_its_disk_full(tmp_path):
     assert job.stderr.strip() == ("vit22b embed: cannot write the summary to stdout: No space "
                                   "left on device (the job is complete)"), job.stderr
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["complete"]
-    job = subprocess.run([sys.executable, "-c", _CAPPED_EMBED, "embed", str(data), "--local",
-                          "--quiet", "--output", str(tmp_path / "c")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    job = capped_cli(100, "embed", str(data), "--local", "--quiet", "--output",
+                     str(tmp_path / "c"))
     assert job.returncode == 1, job.stderr
     assert re.fullmatch(rf"vit22b embed: {re.escape(str(tmp_path / 'c'))}/\S+: File too large; "
                         r"completed shards are kept: rerun the same command to resume\n",
@@ -178,13 +166,7 @@ def test_a_default_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monk
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     proc, address = serve_process("--model", "vit-22b-tiny/16", "--mesh", "data=2,model=4")
-    try:
-        assert health_pb2_grpc.HealthStub(grpc.insecure_channel(address)).Check(
-            health_pb2.HealthCheckRequest(), timeout=30).status == \
-            health_pb2.HealthCheckResponse.SERVING
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[0]
+    rest = serving_then_stopped(proc, address)
     assert proc.returncode == 0, rest
     assert (f"compilation cache off: cannot create {tmp_path / 'file' / 'vit22b'}: Not a "
             "directory (--compile-cache to choose a folder)") in proc.start_output
@@ -200,21 +182,15 @@ def test_serve_with_stdout_on_a_full_disk_serves_and_drains():
             [sys.executable, "-m", "vit22b.clients.cli", "serve", "--model", "vit-22b-tiny/16",
              "--port", "0", "--metrics-port", "-1", "--compile-cache", "off"],
             cwd=ROOT, env=env, stdout=full, stderr=subprocess.PIPE, text=True)
-    try:
-        started = ""
-        for line in proc.stderr:
-            started += line
-            if match := re.search(r"cannot write to stdout \(No space left on device\): "
-                                  r"vit22b serve: SERVING .* on (\S+),", line):
-                break
-        else:
-            raise AssertionError(f"no SERVING line in the log (exit {proc.wait()}): {started}")
-        assert health_pb2_grpc.HealthStub(grpc.insecure_channel(match[1])).Check(
-            health_pb2.HealthCheckRequest(), timeout=30).status == \
-            health_pb2.HealthCheckResponse.SERVING
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[1]
+    started = ""
+    for line in proc.stderr:
+        started += line
+        if match := re.search(r"cannot write to stdout \(No space left on device\): "
+                              r"vit22b serve: SERVING .* on (\S+),", line):
+            break
+    else:
+        raise AssertionError(f"no SERVING line in the log (exit {proc.wait()}): {started}")
+    rest = serving_then_stopped(proc, match[1])
     assert proc.returncode == 0, rest
     assert "vit22b serve: stopped (clean)" in rest and "Traceback" not in started + rest
 

@@ -1,14 +1,12 @@
 """`vit22b probe KIND`: in-process features, saved features, a real server, embed output folders."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
-from serving import self_signed, start_server
+from serving import capped_cli, self_signed, start_server
 from vit22b.clients.cli import main
 from vit22b.probes.data import shapes_world
 from vit22b.probes.features import features_from_model, features_from_server
@@ -38,34 +36,18 @@ def test_linear_on_the_shapes_world_in_process(tmp_path, capsys):
     assert _report(again, "linear")["top1"] == report["top1"]
 
 
-_CAPPED_CLI = """
-import resource, sys
-cap = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
-from vit22b.clients.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
-def _capped(max_file_bytes: int, *argv: str) -> subprocess.CompletedProcess:
-    """The command line in a process of its own whose files are capped at ``max_file_bytes``
-    (the write past it fails with EFBIG, as on a full disk with ENOSPC)."""
-    return subprocess.run([sys.executable, "-c", _CAPPED_CLI, str(max_file_bytes), *argv],
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_results_the_disk_cannot_take_fail_in_one_line_and_leave_no_part(tmp_path):
     """A full disk left a truncated features file under its final name (plain np.savez) and the
     report's temporary file, said "[Errno 28] ..." naming no file, exit 2 (a bad input's);
     `explore` ended in a traceback from the figure's write."""
     features = tmp_path / "f.npz"
-    done = _capped(16 << 10, "probe", "linear", "--shapes-world", "160", "--out",
+    done = capped_cli(16 << 10, "probe", "linear", "--shapes-world", "160", "--out",
                    str(tmp_path / "out"), "--save-features", str(features))
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr == f"vit22b probe linear: error: {features}: File too large\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert list((tmp_path / "out").iterdir()) == []
-    done = _capped(4 << 10, "explore", "--tokens", "16", "--out", str(tmp_path / "x"))
+    done = capped_cli(4 << 10, "explore", "--tokens", "16", "--out", str(tmp_path / "x"))
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.splitlines()[-1] == (  # after matplotlib's word on its font cache
         f"vit22b explore: error: {tmp_path / 'x' / 'entropy_vs_scale.png'}: File too large")

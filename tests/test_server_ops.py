@@ -348,7 +348,7 @@ def test_sigterm_during_load_loses_no_accepted_request():
 
 def test_empty_compile_cache_entries_are_removed_at_start(tmp_path):
     """JAX writes an entry in place and never replaces one: the empty entries a full disk
-    left (a sweep: 24 of 25 written) failed to load and compiled afresh at every start."""
+    left failed to load and compiled afresh at every start."""
     folder = tmp_path / "jax-version"
     folder.mkdir()
     (folder / "jit_forward-00ff-cache").write_bytes(b"")

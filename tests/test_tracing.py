@@ -134,7 +134,7 @@ def test_otlp_endpoint_exports_the_spans_to_a_collector():
 def test_a_collector_that_does_not_answer_holds_the_stop_for_shutdown_s_at_most(
         monkeypatch, caplog):
     """A collector down, silent or retrying held the end of a drain for the exporter's own
-    30 s (26-31 s against about 1 s); the stop now waits ``SHUTDOWN_S`` and says so."""
+    shutdown wait; the stop now waits ``SHUTDOWN_S`` and says so."""
     monkeypatch.setattr(tracing, "SHUTDOWN_S", 0.5)
     caplog.set_level(logging.WARNING)
     with socket.socket() as silent:  # the kernel accepts the connection; nothing answers
