@@ -11,16 +11,22 @@ Conventions (the tests check them by hand):
 - MCE is the largest |accuracy - mean confidence| over the non-empty equal-width bins.
 - Adaptive ECE uses equal-mass bins: samples sorted by confidence (stable) and cut into ``bins``
   consecutive groups whose sizes differ by at most one (``numpy.array_split``); same formula.
-- NLL is the mean of -log p(label); Brier is the mean over samples of sum_c (p_c - onehot_c)^2.
+- NLL is the mean of -log p(label), from the logits' log-softmax (probabilities would clip a
+  confident wrong answer at -log of the smallest double); Brier is the mean over samples of
+  sum_c (p_c - onehot_c)^2.
 - Temperature scaling divides logits by T > 0 fitted to minimise NLL on a validation split;
-  the arg-max, hence accuracy, does not change.
+  the arg-max, hence accuracy, does not change. NLL(softmax(b * logits)) is convex in b = 1/T
+  (its second derivative is the mean variance of the logits under the softmax), so the fit is
+  the root of its derivative, found without bounds on T. Where the minimum lies at a limit (a
+  validation split the logits classify all right: T -> 0; logits no better than uniform: T ->
+  infinity) the report says so and T is the last one tried.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .metrics import checked_set, log_softmax
+from .metrics import checked_set, log_softmax, softmax
 
 DEFAULT_BINS = 15
 
@@ -83,9 +89,8 @@ def mce(confidence, correct, bins: int = DEFAULT_BINS) -> float:
     )
 
 
-def nll(probs: np.ndarray, labels: np.ndarray) -> float:
-    p = np.asarray(probs, np.float64)[np.arange(len(labels)), labels]
-    return float(-np.mean(np.log(np.maximum(p, 1e-300))))
+def nll(log_probs: np.ndarray, labels: np.ndarray) -> float:
+    return float(-np.mean(np.asarray(log_probs, np.float64)[np.arange(len(labels)), labels]))
 
 
 def brier(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -111,7 +116,9 @@ def reliability_table(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT
     return rows
 
 
-def calibration_metrics(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> dict:
+def calibration_metrics(logits: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> dict:
+    log_probs = log_softmax(logits)
+    probs = np.exp(log_probs)
     confidence, correct = confidence_and_correct(probs, labels)
     return {
         "accuracy": float(correct.mean()),
@@ -119,23 +126,46 @@ def calibration_metrics(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAU
         "ece": ece(confidence, correct, bins),
         "adaptive_ece": adaptive_ece(confidence, correct, bins),
         "mce": mce(confidence, correct, bins),
-        "nll": nll(probs, labels),
+        "nll": nll(log_probs, labels),
         "brier": brier(probs, labels),
     }
 
 
-def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> float:
-    """The T > 0 minimising NLL(softmax(logits / T)), searched over log T in [-7, 7]."""
-    from scipy.optimize import minimize_scalar
+# How far the fit follows b = 1/T from the logits' own scale before it calls the minimum a
+# limit: 2^40 (about 1e12) either way.
+_DOUBLINGS = 40
+
+
+def _nll_slope(logits: np.ndarray, labels: np.ndarray, b: float) -> float:
+    """d/db of the mean NLL of softmax(b * logits): the mean of E_p[logit - logit[label]] (as
+    written: E_p[logit] - logit[label] cancels to 0 once the other classes' p are below 1e-16)."""
+    gaps = logits - logits[np.arange(len(labels)), labels][:, None]
+    return float(np.mean((softmax(b * logits) * gaps).sum(axis=1)))
+
+
+def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float, str | None]:
+    """The T > 0 minimising NLL(softmax(logits / T)), and None; or, where the minimum lies at a
+    limit, the last T tried and what the limit means."""
+    from scipy.optimize import brentq
 
     logits = np.asarray(logits, np.float64)
-    rows = np.arange(len(labels))
-
-    def loss(log_t: float) -> float:
-        return float(-log_softmax(logits / np.exp(log_t))[rows, labels].mean())
-
-    result = minimize_scalar(loss, bounds=(-7.0, 7.0), method="bounded", options={"xatol": 1e-6})
-    return float(np.exp(result.x))
+    spread = float(np.abs(logits - logits.mean(axis=1, keepdims=True)).max())
+    if spread == 0:
+        return 1.0, "no fit: the logits are equal within each row (no temperature changes them)"
+    if _nll_slope(logits, labels, 0.0) >= 0:
+        return spread * 2.0**_DOUBLINGS, ("T -> infinity: no temperature makes the validation "
+                                          "NLL lower than uniform probabilities do")
+    low, high = 0.0, 1.0 / spread
+    for _ in range(_DOUBLINGS):
+        if _nll_slope(logits, labels, high) > 0:  # 0: every p underflowed to one-hot
+            break
+        low, high = high, 2 * high
+    else:
+        return 1.0 / high, ("T -> 0: the validation NLL falls with the temperature (every "
+                            "validation label has the largest logit)")
+    b = brentq(lambda v: _nll_slope(logits, labels, v), low, high, xtol=1e-14 * high,
+               rtol=1e-12)
+    return 1.0 / b, None
 
 
 def calibration_probe(
@@ -152,17 +182,18 @@ def calibration_probe(
     if test_logits.shape[1] != classes or max(val_labels.max(), test_labels.max()) >= classes:
         raise ValueError(f"logits of {classes} (validation) and {test_logits.shape[1]} (test) "
                          f"classes for labels up to {max(val_labels.max(), test_labels.max())}")
-    temperature = fit_temperature(val_logits, val_labels)
-    before = np.exp(log_softmax(test_logits))
-    after = np.exp(log_softmax(np.asarray(test_logits, np.float64) / temperature))
+    temperature, limit = fit_temperature(val_logits, val_labels)
+    before = np.asarray(test_logits, np.float64)
+    after = before / temperature
     return {
         "probe": "calibration",
         "bins": bins,
         "temperature": temperature,
+        "temperature_limit": limit,
         "num_val": len(val_labels),
         "num_test": len(test_labels),
         "before": calibration_metrics(before, test_labels, bins),
         "after": calibration_metrics(after, test_labels, bins),
-        "reliability_before": reliability_table(before, test_labels, bins),
-        "reliability_after": reliability_table(after, test_labels, bins),
+        "reliability_before": reliability_table(softmax(before), test_labels, bins),
+        "reliability_after": reliability_table(softmax(after), test_labels, bins),
     }

@@ -1,7 +1,9 @@
 """k-nearest-neighbour probe: cosine similarity, temperature-weighted votes (DINOv2 eval/knn.py).
 
 Each test feature votes with its k most similar training features; a neighbour with cosine
-similarity s adds ``exp(s / T)`` to its class. Top-1 / top-5 of the summed votes.
+similarity s adds ``exp(s / T)`` to its class. Top-1 / top-5 of the summed votes; a class none
+of the k neighbours belongs to is no answer (with k = 1 top-5 is top-1, as in DINOv2's eval,
+which counts min(5, k) answers).
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def knn_votes(
     temperature: float = DEFAULT_TEMPERATURE,
     chunk: int = 1024,
 ) -> dict[int, np.ndarray]:
-    """Class votes [N_test, num_classes] for each k (k is capped at the training set's size)."""
+    """Class votes [N_test, num_classes] for each k (k is capped at the training set's size),
+    each row scaled by exp(-s_nearest / T): the classes' order is that of ``exp(s / T)``, and at
+    small temperatures no weight overflows (exp(1 / 0.001) is infinite in float64, which tied
+    every class it reached). A class none of the k neighbours belongs to votes -inf: no
+    answer."""
     bank, queries = _unit(train_x), _unit(test_x)
     kmax = min(max(ks), len(bank))
     votes = {k: np.zeros((len(queries), num_classes)) for k in ks}
@@ -41,13 +47,14 @@ def knn_votes(
         top_sim = np.take_along_axis(sim, top, axis=1)
         order = np.argsort(-top_sim, axis=1, kind="stable")
         top, top_sim = np.take_along_axis(top, order, 1), np.take_along_axis(top_sim, order, 1)
-        weights = np.exp(top_sim.astype(np.float64) / temperature)
+        top_sim = top_sim.astype(np.float64)
+        weights = np.exp((top_sim - top_sim[:, :1]) / temperature)
         onehot = np.eye(num_classes)[train_y[top]]  # [n, kmax, C]
         for k in ks:
             kk = min(k, kmax)
-            votes[k][start : start + chunk] = np.einsum(
-                "nk,nkc->nc", weights[:, :kk], onehot[:, :kk]
-            )
+            summed = np.einsum("nk,nkc->nc", weights[:, :kk], onehot[:, :kk])
+            members = onehot[:, :kk].any(axis=1)
+            votes[k][start : start + chunk] = np.where(members, summed, -np.inf)
     return votes
 
 

@@ -98,10 +98,14 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def topk_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
-    """Fraction of rows whose label is among the ``k`` highest scores (ties: lower index first)."""
+    """Fraction of rows whose label is among the ``k`` highest scores (ties: lower index first).
+    A score of -inf is no answer: a label scored so is never a hit, even when fewer than ``k``
+    classes score more (a kNN class no neighbour voted for)."""
     k = min(k, scores.shape[1])
+    labels = np.asarray(labels)
     top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return float(np.mean(np.any(top == np.asarray(labels)[:, None], axis=1)))
+    answered = scores[np.arange(len(labels)), labels] > -np.inf
+    return float(np.mean(np.any(top == labels[:, None], axis=1) & answered))
 
 
 def classification_scores(scores: np.ndarray, labels: np.ndarray) -> dict:

@@ -7,7 +7,8 @@ import pytest
 from vit22b.probes import calibration, fewshot, knn, linear, shape_bias
 from vit22b.probes.data import DataError
 from vit22b.probes.heads import LinearHead, load_head, save_head
-from vit22b.probes.metrics import split_indices, topk_accuracy
+from vit22b.probes.metrics import log_softmax, split_indices, topk_accuracy
+from vit22b.probes.report import summarize
 
 # ---- calibration ---------------------------------------------------------------------------
 
@@ -48,7 +49,7 @@ def test_confidence_one_falls_in_the_last_bin_and_zero_in_the_first():
 def test_metrics_from_probabilities_nll_and_brier():
     probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
     labels = np.array([0, 2])
-    metrics = calibration.calibration_metrics(probs, labels)
+    metrics = calibration.calibration_metrics(np.log(probs), labels)  # logits of these probs
     assert metrics["accuracy"] == 0.5
     assert metrics["mean_confidence"] == pytest.approx(0.65)
     assert metrics["nll"] == pytest.approx(-(math.log(0.7) + math.log(0.3)) / 2)
@@ -85,7 +86,51 @@ def test_fitted_temperature_recovers_a_known_scale():
     logits = rng.standard_normal((4000, 4)) * 2
     labels = np.array([rng.choice(4, p=p) for p in np.exp(logits) / np.exp(logits).sum(1)[:, None]])
     # Labels drawn from softmax(logits): the calibrated temperature of 3 * logits is 3.
-    assert calibration.fit_temperature(3 * logits, labels) == pytest.approx(3.0, rel=0.1)
+    assert calibration.fit_temperature(3 * logits, labels) == (pytest.approx(3.0, rel=0.1), None)
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 3000.0, 1e5])
+def test_fitted_temperature_is_the_nll_minimum_at_any_scale(scale):
+    """The fit searched log T in [-7, 7]: T stopped at 1096.6 for logits scaled by 3000 (the
+    minimum is near 1800) and at 9.1e-4 for logits scaled by 1e-6, and the report said nothing."""
+    from scipy.optimize import minimize_scalar
+
+    logits, labels = _overconfident(500, seed=4)
+    logits = logits * scale
+    rows = np.arange(len(labels))
+
+    def nll_at(log_t):
+        return -log_softmax(logits / np.exp(log_t))[rows, labels].mean()
+
+    centre = np.log(scale)  # a bounded search around the known scale, as a reference
+    best = minimize_scalar(nll_at, bounds=(centre - 8, centre + 8), method="bounded",
+                           options={"xatol": 1e-10})
+    temperature, limit = calibration.fit_temperature(logits, labels)
+    assert limit is None
+    assert temperature == pytest.approx(np.exp(best.x), rel=1e-6)
+    assert nll_at(np.log(temperature)) <= best.fun + 1e-12
+
+
+def test_a_temperature_at_a_limit_is_said():
+    labels = np.array([0, 1, 2, 0])
+    right = 5.0 * np.eye(3)[labels]  # every label has the largest logit: NLL falls as T does
+    temperature, limit = calibration.fit_temperature(right, labels)
+    assert temperature < 1e-11 and limit.startswith("T -> 0")
+    wrong = -right  # worse than uniform: the best temperature flattens them
+    temperature, limit = calibration.fit_temperature(wrong, labels)
+    assert temperature > 1e11 and limit.startswith("T -> infinity")
+    assert calibration.fit_temperature(np.ones((4, 3)), labels)[1].startswith("no fit")
+    report = calibration.calibration_probe(right, labels, right, labels)
+    assert report["temperature_limit"].startswith("T -> 0")
+    assert "T -> 0" in summarize(report)
+
+
+def test_nll_of_confident_wrong_answers_is_not_clipped():
+    """NLL came from probabilities clipped at 1e-300: at most 690.8 a sample."""
+    logits = np.array([[1e4, 0.0, -1e4], [0.0, 1e4, 0.0]])
+    labels = np.array([2, 1])
+    report = calibration.calibration_probe(logits, labels, logits, labels)
+    assert report["before"]["nll"] == pytest.approx((2e4 + 0.0) / 2)
 
 
 # ---- shape bias ----------------------------------------------------------------------------
@@ -189,10 +234,38 @@ def test_knn_votes_are_temperature_weighted_cosine_similarities():
     unit = train / np.linalg.norm(train, axis=1, keepdims=True)
     sims = unit @ (query[0] / np.linalg.norm(query))
     # neighbours by similarity: 0 (class 0), 2 (class 1), 1 (class 1), 3 (class 0)
-    w = np.exp(sims / 0.5)
-    np.testing.assert_allclose(votes[1][0], [w[0], 0], rtol=1e-5)  # float32 similarities
+    w = np.exp(sims / 0.5) / np.exp(sims[0] / 0.5)  # each row over its nearest's weight
+    np.testing.assert_allclose(votes[1][0], [w[0], -np.inf], rtol=1e-5)  # float32 similarities
     np.testing.assert_allclose(votes[2][0], [w[0], w[2]], rtol=1e-5)
     np.testing.assert_allclose(votes[10][0], [w[0] + w[3], w[1] + w[2]], rtol=1e-5)  # k <= 4
+
+
+def test_knn_top5_counts_only_classes_a_neighbour_voted_for():
+    """Classes without a vote filled the top 5, lowest index first: with k = 1 a label 0 that
+    no neighbour had was a top-5 hit."""
+    assert topk_accuracy(np.array([[-np.inf] * 7 + [5.0, 3.0, -np.inf]]), np.array([0]), 5) == 0
+    train = np.eye(10)[:8]  # one point per class 0..7
+    # nearest: class 7, then 1, 2, ..., 6; class 0 is the farthest, and the label
+    test = np.array([[0.0, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 1.0, 0.0, 0.0]])
+    report = knn.knn_probe(train, np.arange(8), test, np.array([0]), ks=(1, 3, 8))["by_k"]
+    assert report["1"]["top5"] == 0.0 and report["3"]["top5"] == 0.0
+    assert report["8"]["top5"] == 0.0  # 8 classes voted; class 0 is not among the 5 best
+    assert report["8"]["top1"] == 0.0
+
+
+def test_knn_votes_at_small_temperatures_keep_their_order():
+    """exp(s / T) overflowed at T = 0.001 (exp(1000) is infinite): every class a near
+    neighbour reached tied, and the lowest index won."""
+    train = np.array([[1.0, 0.0], [1.0, 0.15], [1.0, 0.16]])
+    labels = np.array([1, 0, 0])
+    query = np.array([[1.0, 0.0]])  # nearest: class 1 (1.0); class 0's two at about 0.989
+    for temperature, winner in ((0.07, 0), (1e-3, 1), (1e-6, 1)):  # two near votes, or one
+        votes = knn.knn_votes(train, labels, query, ks=(3,), num_classes=2,
+                              temperature=temperature)[3]
+        assert np.all(np.isfinite(votes)) and votes[0].argmax() == winner
+        report = knn.knn_probe(train, labels, query, np.array([winner]), ks=(3,),
+                               temperature=temperature)
+        assert report["by_k"]["3"]["top1"] == 1.0
 
 
 def _blobs(n: int, classes: int, dim: int, seed: int, spread: float = 1.0):
