@@ -253,6 +253,15 @@ def test_knn_top5_counts_only_classes_a_neighbour_voted_for():
     assert report["8"]["top1"] == 0.0
 
 
+def test_linear_top5_never_counts_a_class_training_did_not_have():
+    """The linear probe scores classes training never saw -inf; with fewer than five seen
+    classes they filled its top 5, so a test label no training image had was a top-5 hit."""
+    rng = np.random.default_rng(0)
+    train_x, train_y = rng.standard_normal((60, 4)), np.arange(60) % 3
+    report = linear.linear_probe(train_x, train_y, rng.standard_normal((5, 4)), np.full(5, 3))
+    assert report["top1"] == 0.0 and report["top5"] == 0.0
+
+
 def test_knn_votes_at_small_temperatures_keep_their_order():
     """exp(s / T) overflowed at T = 0.001 (exp(1000) is infinite): every class a near
     neighbour reached tied, and the lowest index won."""
