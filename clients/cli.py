@@ -27,11 +27,57 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explore": ("vit22b.probes.cli", "attention-entropy explorer: QK-norm and block types"),
 }
 
-EXTRA_FOR_MODULE = {
-    "vit22b.model": "model",
-    "vit22b.server": "server",
-    "vit22b.probes": "probes",
+# The extra each command needs beyond the base install (the client SDK); `embed` needs one only
+# for what it runs here (embed_cli.py asks for it: --local, --frames, --format parquet, ...).
+EXTRA_OF_COMMAND = {"info": "model", "init": "model", "convert": "model", "serve": "server",
+                    "probe": "probes", "explore": "probes"}
+
+# Which extra brings each optional dependency (by the top-level name it is imported as).
+EXTRA_OF_DEPENDENCY = {
+    **dict.fromkeys(("jax", "jaxlib", "flax", "orbax", "tensorstore", "safetensors",
+                     "huggingface_hub", "simplejpeg"), "model"),
+    **dict.fromkeys(("grpc_health", "grpc_reflection", "prometheus_client", "fastapi",
+                     "pydantic", "jiter", "uvicorn", "httptools", "uvloop", "opentelemetry"),
+                    "server"),
+    **dict.fromkeys(("optax", "sklearn", "scipy", "matplotlib"), "probes"),
+    **dict.fromkeys(("fsspec", "s3fs", "gcsfs", "pyarrow"), "storage"),
+    "ray": "ray",
+    "av": "video",
 }
+
+# model < server < probes: each of these extras includes the ones before it.
+_NESTED = ("model", "server", "probes")
+
+
+def extra_to_install(command: str, dependency: str | None) -> str | None:
+    """The extra that brings ``dependency`` to ``command``; None for a module no extra brings."""
+    extra = EXTRA_OF_DEPENDENCY.get((dependency or "").split(".")[0])
+    if extra is None:
+        return None
+    own = EXTRA_OF_COMMAND.get(command)
+    if extra in _NESTED and own in _NESTED:
+        return max(extra, own, key=_NESTED.index)
+    return extra
+
+
+def needed_by(what: str, extra: str, err: ModuleNotFoundError) -> ModuleNotFoundError:
+    """``err`` marked with what needs the missing module and the extra that brings what does
+    (``embed --local`` needs all of `server`, where jax alone would name `model`)."""
+    err.what, err.extra = what, extra
+    return err
+
+
+def _missing(command: str, err: ModuleNotFoundError) -> int:
+    """Exit 2 saying what to install; a module no extra brings (ours) is a bug: raised."""
+    extra = extra_to_install(command, err.name)
+    if extra is None:
+        raise err
+    extra = getattr(err, "extra", None) or extra
+    what = getattr(err, "what", None)
+    needs = f"{what} needs" if what else "needs"
+    print(f"vit22b {command}: {needs} {err.name.split('.')[0]}, which is not installed; "
+          f"install it with: pip install 'vit22b[{extra}]'", file=sys.stderr)
+    return 2
 
 
 def _usage() -> str:
@@ -53,20 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     module_name, help_ = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        package = ".".join(module_name.split(".")[:2])
-        extra = EXTRA_FOR_MODULE.get(package, "all")
-        print(
-            f"vit22b {name}: needs a dependency that is not installed ({err.name}); "
-            f"install it with: pip install 'vit22b[{extra}]'",
-            file=sys.stderr,
-        )
-        return 2
-    parser = argparse.ArgumentParser(prog=f"vit22b {name}", description=help_)
-    handler = module.add_arguments(name, parser)
-    args = parser.parse_args(spell_bool_flags(parser, argv[1:]))
-    try:
+        parser = argparse.ArgumentParser(prog=f"vit22b {name}", description=help_)
+        handler = module.add_arguments(name, parser)
+        args = parser.parse_args(spell_bool_flags(parser, argv[1:]))
         return int(handler(args) or 0)
+    except ModuleNotFoundError as err:  # also one imported on first use (jax for `info`)
+        return _missing(name, err)
     except BrokenPipeError:  # `vit22b models | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint
         return 0

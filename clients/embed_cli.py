@@ -20,6 +20,7 @@ from vit22b.model.config import parse_seed
 from vit22b.model.outputs import OutputRequest
 
 from . import settings
+from .cli import needed_by
 from .embed import (
     DTYPE_CHOICES,
     FORMAT_CHOICES,
@@ -43,7 +44,7 @@ from .settings import (
     setting,
 )
 from .storage import storage_failure
-from .video import VIDEO_SUFFIXES, Sampling
+from .video import VIDEO_SUFFIXES, Sampling, load_av
 
 
 def _csv(text: str) -> list[str]:
@@ -185,7 +186,11 @@ def make_backend(args: EmbedSettings, spec: OutputSpec):
         return RemoteBackend(args.server, spec, token=args.token, tls=args.tls,
                              batch_size=args.batch_size,
                              concurrency=args.concurrency, quiet=args.quiet)
-    from .embed_local import LocalBackend  # imports jax
+    try:
+        from .embed_local import LocalBackend  # imports jax and the server's facade
+    except ModuleNotFoundError as err:
+        raise needed_by("the in-process engine (--local, the default without --server)",
+                        "server", err) from None
 
     backend = LocalBackend(spec, model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
                            seed=args.seed, compute_dtype=args.compute_dtype,
@@ -217,7 +222,7 @@ QUIET_LOGGERS = ("gcsfs", "s3fs", "aiobotocore", "asyncio")
 def run(args: argparse.Namespace) -> int:
     """Exit 0 complete, 1 incomplete (every server lost, at the start or during the job: rerun
     to resume), 2 bad options, inputs or a refused mix, 130 interrupted."""
-    backend = None
+    backend, made, summary = None, [], None
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
@@ -225,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
         settings.check(options)
         spec = output_spec(options)
         sampling = video_sampling(options)
+        if sampling:  # decoded here: say a missing PyAV now, not as each worker's failure
+            load_av()
         frames = sampling.frames if sampling else 1
         config = JobConfig(
             inputs=args.inputs,
@@ -242,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                              "outputs would be gone when the command ends")
         # fail fast, before the model
         items = enumerate_inputs(config.inputs, config.extensions, config.output)
-        OutputStore.prepare(config.output)
+        made = OutputStore.prepare(config.output)
         backend = make_backend(options, spec)
         if options.runner == "ray":
             summary = backend.run(config, items)
@@ -272,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if backend is not None:
             backend.close()
+        if summary is None:  # refused or failed before the job ran
+            OutputStore.unprepare(made)
     try:
         print(summary.line(), flush=True)
     except OSError as err:  # stdout on a full disk, its reader gone: the outputs are written

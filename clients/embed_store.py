@@ -23,6 +23,7 @@ manifest names no writer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -152,13 +153,38 @@ class OutputStore:
         return store
 
     @staticmethod
-    def prepare(directory: str) -> None:
+    def prepare(directory: str) -> list[str]:
         """Make ``directory`` a folder of outputs, or OutputsError: a job checks this before it
-        loads a model, so a wrong ``--output`` is said at once."""
+        loads a model, so a wrong ``--output`` is said at once. Returns the local folders it
+        made, deepest first (``unprepare`` removes them if the job then writes nothing)."""
+        where = Location(directory)
+        made = []
+        if not where.remote:
+            path = os.path.abspath(os.path.join(where.root, SHARDS_DIR))
+            while not os.path.lexists(path) and os.path.dirname(path) != path:
+                made.append(path)
+                path = os.path.dirname(path)
         try:
-            Location(directory).makedirs(SHARDS_DIR)
+            where.makedirs(SHARDS_DIR)
         except OSError as err:  # e.g. the output is a file, or under one; no permission
             raise _not_a_folder(directory, err) from None
+        return made
+
+    @staticmethod
+    def unprepare(made: list[str]) -> None:
+        """Remove the folders ``prepare`` made if nothing was written in them (a job refused
+        or failed before its first write leaves no empty output behind)."""
+        inner = []
+        for path in made:  # each holds the one made inside it, or nothing
+            try:
+                if os.listdir(path) != inner:
+                    return
+            except OSError:
+                return
+            inner = [os.path.basename(path)]
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
 
     def close(self) -> None:
         """Write what was recorded and not yet written (a job ending early), and unlock."""

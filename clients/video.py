@@ -104,7 +104,8 @@ def is_video(path: str | os.PathLike) -> bool:
     return os.fspath(path).lower().endswith(VIDEO_SUFFIXES)
 
 
-def _av():
+def load_av():
+    """PyAV, or ModuleNotFoundError naming the extra that brings it."""
     try:
         import av
     except ModuleNotFoundError:
@@ -251,8 +252,12 @@ def _name(source: VideoSource, name: str | None) -> str:
 
 # Tags are read as UTF-8 with undecodable bytes replaced: old muxers and cameras write Latin-1
 # titles (b"Caf\xe9"), and PyAV's strict decoding refused the whole video for them. No tag is
-# used here.
+# used here. PyAV 19 dropped the option (and decodes tags leniently itself).
 TAG_ERRORS = "replace"
+
+
+def _open_options(av) -> dict:
+    return {"metadata_errors": TAG_ERRORS} if int(av.__version__.split(".")[0]) < 19 else {}
 
 
 def _open(av, source: VideoSource, name: str):
@@ -269,13 +274,13 @@ def _open(av, source: VideoSource, name: str):
         if isinstance(source, (bytes, bytearray)):
             if not source:
                 raise VideoError(name, "empty (0 bytes)")
-            return av.open(io.BytesIO(bytes(source)), "r", metadata_errors=TAG_ERRORS)
+            return av.open(io.BytesIO(bytes(source)), "r", **_open_options(av))
         if hasattr(source, "read"):  # an open file: each pass reads it from its start
             if source.seek(0, io.SEEK_END) == 0:
                 raise VideoError(name, "empty (0 bytes)")
             source.seek(0)
-            return av.open(source, "r", metadata_errors=TAG_ERRORS)
-        return av.open(source, "r", metadata_errors=TAG_ERRORS)
+            return av.open(source, "r", **_open_options(av))
+        return av.open(source, "r", **_open_options(av))
     except (OSError, av.error.FFmpegError) as err:  # FFmpeg's EIO / EOF: data it cannot parse
         raise VideoError(name, f"not a readable video container ({_ffmpeg(err)}; damaged or "
                          "truncated?)") from None
@@ -555,7 +560,7 @@ def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
     """Container, codec, upright size and orientation, frame count and duration from a demux
     pass (which decodes the first frame, for its display matrix; every frame is decoded only
     when the packets carry no timestamps)."""
-    av, name = _av(), _name(source, name)
+    av, name = load_av(), _name(source, name)
     timeline, meta = _demux(av, source, name)
     orientation = meta["orientation"]
     if timeline is None:
@@ -581,7 +586,7 @@ def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) 
 
 
 def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
-    av = _av()
+    av = load_av()
     timeline, meta = _demux(av, source, name)
     time_base = meta["time_base"]
     for _ in range(2):
@@ -629,7 +634,7 @@ def read_clips(
 def encoder_for(path: str | os.PathLike, codec: str | None = None) -> str:
     """The encoder ``write_video`` uses for a file name: ``codec``, or the first of
     ``ENCODERS[suffix]`` this PyAV build has."""
-    av = _av()
+    av = load_av()
     suffix = Path(path).suffix.lower()
     candidates = (codec,) if codec else ENCODERS.get(suffix, ())
     for candidate in candidates:
@@ -657,7 +662,7 @@ def write_video(
     2.30) for the stream, as a phone writes its portrait clips; MP4, MOV and Matroska/WebM
     keep it, AVI drops it.
     """
-    av = _av()
+    av = load_av()
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or not len(frames):
         raise ValueError(f"frames must be uint8 [T, H, W, 3], T >= 1; got {frames.dtype} "

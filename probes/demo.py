@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-outputs", "pooled", "--warm-outputs", f"pooled+patch:{LAYER}",
         "--warm-outputs", f"pooled+patch:{layers}",
     )  # fmt: skip
+    paths = sample_images(SAMPLE)  # before the server's minute of start-up
     with served(args=warm) as address:
         with FeatureClient(address) as client:
             info = client.model_info()
-            paths = sample_images(SAMPLE)
             t0 = time.perf_counter()
             result = client.embed(paths, outputs=["pooled"], layers=[LAYER], batch_size=8)
             print("\n" + summary(result, paths, SAMPLE, info, time.perf_counter() - t0) + "\n")

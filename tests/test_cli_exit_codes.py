@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 from serving import capped_cli, serve_process, serving_then_stopped
 
@@ -218,3 +219,88 @@ def test_serve_refuses_a_compile_cache_entry_that_is_not_a_file(tmp_path):
     assert done.returncode == 2 and "may be written" not in done.stderr, done.stderr
     assert f"entry {entry} cannot be read: No such file or directory (remove it, or 'off')" in \
         done.stderr
+
+
+def _without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
+    """The CLI in a process where importing any of ``modules`` fails, as on an install
+    without the extra that brings them."""
+    code = (f"import sys; sys.modules.update(dict.fromkeys({modules!r}))\n"
+            f"from vit22b.clients.cli import main; sys.exit(main({list(args)!r}))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("missing", "argv", "says"), [
+    (("jax",), ["info", "--model", "vit-22b/14"], "needs jax, which is not installed; install "
+     "it with: pip install 'vit22b[model]'"),
+    (("jax",), ["convert", "--help"], "pip install 'vit22b[model]'"),
+    (("jax",), ["embed", "{data}", "-o", "{out}"], "the in-process engine (--local, the "
+     "default without --server) needs jax, which is not installed; install it with: "
+     "pip install 'vit22b[server]'"),
+    (("opentelemetry",), ["embed", "{data}", "-o", "{out}", "--local"], "pip install "
+     "'vit22b[server]'"),
+    (("av",), ["embed", "{data}", "-o", "{out}", "--server", "127.0.0.1:{port}", "--frames",
+               "2"], "needs av, which is not installed; install it with: pip install "
+     "'vit22b[video]'"),
+    (("sklearn",), ["probe", "knn", "--digits", "--out", "{out}"], "needs sklearn, "
+     "which is not installed; install it with: pip install 'vit22b[probes]'"),
+    (("opentelemetry",), ["probe", "linear", "--digits", "--out", "{out}"], "pip install "
+     "'vit22b[probes]'"),
+])
+def test_a_missing_extra_is_named_in_one_line(tmp_path, missing, argv, says):
+    """`vit22b info`, `init`, `convert` and the local `embed` (the README's own first job) ended
+    in a traceback on the base install; `embed --frames` without PyAV blamed each server."""
+    data = one_image(tmp_path)
+    out = tmp_path / "out"
+    argv = [a.format(data=data, out=out, port=closed_port()) for a in argv]
+    proc = _without(missing, *argv)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"vit22b {argv[0]}: {says}" or \
+        proc.stderr.strip().endswith(says) and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    if argv[0] == "embed":
+        assert not out.exists()  # a refused job leaves no empty output folder behind
+
+
+def test_a_refused_job_removes_only_the_folders_it_made(tmp_path):
+    data = one_image(tmp_path)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    proc = _without(("jax",), "embed", str(data), "-o", str(kept))
+    assert proc.returncode == 2, proc.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # shards/ made, then removed
+    proc = _without(("jax",), "embed", str(data), "-o", str(tmp_path / "a" / "b"))
+    assert proc.returncode == 2 and not (tmp_path / "a").exists()
+
+
+def test_the_extras_table_follows_pyproject():
+    """Each optional dependency the CLI names is one the extra it names brings."""
+    from vit22b.clients.cli import _NESTED, EXTRA_OF_DEPENDENCY, extra_to_install
+
+    requires = metadata.requires("vit22b")
+    wanted: dict[str, set[str]] = {}  # extra -> distributions it lists
+    for line in requires:
+        name, _, marker = line.partition(";")
+        found = re.search(r"extra == \"(\w+)\"", marker)
+        if found:
+            dist = re.split(r"[\[<>=!~ ]", name.strip())[0].lower().replace("_", "-")
+            wanted.setdefault(found.group(1), set()).add(dist)
+    for i, extra in enumerate(_NESTED[1:], 1):  # server brings model's, probes server's
+        wanted[extra] |= wanted[_NESTED[i - 1]]
+    wanted["ray"] |= wanted["storage"]
+
+    def with_requirements(names: set[str]) -> set[str]:  # jaxlib comes with jax
+        more = set(names)
+        for name in names:
+            for line in metadata.requires(name) or []:
+                more.add(re.split(r"[\[<>=!~ ;]", line)[0].lower().replace("_", "-"))
+        return more
+
+    dists = metadata.packages_distributions()
+    for module, extra in EXTRA_OF_DEPENDENCY.items():
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [])}
+        assert names & with_requirements(wanted[extra]), (module, extra, names)
+    assert extra_to_install("embed", "vit22b.server") is None  # ours: a bug, not an extra
+    assert extra_to_install("probe", "jax") == "probes"
+    assert extra_to_install("serve", "av") == "video"

@@ -662,3 +662,14 @@ def test_cover_art_is_no_video(tmp_path):
         read_clip(song, Sampling(frames=2))
     clip = read_clip(_cover_art(tmp_path / "clip.mp4", 12), Sampling(frames=4))
     assert [read_index(f) for f in clip.frames] == expected_uniform(12, 4)
+
+
+def test_pyav_19_is_opened_without_the_option_it_dropped():
+    """PyAV 19 (the one Python 3.12+ installs) dropped open()'s metadata_errors: every video
+    failed with a TypeError. Its tags are decoded leniently there."""
+    from types import SimpleNamespace
+
+    from vit22b.clients.video import TAG_ERRORS, _open_options
+
+    assert _open_options(SimpleNamespace(__version__="18.1.0")) == {"metadata_errors": TAG_ERRORS}
+    assert _open_options(SimpleNamespace(__version__="19.0.2")) == {}
