@@ -1,7 +1,7 @@
 """This checkout's server against another checkout's, the same clients against both, alternating.
 
-    git worktree add /tmp/before HEAD~1
-    python benchmarks/serve_against.py /tmp/before --transport async_session --clients 32
+    git worktree add DIR HEAD~1
+    python benchmarks/serve_against.py DIR --transport async_session --clients 32
 
 Two ``vit22b serve`` processes (the tiny default model, seeded weights, so both serve the same
 model): this checkout's, and ``DIR``'s package laid out ahead of this one on ``PYTHONPATH``

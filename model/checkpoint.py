@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import inspect
 import json
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -334,7 +336,13 @@ def save(
 def _write(folder: Path, cfg: ViTConfig, params, source: str, notes: tuple[str, ...],
            shapes: dict, primary: bool) -> CheckpointMeta:
     with _quiet_orbax():  # a failed write's tracebacks: save's OSError says it
-        _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+        try:
+            _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+        except BaseException:
+            # the writes it abandoned, collected now while the filters hold: at exit, warnings
+            # are said past every filter ("sys:1: RuntimeWarning: coroutine ... never awaited")
+            gc.collect()
+            raise
     meta = CheckpointMeta(
         config=cfg,
         fingerprint=fingerprint(params),
@@ -514,6 +522,9 @@ def _quiet_orbax():
     if not getattr(sys.unraisablehook, "drops_orbax_reads", False):
         sys.unraisablehook = _dropping_orbax_reads(sys.unraisablehook)
         logging.getLogger("asyncio").addFilter(_not_an_orbax_read)
+        # the write of a fragment a failed save abandoned, collected (at exit: "sys:1") unstarted
+        warnings.filterwarnings("ignore", category=RuntimeWarning, message=(
+            r"coroutine 'async_serialize_from_host\.<locals>\.write_fragment' was never awaited"))
     sys.stderr.flush()
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)

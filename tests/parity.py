@@ -27,7 +27,7 @@ TOL_F32 = 1e-5
 TOL_BF16 = 5e-2  # bf16 matmul inputs: about 3e-3 per matmul, compounded over the tiny depth
 
 
-def _ours(converted, pixels_nhwc: np.ndarray, dtype: str, request: OutputRequest) -> dict:
+def our_outputs(converted, pixels_nhwc: np.ndarray, dtype: str, request: OutputRequest) -> dict:
     cfg = converted.config.replace(compute_dtype=dtype)
     out = compiled_apply(cfg, converted.params, pixels_nhwc, request)
     flat = {k: v for k, v in out.items() if k != "patch_tokens"}
@@ -55,8 +55,8 @@ def check_parity(case: str, source: str, converted, pixels_nchw, peer: dict, nor
         pre_projection="pre_projection" in peer,
     )
     pixels = np.asarray(pixels_nchw).transpose(0, 2, 3, 1)
-    f32 = _ours(converted, pixels, "float32", request)
-    bf16 = _ours(converted, pixels, "bfloat16", request)
+    f32 = our_outputs(converted, pixels, "float32", request)
+    bf16 = our_outputs(converted, pixels, "bfloat16", request)
     figures = {
         name: (rel_err(f32[name], ref), rel_err(bf16[name], ref)) for name, ref in peer.items()
     }
