@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = Path(path).read_text().strip().splitlines()
             print(SECTIONS[name](json.loads(lines[-1])) + "\n")
         return 0
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     if args.only:
         for name, command in benchmarks(args.quick, has_gpu()):
             if name in args.only:

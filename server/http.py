@@ -872,7 +872,7 @@ class _Guard:
             stall, floor = last + self.body_timeout_s, self._floor(first, size)
             try:
                 message = await asyncio.wait_for(receive(), min(stall, floor) - time.monotonic())
-            except asyncio.TimeoutError:  # a tie is the stall: nothing came for the whole timeout
+            except TimeoutError:  # a tie is the stall: nothing came for the whole timeout
                 err = self._slow(first, size) if floor < stall else RequestTimeout(
                     f"no request body bytes for {self.body_timeout_s:g} s (--http-body-timeout)")
                 return await self.door.refuse(route, err)(scope, receive, send)

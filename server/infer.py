@@ -13,7 +13,6 @@ job's local backend, the probes, the tests): one in-process path, the server's o
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -190,7 +189,7 @@ class Infer:
         self.batcher.flush()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -485,8 +484,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def run_loop(coroutine):
     """``asyncio.run`` on ``new_event_loop()``."""
-    if sys.version_info < (3, 11):  # no asyncio.Runner
-        return asyncio.run(coroutine)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coroutine)
 

@@ -39,7 +39,7 @@ class JsonLines(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC)
             .isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
