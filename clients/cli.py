@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -68,9 +69,11 @@ def needed_by(what: str, extra: str, err: ModuleNotFoundError) -> ModuleNotFound
 
 
 def _missing(command: str, err: ModuleNotFoundError) -> int:
-    """Exit 2 saying what to install; a module no extra brings (ours) is a bug: raised."""
+    """Exit 2 saying what to install; a module no extra brings (ours), or a part missing from
+    a package that is installed (another version's layout), is a bug: raised."""
     extra = extra_to_install(command, err.name)
-    if extra is None:
+    top = (err.name or "").split(".")[0]
+    if extra is None or top != err.name and importlib.util.find_spec(top) is not None:
         raise err
     extra = getattr(err, "extra", None) or extra
     what = getattr(err, "what", None)

@@ -24,6 +24,7 @@ manifest names no writer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -158,30 +159,39 @@ class OutputStore:
         loads a model, so a wrong ``--output`` is said at once. Returns the local folders it
         made, deepest first (``unprepare`` removes them if the job then writes nothing)."""
         where = Location(directory)
-        made = []
-        if not where.remote:
-            path = os.path.abspath(os.path.join(where.root, SHARDS_DIR))
-            while not os.path.lexists(path) and os.path.dirname(path) != path:
-                made.append(path)
-                path = os.path.dirname(path)
-        try:
-            where.makedirs(SHARDS_DIR)
+        if where.remote:
+            try:
+                where.makedirs(SHARDS_DIR)
+            except OSError as err:
+                raise _not_a_folder(directory, err) from None
+            return []
+        made: list[str] = []
+        path = ""
+        try:  # one level at a time, as spelled (through links and '..', as the kernel resolves)
+            for part in os.path.join(where.root, SHARDS_DIR).split(os.sep):
+                path = os.path.join(path, part) if path else (part or os.sep)
+                if part and not os.path.lexists(path):
+                    os.mkdir(path)
+                    made.append(path)
+            if not os.path.isdir(path):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
         except OSError as err:  # e.g. the output is a file, or under one; no permission
+            OutputStore.unprepare(made[::-1])
             raise _not_a_folder(directory, err) from None
-        return made
+        return made[::-1]
 
     @staticmethod
     def unprepare(made: list[str]) -> None:
-        """Remove the folders ``prepare`` made if nothing was written in them (a job refused
-        or failed before its first write leaves no empty output behind)."""
-        inner = []
-        for path in made:  # each holds the one made inside it, or nothing
+        """Remove the folders ``prepare`` made if nothing but each other was written in them (a
+        job refused or failed before its first write leaves no empty output behind)."""
+        ours = {os.path.realpath(path) for path in made}
+        for path in made:
             try:
-                if os.listdir(path) != inner:
-                    return
+                inside = {os.path.realpath(os.path.join(path, e)) for e in os.listdir(path)}
             except OSError:
                 return
-            inner = [os.path.basename(path)]
+            if not inside <= ours:
+                return
         for path in made:
             with contextlib.suppress(OSError):
                 os.rmdir(path)

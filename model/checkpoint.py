@@ -15,6 +15,7 @@ device unless its sharding says so. Every mismatch is reported by parameter path
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-import warnings
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -336,13 +337,7 @@ def save(
 def _write(folder: Path, cfg: ViTConfig, params, source: str, notes: tuple[str, ...],
            shapes: dict, primary: bool) -> CheckpointMeta:
     with _quiet_orbax():  # a failed write's tracebacks: save's OSError says it
-        try:
-            _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
-        except BaseException:
-            # the writes it abandoned, collected now while the filters hold: at exit, warnings
-            # are said past every filter ("sys:1: RuntimeWarning: coroutine ... never awaited")
-            gc.collect()
-            raise
+        _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
     meta = CheckpointMeta(
         config=cfg,
         fingerprint=fingerprint(params),
@@ -522,9 +517,7 @@ def _quiet_orbax():
     if not getattr(sys.unraisablehook, "drops_orbax_reads", False):
         sys.unraisablehook = _dropping_orbax_reads(sys.unraisablehook)
         logging.getLogger("asyncio").addFilter(_not_an_orbax_read)
-        # the write of a fragment a failed save abandoned, collected (at exit: "sys:1") unstarted
-        warnings.filterwarnings("ignore", category=RuntimeWarning, message=(
-            r"coroutine 'async_serialize_from_host\.<locals>\.write_fragment' was never awaited"))
+        atexit.register(_close_abandoned_coroutines)
     sys.stderr.flush()
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
@@ -581,6 +574,16 @@ def _not_an_orbax_read(record: logging.LogRecord) -> bool:
     frames = traceback.extract_tb(error.__traceback__) if error is not None else []
     return not (_ORBAX in message or " in OCDBT database at " in message
                 or any(_ORBAX in frame.filename for frame in frames))
+
+
+def _close_abandoned_coroutines() -> None:
+    """Close the reads and writes a failed restore or save created and never started: collected
+    at exit, each printed "RuntimeWarning: coroutine '...' was never awaited" after the refusal
+    (past any warnings filter: they are said as the interpreter shuts down)."""
+    for obj in gc.get_objects():  # type(), not isinstance: no object's __class__ is asked
+        if type(obj) is types.CoroutineType and _ORBAX in obj.cr_code.co_filename and \
+                inspect.getcoroutinestate(obj) == inspect.CORO_CREATED:
+            obj.close()
 
 
 def _dropping_orbax_reads(previous):

@@ -3,8 +3,8 @@
 Conventions (the tests check them by hand):
 - Confidence is the top softmax probability; a prediction is correct when its arg-max is the label.
   ``ece``, ``adaptive_ece`` and ``mce`` take per-sample confidences in [0, 1] and correctness
-  (``confidence_and_correct`` derives both from probabilities); ``calibration_metrics`` takes
-  probabilities and labels.
+  (``confidence_and_correct`` derives both from probabilities); ``calibration_metrics`` and
+  ``calibration_probe`` take logits and labels.
 - ECE uses ``bins`` equal-width bins: bin ``i`` holds confidences in ``[i/bins, (i+1)/bins)``, the
   last bin is closed, so a confidence of exactly 1.0 falls in the last bin and 0.0 in the first.
   ECE = sum over bins of (bin size / N) * |accuracy(bin) - mean confidence(bin)|.
@@ -19,7 +19,8 @@ Conventions (the tests check them by hand):
   (its second derivative is the mean variance of the logits under the softmax), so the fit is
   the root of its derivative, found without bounds on T. Where the minimum lies at a limit (a
   validation split the logits classify all right: T -> 0; logits no better than uniform: T ->
-  infinity) the report says so and T is the last one tried.
+  infinity; constant logits) there is no temperature to apply: the report's ``temperature`` is
+  null, ``temperature_limit`` says why, and "after" is "before".
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, bins: int = DEFA
     }
 
 
-# How far the fit follows b = 1/T from the logits' own scale before it calls the minimum a
-# limit: 2^40 (about 1e12) either way.
+# How far the fit follows b = 1/T up from the logits' own scale before it calls the minimum a
+# limit (T -> 0): 2^40, about 1e12.
 _DOUBLINGS = 40
 
 
@@ -143,29 +144,31 @@ def _nll_slope(logits: np.ndarray, labels: np.ndarray, b: float) -> float:
     return float(np.mean((softmax(b * logits) * gaps).sum(axis=1)))
 
 
-def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float, str | None]:
-    """The T > 0 minimising NLL(softmax(logits / T)), and None; or, where the minimum lies at a
-    limit, the last T tried and what the limit means."""
+def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float | None, str | None]:
+    """The T > 0 minimising NLL(softmax(logits / T)), and None; or, where no finite positive T
+    does (the minimum lies at a limit), None and what the limit means."""
     from scipy.optimize import brentq
 
     logits = np.asarray(logits, np.float64)
-    spread = float(np.abs(logits - logits.mean(axis=1, keepdims=True)).max())
-    if spread == 0:
-        return 1.0, "no fit: the logits are equal within each row (no temperature changes them)"
-    if _nll_slope(logits, labels, 0.0) >= 0:
-        return spread * 2.0**_DOUBLINGS, ("T -> infinity: no temperature makes the validation "
-                                          "NLL lower than uniform probabilities do")
-    low, high = 0.0, 1.0 / spread
+    centred = logits - logits.mean(axis=1, keepdims=True)  # the softmax is the same
+    spread = float(np.abs(centred).max())
+    if not spread > 0:
+        return None, "no fit: the logits are equal within each row (no temperature changes them)"
+    scaled = centred / spread  # searched at scale 1: no overflow or underflow at any spread
+    if _nll_slope(scaled, labels, 0.0) >= 0:
+        return None, ("T -> infinity: no temperature makes the validation NLL lower than "
+                      "uniform probabilities do")
+    low, high = 0.0, 1.0
     for _ in range(_DOUBLINGS):
-        if _nll_slope(logits, labels, high) > 0:  # 0: every p underflowed to one-hot
+        if _nll_slope(scaled, labels, high) > 0:  # 0: every p underflowed to one-hot
             break
         low, high = high, 2 * high
     else:
-        return 1.0 / high, ("T -> 0: the validation NLL falls with the temperature (every "
-                            "validation label has the largest logit)")
-    b = brentq(lambda v: _nll_slope(logits, labels, v), low, high, xtol=1e-14 * high,
+        return None, ("T -> 0: the validation NLL falls with the temperature (every validation "
+                      "label has the largest logit)")
+    b = brentq(lambda v: _nll_slope(scaled, labels, v), low, high, xtol=1e-14 * high,
                rtol=1e-12)
-    return 1.0 / b, None
+    return spread / b, None
 
 
 def calibration_probe(
@@ -184,7 +187,7 @@ def calibration_probe(
                          f"classes for labels up to {max(val_labels.max(), test_labels.max())}")
     temperature, limit = fit_temperature(val_logits, val_labels)
     before = np.asarray(test_logits, np.float64)
-    after = before / temperature
+    after = before if temperature is None else before / temperature  # no finite T: none applied
     return {
         "probe": "calibration",
         "bins": bins,

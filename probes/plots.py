@@ -36,7 +36,9 @@ def reliability_diagram(report: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(9, 4.2), sharey=True)
     for ax, key, title in (
         (axes[0], "before", "before"),
-        (axes[1], "after", f"after temperature scaling (T={report['temperature']:.3g})"),
+        (axes[1], "after", "after temperature scaling " + (
+            "(none: no finite T)" if report["temperature"] is None
+            else f"(T={report['temperature']:.3g})")),
     ):
         rows = report[f"reliability_{key}"]
         width = rows[0]["high"] - rows[0]["low"]

@@ -60,9 +60,10 @@ def summarize(report: dict) -> str:
         return f"knn top-1: {ks}; chance {_fmt(base['chance_top1'])}"
     if kind == "calibration":
         b, a = report["before"], report["after"]
-        limit = report.get("temperature_limit")
+        limit, temperature = report.get("temperature_limit"), report["temperature"]
         return (
-            f"calibration (T={report['temperature']:.4g}): ECE {_fmt(b['ece'])} -> "
+            f"calibration (T={'none' if temperature is None else f'{temperature:.4g}'}): "
+            f"ECE {_fmt(b['ece'])} -> "
             f"{_fmt(a['ece'])}, NLL {_fmt(b['nll'])} -> {_fmt(a['nll'])}, "
             f"accuracy {_fmt(b['accuracy'])}" + (f"; {limit}" if limit else "")
         )

@@ -668,3 +668,27 @@ def test_the_in_process_facade_names_a_bad_image_by_its_place_in_the_whole_list(
             local.embed(named)
         skipped = local.embed(images, skip_invalid=True)
         assert [e.index for e in skipped.errors] == [13] and len(skipped.indices) == 19
+
+
+def test_the_folders_an_output_needs_are_made_and_unmade_as_spelled(tmp_path, monkeypatch):
+    """What prepare made was listed by path text: `a/../b` left `a` behind, an output reached
+    through a link and '..' was never removed, and a path that failed part way kept the
+    folders made before the failure."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for output in ("a/b/c", "x/../y", "link/../out", "mine"):
+        made = OutputStore.prepare(output)
+        assert os.path.isdir(os.path.join(output, "shards"))
+        OutputStore.unprepare(made)
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before, output
+    with pytest.raises(OutputsError):
+        OutputStore.prepare("new/" + "x" * 300)  # the second level is refused (name too long)
+    assert not (tmp_path / "new").exists()
+    made = OutputStore.prepare("kept/out")
+    (tmp_path / "kept" / "out" / "manifest.json").write_text("{}")  # the job wrote
+    OutputStore.unprepare(made)
+    assert (tmp_path / "kept" / "out" / "shards").is_dir()

@@ -115,14 +115,31 @@ def test_a_temperature_at_a_limit_is_said():
     labels = np.array([0, 1, 2, 0])
     right = 5.0 * np.eye(3)[labels]  # every label has the largest logit: NLL falls as T does
     temperature, limit = calibration.fit_temperature(right, labels)
-    assert temperature < 1e-11 and limit.startswith("T -> 0")
+    assert temperature is None and limit.startswith("T -> 0")
     wrong = -right  # worse than uniform: the best temperature flattens them
     temperature, limit = calibration.fit_temperature(wrong, labels)
-    assert temperature > 1e11 and limit.startswith("T -> infinity")
-    assert calibration.fit_temperature(np.ones((4, 3)), labels)[1].startswith("no fit")
-    report = calibration.calibration_probe(right, labels, right, labels)
-    assert report["temperature_limit"].startswith("T -> 0")
-    assert "T -> 0" in summarize(report)
+    assert temperature is None and limit.startswith("T -> infinity")
+    assert calibration.fit_temperature(np.ones((4, 3)), labels) == (None, pytest.approx(
+        "no fit: the logits are equal within each row (no temperature changes them)"))
+    # no temperature is applied: "after" is "before" (a T of 1e-12 made one wrong test answer
+    # an NLL of 1.8e10, a figure of the search's limit, not of the data)
+    test = np.array([[5.0, 0, 0], [0, 5.0, 0], [0, 1.0, 0.9]])
+    report = calibration.calibration_probe(right, labels, test, np.array([0, 1, 2]))
+    assert report["temperature"] is None and report["temperature_limit"].startswith("T -> 0")
+    assert report["after"] == report["before"]
+    assert "T=none" in summarize(report) and "T -> 0" in summarize(report)
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1e-6, 1e6, 1e300])
+def test_fitted_temperature_follows_the_logits_scale_to_the_float_limits(scale):
+    """The search ran on the raw logits: T = 0.0 below a spread of 6e-297, NaN or a division
+    by zero near 1e308. It runs at scale 1 now."""
+    logits, labels = _overconfident(300, seed=6)
+    unit, limit = calibration.fit_temperature(logits, labels)
+    assert limit is None
+    assert calibration.fit_temperature(logits * scale, labels) == (
+        pytest.approx(unit * scale, rel=1e-9), None)
+    assert calibration.fit_temperature(logits + 1e4, labels)[0] == pytest.approx(unit, rel=1e-9)
 
 
 def test_nll_of_confident_wrong_answers_is_not_clipped():
@@ -517,7 +534,8 @@ def test_linear_probe_needs_images_on_both_sides_of_its_split():
 def test_calibration_refuses_labels_beyond_its_logits():
     rng = np.random.default_rng(1)
     logits, labels = rng.standard_normal((30, 5)), np.arange(30) % 5
-    assert calibration.calibration_probe(logits, labels, logits, labels)["temperature"] > 0
+    report = calibration.calibration_probe(logits, labels, logits, labels)
+    assert report["temperature_limit"].startswith("T -> infinity")  # random logits
     with pytest.raises(ValueError, match=r"logits of 5 \(validation\) and 5 \(test\) classes "
                                          "for labels up to 5"):
         calibration.calibration_probe(logits, labels + 1, logits, labels)
@@ -654,7 +672,9 @@ def test_an_imported_heads_classes_are_matched_to_the_images_by_name():
     got = run_probe("calibration", data, head=reordered)  # columns summed in another order
     for key in ("before", "after"):
         assert got[key] == pytest.approx(want[key], rel=1e-9)
-    assert got["temperature"] == pytest.approx(want["temperature"], rel=1e-6)
+    assert got["temperature_limit"] == want["temperature_limit"]
+    assert got["temperature"] == (None if want["temperature"] is None else
+                                  pytest.approx(want["temperature"], rel=1e-6))
     positional = run_probe("calibration", data, head=LinearHead(kernel[:, [2, 0, 1]], bias))
     assert positional["before"]["nll"] != want["before"]["nll"]  # without names: by position
     with pytest.raises(DataError, match="the head has no class named 'owl'"):
