@@ -106,6 +106,19 @@ def _identity_diff(old: dict, new: dict) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
+def _make_levels(path: str, made: list[str]) -> None:
+    """Make folder ``path`` one level at a time as spelled (through links and '..', as the
+    kernel resolves them), appending each level it made to ``made``."""
+    level = ""
+    for part in path.split(os.sep):
+        level = os.path.join(level, part) if level else (part or os.sep)
+        if part and not os.path.lexists(level):
+            os.mkdir(level)
+            made.append(level)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+
+
 class OutputStore:
     """The output directory of one job: knows which shards are done and records the others."""
 
@@ -159,22 +172,12 @@ class OutputStore:
         loads a model, so a wrong ``--output`` is said at once. Returns the local folders it
         made, deepest first (``unprepare`` removes them if the job then writes nothing)."""
         where = Location(directory)
-        if where.remote:
-            try:
-                where.makedirs(SHARDS_DIR)
-            except OSError as err:
-                raise _not_a_folder(directory, err) from None
-            return []
         made: list[str] = []
-        path = ""
-        try:  # one level at a time, as spelled (through links and '..', as the kernel resolves)
-            for part in os.path.join(where.root, SHARDS_DIR).split(os.sep):
-                path = os.path.join(path, part) if path else (part or os.sep)
-                if part and not os.path.lexists(path):
-                    os.mkdir(path)
-                    made.append(path)
-            if not os.path.isdir(path):
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        try:
+            if where.remote:
+                where.makedirs(SHARDS_DIR)  # a no-op on object stores
+            else:
+                _make_levels(os.path.join(where.root, SHARDS_DIR), made)
         except OSError as err:  # e.g. the output is a file, or under one; no permission
             OutputStore.unprepare(made[::-1])
             raise _not_a_folder(directory, err) from None

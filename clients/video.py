@@ -270,17 +270,18 @@ def _open(av, source: VideoSource, name: str):
             raise VideoError(name, os_reason(err)) from None
         if size == 0:
             raise VideoError(name, "empty file (0 bytes)")
+    options = _open_options(av)
     try:
         if isinstance(source, (bytes, bytearray)):
             if not source:
                 raise VideoError(name, "empty (0 bytes)")
-            return av.open(io.BytesIO(bytes(source)), "r", **_open_options(av))
+            return av.open(io.BytesIO(bytes(source)), "r", **options)
         if hasattr(source, "read"):  # an open file: each pass reads it from its start
             if source.seek(0, io.SEEK_END) == 0:
                 raise VideoError(name, "empty (0 bytes)")
             source.seek(0)
-            return av.open(source, "r", **_open_options(av))
-        return av.open(source, "r", **_open_options(av))
+            return av.open(source, "r", **options)
+        return av.open(source, "r", **options)
     except (OSError, av.error.FFmpegError) as err:  # FFmpeg's EIO / EOF: data it cannot parse
         raise VideoError(name, f"not a readable video container ({_ffmpeg(err)}; damaged or "
                          "truncated?)") from None

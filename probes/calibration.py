@@ -137,10 +137,10 @@ def calibration_metrics(logits: np.ndarray, labels: np.ndarray, bins: int = DEFA
 _DOUBLINGS = 40
 
 
-def _nll_slope(logits: np.ndarray, labels: np.ndarray, b: float) -> float:
-    """d/db of the mean NLL of softmax(b * logits): the mean of E_p[logit - logit[label]] (as
-    written: E_p[logit] - logit[label] cancels to 0 once the other classes' p are below 1e-16)."""
-    gaps = logits - logits[np.arange(len(labels)), labels][:, None]
+def _nll_slope(logits: np.ndarray, gaps: np.ndarray, b: float) -> float:
+    """d/db of the mean NLL of softmax(b * logits), ``gaps`` the logits less each row's label's:
+    the mean of E_p[gaps] (as E_p[logit] - logit[label] it cancels to 0 once the other classes'
+    p are below 1e-16)."""
     return float(np.mean((softmax(b * logits) * gaps).sum(axis=1)))
 
 
@@ -155,18 +155,19 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float | Non
     if not spread > 0:
         return None, "no fit: the logits are equal within each row (no temperature changes them)"
     scaled = centred / spread  # searched at scale 1: no overflow or underflow at any spread
-    if _nll_slope(scaled, labels, 0.0) >= 0:
+    gaps = scaled - scaled[np.arange(len(labels)), labels][:, None]
+    if _nll_slope(scaled, gaps, 0.0) >= 0:
         return None, ("T -> infinity: no temperature makes the validation NLL lower than "
                       "uniform probabilities do")
     low, high = 0.0, 1.0
     for _ in range(_DOUBLINGS):
-        if _nll_slope(scaled, labels, high) > 0:  # 0: every p underflowed to one-hot
+        if _nll_slope(scaled, gaps, high) > 0:  # 0: every p underflowed to one-hot
             break
         low, high = high, 2 * high
     else:
         return None, ("T -> 0: the validation NLL falls with the temperature (every validation "
                       "label has the largest logit)")
-    b = brentq(lambda v: _nll_slope(scaled, labels, v), low, high, xtol=1e-14 * high,
+    b = brentq(lambda v: _nll_slope(scaled, gaps, v), low, high, xtol=1e-14 * high,
                rtol=1e-12)
     return spread / b, None
 
