@@ -106,6 +106,8 @@ class Batcher:
         if error := check_batch_wait(batch_wait):
             raise ValueError(f"batch wait {error}")
         self.engine, self.metrics = engine, metrics
+        # read at each scrape: a compile whose callers left before it ended runs no batch
+        metrics.compilations.set_function(lambda: engine.compilations)
         self.batch_wait = batch_wait
         self.max_batch_images = min(
             max_batch_images or engine.max_batch_images, engine.max_batch_images
@@ -353,7 +355,6 @@ class Batcher:
         self.metrics.batch_images.observe(n)
         self.metrics.batches.labels("{}x{}".format(*batch[0][0].grid)).inc()
         self.metrics.padding_images.inc(bucket - n)
-        self.metrics.compilations.set(self.engine.compilations)
         with self._cond:
             self._pending -= n
             self.metrics.queue_images.set(self._pending)

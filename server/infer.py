@@ -270,12 +270,13 @@ class Infer:
     async def run(self, admitted: Admitted) -> EmbedResult:
         """Decode, batch, compute and finish an admitted call."""
         call, start = admitted.call, admitted.start
+        begun = time.monotonic()  # preprocessing from here: a stream's wait for room is not in it
         try:
             pre = self.preprocessor(call.geometry)
             with self.tracing.step("preprocess", images=len(call.images)):
                 pixels, indices, errors = await self._preprocess(call, pre)
             preprocessed = time.monotonic()
-            self.metrics.preprocess_seconds.observe(preprocessed - start)
+            self.metrics.preprocess_seconds.observe(preprocessed - begun)
             self.batcher.release(admitted.held - len(indices))
             admitted.held = len(indices)
             result = EmbedResult(admitted.outputs, Features(), errors=errors)
@@ -308,7 +309,7 @@ class Infer:
         result.preprocess_hash = pre.hash
         if pixels is not None:
             result.grid = self.engine.cfg.grid_at(*pixels.shape[1:3])
-        result.timings.preprocess_s = preprocessed - start
+        result.timings.preprocess_s = preprocessed - begun
         if result.features.nbytes > INLINE_FINISH_BYTES:  # large: keep the event loop free
             await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._finish, call, result

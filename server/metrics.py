@@ -33,7 +33,8 @@ class Metrics:
         self.images = Counter(
             "vit22b_images",
             "Images by outcome: computed, invalid, rejected (queue full), "
-            "expired (deadline passed in the queue, not computed), cancelled (caller gone)",
+            "expired (deadline passed in the queue, not computed), cancelled (caller gone), "
+            "non_finite (computed, then refused: NaN or Inf)",
             ["outcome"],
             registry=r,
         )

@@ -34,11 +34,17 @@ METHOD_HANDLERS = {
 }
 
 
+class NoMessage(InvalidRequest):
+    """A unary call that ended its requests with none. Also what the handler reads when gRPC
+    refused the message itself (over the server's receive limit): the client then has
+    RESOURCE_EXHAUSTED, and this refusal finds the call ended."""
+
+
 async def only_message(context: grpc.aio.ServicerContext, method: str) -> bytes:
     """The request message of a unary method registered as request-streaming."""
     raw = await context.read()
     if raw is grpc.aio.EOF:
-        raise InvalidRequest(f"{method} takes one request message; the call was closed with none")
+        raise NoMessage(f"{method} takes one request message; the call was closed with none")
     return raw
 
 

@@ -29,7 +29,7 @@ from vit22b.v1 import wire
 
 from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
-from .parsing import only_message
+from .parsing import NoMessage, only_message
 from .status import refuse, status_of
 
 log = logging.getLogger(__name__)
@@ -193,14 +193,19 @@ class FeatureService:
         message = str(err) or type(err).__name__
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=err)
-        else:
-            log.info("%s refused: %s: %s", method, code.name, message[:300])
-        self.metrics.requests.labels(method, code.name).inc()
         # the image at fault, as its request (or stream message) lists it: a client that split
         # its input into requests names it by the caller's own index (``wire.IMAGE_INDEX``)
         trailing = ((wire.IMAGE_INDEX, str(err.index)),) if isinstance(err, InvalidImage) and (
             err.index is not None) else ()
-        await refuse(context, code, message, trailing)
+        try:
+            await refuse(context, code, message, trailing)
+        except asyncio.CancelledError:  # gRPC had ended the call: logged and counted as that
+            code, message = ended_by_grpc(context, err)
+            raise
+        finally:
+            if code != grpc.StatusCode.INTERNAL:
+                log.info("%s refused: %s: %s", method, code.name, message[:300])
+            self.metrics.requests.labels(method, code.name).inc()
 
     @contextlib.asynccontextmanager
     async def _call(self, method: str, context):
@@ -215,7 +220,8 @@ class FeatureService:
             try:
                 yield
             except asyncio.CancelledError:
-                self.metrics.requests.labels(method, "CANCELLED").inc()
+                code, _ = ended_by_grpc(context)
+                self.metrics.requests.labels(method, code.name).inc()
                 raise
             except Exception as err:  # noqa: BLE001 - mapped through the status table
                 await self._abort(method, context, err)
@@ -359,6 +365,21 @@ def check_response_size(
             f"the message limit of {limit} bytes (--max-message-mb); send fewer images per "
             "request"
         )
+
+
+def ended_by_grpc(context, err: Exception | None = None) -> tuple[grpc.StatusCode, str]:
+    """The status gRPC itself gave a call that ended before its handler answered (the handler
+    is told only that it ended): DEADLINE_EXCEEDED once its deadline has passed;
+    RESOURCE_EXHAUSTED when the handler read no message (``err``: ``NoMessage``), since gRPC
+    refuses a message over the receive limit before the handler sees it (a client that
+    cancels before it sends one reads the same); else CANCELLED, the client gone."""
+    left = context.time_remaining()
+    if left is not None and left <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
+    if isinstance(err, NoMessage):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+            "the request message was over the message limit (--max-message-mb): refused by gRPC")
+    return grpc.StatusCode.CANCELLED, "the client cancelled the call"
 
 
 def _settle(task: asyncio.Future) -> None:

@@ -286,6 +286,33 @@ def test_a_stream_larger_than_the_queue_waits_instead_of_failing():
         srv.stop()
 
 
+def test_a_streams_wait_for_queue_room_is_not_timed_as_preprocessing():
+    """The third message of this stream waits 1.5 s for room (the forward held): that wait was
+    counted in vit22b_preprocess_seconds and the response's preprocess_ms."""
+    srv = start_server(max_queue_images=32, max_request_images=16, max_delay_ms=0)
+    hold = threading.Event()
+    original = srv.engine.forward
+
+    def held(images, outputs):
+        hold.wait(10)
+        return original(images, outputs)
+
+    srv.engine.forward = held
+    try:
+        threading.Timer(1.5, hold.set).start()
+        requests = [embed_request(16) for _ in range(3)]
+        responses = list(stub(srv.address).EmbedStream(iter(requests), timeout=60))
+        assert len(responses) == 3 and responses[2].timings.total_ms > 1000  # it waited
+        assert all(r.timings.preprocess_ms < 500 for r in responses)
+        samples = metrics(srv)
+        assert metric(samples, "vit22b_preprocess_seconds_count") == 3
+        assert metric(samples, "vit22b_preprocess_seconds_sum") < 0.5
+    finally:
+        hold.set()
+        del srv.engine.forward
+        srv.stop()
+
+
 def test_a_stream_whose_deadline_cannot_be_met_gets_resource_exhausted():
     srv = start_server(max_queue_images=16, max_request_images=16, max_delay_ms=0)
     try:
@@ -352,6 +379,50 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypa
         monkeypatch.setattr(engine_module, "CACHE_IDLE_S", 0.0)
         client.Embed(embed_request(1, patch_layers=[2]), timeout=60)
         assert len(engine._used) == 1 and all(k[1].patch_layers == (2,) for k in engine._compiled)
+
+
+def test_calls_that_expire_or_leave_while_their_compile_runs_are_counted_as_they_ended():
+    """A call whose deadline passes while its forward compiles: the client sees
+    DEADLINE_EXCEEDED and so does the requests metric (it counted CANCELLED); one the client
+    cancels is CANCELLED. The compile goes on and is counted once it is done, though no batch
+    ran after it (the gauge was set only when a batch ran)."""
+    cfg = get_config("vit-22b-tiny/16")
+    mesh = make_mesh(MESH)
+    engine = Engine(cfg, shard_params(cfg, random_params(cfg, 7), mesh), mesh, fingerprint="g",
+                    source="s", max_batch_images=8)  # nothing warm: every forward on demand
+    compiling, release = threading.Event(), threading.Event()
+    original = engine._compile
+
+    def held_compile(*key):
+        compiling.set()
+        release.wait(60)
+        return original(*key)
+
+    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    with BackgroundServer(config, engine=engine) as srv:
+        engine._compile = held_compile
+        client = stub(srv.address)
+        with pytest.raises(grpc.RpcError) as err:
+            client.Embed(embed_request(1), timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and compiling.is_set()
+        call = client.Embed.future(embed_request(1), timeout=60)
+        time.sleep(0.3)
+        call.cancel()
+
+        def requests(code: str) -> float:
+            return metric(metrics(srv), "vit22b_requests_total", method="Embed", code=code)
+
+        wait_for(lambda: requests("DEADLINE_EXCEEDED") + requests("CANCELLED") == 2)
+        assert requests("DEADLINE_EXCEEDED") == 1 and requests("CANCELLED") == 1
+        release.set()
+        wait_for(lambda: engine.compilations == 1)
+        wait_for(lambda: metric(metrics(srv), "vit22b_queue_images") == 0)
+        samples = metrics(srv)
+        assert metric(samples, "vit22b_on_demand_compilations") == 1
+        assert metric(samples, "vit22b_batch_images_count") == 0  # no batch ran after it
+        assert metric(samples, "vit22b_images_total", outcome="expired") == 1
+        assert metric(samples, "vit22b_images_total", outcome="cancelled") == 1
+        del engine._compile
 
 
 def _server_with_norm_scale(scale: float) -> BackgroundServer:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import struct
 import threading
+import urllib.request
 import zlib
 
 import grpc
@@ -13,7 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from serving import (
+    ROOT,
     assert_same_rows,
     in_process,
     metric,
@@ -23,6 +27,7 @@ from serving import (
     raw_image,
     start_server,
     stub,
+    wait_for,
 )
 from vit22b.clients import FeatureClient, FeatureError
 from vit22b.model import OutputRequest, get_config
@@ -354,9 +359,19 @@ def test_bad_input_is_invalid_argument_and_the_server_survives(server, case):
 def test_message_over_the_size_limit_is_resource_exhausted(server):
     s = stub(server.address)
     big = np.zeros((300, 300, 3), np.uint8)  # 270 kB raw, over the 256 kB limit
+    before = metrics(server)
     with pytest.raises(grpc.RpcError) as info:
         s.Embed(pb.EmbedRequest(images=[raw_image(big)]), timeout=30)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def counted(code: str) -> float:
+        return (metric(metrics(server), "vit22b_requests_total", method="Embed", code=code)
+                - metric(before, "vit22b_requests_total", method="Embed", code=code))
+
+    # gRPC refuses the message itself and the handler reads none: counted as what the client
+    # got (it was counted INVALID_ARGUMENT, as a call closed with no message)
+    wait_for(lambda: counted("RESOURCE_EXHAUSTED") == 1)
+    assert counted("INVALID_ARGUMENT") == 0
     _assert_still_serving(server)
 
 
@@ -376,6 +391,20 @@ def test_invalid_images_are_counted_in_metrics(server):
     assert metric(samples, "vit22b_images_total", outcome="invalid") >= len(IMAGE_LEVEL)
     assert metric(samples, "vit22b_requests_total", method="Embed", code="INVALID_ARGUMENT") > 0
     assert metric(samples, "vit22b_queue_images") == 0  # nothing leaked from failed calls
+
+
+def test_the_readme_lists_every_exported_metric(server):
+    """The README's metrics table names each series /metrics exports, and no other (it named 3
+    of 11)."""
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    exported = {f.name + ("_total" if f.type == "counter" else "")
+                for f in text_string_to_metric_families(text)
+                if f.name.startswith("vit22b_") and not f.name.endswith("_created")}
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### Metrics\n", 1)[1].split("\n#", 1)[0]
+    listed = set(re.findall(r"^\| `(vit22b_\w+)`", table, re.MULTILINE))
+    assert exported and listed == exported
 
 
 def _assert_still_serving(server) -> None:
