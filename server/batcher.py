@@ -75,7 +75,7 @@ class Job:
     parts: list = field(default_factory=list)  # (first row, features) per batch
     started: float | None = None
     compute_s: float = 0.0
-    cancelled: bool = False
+    cancelled: bool = False  # the caller is gone: ``Batcher.withdraw``
     batches: list[BatchRecord] = field(default_factory=list)
 
     @property
@@ -86,10 +86,6 @@ class Job:
     def key(self) -> tuple[OutputRequest, tuple[int, int]]:
         """What jobs packed into one batch share: the output set and the grid."""
         return self.outputs, self.grid
-
-    def cancel(self) -> None:
-        """Called from any thread when the caller is gone; the batcher drops the rest."""
-        self.cancelled = True
 
 
 class Batcher:
@@ -155,6 +151,13 @@ class Batcher:
             self.metrics.queue_images.set(self._pending)
             if not self._decoding:  # queued rows need wait no longer for them
                 self._cond.notify()
+
+    def withdraw(self, job: Job) -> None:
+        """The caller is gone (from any thread): the compute thread drops the job's rows not
+        yet in a batch now, not at its next wake-up (a compile it waits on may take minutes)."""
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify()
 
     def submit(
         self,
@@ -247,6 +250,9 @@ class Batcher:
                     bucket = self.engine.bucket(min(ready, limit))
                     if self._compiled(bucket, head):
                         return self._take(head)
+                expiry = [j.deadline - now for j in self._queue if j.deadline is not None]
+                if expiry:  # a job waiting on its compile still expires on time
+                    wait = max(0.0, min(expiry if wait is None else [*expiry, wait]))
                 self._cond.wait(wait)
 
     def _limit(self, head: Job) -> int:

@@ -286,7 +286,7 @@ class Infer:
                 try:
                     done = await job.future
                 except asyncio.CancelledError:
-                    job.cancel()
+                    self.batcher.withdraw(job)
                     raise
                 finally:
                     self.tracing.job(job)

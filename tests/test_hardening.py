@@ -384,8 +384,9 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypa
 def test_calls_that_expire_or_leave_while_their_compile_runs_are_counted_as_they_ended():
     """A call whose deadline passes while its forward compiles: the client sees
     DEADLINE_EXCEEDED and so does the requests metric (it counted CANCELLED); one the client
-    cancels is CANCELLED. The compile goes on and is counted once it is done, though no batch
-    ran after it (the gauge was set only when a batch ran)."""
+    cancels is CANCELLED. Both leave the queue while the compile still runs (a cancelled one
+    held its room until the compile ended). The compile goes on and is counted once it is
+    done, though no batch ran after it (the gauge was set only when a batch ran)."""
     cfg = get_config("vit-22b-tiny/16")
     mesh = make_mesh(MESH)
     engine = Engine(cfg, shard_params(cfg, random_params(cfg, 7), mesh), mesh, fingerprint="g",
@@ -405,6 +406,9 @@ def test_calls_that_expire_or_leave_while_their_compile_runs_are_counted_as_they
         with pytest.raises(grpc.RpcError) as err:
             client.Embed(embed_request(1), timeout=1.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and compiling.is_set()
+        # dropped at its deadline, with nothing else to wake the batcher
+        wait_for(lambda: metric(metrics(srv), "vit22b_images_total", outcome="expired") == 1,
+                 timeout=5)
         call = client.Embed.future(embed_request(1), timeout=60)
         time.sleep(0.3)
         call.cancel()
@@ -414,14 +418,16 @@ def test_calls_that_expire_or_leave_while_their_compile_runs_are_counted_as_they
 
         wait_for(lambda: requests("DEADLINE_EXCEEDED") + requests("CANCELLED") == 2)
         assert requests("DEADLINE_EXCEEDED") == 1 and requests("CANCELLED") == 1
+        wait_for(lambda: metric(metrics(srv), "vit22b_queue_images") == 0, timeout=5)
+        samples = metrics(srv)
+        assert metric(samples, "vit22b_images_total", outcome="expired") == 1
+        assert metric(samples, "vit22b_images_total", outcome="cancelled") == 1
+        assert engine.compilations == 0  # still compiling
         release.set()
         wait_for(lambda: engine.compilations == 1)
-        wait_for(lambda: metric(metrics(srv), "vit22b_queue_images") == 0)
         samples = metrics(srv)
         assert metric(samples, "vit22b_on_demand_compilations") == 1
         assert metric(samples, "vit22b_batch_images_count") == 0  # no batch ran after it
-        assert metric(samples, "vit22b_images_total", outcome="expired") == 1
-        assert metric(samples, "vit22b_images_total", outcome="cancelled") == 1
         del engine._compile
 
 
