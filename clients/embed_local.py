@@ -19,6 +19,7 @@ from vit22b.server.cpu_devices import prefer_wide_vectors
 
 prefer_wide_vectors()  # the server's XLA:CPU codegen setting, before jax starts (if not already)
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from vit22b.model.config import ViTConfig  # noqa: E402
 from vit22b.model.errors import InvalidImage, InvalidRequest  # noqa: E402
@@ -31,7 +32,13 @@ from vit22b.model.pixels import (  # noqa: E402
     check_pixels,
     decode,
 )
-from vit22b.server.engine import Engine, auto_mesh, stored_config  # noqa: E402
+from vit22b.server.engine import (  # noqa: E402
+    AUTO_DTYPE,
+    Engine,
+    auto_mesh,
+    chosen_dtype,
+    stored_config,
+)
 from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 
 from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored  # noqa: E402
@@ -105,13 +112,15 @@ class LocalBackend:
         checkpoint: str | None = None,
         mesh: str = "auto",
         seed: int = 0,
-        compute_dtype: str | None = None,
+        compute_dtype: str | None = AUTO_DTYPE,
         batch_size: int = 32,
         concurrency: int = 2,
         engine: Engine | None = None,
         max_image_pixels: int = 0,
     ):
-        """``max_image_pixels``: the decoded-size guard (0: the server's default)."""
+        """``compute_dtype``: as `vit22b embed --local`'s (``auto`` by default; None: the
+        model's own on every host); ``max_image_pixels``: the decoded-size guard (0: the
+        server's default)."""
         self.engine = engine or Engine.load(
             model, checkpoint, mesh, seed=seed, compute_dtype=compute_dtype,
             max_batch_images=batch_size,
@@ -171,6 +180,14 @@ def check_fits(engine: Engine, grid: tuple[int, int], what: str) -> None:
             f"{math.isqrt(budget) * engine.cfg.patch} pixels)")
 
 
+def in_process_config(cfg: ViTConfig) -> ViTConfig:
+    """``cfg`` computing in the dtype ``auto`` resolves to here, as `vit22b serve` and
+    `vit22b embed --local` do by default (float32 in place of bfloat16 on a CPU without bf16
+    instructions): in-process and served features of one model are then computed alike."""
+    dtype = chosen_dtype(cfg.compute_dtype, AUTO_DTYPE, jax.devices()[0].platform)
+    return cfg.replace(compute_dtype=dtype)
+
+
 @functools.lru_cache(maxsize=4)
 def seeded_engine(cfg: ViTConfig, seed: int, batch_size: int) -> Engine:
     """A preset or config with seeded weights on the auto mesh (kept: probes ask again)."""
@@ -202,7 +219,9 @@ def features_in_process(
     path without a server. Random weights from ``seed`` unless ``params`` are given;
     ``resolution``: the square input size (0: the model's own); ``ids``: one per image, named
     with its index when it cannot be used (a file's path, say). ``images`` may be an iterator
-    (files read as they are needed): at most ``IN_PROCESS_CHUNK`` of them are held at once."""
+    (files read as they are needed): at most ``IN_PROCESS_CHUNK`` of them are held at once.
+    The compute dtype is the config's as ``auto`` resolves it (``in_process_config``)."""
+    cfg = in_process_config(cfg)
     if params is None:
         engine = seeded_engine(cfg, seed, batch_size)
     else:

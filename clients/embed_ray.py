@@ -113,7 +113,7 @@ class EngineActors:
     checkpoint: str | None = None
     mesh: str = "auto"
     seed: int = 0
-    compute_dtype: str | None = None
+    compute_dtype: str | None = "auto"  # LocalBackend's (the CLI's default)
     num_gpus: float | None = None
     num_cpus: float = 1.0
     max_image_pixels: int = 0  # LocalBackend's (0: the default)

@@ -69,6 +69,20 @@ def actor_pids() -> set[int]:
     return pids
 
 
+
+def test_the_python_api_computes_in_the_dtype_the_cli_does():
+    """`vit22b embed --local`'s --compute-dtype defaults to auto; LocalBackend and EngineActors
+    took the model's own dtype (None), so the README's Ray example computed bf16 where the CLI
+    computes float32 on a CPU without bf16 instructions."""
+    import dataclasses
+    import inspect
+
+    from vit22b.clients.embed_cli import EmbedSettings
+
+    cli = {f.name: f.default for f in dataclasses.fields(EmbedSettings)}["compute_dtype"]
+    local = inspect.signature(LocalBackend).parameters["compute_dtype"].default
+    assert cli == "auto" and local == cli and EngineActors().compute_dtype == cli
+
 def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, dataset,
                                                              tmp_path):
     data, good, bad = dataset
@@ -83,8 +97,9 @@ def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, da
     local = LocalBackend(SPEC, engine=shared_engine(), concurrency=1)
     run_job(config(data, tmp_path / "local"), local)
     local.close()
-    summary = embed_with_ray(config(data, tmp_path / "engine"), EngineActors(mesh=MESH),
-                             concurrency=1)
+    # the model's own dtype, as shared_engine's (the default, auto, differs on CPUs without bf16)
+    summary = embed_with_ray(config(data, tmp_path / "engine"),
+                             EngineActors(mesh=MESH, compute_dtype=None), concurrency=1)
     assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
     assert read_dir(tmp_path / "engine") == read_dir(tmp_path / "local")  # manifest included
 

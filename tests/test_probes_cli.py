@@ -312,6 +312,20 @@ def test_a_class_folder_probe_names_its_bad_file_whole_by_either_path(server, tm
     assert "Traceback" not in err and err.count("\n") == 1
 
 
+def test_in_process_features_compute_in_the_dtype_auto_resolves_to(monkeypatch):
+    """On a CPU without bf16 instructions `vit22b serve` and `vit22b embed --local` compute the
+    bfloat16 default model in float32 (`--compute-dtype auto`); the probes' in-process features
+    computed it in bfloat16, so a probe gave other features without a server than with one."""
+    from vit22b.model import DEFAULT_MODEL, get_config
+    from vit22b.server import engine
+
+    monkeypatch.setattr(engine, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    images = shapes_world(4, seed=5).images
+    as_served = get_config(DEFAULT_MODEL).replace(compute_dtype="float32")
+    np.testing.assert_array_equal(features_from_model(images, batch_size=4).pooled,
+                                  features_from_model(images, as_served, batch_size=4).pooled)
+
+
 # ---- against a real server, and an embed output folder ------------------------------------
 
 
