@@ -46,6 +46,7 @@ OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
 GRID = "grid"  # a dense job's array of each image's patch grid (rows, cols)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 FORMAT_CHOICES = tuple(FORMATS)
+STOP_POLL_S = 0.1  # how often the job's thread looks at JobConfig.stop while batches run
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,9 @@ class JobConfig:
     format: str = "npy"  # how shards are stored: FORMAT_CHOICES
     video: Sampling | None = None  # a job over videos (embed_video): frames sampled per video
     on_shard: Callable[[int], None] | None = None  # called after each shard is written
+    # set to stop (the CLI's first Ctrl-C): no batch is started after it, those in flight end
+    # and their finished shards are written, then the job raises KeyboardInterrupt
+    stop: threading.Event | None = None
 
 
 @dataclass
@@ -428,10 +432,16 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
         t.start()
     total = sum(len(slices[k]) for k in pending)
     bar = progress_bar(total, config.quiet)
-    alive, remaining, reported = len(threads), len(pending), set()
+    alive, remaining, reported, stopping = len(threads), len(pending), set(), False
     try:
         while remaining and alive:
-            kind, what, payload = results.get()
+            if config.stop is not None and config.stop.is_set() and not stopping:
+                stopping = True
+                tasks.close()  # each worker ends its batch, then goes idle
+            try:
+                kind, what, payload = results.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                continue
             if kind == "done":
                 (shard, index, batch), result = what, payload
                 bar.update(len(batch))
@@ -455,6 +465,8 @@ def _run_pending(config, backend, items, slices, pending, store, summary) -> Non
                 raise JobFailed(f"{what} failed: {type(payload).__name__}: {payload}") from payload
             else:  # idle: the queue was empty when it looked
                 alive -= 1
+        if stopping and remaining:
+            raise KeyboardInterrupt
         if remaining:
             raise JobFailed(
                 f"every worker is gone ({', '.join(summary.lost_workers) or 'none left'}); "

@@ -12,9 +12,13 @@ job over videos (clients/embed_video.py, either runner): inputs narrowed to vide
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 
 from vit22b.model.config import parse_seed
 from vit22b.model.outputs import OutputRequest
@@ -200,6 +204,35 @@ def make_backend(args: EmbedSettings, spec: OutputSpec):
     return backend
 
 
+INTERRUPTED = "vit22b embed: interrupted; rerun the same command to resume"
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c():
+    """SIGINT as a request to stop (the event it yields): no batch starts after it, those in
+    flight end and their shards are written; a second SIGINT exits 130 at once. Python's own
+    KeyboardInterrupt lands wherever the main thread is: inside JAX's load and compile (and its
+    gc callbacks) it was lost (the job ran on to exit 0) or crashed the interpreter at exit."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signals reach the main thread only: nothing to install
+        return
+
+    def requested(signum, frame) -> None:
+        if stop.is_set():
+            os.write(2, f"{INTERRUPTED}\n".encode())  # not print: it may be mid-write
+            os._exit(130)  # written shards are whole (storage.py) and resume
+        stop.set()
+        os.write(2, b"vit22b embed: stopping: batches in flight finish and their shards are "
+                    b"written (Ctrl-C again to stop at once)\n")
+
+    previous = signal.signal(signal.SIGINT, requested)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def ray_runner(args: EmbedSettings):
     """The Ray runner with the backend's actors (each builds its backend, not this process)."""
     from .embed_ray import EngineActors, RayRunner, ServerActors
@@ -250,11 +283,15 @@ def run(args: argparse.Namespace) -> int:
         # fail fast, before the model
         items = enumerate_inputs(config.inputs, config.extensions, config.output)
         made = OutputStore.prepare(config.output)
-        backend = make_backend(options, spec)
-        if options.runner == "ray":
+        if options.runner == "ray":  # the engines are in Ray's processes, Ray's own Ctrl-C
+            backend = make_backend(options, spec)
             summary = backend.run(config, items)
         else:
-            summary = run_job(config, backend, items)
+            with stop_on_ctrl_c() as stop:
+                backend = make_backend(options, spec)
+                if stop.is_set():  # asked while the model loaded
+                    raise KeyboardInterrupt
+                summary = run_job(replace(config, stop=stop), backend, items)
     except (InputListError, JobMismatch, OutputsError, ValueError) as err:
         print(f"vit22b embed: {err}", file=sys.stderr)
         return 2
@@ -268,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
               "same command to resume", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("vit22b embed: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - only a storage library's own failures end here
         if (failure := storage_failure(err)) is None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import capped_cli, serve_process, serving_then_stopped
+from vit22b.clients.outputs import SHARDS_DIR, open_outputs
+from vit22b.clients.storage import TEMP_MARK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -311,3 +315,62 @@ def test_the_extras_table_follows_pyproject():
     assert extra_to_install("embed", "vit22b.server") is None  # ours: a bug, not an extra
     assert extra_to_install("probe", "jax") == "probes"
     assert extra_to_install("serve", "av") == "video"
+
+
+def _ctrl_c_job(tmp_path: Path) -> tuple[str, ...]:
+    return ("embed", str(tmp_path / "data"), "-o", str(tmp_path / "out"), "--local",
+            "--batch-size", "1", "--shard-size", "1", "--concurrency", "1", "--quiet")
+
+
+def _embed_until(tmp_path: Path, ready, signals: int = 1) -> tuple[subprocess.Popen, str]:
+    """`vit22b embed --local` of 200 images a shard each, sent ``signals`` SIGINTs once
+    ``ready(output)`` holds; returns the process (ended) and its stderr."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    for i in range(200):
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(data / f"{i:03d}.png")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "vit22b.clients.cli", *_ctrl_c_job(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    _, err = proc.communicate(timeout=120)
+    return proc, err
+
+
+def _shards(out: Path) -> list[Path]:
+    return [p for p in (out / SHARDS_DIR).glob("*") if TEMP_MARK not in p.name] \
+        if (out / SHARDS_DIR).is_dir() else []
+
+
+def test_embed_local_stops_at_ctrl_c_while_the_model_loads(tmp_path):
+    """Python's KeyboardInterrupt landed inside JAX's load and compile: it was lost in a gc
+    callback (the job ran on and exited 0) or crashed the interpreter at exit (-11). Ctrl-C is
+    now a request the job acts on once the model has loaded: 130, the output folder it made
+    removed (no job ran)."""
+    proc, err = _embed_until(tmp_path, lambda out: out.exists())
+    assert proc.returncode == 130, err
+    assert "vit22b embed: stopping: " in err and err.rstrip().endswith(
+        "vit22b embed: interrupted; rerun the same command to resume"), err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_embed_local_ctrl_c_finishes_the_batches_in_flight_and_resumes(tmp_path):
+    proc, err = _embed_until(tmp_path, lambda out: bool(_shards(out)))
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    job = vit22b(*_ctrl_c_job(tmp_path))
+    assert job.returncode == 0, job.stderr
+    embedded, skipped = map(int, re.match(r"embedded (\d+), skipped (\d+) ", job.stdout).groups())
+    assert skipped >= 1 and embedded + skipped == 200  # what ran is kept, and not run again
+    outputs = open_outputs(str(tmp_path / "out"), verify=True)
+    assert sorted(outputs.ids) == [f"{i:03d}.png" for i in range(200)]
+
+
+def test_embed_local_second_ctrl_c_stops_at_once(tmp_path):
+    proc, err = _embed_until(tmp_path, lambda out: out.exists(), signals=2)
+    assert proc.returncode == 130, err
+    assert "Ctrl-C again to stop at once" in err and "interrupted; rerun" in err
