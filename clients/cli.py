@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(handler(args) or 0)
     except ModuleNotFoundError as err:  # also one imported on first use (jax for `info`)
         return _missing(name, err)
+    except KeyboardInterrupt:  # Ctrl-C where a command has no stop of its own: no traceback
+        print(f"vit22b {name}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `vit22b models | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint
         return 0

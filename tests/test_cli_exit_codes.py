@@ -374,3 +374,18 @@ def test_embed_local_second_ctrl_c_stops_at_once(tmp_path):
     proc, err = _embed_until(tmp_path, lambda out: out.exists(), signals=2)
     assert proc.returncode == 130, err
     assert "Ctrl-C again to stop at once" in err and "interrupted; rerun" in err
+
+
+def test_ctrl_c_in_a_command_without_a_stop_of_its_own_is_one_line_and_130(monkeypatch, capsys):
+    """A real SIGINT inside a command's handler (a probe's, say) printed Python's traceback and
+    the process died by the signal."""
+    import types
+
+    from vit22b.clients import cli
+
+    module = types.ModuleType("interrupted_command")
+    module.add_arguments = lambda name, parser: lambda args: signal.raise_signal(signal.SIGINT)
+    monkeypatch.setitem(sys.modules, "interrupted_command", module)
+    monkeypatch.setitem(cli.COMMANDS, "probe", ("interrupted_command", "a probe"))
+    assert cli.main(["probe"]) == 130
+    assert capsys.readouterr().err == "vit22b probe: interrupted\n"
