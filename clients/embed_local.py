@@ -147,11 +147,15 @@ class LocalBackend:
                                 max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
 
     def warm_up(self) -> None:
-        """Compile every batch bucket before the clock (and the progress bar) starts (dense:
-        each grid compiles when it first comes)."""
+        """Compile a full batch's forward before the clock (and the progress bar) starts; a
+        shorter batch's bucket (the last, or one with refused images) compiles when it first
+        comes, as each dense grid does: a small job no longer compiled every bucket (10 for
+        the tiny model at batch 32, 17 s of a one-image job's 38 s here)."""
         if not self.geometry.dense:
             size = self.geometry.resolution or self.engine.cfg.image_size
-            self.engine.warm_up([self.request], [self.engine.cfg.grid_at(size, size)])
+            grid = self.engine.cfg.grid_at(size, size)
+            full = self.engine.plan.buckets_for(grid)[-1]
+            self.engine.compiled(full, self.request, grid, warm=True)
 
     def workers(self) -> list[LocalWorker]:
         return [LocalWorker(self.local, self.spec, self.geometry, f"local-{i}")
