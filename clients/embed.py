@@ -322,10 +322,7 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
     """What must match for a resumed job to continue a directory."""
     spec = config.spec
     return {
-        "model": model.name,
-        "checkpoint_fingerprint": model.fingerprint,
-        "preprocess_hash": model.preprocess_hash,
-        "compute_dtype": model.compute_dtype,
+        **model.described(),
         "outputs": names,
         "dtype": spec.dtype,
         "l2_normalize": spec.l2_normalize,

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from vit22b.model.config import ViTConfig  # noqa: E402
 from vit22b.model.errors import InvalidImage, InvalidRequest  # noqa: E402
 from vit22b.model.features import Features  # noqa: E402
-from vit22b.model.identity import seeded_source  # noqa: E402
+from vit22b.model.identity import ModelIdentity, seeded_source  # noqa: E402
 from vit22b.model.outputs import OutputRequest  # noqa: E402
 from vit22b.model.pixels import (  # noqa: E402
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -218,13 +218,14 @@ def features_in_process(
     batch_size: int = 32,
     resolution: int = 0,
     ids: Iterable[str] | None = None,
-) -> Features:
-    """Features of uint8 images or encoded bytes through the facade, in process: the probes'
-    path without a server. Random weights from ``seed`` unless ``params`` are given;
-    ``resolution``: the square input size (0: the model's own); ``ids``: one per image, named
-    with its index when it cannot be used (a file's path, say). ``images`` may be an iterator
-    (files read as they are needed): at most ``IN_PROCESS_CHUNK`` of them are held at once.
-    The compute dtype is the config's as ``auto`` resolves it (``in_process_config``)."""
+) -> tuple[Features, ModelIdentity]:
+    """Features of uint8 images or encoded bytes through the facade, in process, and the
+    identity of what made them (at the geometry): the probes' path without a server. Random
+    weights from ``seed`` unless ``params`` are given; ``resolution``: the square input size
+    (0: the model's own); ``ids``: one per image, named with its index when it cannot be used
+    (a file's path, say). ``images`` may be an iterator (files read as they are needed): at
+    most ``IN_PROCESS_CHUNK`` of them are held at once. The compute dtype is the config's as
+    ``auto`` resolves it (``in_process_config``)."""
     cfg = in_process_config(cfg)
     if params is None:
         engine = seeded_engine(cfg, seed, batch_size)
@@ -252,4 +253,4 @@ def features_in_process(
             offset += len(chunk)
     if not parts:
         raise InvalidRequest("no images to embed")
-    return Features.concat(parts)
+    return Features.concat(parts), engine.identity.at(cfg, Geometry(size))

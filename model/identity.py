@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 from .config import ViTConfig
 from .outputs import supported_kinds
 
+# how a manifest and a report name ``ModelIdentity.key``'s fields
+KEY_NAMES = ("model", "checkpoint_fingerprint", "preprocess_hash", "compute_dtype")
+
 
 @dataclass(frozen=True)
 class ModelIdentity:
@@ -58,6 +61,10 @@ class ModelIdentity:
     def key(self) -> tuple[str, str, str, str]:
         """What must agree for two features to be comparable."""
         return (self.name, self.fingerprint, self.preprocess_hash, self.compute_dtype)
+
+    def described(self) -> dict[str, str]:
+        """``key`` by ``KEY_NAMES``, as an embed manifest and a probe's report record it."""
+        return dict(zip(KEY_NAMES, self.key, strict=True))
 
 
 def seeded_source(seed: int) -> str:

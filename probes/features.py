@@ -152,14 +152,22 @@ def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:
             arrays["patch_tokens"][int(layer)] = value
         else:
             arrays[kind] = value
-    identity = outputs.manifest.get("identity", {})
-    meta = {
-        "source": str(path),
-        "model": identity.get("model"),
-        "checkpoint_fingerprint": identity.get("checkpoint_fingerprint"),
-        "preprocess_hash": identity.get("preprocess_hash"),
-    }
+    meta = {"source": str(path), **identity_meta(outputs.manifest.get("identity", {}))}
     return features_from_outputs(arrays, meta), outputs.paths
+
+
+def identity_meta(identity) -> dict:
+    """What made the features, as a report records it (``KEY_NAMES``): from a
+    ``ModelIdentity``, a response's ``ModelRef`` or an embed manifest's identity (a dict; an
+    older one may lack a field)."""
+    from vit22b.model.identity import KEY_NAMES, ModelIdentity
+    from vit22b.v1 import wire
+
+    if isinstance(identity, dict):
+        return {name: identity.get(name) for name in KEY_NAMES}
+    if isinstance(identity, ModelIdentity):
+        return identity.described()
+    return dict(zip(KEY_NAMES, wire.identity_of_ref(identity), strict=True))
 
 
 def load_features(source) -> Features:
@@ -210,7 +218,6 @@ def features_from_model(
     from vit22b.clients.embed_local import features_in_process
     from vit22b.model import DEFAULT_MODEL, OutputRequest, ViTConfig, get_config
     from vit22b.model.errors import InvalidImage
-    from vit22b.model.pixels import Geometry, Preprocessor
 
     cfg = model if isinstance(model, ViTConfig) else get_config(model or DEFAULT_MODEL)
     request = OutputRequest(
@@ -222,14 +229,14 @@ def features_from_model(
     pixels = (image if isinstance(image, (bytes, bytearray, memoryview)) else np.asarray(image)
               for image in images)  # read as the embedding gets to them
     try:  # the server's own path: the same pixels, batching and finishing as served
-        features = features_in_process(cfg, pixels, request, params=params, seed=seed,
-                                       batch_size=batch_size, resolution=resolution, ids=ids)
+        features, identity = features_in_process(cfg, pixels, request, params=params,
+                                                 seed=seed, batch_size=batch_size,
+                                                 resolution=resolution, ids=ids)
     except InvalidImage as err:  # an image with an id (a file's path) is named by it whole
         raise DataError(f"{err.image_id}: {err.reason}" if err.image_id else str(err)) from None
     size = resolution or cfg.image_size
     meta = {
-        "model": cfg.name,
-        "preprocess_hash": Preprocessor(cfg, Geometry(size)).hash,
+        **identity_meta(identity),
         "num_tokens": cfg.tokens_at(cfg.grid_at(size, size)),
         "resolution": size,
         "source": f"in-process {cfg.name} (seed {seed})" if params is None else "in-process",
@@ -266,6 +273,7 @@ def features_from_server(
     import json
 
     from vit22b.clients import FeatureClient
+    from vit22b.v1 import wire
 
     outputs = ["pooled"] + ["attention_stats"] * attention_stats + ["logits"] * logits
     with FeatureClient(address, **client_kwargs) as client:
@@ -281,10 +289,8 @@ def features_from_server(
                         + "; ".join(named) + (f"; and {more} more" if more else ""))
     config = json.loads(info.config_json or "{}")
     meta = {
-        "source": address,
-        "model": result.model.name if result.model else info.model.name,
-        "checkpoint_fingerprint": info.model.fingerprint,
-        "preprocess_hash": result.model.preprocess_hash if result.model else "",
+        "source": address,  # the response's identity: its geometry's hash
+        **identity_meta(result.model if result.model else wire.identity_of(info)),
         "num_tokens": (result.grid[0] * result.grid[1] if result.grid else info.num_patches)
         + int(bool(config.get("class_token"))),
         "resolution": resolution or info.preprocessing.image_size,

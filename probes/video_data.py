@@ -160,9 +160,11 @@ def video_features(
             info = client.model_info()
         pooled = np.stack([np.asarray(v.pooled, np.float32) for v in result.videos])
         stamps = np.stack([v.timestamps for v in result.videos])
-        meta = {"source": server, "model": info.model.name,
-                "checkpoint_fingerprint": info.model.fingerprint,
-                "preprocess_hash": info.model.preprocess_hash}
+        from vit22b.v1 import wire
+
+        from .features import identity_meta
+
+        meta = {"source": server, **identity_meta(wire.identity_of(info))}
         return pooled, stamps, meta
     from .features import features_from_model
 
@@ -192,9 +194,9 @@ def video_features_from_embed_folder(path) -> tuple[np.ndarray, np.ndarray, list
                         "reads a `vit22b embed --frames K` output with pooled features")
     if not len(outputs):
         raise DataError(f"{path}: the embed output holds no embedded videos yet")
+    from .features import identity_meta
+
     identity = outputs.manifest.get("identity", {})
-    meta = {"source": str(path), "model": identity.get("model"),
-            "checkpoint_fingerprint": identity.get("checkpoint_fingerprint"),
-            "preprocess_hash": identity.get("preprocess_hash"), "video": identity.get("video")}
+    meta = {"source": str(path), **identity_meta(identity), "video": identity.get("video")}
     frames = np.asarray(outputs[name], np.float32)
     return frames, np.asarray(outputs[TIMESTAMPS]), outputs.paths, meta

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import capped_cli, self_signed, start_server
+from vit22b.clients import FeatureClient
 from vit22b.clients.cli import main
+from vit22b.model.identity import KEY_NAMES
 from vit22b.probes.data import shapes_world
 from vit22b.probes.features import features_from_model, features_from_server
 from vit22b.probes.heads import LinearHead, save_head
@@ -342,7 +344,10 @@ def test_server_features_match_in_process_features(server):
     local = features_from_model(images, patch_layers=(3,), attention_stats=True)
     assert sorted(remote.patch_tokens) == [0, 1, 2, 3]  # "auto": 4 evenly spaced of 4 blocks
     assert remote.meta["model"] == "vit-22b-tiny/16" and remote.meta["num_tokens"] == 16
-    assert remote.meta["preprocess_hash"] == local.meta["preprocess_hash"]
+    # the whole identity, compute dtype and fingerprint included (in-process features had
+    # neither): same seed, same weights, same dtype as `auto` resolves it
+    assert {k: remote.meta[k] for k in KEY_NAMES} == {k: local.meta[k] for k in KEY_NAMES}
+    assert remote.meta["compute_dtype"] in ("bfloat16", "float32")
     # Same seed, same preprocessing; the server shards bf16 matmuls over a 2x4 mesh.
     np.testing.assert_allclose(remote.pooled, local.pooled, atol=0.05, rtol=0.05)
     np.testing.assert_allclose(remote.patch_tokens[3], local.patch_tokens[3], atol=0.05, rtol=0.05)
@@ -391,6 +396,11 @@ def test_probes_read_an_embed_output_folder(server, tmp_path, capsys):
     linear = _report(tmp_path, "linear")
     assert linear["num_images"] == 40 and linear["num_classes"] == len(set(world.shape))
     assert linear["features"]["model"] == "vit-22b-tiny/16"
+    with FeatureClient(server) as client:
+        served = client.model_info().model  # the embed output's, as served
+    assert {k: linear["features"][k] for k in KEY_NAMES} == dict(
+        zip(KEY_NAMES, (served.name, served.fingerprint, served.preprocess_hash,
+                        served.compute_dtype), strict=True))
     masks = str(tmp_path / "masks")
     assert main(["probe", "segmentation", "--features", str(embedded), "--masks", masks,
                  "--steps", "20", "--out", str(tmp_path)]) == 0  # fmt: skip
