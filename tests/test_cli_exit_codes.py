@@ -322,9 +322,10 @@ def _ctrl_c_job(tmp_path: Path) -> tuple[str, ...]:
             "--batch-size", "1", "--shard-size", "1", "--concurrency", "1", "--quiet")
 
 
-def _embed_until(tmp_path: Path, ready, signals: int = 1) -> tuple[subprocess.Popen, str]:
-    """`vit22b embed --local` of 200 images a shard each, sent ``signals`` SIGINTs once
-    ``ready(output)`` holds; returns the process (ended) and its stderr."""
+def _embed_until(tmp_path: Path, ready, signals: int = 1,
+                 after: float = 0.0) -> tuple[subprocess.Popen, str]:
+    """`vit22b embed --local` of 200 images a shard each, sent ``signals`` SIGINTs ``after``
+    seconds once ``ready(output)`` holds; returns the process (ended) and its stderr."""
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     for i in range(200):
@@ -335,6 +336,7 @@ def _embed_until(tmp_path: Path, ready, signals: int = 1) -> tuple[subprocess.Po
     deadline = time.monotonic() + 120
     while not ready(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    time.sleep(after)
     for _ in range(signals):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.2)
@@ -352,7 +354,8 @@ def test_embed_local_stops_at_ctrl_c_while_the_model_loads(tmp_path):
     callback (the job ran on and exited 0) or crashed the interpreter at exit (-11). Ctrl-C is
     now a request the job acts on once the model has loaded: 130, the output folder it made
     removed (no job ran)."""
-    proc, err = _embed_until(tmp_path, lambda out: out.exists())
+    # the output folder is made just before the model loads (for seconds: jax's import alone)
+    proc, err = _embed_until(tmp_path, lambda out: out.exists(), after=0.5)
     assert proc.returncode == 130, err
     assert "vit22b embed: stopping: " in err and err.rstrip().endswith(
         "vit22b embed: interrupted; rerun the same command to resume"), err
@@ -371,7 +374,7 @@ def test_embed_local_ctrl_c_finishes_the_batches_in_flight_and_resumes(tmp_path)
 
 
 def test_embed_local_second_ctrl_c_stops_at_once(tmp_path):
-    proc, err = _embed_until(tmp_path, lambda out: out.exists(), signals=2)
+    proc, err = _embed_until(tmp_path, lambda out: out.exists(), signals=2, after=0.5)
     assert proc.returncode == 130, err
     assert "Ctrl-C again to stop at once" in err and "interrupted; rerun" in err
 
