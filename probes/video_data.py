@@ -29,6 +29,7 @@ from .data import (
     _silhouette,
     check_world_bytes,
 )
+from .features import identity_meta
 
 DIRECTIONS = ("approaching", "receding")
 _LOG_DEPTH_TRAVEL = 0.8  # log-depth change over a clip: sizes change by e^0.8 = 2.2x
@@ -162,8 +163,6 @@ def video_features(
         stamps = np.stack([v.timestamps for v in result.videos])
         from vit22b.v1 import wire
 
-        from .features import identity_meta
-
         meta = {"source": server, **identity_meta(wire.identity_of(info))}
         return pooled, stamps, meta
     from .features import features_from_model
@@ -194,8 +193,6 @@ def video_features_from_embed_folder(path) -> tuple[np.ndarray, np.ndarray, list
                         "reads a `vit22b embed --frames K` output with pooled features")
     if not len(outputs):
         raise DataError(f"{path}: the embed output holds no embedded videos yet")
-    from .features import identity_meta
-
     identity = outputs.manifest.get("identity", {})
     meta = {"source": str(path), **identity_meta(identity), "video": identity.get("video")}
     frames = np.asarray(outputs[name], np.float32)
