@@ -692,3 +692,26 @@ def test_the_folders_an_output_needs_are_made_and_unmade_as_spelled(tmp_path, mo
     (tmp_path / "kept" / "out" / "manifest.json").write_text("{}")  # the job wrote
     OutputStore.unprepare(made)
     assert (tmp_path / "kept" / "out" / "shards").is_dir()
+
+
+def test_a_local_job_compiles_a_full_batch_before_it_starts_and_the_rest_as_they_come(tmp_path):
+    """Its warm-up compiled every bucket (10 at batch 32) before the first image, whatever the
+    job's size; now the full batch's alone, and a shorter batch's when it first comes."""
+    from serving import MESH
+    from vit22b.clients.embed_local import LocalBackend
+    from vit22b.server.engine import Engine
+
+    engine = Engine.load(mesh=MESH, max_batch_images=8)
+    backend = LocalBackend(OutputSpec(), engine=engine, batch_size=8, concurrency=1)
+    backend.warm_up()
+    compiled = [b for b in engine.buckets if engine.is_compiled(b, backend.request)]
+    assert engine.buckets[-1] == 8 and compiled == [8]
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(data / f"{i}.png")
+    summary = run_job(JobConfig([str(data)], str(tmp_path / "out"), batch_size=8, quiet=True),
+                      backend)
+    assert summary.complete and summary.embedded == 3
+    assert [b for b in engine.buckets if engine.is_compiled(b, backend.request)] == [3, 8]
+    backend.close()
