@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import DataError
+from .features import write_npz
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,18 @@ class LinearHead:
         return logits
 
 
-def save_head(path: str | Path, head: LinearHead) -> None:
+def save_head(path: str | Path, head: LinearHead) -> Path:
+    """Write ``head`` to ``path`` (``.npz`` appended when missing, as ``np.savez`` does), whole
+    or not at all: a failed write (a full disk) leaves the file it replaces as it was. Returns
+    the path written."""
+    path = Path(path)
+    if path.suffix != ".npz":
+        path = path.with_name(path.name + ".npz")
     arrays = {"kernel": head.kernel.astype(np.float32), "bias": head.bias.astype(np.float32)}
     if head.class_names:
         arrays["class_names"] = np.asarray(head.class_names, dtype=str)
-    np.savez(path, **arrays)
+    write_npz(path, arrays)
+    return path
 
 
 def load_head(path: str | Path) -> LinearHead:

@@ -1,6 +1,8 @@
 """Probe metrics against values computed by hand: calibration, shape bias, kNN, ridge, splits."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -364,6 +366,32 @@ def test_head_file_round_trip_and_logits(tmp_path):
     np.testing.assert_allclose(loaded.logits(pooled), pooled @ head.kernel + head.bias, rtol=1e-6)
     with pytest.raises(DataError, match="input width 8"):
         loaded.logits(np.ones((2, 7), np.float32))
+
+
+_SAVE_CAPPED = """
+import resource, signal, sys
+import numpy as np
+from vit22b.probes.heads import LinearHead, save_head
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails with EFBIG, as ENOSPC
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+try:
+    save_head(sys.argv[1], LinearHead(np.ones((256, 256), np.float32), np.zeros(256, np.float32)))
+except OSError as err:
+    print(err)
+"""
+
+
+def test_a_head_write_that_fails_leaves_the_old_head(tmp_path):
+    """np.savez wrote in place: a full disk left a truncated head under the final name."""
+    old = LinearHead(np.eye(4, 2, dtype=np.float32), np.zeros(2, np.float32), ("a", "b"))
+    assert save_head(tmp_path / "head", old) == tmp_path / "head.npz"  # np.savez's naming
+    out = subprocess.run([sys.executable, "-c", _SAVE_CAPPED, str(tmp_path / "head.npz")],
+                         capture_output=True, text=True, timeout=120)
+    assert "File too large" in out.stdout and "head.npz" in out.stdout, out
+    kept = load_head(tmp_path / "head.npz")
+    np.testing.assert_array_equal(kept.kernel, old.kernel)
+    assert kept.class_names == ("a", "b")
+    assert [p.name for p in tmp_path.iterdir()] == ["head.npz"]  # no temporary left
 
 
 def test_bad_head_files_are_refused_with_the_reason(tmp_path):
