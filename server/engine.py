@@ -31,6 +31,7 @@ import os
 import stat
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,7 +93,8 @@ def enable_compile_cache(directory: str) -> str:
     version; returns that folder. JAX keys each entry by the program, the compile options
     (the folder's path among them) and the devices, and stores it zlib-compressed: an entry
     read while another process writes it, or damaged since, fails zlib's check and is compiled
-    afresh (a warning), so processes may share the folder. The version folder keeps a cache
+    afresh (a warning), so processes may share the folder; such an entry is then removed, so
+    that the program compiled afresh is written in its place. The version folder keeps a cache
     written by another install from being read at all."""
     import jaxlib
 
@@ -103,6 +105,7 @@ def enable_compile_cache(directory: str) -> str:
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _remove_unreadable_when_warned()
     return folder
 
 
@@ -120,14 +123,56 @@ def _check_cache_folder(folder: str) -> None:
     if problem:
         raise ValueError(f"entry {problem}")
     # JAX writes an entry in place and never replaces one: an entry a full disk left empty
-    # would fail to load (and compile afresh) at every start. One cut short still does: only
-    # reading it whole would tell (JAX warns and compiles it afresh).
+    # would fail to load (and compile afresh) at every start. One cut short is found only by
+    # reading it whole: _remove_unreadable_when_warned does that when JAX could not read one.
     for entry in os.scandir(folder):
         if entry.name.endswith("-cache") and entry.is_file(follow_symlinks=False) and \
                 entry.stat(follow_symlinks=False).st_size == 0:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
                 log.info("compile cache: removed the empty entry %s", entry.name)
+
+
+_UNREADABLE_ENTRY = "Error reading persistent compilation cache entry"  # JAX's warning
+
+
+def _remove_unreadable_when_warned() -> None:
+    """When JAX warns that it could not read an entry (one cut short by a process killed while
+    writing it, or damaged since), remove the cache's entries that no longer decompress.
+    JAX compiles that program afresh, and writes it only where no entry is: without this, the
+    damaged entry cost a compile at every start (minutes for ViT-22B). The check reads every
+    entry, so it runs only after such a warning. An entry another process is writing at that
+    moment may be removed too: it is compiled afresh at a later start."""
+    shown = warnings.showwarning
+    if getattr(shown, "removes_unreadable_entries", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        folder = jax.config.jax_compilation_cache_dir
+        if folder and str(message).startswith(_UNREADABLE_ENTRY):
+            _remove_unreadable_entries(folder)
+        shown(message, category, filename, lineno, file, line)
+
+    showwarning.removes_unreadable_entries = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
+
+
+def _remove_unreadable_entries(folder: str) -> None:
+    from jax._src.compilation_cache import decompress_executable  # JAX's own codec (zlib, zstd)
+
+    for entry in os.scandir(folder):
+        if not (entry.name.endswith("-cache") and entry.is_file(follow_symlinks=False)):
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                decompress_executable(f.read())
+        except OSError:
+            continue  # gone, or unreadable to this user: JAX cannot write it either
+        except Exception as err:  # noqa: BLE001 - each codec raises its own error type
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                log.warning("compile cache: removed the unreadable entry %s (%s)", entry.name,
+                            err)
 
 
 def chosen_dtype(default: str, asked: str | None, platform: str) -> str:

@@ -8,12 +8,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from jax._src.compilation_cache import decompress_executable
 from serving import (
     assert_same_rows,
     in_process,
@@ -356,6 +358,41 @@ def test_empty_compile_cache_entries_are_removed_at_start(tmp_path):
     (folder / "notes").write_bytes(b"")
     _check_cache_folder(str(folder))
     assert sorted(p.name for p in folder.iterdir()) == ["jit_forward-11aa-cache", "notes"]
+
+
+_COMPILE_ONCE = """
+import logging, sys
+import jax, jax.numpy as jnp
+from vit22b.server.engine import enable_compile_cache
+logging.basicConfig(level=logging.WARNING)
+enable_compile_cache(sys.argv[1])
+x = jnp.arange(12.0).reshape(3, 4)
+print(float(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum())(x)))
+"""
+
+
+def test_an_unreadable_compile_cache_entry_is_written_afresh(tmp_path):
+    """JAX never replaces an entry: one cut short (a process killed while writing it) was
+    read, refused by zlib and compiled afresh at every start."""
+
+    def start() -> str:
+        done = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout + done.stderr
+
+    first = start()
+    entries = [p for p in tmp_path.rglob("*-cache") if "sin" in p.name or "lambda" in p.name]
+    assert len(entries) == 1, sorted(p.name for p in tmp_path.rglob("*"))
+    whole = entries[0].read_bytes()
+    entries[0].write_bytes(whole[: len(whole) // 2])
+    second = start()
+    assert "Error reading persistent compilation cache entry" in second
+    assert f"removed the unreadable entry {entries[0].name}" in second
+    decompress_executable(entries[0].read_bytes())  # written whole in its place
+    third = start()
+    assert "Error reading" not in third and "removed" not in third
+    assert first.splitlines()[0] == second.splitlines()[0] == third.splitlines()[0]
 
 
 def test_a_warm_compile_cache_gives_identical_outputs(tmp_path):
