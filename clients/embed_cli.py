@@ -40,8 +40,10 @@ from .embed_store import JobMismatch, OutputStore
 from .embed_video import video_arrays
 from .outputs import OutputsError
 from .settings import (
+    COMPILE_CACHE_HELP,
     COMPUTE_DTYPE_HELP,
     compute_dtype,
+    default_compile_cache,
     non_negative,
     parse_tls,
     positive,
@@ -108,6 +110,9 @@ class EmbedSettings:
         0, "local: the largest decoded image, in pixels (a decompression bomb guard; default "
         "the server's, 40,000,000); a server states its own",
         check=non_negative)
+    compile_cache: str | None = setting(
+        None, f"local: {COMPILE_CACHE_HELP} (default: vit22b serve's, "
+        "$XDG_CACHE_HOME/vit22b/xla, else ~/.cache/vit22b/xla)")
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(
@@ -151,6 +156,8 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
         raise ValueError("--dense is for images: a video job stores frames of one grid")
     if options.max_image_pixels and options.server:
         raise ValueError("--max-image-pixels is the local job's bound (a server states its own)")
+    if options.compile_cache and options.server:
+        raise ValueError("--compile-cache is the local engine's (a server keeps its own)")
     if options.max_dense_patches and (options.server or not options.dense):
         raise ValueError("--max-dense-patches is the local --dense bound (a server states its "
                          "own)")
@@ -199,7 +206,8 @@ def make_backend(args: EmbedSettings, spec: OutputSpec):
     backend = LocalBackend(spec, model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
                            seed=args.seed, compute_dtype=args.compute_dtype,
                            batch_size=args.batch_size, concurrency=args.concurrency,
-                           max_image_pixels=args.max_image_pixels)
+                           max_image_pixels=args.max_image_pixels,
+                           compile_cache=args.compile_cache or default_compile_cache())
     backend.warm_up()
     return backend
 
@@ -242,7 +250,8 @@ def ray_runner(args: EmbedSettings):
     else:
         actors = EngineActors(model=args.model, checkpoint=args.checkpoint, mesh=args.mesh,
                               seed=args.seed, compute_dtype=args.compute_dtype,
-                              max_image_pixels=args.max_image_pixels)
+                              max_image_pixels=args.max_image_pixels,
+                              compile_cache=args.compile_cache)
     return RayRunner(actors, concurrency=args.concurrency, address=args.ray_address,
                      max_retries=args.ray_max_retries)
 

@@ -38,6 +38,7 @@ from vit22b.server.engine import (  # noqa: E402
     auto_mesh,
     chosen_dtype,
     stored_config,
+    use_compile_cache,
 )
 from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 
@@ -117,10 +118,14 @@ class LocalBackend:
         concurrency: int = 2,
         engine: Engine | None = None,
         max_image_pixels: int = 0,
+        compile_cache: str | None = None,
     ):
         """``compute_dtype``: as `vit22b embed --local`'s (``auto`` by default; None: the
         model's own on every host); ``max_image_pixels``: the decoded-size guard (0: the
-        server's default)."""
+        server's default); ``compile_cache``: JAX's persistent compilation cache folder, as
+        `vit22b serve --compile-cache` (None: none)."""
+        if engine is None:
+            use_compile_cache(compile_cache)
         self.engine = engine or Engine.load(
             model, checkpoint, mesh, seed=seed, compute_dtype=compute_dtype,
             max_batch_images=batch_size,

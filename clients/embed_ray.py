@@ -73,6 +73,7 @@ from .embed import (
 from .embed_inputs import InputItem
 from .embed_store import JobMismatch, ShardWriter
 from .outputs import OutputsError
+from .settings import default_compile_cache
 
 MAX_RETRIES = 3  # runs of a shard after the first whose worker process died (--ray-max-retries)
 
@@ -117,6 +118,7 @@ class EngineActors:
     num_gpus: float | None = None
     num_cpus: float = 1.0
     max_image_pixels: int = 0  # LocalBackend's (0: the default)
+    compile_cache: str | None = None  # LocalBackend's on each actor's node (None: its default)
 
     def backend(self, spec: OutputSpec, batch_size: int):
         from .embed_local import LocalBackend  # jax, in the actor's process
@@ -124,7 +126,8 @@ class EngineActors:
         return LocalBackend(spec, model=self.model, checkpoint=self.checkpoint, mesh=self.mesh,
                             seed=self.seed, compute_dtype=self.compute_dtype,
                             batch_size=batch_size, concurrency=1,
-                            max_image_pixels=self.max_image_pixels)
+                            max_image_pixels=self.max_image_pixels,
+                            compile_cache=self.compile_cache or default_compile_cache())
 
     def identity(self, spec: OutputSpec, batch_size: int) -> ModelIdentity:
         """Loaded once in a Ray task on an actor's resources (the driver may have no GPU and

@@ -23,12 +23,12 @@ from vit22b.v1 import features_pb2 as pb
 
 from .auth import TokenAuth, Tokens, check_tls_pair, read_tokens, server_credentials
 from .batcher import Batcher
-from .engine import Engine, Executor, enable_compile_cache, stored_config
+from .engine import Engine, Executor, stored_config, use_compile_cache
 from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
 from .parsing import ParsingRegistrar
 from .service import SERVICE_NAME, FeatureService
-from .settings import ServeConfig, default_compile_cache
+from .settings import ServeConfig
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -99,20 +99,7 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
     """The engine of these settings, compiled for every warm output set (``executor``: how
     batches run; default one process)."""
     check_sizes(config, stored_config(config.model, config.checkpoint))  # before any weight
-    if config.compile_cache and config.compile_cache != "off":
-        try:
-            log.info("compilation cache: %s", enable_compile_cache(config.compile_cache))
-        except OSError as err:
-            problem = f"cannot create {err.filename}: {err.strerror}"
-            if config.compile_cache != default_compile_cache():
-                raise ValueError(f"--compile-cache {config.compile_cache}: {problem} (give a "
-                                 "folder, or 'off')") from None
-            # not asked for: a read-only home (a container's) costs compiles, not the start
-            log.warning("compilation cache off: %s (--compile-cache to choose a folder)",
-                        problem)
-        except ValueError as err:
-            raise ValueError(f"--compile-cache {config.compile_cache}: {err} (remove it, or "
-                             "'off')") from None
+    use_compile_cache(config.compile_cache)
     engine = Engine.load(
         model=config.model,
         checkpoint_dir=config.checkpoint,

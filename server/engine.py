@@ -41,6 +41,7 @@ from typing import Protocol
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from vit22b.clients.settings import default_compile_cache
 from vit22b.model.config import DEFAULT_MODEL, ViTConfig, get_config
 from vit22b.model.errors import QueueFull, odd_entry
 from vit22b.model.features import Features
@@ -86,6 +87,25 @@ def stored_config(model: str | None, checkpoint_dir: str | None) -> ViTConfig:
     if checkpoint_dir:
         return checkpoint.read_metadata(checkpoint_dir).config
     return get_config(model or DEFAULT_MODEL)
+
+
+def use_compile_cache(directory: str | None) -> None:
+    """`--compile-cache` of every command that builds an engine: ``directory`` (None or 'off':
+    none). The default folder, when it cannot be made (a read-only home, as a container's),
+    leaves the cache off with a warning: it costs compiles, not the start; a folder given is
+    refused (ValueError naming the flag)."""
+    if not directory or directory == "off":
+        return
+    try:
+        log.info("compilation cache: %s", enable_compile_cache(directory))
+    except OSError as err:
+        problem = f"cannot create {err.filename}: {err.strerror}"
+        if directory != default_compile_cache():
+            raise ValueError(f"--compile-cache {directory}: {problem} (give a folder, or "
+                             "'off')") from None
+        log.warning("compilation cache off: %s (--compile-cache to choose a folder)", problem)
+    except ValueError as err:
+        raise ValueError(f"--compile-cache {directory}: {err} (remove it, or 'off')") from None
 
 
 def enable_compile_cache(directory: str) -> str:

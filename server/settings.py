@@ -9,10 +9,12 @@ import os
 from dataclasses import dataclass
 
 from vit22b.clients.settings import (
+    COMPILE_CACHE_HELP,
     COMPUTE_DTYPE_HELP,
     at_most,
     check,
     compute_dtype,
+    default_compile_cache,
     non_negative,
     positive,
     setting,
@@ -57,11 +59,6 @@ def check_batch_wait(value: str) -> str | None:
     """What is wrong with a batch wait policy, or None (the setting's check and the batcher's)."""
     return None if value in BATCH_WAITS else (
         f"must be one of {', '.join(BATCH_WAITS)}, got {value!r}")
-
-
-def default_compile_cache() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return os.path.join(base, "vit22b", "xla")
 
 
 def _port_or_off(text: str) -> int | None:
@@ -223,9 +220,7 @@ class ServeConfig:
     max_compiled: int = setting(
         64, "compiled forwards kept besides the warm ones; a new output set beyond them is "
         "refused while all are in recent use", check=positive)
-    compile_cache: str = setting(
-        default_compile_cache(), "JAX's persistent compilation cache (a folder per jax version; "
-        "shared safely between processes); 'off' compiles afresh at every start")
+    compile_cache: str = setting(default_compile_cache(), COMPILE_CACHE_HELP)
     warm_outputs: tuple[OutputRequest, ...] = setting(
         (POOLED,), "output set compiled before SERVING (repeatable), e.g. 'pooled' or "
         "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True)
