@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 
-from .settings import spell_bool_flags
+from .settings import spell_flags
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         parser = argparse.ArgumentParser(prog=f"vit22b {name}", description=help_)
         handler = module.add_arguments(name, parser)
-        args = parser.parse_args(spell_bool_flags(parser, argv[1:]))
+        args = parser.parse_args(spell_flags(parser, argv[1:]))
         return int(handler(args) or 0)
     except ModuleNotFoundError as err:  # also one imported on first use (jax for `info`)
         return _missing(name, err)

@@ -87,8 +87,8 @@ class EmbedSettings:
                                         parse=compute_dtype)
     outputs: str = setting("pooled", f"comma-separated of {', '.join(OUTPUT_CHOICES)}")
     layers: tuple[int, ...] | None = setting(
-        None, "patch-token layers, e.g. --layers=-1,6 (with '=': argparse takes '-1,6' alone "
-        "for a flag; implies patch_tokens; default -1)", parse=_layers)
+        None, "patch-token layers, e.g. --layers -1,6 (implies patch_tokens; default -1)",
+        parse=_layers)
     dtype: str = setting("float32", f"stored dtype: {', '.join(DTYPE_CHOICES)}",
                          check=_one_of(DTYPE_CHOICES))
     l2_normalize: bool = setting(False, "L2-normalise pooled features")

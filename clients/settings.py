@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -139,23 +140,41 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def spell_bool_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
-    """``args`` with each boolean flag that no true or false follows spelled ``--flag=true``.
+# A value made of negative numbers: argparse takes a token starting with '-' for a flag unless
+# it is one number, so `--layers -1,-4` was "expected one argument".
+_NEGATIVE_NUMBERS = re.compile(r"-\d+(\.\d+)?(,\s*-?\d+(\.\d+)?)*")
 
-    A boolean flag takes an optional value (``--quiet false`` for the variable's symmetry), so
-    argparse would take the argument after a bare one as its value: ``vit22b embed --quiet
-    photos/ -o out`` refused ``photos/`` as a boolean. What follows a bare flag stays itself."""
+
+def spell_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` spelled so that argparse reads them as a user means them.
+
+    - A boolean flag that no true or false follows becomes ``--flag=true``: a boolean flag
+      takes an optional value (``--quiet false`` for the variable's symmetry), so argparse took
+      the argument after a bare one as its value (``vit22b embed --quiet photos/ -o out``
+      refused ``photos/`` as a boolean). What follows a bare flag stays itself.
+    - A flag taking one value, followed by a list of numbers starting with a negative one
+      (``--layers -1,-4``), becomes ``--layers=-1,-4``.
+    """
     flags = {option for action in parser._actions if action.type is _bool
              for option in action.option_strings}
-    spelled = []
-    for at, token in enumerate(args):
+    valued = {option for action in parser._actions
+              if action.option_strings and action.nargs is None and action.type is not _bool
+              and not isinstance(action, argparse._StoreConstAction | argparse._HelpAction)
+              for option in action.option_strings}
+    spelled: list[str] = []
+    at = 0
+    while at < len(args):
+        token = args[at]
         if token == "--":
             return spelled + args[at:]
         after = args[at + 1] if at + 1 < len(args) else "-"
         if token in flags and not after.startswith("-") and (
                 after.strip().lower() not in TRUE_WORDS + FALSE_WORDS):
             token += "=true"
+        elif token in valued and _NEGATIVE_NUMBERS.fullmatch(after):
+            token, at = f"{token}={after}", at + 1
         spelled.append(token)
+        at += 1
     return spelled
 
 

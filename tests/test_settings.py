@@ -185,7 +185,7 @@ def test_a_bare_boolean_flag_leaves_the_argument_after_it_alone():
     settings.add_arguments(parser, EmbedSettings, {})
 
     def parsed(*argv):
-        args = parser.parse_args(settings.spell_bool_flags(parser, list(argv)))
+        args = parser.parse_args(settings.spell_flags(parser, list(argv)))
         return args.inputs, args.quiet, args.l2_normalize, args.output
 
     assert parsed("--quiet", "photos/", "-o", "out") == (["photos/"], True, False, "out")
@@ -196,3 +196,25 @@ def test_a_bare_boolean_flag_leaves_the_argument_after_it_alone():
     assert parsed("photos/", "--quiet", "YES", "--l2-normalize") == (["photos/"], True, True,
                                                                      None)
     assert parsed("--quiet", "--", "--l2-normalize") == (["--l2-normalize"], True, False, None)
+
+
+def test_a_flag_takes_a_list_of_negative_numbers_as_its_value(capsys):
+    """``--layers -1,-4`` was argparse's "expected one argument" (a token starting with '-' is a
+    flag unless it is one number): in `vit22b embed` and `vit22b probe` alike."""
+    from vit22b.clients.cli import main
+    from vit22b.clients.embed_cli import EmbedSettings
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("inputs", nargs="+")
+    parser.add_argument("--output", "-o")
+    settings.add_arguments(parser, EmbedSettings, {})
+    for argv, layers in ((["x", "--layers", "-1,-4"], (-1, -4)), (["x", "--layers", "-1, 6"],
+                         (-1, 6)), (["x", "--layers", "-1"], (-1,)), (["x", "--layers=-2,3"],
+                         (-2, 3)), (["x", "--layers", "2,-1"], (2, -1))):
+        args = parser.parse_args(settings.spell_flags(parser, argv))
+        assert (args.inputs, args.layers) == (["x"], layers), argv
+    spelled = settings.spell_flags(parser, ["x", "--layers", "-1,-4", "--", "--seed", "-1,-2"])
+    assert spelled == ["x", "--layers=-1,-4", "--", "--seed", "-1,-2"]  # '--' ends the flags
+    # the probe's own parser: --layers with --features is refused by its own rule, not argparse
+    assert main(["probe", "linear", "--features", "missing.npz", "--layers", "-1,-2"]) == 2
+    assert "--layers chooses the layers computed" in capsys.readouterr().err
