@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
@@ -15,6 +16,7 @@ from .client import (
     CLOSED_IN_FLIGHT,
     ClientBase,
     build_request,
+    check_fork,
     chunk_result,
     nothing_sent,
     start_embed,
@@ -32,6 +34,19 @@ class AsyncFeatureClient(ClientBase):
     _grpc = grpc.aio
     _loop: asyncio.AbstractEventLoop | None = None  # the loop its channels belong to
 
+    def _per_process(self) -> None:
+        super()._per_process()
+        self._loop = None  # its channels are made in the loop of its first call
+
+    def _after_fork(self) -> None:
+        global _FORKED_FROM_AIO
+        # grpc.aio's state is the process's: in a child forked while the parent held grpc.aio
+        # channels (closed or not, until collected), every grpc.aio call hangs past its
+        # deadline or crashes the child, in a client inherited or made there, with
+        # GRPC_ENABLE_FORK_SUPPORT or without
+        _FORKED_FROM_AIO = _FORKED_FROM_AIO or bool(self._channels)
+        super()._after_fork()
+
     def _pick(self, method: str):
         """grpc.aio's channels belong to the event loop they are made in: they are made at the
         first call, so a client made outside any loop (at import, before ``asyncio.run``)
@@ -39,6 +54,9 @@ class AsyncFeatureClient(ClientBase):
         (``asyncio.run`` after ``asyncio.run``)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop and not self.closed:
+            check_fork()
+            if _FORKED_FROM_AIO:
+                raise RuntimeError(FORKED_FROM_AIO)
             if self._loop is not None and not self._loop.is_closed():
                 raise RuntimeError(OTHER_LOOP)
             self._loop = loop
@@ -119,9 +137,13 @@ class AsyncFeatureClient(ClientBase):
 
     async def close(self) -> None:
         self.closed = True
-        if self._loop is asyncio.get_running_loop():  # another loop's channels end with it
-            for channel in self._channels:
-                await channel.close()
+        if self._loop is asyncio.get_running_loop():
+            await _close(self._channels)
+        elif self._loop is not None and self._loop.is_running():
+            # another thread's loop: its channels are closed there (their calls in flight end
+            # as they would here), not waited for; an ended loop's channels ended with it
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
+                asyncio.run_coroutine_threadsafe(_close(self._channels), self._loop)
 
     async def __aenter__(self) -> AsyncFeatureClient:
         return self
@@ -132,6 +154,17 @@ class AsyncFeatureClient(ClientBase):
 
 OTHER_LOOP = ("this AsyncFeatureClient's channels belong to another event loop, still open; "
               "make one client per event loop")
+FORKED_FROM_AIO = (
+    "grpc.aio does not work in a process made by fork from one holding an AsyncFeatureClient "
+    "that has made calls (closed or not, until it is garbage-collected): its calls would hang "
+    "or crash; start the worker processes with spawn or forkserver "
+    "(multiprocessing.get_context('spawn')), or use FeatureClient in them")
+_FORKED_FROM_AIO = False  # set in a child made by fork (``_after_fork``)
+
+
+async def _close(channels: list) -> None:
+    for channel in channels:
+        await channel.close()
 
 
 async def _done(entry: tuple, bar) -> Embeddings:

@@ -17,6 +17,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -294,6 +295,67 @@ CLOSED = "the client is closed"
 CLOSED_IN_FLIGHT = "the client was closed while the call was in flight"
 
 
+class _InGrpc:
+    """How many of this process's threads are in a gRPC call of the SDK's now, a session's
+    open stream counting one (its reader waits in gRPC until it ends)."""
+
+    def __init__(self) -> None:
+        self._lock, self.count = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self.count -= 1
+
+
+_IN_GRPC = _InGrpc()
+# Clients and sessions of this process: a child made by fork takes each up afresh (its
+# ``_after_fork``), and keeps the parent's channels and streams in ``_INHERITED``, never used,
+# closed or collected there.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_INHERITED: list = []
+# gRPC runs its fork handlers only when no thread is in a call: otherwise a child's gRPC is a
+# copy taken mid-call, where a call on an inherited channel hung past its deadline and new
+# channels' calls crashed the child (SIGABRT in the epoll poller) in up to half the pools tried.
+# Such a child refuses every call at once (``check_fork``).
+_AT_FORK = 0  # the SDK's threads in gRPC calls as this process forks (read in the child)
+_FORKED_MID_CALL = 0  # in a child: its parent's, or an ancestor's, at the fork
+
+
+def _before_fork() -> None:
+    global _AT_FORK
+    _AT_FORK = _IN_GRPC.count  # exact: the other threads cannot change it without the GIL
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED_MID_CALL
+    _FORKED_MID_CALL = _FORKED_MID_CALL or _AT_FORK
+    _IN_GRPC.__init__()  # its lock may have been held by a thread left in the parent
+    for live in list(_LIVE):
+        live._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+FORKED_MID_CALL = "this process was forked while its parent was in a gRPC call"
+
+
+def check_fork() -> None:
+    """Refuses a call in a child forked while the parent was in a gRPC call (see above)."""
+    if _FORKED_MID_CALL:
+        raise RuntimeError(
+            f"{FORKED_MID_CALL} of this SDK ({_FORKED_MID_CALL} at the fork; an open session "
+            "counts one): gRPC's state here is a copy taken mid-call, where calls hang or crash "
+            "the process, a new client's too. Close the parent's sessions and let its calls "
+            "end before forking (before a DataLoader's workers start, say), or start the "
+            "workers with spawn or forkserver (multiprocessing.get_context('spawn'), "
+            "DataLoader(multiprocessing_context='spawn'))")
+
+
 class ClientBase:
     """What both clients share: addresses, credentials, token, channel options, retries.
 
@@ -343,12 +405,39 @@ class ClientBase:
             # a key or a DER file failed at the first call, as a handshake gRPC cannot make
             raise ValueError(f"tls={os.fspath(tls)!r} holds no PEM certificate: give the trusted "
                              "roots (or the server's own certificate) as PEM")
-        self._credentials = grpc.ssl_channel_credentials(roots) if tls else None
+        self._tls, self._roots = bool(tls), roots
+        self._info: pb.ModelInfo | None = None
+        self._per_process()
+
+    def _per_process(self) -> None:
+        """What a client holds of this process alone: its channels (opened by its first call),
+        the round-robin's counter and lock. Made anew in a child made by fork (``_after_fork``:
+        no gRPC call there) and where a client is unpickled."""
         self._channels: list = []
         self._stubs: list = []
-        self._info: pb.ModelInfo | None = None
         self._next = itertools.count()
         self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    def _after_fork(self) -> None:
+        """In a child made by fork: the parent's channels are left as they are, neither used,
+        closed nor collected (a grpc.aio channel collected there spun for ever); this
+        process's own are opened at its first call, and its lock is free (another of the
+        parent's threads may have held it)."""
+        _INHERITED.append(self.__dict__.copy())
+        self._per_process()
+
+    def __getstate__(self) -> dict:
+        """A client pickles as its settings (its token included): a worker process started
+        by spawn or forkserver, a DataLoader's dataset holding it, opens its own channels."""
+        state = self.__dict__.copy()
+        for name in ("_channels", "_stubs", "_next", "_lock", "_loop"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._per_process()
 
     def _open(self) -> None:
         """A channel (and its stub) per address."""
@@ -358,8 +447,9 @@ class ClientBase:
         # server's per-connection bound) would block this client's calls too.
         options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
                    ("grpc.use_local_subchannel_pool", 1)]
-        if self._credentials is not None:
-            self._channels = [self._grpc.secure_channel(a, self._credentials, options)
+        if self._tls:
+            credentials = grpc.ssl_channel_credentials(self._roots)
+            self._channels = [self._grpc.secure_channel(a, credentials, options)
                               for a in self.addresses]
         else:
             self._channels = [self._grpc.insecure_channel(a, options) for a in self.addresses]
@@ -373,7 +463,10 @@ class ClientBase:
         """Round-robin: each call (and each retry) goes to the next address."""
         if self.closed:  # gRPC's own words for it differ by client kind and are not public
             raise RuntimeError(CLOSED)
+        check_fork()
         with self._lock:
+            if not self._stubs:  # its first call in this process
+                self._open()
             return getattr(self._stubs[next(self._next) % len(self._stubs)], method)
 
     def _backoff(self, err: grpc.RpcError, attempt: int, first: int, count: int) -> float:
@@ -424,10 +517,6 @@ def _image_index(err: grpc.RpcError) -> int | None:
 class FeatureClient(ClientBase):
     """Blocking client. ``with FeatureClient("127.0.0.1:50051") as c: c.embed(["a.jpg"])``."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._open()
-
     def _call(
         self, method: str, request, timeout: float | None = None, first: int = 0, count: int = 0,
         in_flight: _Calls | None = None,
@@ -438,15 +527,17 @@ class FeatureClient(ClientBase):
         for attempt in itertools.count():
             call = self._pick(method)
             try:
-                if in_flight is None:
-                    return call(request, timeout=self._timeout(timeout), metadata=self.metadata)
-                future = call.future(request, timeout=self._timeout(timeout),
-                                     metadata=self.metadata)
-                in_flight.add(future)
-                try:
-                    return future.result()
-                finally:
-                    in_flight.discard(future)
+                with _IN_GRPC:
+                    if in_flight is None:
+                        return call(request, timeout=self._timeout(timeout),
+                                    metadata=self.metadata)
+                    future = call.future(request, timeout=self._timeout(timeout),
+                                         metadata=self.metadata)
+                    in_flight.add(future)
+                    try:
+                        return future.result()
+                    finally:
+                        in_flight.discard(future)
             except grpc.RpcError as err:
                 time.sleep(self._backoff(err, attempt, first, count))
             except ValueError:  # gRPC's "closed channel", closed between the check and the call

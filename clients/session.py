@@ -27,6 +27,7 @@ the sender), so an overloaded server slows a session down instead of failing its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -41,6 +42,9 @@ import grpc
 from vit22b.v1 import features_pb2 as pb
 
 from .client import (
+    _IN_GRPC,
+    _INHERITED,
+    _LIVE,
     CLOSED_IN_FLIGHT,
     FeatureError,
     build_request,
@@ -171,11 +175,32 @@ class EmbedSession:
     """Blocking session (``FeatureClient.session()``); thread-safe."""
 
     def __init__(self, client, window: int = WINDOW):
-        self._client = client
-        self._lock = threading.Lock()
-        self._room = threading.Semaphore(window)
-        self._stream: _SyncStream | None = None
+        self._client, self._window = client, window
         self._closed = False
+        self._per_process()
+
+    def _per_process(self) -> None:
+        """Its stream (opened by the first call), lock and window: this process's alone, made
+        anew in a child made by fork and where a session is unpickled."""
+        self._lock = threading.Lock()
+        self._room = threading.Semaphore(self._window)
+        self._stream: _SyncStream | None = None
+        _LIVE.add(self)
+
+    def _after_fork(self) -> None:
+        """The parent's stream is left alone (its reader thread stayed in the parent: a request
+        queued on it waited out its whole timeout); the lock and the window are free (another
+        of the parent's threads may have held them)."""
+        _INHERITED.append(self.__dict__.copy())
+        self._per_process()
+
+    def __getstate__(self) -> dict:
+        """Pickled as its client (pickled as its settings) and window: a new stream there."""
+        return {"_client": self._client, "_window": self._window, "_closed": self._closed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._per_process()
 
     def embed(self, images, *, ids=None, batch_size: int | None = None,
               timeout: float | None = None, **options) -> Embeddings:
@@ -256,7 +281,12 @@ class _SyncStream:
         self._lock = threading.Lock()
         self.dead = False
         call = client._pick("EmbedStream")
-        self._responses = call(iter(self._outbox.get, _END), metadata=client.metadata)
+        _IN_GRPC.__enter__()  # until its reader ends
+        try:
+            self._responses = call(iter(self._outbox.get, _END), metadata=client.metadata)
+        except BaseException:
+            _IN_GRPC.__exit__()
+            raise
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name="vit22b-session-reader")
         self._reader.start()
@@ -279,6 +309,8 @@ class _SyncStream:
             err = None
         except grpc.RpcError as error:
             err = error
+        finally:
+            _IN_GRPC.__exit__()
         with self._lock:
             self.dead = True
             entries = list(self._pending)
@@ -297,9 +329,22 @@ class AsyncEmbedSession:
 
     def __init__(self, client, window: int = WINDOW):
         self._client, self._window = client, window
+        self._closed = False
+        self._per_process()
+
+    def _per_process(self) -> None:
+        """Its stream: bound to a loop of this process (``_bind``), made anew in a child made
+        by fork and where a session is unpickled."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: _AsyncStream | None = None
-        self._closed = False
+        _LIVE.add(self)
+
+    def _after_fork(self) -> None:
+        _INHERITED.append(self.__dict__.copy())
+        self._per_process()
+
+    __getstate__ = EmbedSession.__getstate__
+    __setstate__ = EmbedSession.__setstate__
 
     def _bind(self) -> None:
         """Its stream and window belong to one event loop, as the client's channels do: taken
@@ -385,8 +430,15 @@ class AsyncEmbedSession:
 
     async def close(self) -> None:
         self._closed = True
-        if self._stream is not None and self._loop is asyncio.get_running_loop():
-            await self._stream.close()  # another loop's stream ended with it
+        stream, loop = self._stream, self._loop
+        if stream is None:
+            return
+        if loop is asyncio.get_running_loop():
+            await stream.close()
+        elif loop.is_running():  # another thread's loop: ended there, not waited for
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
+                asyncio.run_coroutine_threadsafe(stream.close(), loop)
+        # (an ended loop's stream ended with it)
 
     async def __aenter__(self) -> AsyncEmbedSession:
         return self
