@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -98,6 +99,25 @@ class ShardWriter:
             "inputs_sha256": inputs_sha256,
             "files": files,
         }
+
+
+log = logging.getLogger(__name__)
+
+
+def _recorded_places(recorded: dict, now: dict, directory: str) -> dict:
+    """``recorded`` as this version writes it: a manifest of a version before the inputs
+    recorded where they are read from (``places_sha256``) holds their names and count alone,
+    and is taken to be of these places when those match (said once), so that a job begun
+    before an upgrade resumes after it."""
+    old, new = recorded.get("inputs"), now.get("inputs")
+    if not (isinstance(old, dict) and isinstance(new, dict)) or "places_sha256" in old:
+        return recorded
+    if old != {k: v for k, v in new.items() if k != "places_sha256"}:
+        return recorded
+    log.warning("%s: its manifest (an earlier vit22b's) does not record where its inputs were "
+                "read from; the same %d names are taken to be these files", directory,
+                new.get("count", 0))
+    return {**recorded, "inputs": new}
 
 
 def _identity_diff(old: dict, new: dict) -> list[str]:
@@ -209,8 +229,9 @@ class OutputStore:
             self.where.unlock()
 
     def _resume(self, manifest: dict) -> None:
-        diff = _identity_diff(manifest["identity"], self.identity)
-        if manifest["identity"].get("inputs") != self.identity.get("inputs"):
+        recorded = _recorded_places(manifest["identity"], self.identity, self.directory)
+        diff = _identity_diff(recorded, self.identity)
+        if recorded.get("inputs") != self.identity.get("inputs"):
             diff.append("  (the input list changed: files added, removed or renamed, or read "
                         "from another folder; shards are positions in the sorted list, so a "
                         "changed list needs a new --output)")

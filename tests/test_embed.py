@@ -404,6 +404,32 @@ def test_resume_refuses_other_options(engine, tmp_path):
         local_job(engine, data, out)
 
 
+def test_a_job_begun_before_the_inputs_recorded_their_places_resumes(engine, tmp_path, caplog):
+    """A manifest of an earlier version holds the inputs' names and count, not where they are
+    read from (``places_sha256``): its job was refused after an upgrade as "the input list
+    changed". Taken to be these places when the names match (said), refused when they do not."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_images(data, 9)
+    local_job(engine, data, out, shard_size=4)
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shards"] = [s for s in manifest["shards"] if s["index"] != 2]  # as if killed
+    manifest["complete"] = False
+    places = manifest["identity"]["inputs"].pop("places_sha256")
+    manifest_path.write_text(json.dumps(manifest))  # as the earlier version wrote it
+    with caplog.at_level("WARNING", logger="vit22b.clients.embed_store"):
+        summary = local_job(engine, data, out, shard_size=4)
+    assert (summary.embedded, summary.skipped, summary.complete) == (1, 8, True)
+    assert "does not record where its inputs were read from" in caplog.text
+    assert json.loads(manifest_path.read_text())["identity"]["inputs"]["places_sha256"] == places
+    manifest = json.loads(manifest_path.read_text())
+    manifest["identity"]["inputs"].pop("places_sha256")
+    manifest_path.write_text(json.dumps(manifest))
+    write_images(data / "more", 1)  # other names: still another list
+    with pytest.raises(JobMismatch, match="the input list changed"):
+        local_job(engine, data, out, shard_size=4)
+
+
 def test_a_rerun_retries_files_that_could_not_be_read_and_can_be_now(engine, tmp_path):
     """A file the job could not read (its folder unmounted mid-run, a link fixed later) was a
     failure for good: the complete job's rerun skipped its shard. A rerun now recomputes the
