@@ -31,6 +31,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -171,6 +172,21 @@ def _timed_out(timeout: float, first: int, count: int) -> FeatureError:
 _END = object()  # ends a stream's requests (the sync iterator, the async writer)
 
 
+def _end_when_dropped(session) -> None:
+    """End ``session``'s current stream when the session is collected unclosed (its streams
+    hold it weakly); the finalizer of the stream it replaces is dropped."""
+    _forget_stream(session)
+    session._dropped = weakref.finalize(session, session._stream.end)
+
+
+def _forget_stream(session) -> None:
+    """Drop the finalizer of a stream ``session`` no longer uses (replaced, or the parent's
+    in a child made by fork, which must not be touched there)."""
+    previous = session.__dict__.pop("_dropped", None)
+    if previous is not None:
+        previous.detach()
+
+
 class EmbedSession:
     """Blocking session (``FeatureClient.session()``); thread-safe."""
 
@@ -182,6 +198,7 @@ class EmbedSession:
     def _per_process(self) -> None:
         """Its stream (opened by the first call), lock and window: this process's alone, made
         anew in a child made by fork and where a session is unpickled."""
+        _forget_stream(self)
         self._lock = threading.Lock()
         self._room = threading.Semaphore(self._window)
         self._stream: _SyncStream | None = None
@@ -215,7 +232,9 @@ class EmbedSession:
             for message in _messages(self._client, images, ids, batch_size, options, unsent):
                 self._room.acquire()
                 entry = _Entry(*message, Future())
-                entry.answer.add_done_callback(lambda _: self._room.release())
+                # the room, not the session: an answered entry (the reader's last) may outlive
+                # the call, and must not keep a dropped session's stream open
+                entry.answer.add_done_callback(lambda _, room=self._room: room.release())
                 entries.append(entry)
                 self._send(entry)
             responses = []
@@ -235,6 +254,7 @@ class EmbedSession:
                 raise RuntimeError("the session is closed")
             while self._stream is None or not self._stream.send(entry):
                 self._stream = _SyncStream(self._client, self._failed)
+                _end_when_dropped(self)
 
     def _failed(self, plan: _Failover) -> None:
         """Called on the dead stream's reader thread, which is free to wait out a backoff."""
@@ -272,10 +292,14 @@ class EmbedSession:
 
 
 class _SyncStream:
-    """One ``EmbedStream`` call: its requests come from a queue, a thread reads its answers."""
+    """One ``EmbedStream`` call: its requests come from a queue, a thread reads its answers.
+
+    It holds its session weakly (``on_failure``): its reader thread would otherwise keep a
+    session its user dropped unclosed, and the stream with it, for ever (a thread, a socket
+    and about 150 KB each); the session's finalizer ends the stream instead."""
 
     def __init__(self, client, on_failure: Callable[[_Failover], None]):
-        self._client, self._on_failure = client, on_failure
+        self._client, self._on_failure = client, weakref.WeakMethod(on_failure)
         self._outbox: queue.Queue = queue.Queue()
         self._pending: deque[_Entry] = deque()
         self._lock = threading.Lock()
@@ -316,11 +340,16 @@ class _SyncStream:
             entries = list(self._pending)
             self._pending.clear()
         self._outbox.put(_END)  # frees gRPC's thread that reads the requests
-        if entries:
-            self._on_failure(failover(entries, err or _EndedEarly(), self._client))
+        on_failure = self._on_failure()
+        if entries and on_failure is not None:  # else no caller waits: its session is gone
+            on_failure(failover(entries, err or _EndedEarly(), self._client))
+
+    def end(self) -> None:
+        """Done writing: the server ends the stream once it has answered what it holds."""
+        self._outbox.put(_END)
 
     def close(self) -> None:
-        self._outbox.put(_END)
+        self.end()
         self._reader.join(timeout=self._client.timeout)
 
 
@@ -335,6 +364,7 @@ class AsyncEmbedSession:
     def _per_process(self) -> None:
         """Its stream: bound to a loop of this process (``_bind``), made anew in a child made
         by fork and where a session is unpickled."""
+        _forget_stream(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: _AsyncStream | None = None
         _LIVE.add(self)
@@ -375,7 +405,9 @@ class AsyncEmbedSession:
             for message in _messages(self._client, images, ids, batch_size, options, unsent):
                 await self._room.acquire()
                 entry = _Entry(*message, loop.create_future())
-                entry.answer.add_done_callback(lambda _: self._room.release())
+                # the room, not the session: an answered entry (the reader's last) may outlive
+                # the call, and must not keep a dropped session's stream open
+                entry.answer.add_done_callback(lambda _, room=self._room: room.release())
                 entries.append(entry)
                 self._send(entry)
             responses = []
@@ -401,6 +433,7 @@ class AsyncEmbedSession:
             raise RuntimeError("the session is closed")
         if self._stream is None or self._stream.dead:
             self._stream = _AsyncStream(self._client, self._failed)
+            _end_when_dropped(self)
         self._stream.send(entry)
 
     def _failed(self, plan: _Failover) -> None:
@@ -457,7 +490,9 @@ class _AsyncStream:
     is queued for writing, so answers always match requests in order."""
 
     def __init__(self, client, on_failure: Callable[[_Failover], None]):
-        self._client, self._on_failure = client, on_failure
+        # its session held weakly, as _SyncStream's: its tasks would keep a dropped one
+        self._client, self._on_failure = client, weakref.WeakMethod(on_failure)
+        self._loop = asyncio.get_running_loop()
         self._pending: deque[_Entry] = deque()  # written or queued, unanswered, in order
         self._unwritten: deque = deque()  # entries queued for the writer, then _END
         self._more: asyncio.Future | None = None  # the idle writer waits on it
@@ -510,8 +545,15 @@ class _AsyncStream:
         self._wake_writer()  # it ends: the failover takes what it had not written
         entries = list(self._pending)
         self._pending.clear()
-        if entries:
-            self._on_failure(failover(entries, err or _EndedEarly(), self._client))
+        on_failure = self._on_failure()
+        if entries and on_failure is not None:  # else no caller waits: its session is gone
+            on_failure(failover(entries, err or _EndedEarly(), self._client))
+
+    def end(self) -> None:
+        """Done writing, from any thread (a finalizer runs where the collection happens)."""
+        if not self.dead:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: the stream with it
+                self._loop.call_soon_threadsafe(self.send, _END)
 
     async def close(self) -> None:
         if not self.dead:

@@ -12,7 +12,15 @@ from types import SimpleNamespace
 import grpc
 import numpy as np
 import pytest
-from serving import assert_same_rows, in_process, metric, metrics, random_images, start_server
+from serving import (
+    assert_same_rows,
+    in_process,
+    metric,
+    metrics,
+    random_images,
+    start_server,
+    wait_for,
+)
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
 from vit22b.clients.session import _Entry, _expire, _Expired, failover
 
@@ -394,5 +402,39 @@ def test_one_clients_open_sessions_do_not_hold_another_clients_calls():
                     assert len(session.embed(image)) == 1
             for session in sessions:
                 session.close()
+    finally:
+        srv.stop()
+
+
+def test_sessions_dropped_unclosed_end_their_streams():
+    """A session's reader held the session (and its client) for ever: each one dropped unclosed
+    kept a thread, a socket and its stream, so with the server's bound of streams per
+    connection the next session's call waited out its timeout. Now a dropped session's
+    stream ends when the session is collected, sync and async."""
+    import gc
+
+    srv = start_server(max_streams_per_connection=2)
+    image = random_images(1, seed=86, size=(64, 64))
+    try:
+        threads = threading.active_count()
+        with FeatureClient(srv.address, timeout=10) as client:
+            for _ in range(6):  # three times the bound; none closed
+                assert len(client.session().embed(image)) == 1
+            for _ in range(3):
+                FeatureClient(srv.address, timeout=10).session().embed(image)  # both dropped
+        gc.collect()
+        wait_for(lambda: threading.active_count() <= threads, timeout=10)
+
+        async def dropped_in_one_loop() -> int:
+            client = AsyncFeatureClient(srv.address, timeout=10)
+            for _ in range(6):
+                assert len(await client.session().embed(image)) == 1
+            gc.collect()
+            await asyncio.sleep(0.5)  # the streams' tasks end
+            left = len(asyncio.all_tasks()) - 1
+            await client.close()
+            return left
+
+        assert asyncio.run(dropped_in_one_loop()) == 0
     finally:
         srv.stop()
