@@ -1,11 +1,14 @@
-"""Start-up: seconds from process start to SERVING, cold and with the compilation cache warm.
+"""Start-up: seconds from process start to SERVING, cold and with the compilation cache warm;
+and the same for a one-image `vit22b embed --local` job, start to exit.
 
     python benchmarks/startup.py                     # the embedded default and vit-22b-base/14
     python benchmarks/startup.py --models vit-22b-tiny/16 --repeats 1
 
 For each model: a cold start (an empty --compile-cache folder), then warm starts reusing that
 folder; each process is started afresh (``vit22b serve``, 2 emulated CPU devices as the CLI
-asks), timed until it prints SERVING, then stopped with SIGTERM. Ends with one JSON line.
+asks), timed until it prints SERVING, then stopped with SIGTERM. Then a one-image local job of
+that model, into a new output folder each time, cold and warm the same way. Ends with one JSON
+line.
 """
 
 from __future__ import annotations
@@ -45,6 +48,27 @@ def time_to_serving(model: str, cache: str, extra: list[str] | None = None) -> t
         proc.communicate(timeout=120)
 
 
+def time_local_job(model: str, cache: str, image: Path, out: Path) -> float:
+    """Seconds of a one-image `vit22b embed --local` job of ``model``, start to exit."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "vit22b.clients.cli", "embed", str(image.parent), "-o",
+               str(out), "--model", model, "--compile-cache", cache, "--quiet"]
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
+    return time.perf_counter() - start
+
+
+def one_image(folder: Path) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir()
+    path = folder / "image.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["vit-22b-tiny/16", "vit-22b-base/14"])
@@ -56,9 +80,16 @@ def main(argv: list[str] | None = None) -> int:
             cold, _ = time_to_serving(model, cache)
             warm = [time_to_serving(model, cache)[0] for _ in range(args.repeats)]
             entries = sum(len(files) for _, _, files in os.walk(cache))
+        with tempfile.TemporaryDirectory(prefix="vit22b-job-") as work:
+            image = one_image(Path(work) / "data")
+            jobs = [time_local_job(model, f"{work}/cache", image, Path(work) / f"out{i}")
+                    for i in range(args.repeats + 1)]
         row = {"cold_s": round(cold, 2), "warm_s": round(median(warm), 2),
-               "ratio_warm_to_cold": round(median(warm) / cold, 3), "cache_entries": entries}
-        log(f"{model}: cold {cold:.1f}s, warm {median(warm):.1f}s ({entries} cache entries)")
+               "ratio_warm_to_cold": round(median(warm) / cold, 3), "cache_entries": entries,
+               "local_job_cold_s": round(jobs[0], 2),
+               "local_job_warm_s": round(median(jobs[1:]), 2)}
+        log(f"{model}: cold {cold:.1f}s, warm {median(warm):.1f}s ({entries} cache entries); "
+            f"one-image local job cold {jobs[0]:.1f}s, warm {median(jobs[1:]):.1f}s")
         out["models"][model] = row
     emit({**out, "machine": machine()})
     return 0

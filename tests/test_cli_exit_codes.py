@@ -178,9 +178,9 @@ def test_a_default_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monk
 
 
 def test_a_local_job_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):
-    """A local job compiled its forwards afresh at every run (the tiny model's one-image job:
-    about 9 s, 5 s warm). It uses `vit22b serve`'s cache folder, with the same flag; a rerun
-    reads it and stores the same bits."""
+    """A local job compiled its forwards afresh at every run (benchmarks/startup.py times it
+    cold and warm). It uses `vit22b serve`'s cache folder, with the same flag; a rerun reads it
+    and stores the same bits."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
     data = one_image(tmp_path)
     cache = tmp_path / "home-cache" / "vit22b" / "xla"
