@@ -200,5 +200,11 @@ def _rgb(pixels: np.ndarray) -> np.ndarray:
     if pixels.shape[-1] == 1:
         return np.repeat(pixels, 3, axis=-1)
     if pixels.shape[-1] == 4:  # composited over the contract's background, as files are
+        if not pixels[..., 3].any():  # nothing would show: the fourth channel is padding
+            raise ValueError(
+                "a [H, W, 4] array is RGBA, and every pixel's alpha (the fourth channel) is 0: "
+                "it would be embedded as a blank white image. If the fourth channel is padding "
+                "(RGBX, BGRX, a screen capture's buffer), pass image[..., :3] (its colour "
+                "order RGB)")
         return to_rgb(Image.fromarray(np.ascontiguousarray(pixels), "RGBA"))
     return pixels

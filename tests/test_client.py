@@ -79,7 +79,7 @@ def test_one_image_or_many():
 
 def test_pixels_are_sent_raw_and_converted_to_rgb():
     gray = np.arange(12, dtype=np.uint8).reshape(3, 4)
-    rgba = np.zeros((3, 4, 4), np.uint8)
+    rgba = np.full((3, 4, 4), 255, np.uint8)
     palette = Image.fromarray(gray).convert("P")
     for image in (gray, rgba, palette, Image.fromarray(gray)):
         proto = to_proto(next(items([image])))
@@ -511,6 +511,16 @@ def test_sdk_inputs_follow_the_pixel_contract():
     np.testing.assert_array_equal(got[1, 1], np.broadcast_to(BACKGROUND, (3,)))
     with pytest.raises(InvalidImage, match="image 2.*: in-memory image in mode F"):
         to_proto(Item(2, Image.fromarray(np.zeros((2, 2), np.float32)), "c", 0))
+    # An RGBX / BGRX buffer (a screen capture's, padding 0) read as RGBA showed nothing: every
+    # such array was embedded as the same white image. Refused, naming the way out.
+    rgbx = np.random.default_rng(0).integers(0, 256, (5, 6, 4), dtype=np.uint8)
+    rgbx[..., 3] = 0
+    with pytest.raises(InvalidImage, match=r"image 4 \(id 'd'\): .*every pixel's alpha .* is 0: "
+                                           r"it would be embedded as a blank white image.*"
+                                           r"image\[\.\.\., :3\]"):
+        to_proto(Item(4, rgbx, "d", 0))
+    got = wire.from_tensor(to_proto(Item(0, rgbx[..., :3], "e", 0)).pixels)
+    np.testing.assert_array_equal(got, rgbx[..., :3])
 
 
 @pytest.mark.parametrize("value, kind", [(None, "NoneType"), (5, "int"), (2.5, "float"),
