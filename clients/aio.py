@@ -86,6 +86,8 @@ class AsyncFeatureClient(ClientBase):
         raise AssertionError("unreachable")
 
     async def model_info(self, refresh: bool = False) -> pb.ModelInfo:
+        if self.closed:
+            raise RuntimeError(CLOSED)
         if self._info is None or refresh:
             self._info = await self._call("GetModelInfo", pb.GetModelInfoRequest())
         return self._info

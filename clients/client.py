@@ -548,6 +548,8 @@ class FeatureClient(ClientBase):
 
     def model_info(self, refresh: bool = False) -> pb.ModelInfo:
         """Model, checkpoint fingerprint, mesh, preprocessing contract, output shapes, limits."""
+        if self.closed:  # as every call: not the info of a server this client no longer asks
+            raise RuntimeError(CLOSED)
         if self._info is None or refresh:
             self._info = self._call("GetModelInfo", pb.GetModelInfoRequest())
         return self._info

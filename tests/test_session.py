@@ -287,6 +287,9 @@ def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
         assert not pending and not any(t.cancelled() for t in done)
         with pytest.raises(RuntimeError, match="the client is closed"):
             await client.embed([images[0]])
+        for later in (client.model_info(), client.embed([])):  # the info cached before the close
+            with pytest.raises(RuntimeError, match="the client is closed"):  # was returned
+                await later
         outcomes = {"ok" if t.exception() is None else str(t.exception()) for t in done}
         assert outcomes - {"ok"}, "the close came after every call: nothing was tested"
         return outcomes
@@ -317,6 +320,9 @@ def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
     assert not any(t.is_alive() for t in threads)
     assert len(outcomes) == 16 and set(outcomes) <= closed | {"ok"}, set(outcomes)
     assert set(outcomes) & closed  # some call was in flight, or made after the close
+    for later in (client.model_info, lambda: client.embed([])):
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            later()
 
 
 def test_an_async_client_made_outside_any_loop_works_in_each_loop_in_turn(server):
