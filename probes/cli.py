@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from vit22b.clients.settings import parse_tls
+from vit22b.clients.settings import COMPILE_CACHE_HELP, default_compile_cache, parse_tls
 from vit22b.model.config import parse_seed
 
 from .data import (
@@ -168,6 +168,12 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     feat.add_argument(
         "--seed", type=_split_seed, default=0, help="weights seed (in-process) and split seed"
+    )
+    feat.add_argument(
+        "--compile-cache", metavar="DIR|off",
+        help="for what this command compiles (the backbone without --server or --features; the "
+        f"depth, segmentation and video decoders): {COMPILE_CACHE_HELP} (default: vit22b "
+        "serve's, $XDG_CACHE_HOME/vit22b/xla, else ~/.cache/vit22b/xla)",
     )
     feat.add_argument(
         "--layers",
@@ -409,6 +415,14 @@ def _check_outputs(args) -> None:
         _writable_folder(args.save_features.parent, f"--save-features {args.save_features}")
 
 
+def _use_compile_cache(directory: str | None) -> None:
+    """JAX's persistent cache for this process's compiles: the backbone's forwards and the
+    decoders' training steps, compiled afresh at every run without it."""
+    from vit22b.clients.embed_local import use_compile_cache
+
+    use_compile_cache(directory or default_compile_cache())
+
+
 def _run_probe_command(args) -> int:
     from vit22b.clients.client import FeatureError
 
@@ -430,6 +444,8 @@ def _run_probe_command(args) -> int:
             raise DataError("--moving-world is for the video probe (vit22b probe video)")
         options = _options(args, kind)  # reads --head first: fail before embedding anything
         _check_outputs(args)  # and where the results go
+        if kind in (*DENSE, "video") or not (args.server or args.features):
+            _use_compile_cache(args.compile_cache)
         if kind == "video":
             if args.moving_world is not None and args.moving_world < 8:
                 raise DataError("--moving-world needs at least 8 videos")

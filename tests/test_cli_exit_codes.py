@@ -205,6 +205,32 @@ def test_a_local_job_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, m
     assert "--compile-cache is the local engine's (a server keeps its own)" in done.stderr
 
 
+def test_a_probe_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):
+    """`vit22b probe` compiled the in-process backbone and the decoders' training steps afresh
+    at every run. It uses `vit22b serve`'s cache folder too, with the same flag."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    cache = tmp_path / "home-cache" / "vit22b" / "xla"
+    probe = ("probe", "depth", "--shapes-world", "16", "--world-size", "32", "--steps", "2",
+             "--decoders", "linear")
+    reports = []
+    for out in ("cold", "warm"):
+        done = vit22b(*probe, "--out", str(tmp_path / out), timeout=300)
+        assert done.returncode == 0, done.stderr
+        entries = sorted(p.name for p in cache.rglob("*-cache"))
+        assert entries, "nothing was written to the compilation cache"
+        if out == "cold":
+            written = entries
+        report = json.loads((tmp_path / out / "depth.json").read_text())
+        reports.append((report["linear"], report["baselines"]))
+    assert entries == written  # the warm run compiled nothing new
+    assert reports[0] == reports[1]
+    given = tmp_path / "a-file"
+    given.write_text("")
+    done = vit22b(*probe, "--out", str(tmp_path / "o2"), "--compile-cache", str(given))
+    assert done.returncode == 2
+    assert f"--compile-cache {given}: cannot create" in done.stderr
+
+
 def test_serve_with_stdout_on_a_full_disk_serves_and_drains():
     """The status lines go to stdout, for scripts: a failed write there (a full disk, a reader
     gone) ended the start with "[Errno 28] No space left on device", or skipped the drain after

@@ -338,7 +338,13 @@ def server():
     srv.stop()
 
 
-def test_server_features_match_in_process_features(server):
+def test_server_features_match_in_process_features(server, monkeypatch):
+    from vit22b.server import engine
+
+    # The shared test engine computes the preset's bfloat16 on every host; in process, `auto`
+    # would take float32 on a CPU without bf16 instructions (as `vit22b serve` does): the
+    # host's flags say bf16 here, so both sides resolve alike on any CPU.
+    monkeypatch.setattr(engine, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     images = shapes_world(16, seed=4).images
     remote = features_from_server(server, list(images), patch_layers="auto", attention_stats=True)
     local = features_from_model(images, patch_layers=(3,), attention_stats=True)
