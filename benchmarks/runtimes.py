@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from benchlib import log
+from benchlib import log, openvino_bf16_shortfall
 
 Runner = Callable[[np.ndarray], np.ndarray]
 TORCH_BF16 = ("torch eager bf16 weights", "torch eager autocast", "torch.compile autocast")
@@ -134,17 +134,6 @@ def torch_bf16_shortfall(n: int = 512) -> str | None:
         return None
     return (f"no bf16 kernels on this CPU: torch's {n}-cube bf16 GEMM {bf16:.1f} GFLOP/s "
             f"against {f32:.1f} in f32")
-
-
-def openvino_bf16_shortfall() -> str | None:
-    """Why OpenVINO's CPU plugin would not compute in bf16 here, or None."""
-    import openvino as ov
-
-    capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-    if "BF16" in capabilities:
-        return None
-    return (f"OpenVINO's CPU plugin has no BF16 capability here ({', '.join(capabilities)}): "
-            "its bf16 hint runs f32")
 
 
 def _missing(modules: tuple[str, ...]) -> list[str]:
