@@ -490,8 +490,7 @@ def summary_section(results: dict) -> str:
     rows = []
     f = results.get("forward")
     if f:
-        # emulated bf16 is no dtype the server computes on such a CPU: `auto` takes float32
-        emulated = not set(f["machine"]["isa"]) & CPU_BF16_FLAGS
+        emulated = emulated_bf16(f["machine"])
         for row in f["rows"]:
             if row["batch"] in (8, 32):
                 label = f"{f['model']} {row['dtype']} batch {row['batch']}"
@@ -534,11 +533,18 @@ def summary_section(results: dict) -> str:
     return "## Targets, this run\n\n" + table(["figure", "value"], rows)
 
 
+def emulated_bf16(machine: dict) -> bool:
+    """Whether the run's CPU has no bf16 instructions: there XLA emulates bf16, and `vit22b
+    serve` computes a bf16 model in float32 (`--compute-dtype auto`)."""
+    return not set(machine["isa"]) & CPU_BF16_FLAGS
+
+
 EMULATED_BF16 = (
     "This CPU has no bf16 instructions. The presets benchmarked here compute in bfloat16, "
-    "which XLA emulates on it: every section but the forward's float32 rows measured emulated "
-    "bfloat16, the same on both sides of each ratio, where `vit22b serve` computes float32 "
-    "(`--compute-dtype auto`, the default). The bfloat16 forward is no target on such a CPU.")
+    "which XLA emulates on it: the engines the serving, job, video, resolution and start-up "
+    "benchmarks load, and the forward's bfloat16 rows, ran emulated bfloat16 (the same on both "
+    "sides of each ratio), where `vit22b serve` computes float32 (`--compute-dtype auto`, the "
+    "default). The bfloat16 forward is no target on such a CPU.")
 
 SECTIONS = {
     "forward": forward_section,
@@ -581,7 +587,7 @@ def write_markdown(results: dict, started: str, quick: bool, kept: list[str] = (
             ["GPU", "none" if results["gpu_22b"]["dry_run"] else results["gpu_22b"]["device_kind"]],
             ["software", versions],
         ]),
-        *([EMULATED_BF16] if not set(cpu_flags()) & CPU_BF16_FLAGS else []),
+        *([EMULATED_BF16] if emulated_bf16(m) else []),
         summary_section(results),
         *(SECTIONS[name](r) for name, r in results.items()),
         "## Commands\n\n" + "\n".join(

@@ -203,8 +203,8 @@ def _rgb(pixels: np.ndarray) -> np.ndarray:
         if not pixels[..., 3].any():  # nothing would show: the fourth channel is padding
             raise ValueError(
                 "a [H, W, 4] array is RGBA, and every pixel's alpha (the fourth channel) is 0: "
-                "it would be embedded as a blank white image. If the fourth channel is padding "
-                "(RGBX, BGRX, a screen capture's buffer), pass image[..., :3] (its colour "
-                "order RGB)")
+                "it would be embedded as a blank white image. If the fourth channel is padding, "
+                "pass the colour alone: image[..., :3] for RGBX, image[..., 2::-1] for BGRX (a "
+                "screen capture's buffer)")
         return to_rgb(Image.fromarray(np.ascontiguousarray(pixels), "RGBA"))
     return pixels
