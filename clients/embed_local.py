@@ -123,7 +123,8 @@ class LocalBackend:
         """``compute_dtype``: as `vit22b embed --local`'s (``auto`` by default; None: the
         model's own on every host); ``max_image_pixels``: the decoded-size guard (0: the
         server's default); ``compile_cache``: JAX's persistent compilation cache folder, as
-        `vit22b serve --compile-cache` (None: none)."""
+        `vit22b serve --compile-cache` ('off': none; None: as this process has JAX's cache,
+        off unless turned on)."""
         if engine is None:
             use_compile_cache(compile_cache)
         self.engine = engine or Engine.load(

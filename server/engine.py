@@ -90,11 +90,14 @@ def stored_config(model: str | None, checkpoint_dir: str | None) -> ViTConfig:
 
 
 def use_compile_cache(directory: str | None) -> None:
-    """`--compile-cache` of every command that builds an engine: ``directory`` (None or 'off':
-    none). The default folder, when it cannot be made (a read-only home, as a container's),
-    leaves the cache off with a warning: it costs compiles, not the start; a folder given is
-    refused (ValueError naming the flag)."""
-    if not directory or directory == "off":
+    """`--compile-cache` of every command that builds an engine: ``directory``, or 'off' (none
+    from now on); None leaves JAX's cache as this process has it. The default folder, when it
+    cannot be made (a read-only home, as a container's), leaves the cache off with a warning:
+    it costs compiles, not the start; a folder given is refused (ValueError naming the flag)."""
+    if directory == "off":
+        _switch_compile_cache(None)
+        return
+    if not directory:
         return
     try:
         log.info("compilation cache: %s", enable_compile_cache(directory))
@@ -122,11 +125,22 @@ def enable_compile_cache(directory: str) -> str:
                           f"{jaxlib.__version__}")
     os.makedirs(folder, exist_ok=True)
     _check_cache_folder(folder)
-    jax.config.update("jax_compilation_cache_dir", folder)
+    _switch_compile_cache(folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _remove_unreadable_when_warned()
     return folder
+
+
+def _switch_compile_cache(folder: str | None) -> None:
+    """JAX opens its cache once per process, at the first compile after a folder is set, and
+    keeps it: a second engine built with another folder (or 'off') wrote its programs into the
+    first one's. Closing JAX's cache makes the next compile open ``folder``."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if jax.config.jax_compilation_cache_dir != folder:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", folder)
 
 
 def _check_cache_folder(folder: str) -> None:

@@ -395,6 +395,33 @@ def test_an_unreadable_compile_cache_entry_is_written_afresh(tmp_path):
     assert first.splitlines()[0] == second.splitlines()[0] == third.splitlines()[0]
 
 
+_SWITCH_FOLDERS = """
+import sys
+import jax, jax.numpy as jnp
+from vit22b.server.engine import use_compile_cache
+x = jnp.arange(12.0)
+for folder, function in zip(sys.argv[1:], (jnp.sin, jnp.cos, jnp.tanh)):
+    use_compile_cache(folder)
+    jax.jit(lambda x: function(x).sum())(x).block_until_ready()
+"""
+
+
+def test_each_engine_compiles_into_its_own_cache_folder(tmp_path):
+    """JAX opens its cache at the first compile and keeps it: a second LocalBackend in the
+    same process, with another folder or 'off', wrote its programs into the first's folder."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    done = subprocess.run([sys.executable, "-c", _SWITCH_FOLDERS, str(first), str(second), "off"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+    def programs(folder):
+        return sorted(p.name.split("-")[0] for p in folder.rglob("*-cache"))
+
+    assert programs(first) == ["jit__lambda"] and programs(second) == ["jit__lambda"]
+    assert [p.read_bytes() for p in first.rglob("*-cache")] != \
+        [p.read_bytes() for p in second.rglob("*-cache")]  # sin's and cos's, not one twice
+
+
 def test_a_warm_compile_cache_gives_identical_outputs(tmp_path):
     cache = str(tmp_path / "xla")
     flags = ("--mesh", "data=2,model=4", "--max-batch-images", "4", "--compile-cache", cache,
