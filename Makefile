@@ -26,8 +26,13 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 install: $(STAMP)
 
+# Two pytest workers, a test file each (their module fixtures start one server per file): most
+# tests wait on processes they start, so two share two cores well (benchmarks/NOTES.md, "The
+# suite on two workers"). TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
