@@ -267,7 +267,7 @@ class Watch:
     def gone(self) -> dict[int, str]:
         """{process: why} for every worker that is gone, as of now (two reads, any group size)."""
         now, gone = time.monotonic(), {}
-        failures, beats = self._read("failed"), self._read("alive")
+        failures, beats = self.failures(), self._read("alive")
         for i, (count, since) in self._seen.items():
             if i in failures:
                 gone[i] = failures[i]
@@ -276,6 +276,11 @@ class Watch:
             elif now - since > self.group.peer_timeout_s:
                 gone[i] = f"no heartbeat for {now - since:.1f}s"
         return gone
+
+    def failures(self) -> dict[int, str]:
+        """{process: its own report} for every worker that reported a failure (from any
+        thread: nothing of the watch's state is touched)."""
+        return self._read("failed")
 
     def _read(self, what: str) -> dict[int, str]:
         """Every worker's ``vit22b/<what>/<process>`` value."""
@@ -441,18 +446,53 @@ def _claim(client, group: Group) -> None:
 
 
 def _load_with(watch: Watch, config: ServeConfig) -> Engine:
-    """Process 0's load; when it fails, a worker that reported its own failure first is the
-    cause (a worker without its checkpoint leaves process 0's restore waiting in a collective,
-    which then fails as if process 0's checkpoint were damaged)."""
+    """Process 0's load, watched: its restore and warm-up wait in collectives for every
+    worker, and a worker that failed before it joined them (one without its checkpoint) left
+    process 0 waiting there for gloo's 30 s, then failing as if its own checkpoint were
+    damaged. A worker's reported failure now ends process 0 at once, naming it (a silent
+    heartbeat does not: a worker busy loading may miss beats). A load that fails first names
+    a worker gone by then as its cause."""
+    loaded = threading.Event()
+
+    def watch_reports() -> None:
+        while not loaded.wait(BEAT_S):
+            try:
+                failed = watch.failures()
+            except Exception:  # noqa: BLE001 - the service's own errors: the load says more
+                return
+            if failed and not loaded.is_set():
+                _leave(2, f"vit22b serve: process 0: {_causes(failed)} (process 0 stopped its "
+                          "own load, which waits for every process)")
+
+    watcher = threading.Thread(target=watch_reports, daemon=True, name="vit22b-load-watch")
+    watcher.start()
     try:
-        return _load(config)
+        try:
+            return _load(config)
+        finally:
+            loaded.set()
+            watcher.join()
     except Exception as err:
         gone = watch.gone()
         if not gone:
             raise
-        causes = "; ".join(f"process {i}: {why}" for i, why in gone.items())
-        raise GroupError(f"{causes} (process 0's own load then failed: {type(err).__name__})") \
-            from err
+        raise GroupError(f"{_causes(gone)} (process 0's own load then failed: "
+                         f"{type(err).__name__})") from err
+
+
+def _causes(gone: dict[int, str]) -> str:
+    return "; ".join(f"process {i}: {why}" for i, why in gone.items())
+
+
+def _leave(code: int, message: str | None = None) -> NoReturn:
+    """Out of this process at once, ``message`` said and the streams flushed: a broken group
+    may leave a collective hung on a thread, and an orderly exit would wait on it and on the
+    runtime's shutdown. From any thread."""
+    if message:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _load(config: ServeConfig) -> Engine:
@@ -533,13 +573,8 @@ def child_main(spec: str) -> NoReturn:
     try:
         code = run_process(config, group, _reporter())
     except (ValueError, OSError, GroupError) as err:  # flags, checkpoint, refusal, a peer gone
-        print(f"vit22b serve: process {group.process_id}: {err}", file=sys.stderr, flush=True)
-        code = 2
+        _leave(2, f"vit22b serve: process {group.process_id}: {err}")
     except BaseException:  # a collective that failed under a worker, or a bug: say where
         traceback.print_exc()
         code = 1
-    # A broken group may leave a collective hung on a thread, and a worker's orderly exit would
-    # wait on the runtime's shutdown: leave at once, streams flushed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _leave(code)
