@@ -41,6 +41,28 @@ def done_shards(out: Path) -> int:
         return 0
 
 
+def kill_mid_job(job: subprocess.Popen, out: Path, target: int, shards: int, rng) -> None:
+    """SIGKILL ``job`` once ``target`` of its ``shards`` are done, somewhere inside the next.
+
+    The job runs in short random slices between SIGSTOPs, and the manifest is read while it is
+    stopped: the kill lands on the state just read, however late this process gets the CPU (a
+    sleep-then-kill let a loaded host finish the job first)."""
+    deadline = time.monotonic() + 120
+    done = 0
+    while done < target:
+        assert job.poll() is None, f"the job ended before the kill at {target}"
+        assert time.monotonic() < deadline, f"{done} of {target} shards done in 120 s"
+        job.send_signal(signal.SIGCONT)
+        time.sleep(rng.uniform(0.001, 0.01))
+        job.send_signal(signal.SIGSTOP)
+        done = done_shards(out)
+    assert done < shards, "the job finished inside one slice"
+    job.send_signal(signal.SIGKILL)
+    job.communicate(timeout=30)
+    assert job.returncode == -signal.SIGKILL
+    assert not json.loads((out / "manifest.json").read_text())["complete"]
+
+
 @pytest.fixture(scope="module")
 def server():
     # a short batching delay, always waited out, makes every request take a little while: kills
@@ -73,14 +95,7 @@ def test_sigkill_three_times_then_resume_is_bit_identical(server, dataset, tmp_p
     targets = sorted(rng.choice(np.arange(1, shards - 1), size=3, replace=False))
     for target in targets:
         job = embed_cli(*args, "--output", str(out), "--quiet")
-        deadline = time.monotonic() + 120
-        while done_shards(out) < target and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.003)
-        time.sleep(rng.uniform(0, 0.04))  # anywhere inside the next shard
-        job.send_signal(signal.SIGKILL)
-        job.communicate(timeout=30)
-        assert job.returncode == -signal.SIGKILL, f"the job ended before the kill at {target}"
-        assert not json.loads((out / "manifest.json").read_text())["complete"]
+        kill_mid_job(job, out, target, shards, rng)
 
     resumed = embed_cli(*args, "--output", str(out), "--quiet")
     stdout, stderr = resumed.communicate(timeout=120)
