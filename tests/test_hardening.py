@@ -475,11 +475,20 @@ def test_refused_stream_calls_log_one_line_each(server, caplog):
     for _ in range(5):
         with pytest.raises(grpc.RpcError):
             list(stub(server.address).EmbedStream(iter([bad]), timeout=20))
+
+    def ours():
+        return [r for r in caplog.records if r.name.startswith(("vit22b", "asyncio", "grpc"))]
+
+    def refused():
+        return [r for r in ours() if "refused" in r.getMessage()]
+
+    # the server's line may come after the client has its error: wait for it, then a little
+    # more for any line that should not be there
+    wait_for(lambda: len(refused()) >= 5, timeout=20)
     time.sleep(0.2)
-    lines = [r for r in caplog.records if r.name.startswith(("vit22b", "asyncio", "grpc"))]
+    lines = ours()
     assert not [r for r in lines if "never retrieved" in r.getMessage()]
-    refused = [r for r in lines if "refused" in r.getMessage()]
-    assert len(refused) == 5 and all(r.levelno <= logging.INFO for r in refused)
+    assert len(refused()) == 5 and all(r.levelno <= logging.INFO for r in refused())
     assert not [r for r in lines if r.exc_info]
 
 
