@@ -37,7 +37,14 @@ from serving import (
     wait_for,
 )
 from test_server import BAD_INPUTS, GOOD, IMAGE_LEVEL, MAX_REQUEST
-from test_server_ops import DELAY_MS, QUEUE, WAIT, queued, wait_for_images
+from test_server_ops import (
+    DELAY_MS,
+    IN_QUEUE_TIMEOUT_S,
+    QUEUE,
+    WAIT,
+    queued,
+    wait_for_images,
+)
 from vit22b.model import OutputRequest
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
@@ -889,7 +896,7 @@ def test_deadline_is_504_and_the_images_are_not_computed(slow):
     before = metrics(slow)
     response = httpx.post(slow.http_url + "/v1/features", timeout=60,
                           json={"images": pngs(random_images(2, 5, (64, 64)))},
-                          headers={"X-Request-Timeout": "0.3"})
+                          headers={"X-Request-Timeout": str(IN_QUEUE_TIMEOUT_S)})
     assert response.status_code == 504 and response.json()["error"]["code"] == "DEADLINE_EXCEEDED"
     wait_for_images(slow, before, "expired", 2)
     after = metrics(slow)
