@@ -652,6 +652,12 @@ class HttpDoor:
 
     # ---- routes --------------------------------------------------------------------------
     async def health(self) -> Response:
+        """Liveness: 503 once no batch can ever run again (a group that lost a process is never
+        whole again: an orchestrator's liveness probe then restarts it); /ready says the rest."""
+        try:
+            self.infer.engine.executor.check()
+        except NotReady as err:
+            return error_response(err, status_of(err))
         return _json({"status": "ok"})
 
     async def ready(self) -> Response:

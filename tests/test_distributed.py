@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -187,10 +188,12 @@ def test_group_serves_the_features_of_one_process_then_stops_cleanly(checkpoint_
 
 
 def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir, tmp_path):
-    with running(tmp_path, "--checkpoint", str(checkpoint_dir)) as members:
+    with running(tmp_path, "--checkpoint", str(checkpoint_dir), "--http-port", "0") as members:
         address = serving_address(members[0], members)
+        door = re.search(r"HTTP on (\S+)", members[0].text())[1]
         s = stub(address)
         s.Embed(request(random_images(2)), timeout=60)
+        assert httpx.get(door + "/health", timeout=10).status_code == 200
         killed = time.monotonic()
         members[1].kill()
         while health(address) != NOT_SERVING:
@@ -205,6 +208,11 @@ def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir
         assert "process 1 is gone" in refused.value.details()
         assert time.monotonic() - start < 5  # refused at once, not after a hung collective
         assert "process 1 of the group is gone: no heartbeat" in members[0].text()
+        # never whole again: not ready, and not live either (a liveness probe restarts it)
+        assert httpx.get(door + "/ready", timeout=10).status_code == 503
+        live = httpx.get(door + "/health", timeout=10)
+        assert live.status_code == 503 and live.json()["error"]["code"] == "UNAVAILABLE"
+        assert "process 1 is gone" in live.json()["error"]["message"]
         members[0].kill(signal.SIGTERM)
         assert members[0].wait(60) == 1  # drained, but the group was broken
         assert "vit22b serve: group broken: process 1 is gone" in members[0].text()
