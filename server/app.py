@@ -27,7 +27,7 @@ from .engine import Engine, Executor, stored_config, use_compile_cache
 from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
 from .parsing import ParsingRegistrar
-from .service import SERVICE_NAME, FeatureService
+from .service import LIVENESS, READINESS, SERVICE_NAME, FeatureService
 from .settings import ServeConfig
 from .tracing import Tracing
 
@@ -258,7 +258,7 @@ class FeatureServer:
         if config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(config.metrics_port, config.host)
         freeze_startup_heap()
-        for name in ("", SERVICE_NAME):
+        for name in (*READINESS, LIVENESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.http is not None:
             self.http.serving = True

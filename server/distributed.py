@@ -54,7 +54,7 @@ from .cpu_devices import cpu_flags
 from .engine import Engine, pixel_dtype
 from .infer import run_loop
 from .plan import cpu_bf16
-from .service import SERVICE_NAME
+from .service import LIVENESS, READINESS
 from .settings import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -511,7 +511,7 @@ async def _lead(
     loop = asyncio.get_running_loop()
 
     async def not_serving() -> None:
-        for name in ("", SERVICE_NAME):
+        for name in (*READINESS, LIVENESS):  # never whole again: not live either
             await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     executor = engine.executor

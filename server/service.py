@@ -35,6 +35,11 @@ from .status import refuse, status_of
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "vit22b.v1.FeatureService"
+# grpc.health.v1 names: "" and the service's own say whether calls are served now (readiness:
+# NOT_SERVING while draining or a group is broken); LIVENESS whether they ever can be again (a
+# group that lost a process cannot), for a liveness probe, as the HTTP door's /health
+READINESS = ("", SERVICE_NAME)
+LIVENESS = "liveness"
 STREAM_WINDOW = 8  # requests of one stream admitted and not yet answered
 DRAIN_STOP = "draining"  # the cancel message that ends a stream's reader on drain
 

@@ -116,10 +116,10 @@ def serving_address(leader: Member, members: list[Member], timeout: float = 150.
     raise AssertionError(f"no SERVING within {timeout}s:\n{leader.text()}")
 
 
-def health(address: str) -> int:
+def health(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
-        return check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        return check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +194,7 @@ def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir
         s = stub(address)
         s.Embed(request(random_images(2)), timeout=60)
         assert httpx.get(door + "/health", timeout=10).status_code == 200
+        assert health(address, "liveness") == SERVING
         killed = time.monotonic()
         members[1].kill()
         while health(address) != NOT_SERVING:
@@ -213,6 +214,7 @@ def test_killed_worker_makes_process_0_unavailable_within_seconds(checkpoint_dir
         live = httpx.get(door + "/health", timeout=10)
         assert live.status_code == 503 and live.json()["error"]["code"] == "UNAVAILABLE"
         assert "process 1 is gone" in live.json()["error"]["message"]
+        assert health(address, "liveness") == NOT_SERVING  # gRPC's liveness, as /health
         members[0].kill(signal.SIGTERM)
         assert members[0].wait(60) == 1  # drained, but the group was broken
         assert "vit22b serve: group broken: process 1 is gone" in members[0].text()

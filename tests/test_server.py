@@ -410,8 +410,9 @@ def test_the_readme_lists_every_exported_metric(server):
 def _assert_still_serving(server) -> None:
     channel = grpc.insecure_channel(server.address)
     health = health_pb2_grpc.HealthStub(channel)
-    status = health.Check(health_pb2.HealthCheckRequest(service="vit22b.v1.FeatureService"))
-    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    for name in ("", "vit22b.v1.FeatureService", "liveness"):  # readiness twice, liveness
+        status = health.Check(health_pb2.HealthCheckRequest(service=name))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING, name
     response = stub(server.address).Embed(pb.EmbedRequest(images=[raw_image(GOOD)]), timeout=30)
     assert wire.from_tensor(response.pooled).shape == (1, 64)
     channel.close()
