@@ -266,7 +266,11 @@ class FeatureServer:
     async def drain_and_stop(self, timeout: float | None = None) -> bool:
         """NOT_SERVING, refuse new calls, finish accepted ones, stop. True if nothing was cut."""
         timeout = self.config.drain_timeout_s if timeout is None else timeout
-        await self.health.enter_graceful_shutdown()
+        # readiness only (grpcio's enter_graceful_shutdown would take every name): a draining
+        # server is alive, as the HTTP door's /health says, and a liveness probe must not cut
+        # its drain short
+        for name in READINESS:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         clean = await self.infer.drain(timeout)
         if not clean:
             log.warning("drain timed out after %.0fs; stopping with calls in flight", timeout)

@@ -286,7 +286,10 @@ def test_drain_goes_not_serving_and_finishes_accepted_calls():
     watch = health_pb2_grpc.HealthStub(channel).Watch(
         health_pb2.HealthCheckRequest(service=SERVICE), timeout=60
     )
-    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    live = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service="liveness"), timeout=60
+    )
+    assert next(watch).status == next(live).status == health_pb2.HealthCheckResponse.SERVING
     outcome = {}
     stopper = threading.Thread(target=lambda: outcome.update(clean=srv.stop()))
     stopper.start()
@@ -295,6 +298,10 @@ def test_drain_goes_not_serving_and_finishes_accepted_calls():
     assert wire.from_tensor(response.pooled).shape == (2, 64)
     stopper.join(60)
     assert outcome["clean"] is True
+    # alive all through the drain (a liveness probe must not cut it short): its watch saw no
+    # change, and ended with the server
+    with pytest.raises(grpc.RpcError):
+        next(live)
     channel.close()
     with pytest.raises(grpc.RpcError) as info:
         s.Embed(request(1), timeout=5)
