@@ -484,14 +484,27 @@ def _causes(gone: dict[int, str]) -> str:
     return "; ".join(f"process {i}: {why}" for i, why in gone.items())
 
 
+_said_to: int | None = None  # this process's standard error as it started (_keep_stderr)
+
+
+def _keep_stderr() -> None:
+    """Keep the process's standard error for ``_leave``: a checkpoint restore puts file
+    descriptor 2 on /dev/null while it runs (``checkpoint._quiet_orbax``), and process 0's load
+    watcher may leave from its own thread just then (its message was lost, exit 2 unexplained)."""
+    global _said_to
+    if _said_to is None:
+        _said_to = os.dup(2)
+
+
 def _leave(code: int, message: str | None = None) -> NoReturn:
     """Out of this process at once, ``message`` said and the streams flushed: a broken group
     may leave a collective hung on a thread, and an orderly exit would wait on it and on the
     runtime's shutdown. From any thread."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
     if message:
-        print(message, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
+        os.write(2 if _said_to is None else _said_to, f"{message}\n".encode(errors="replace"))
     os._exit(code)
 
 
@@ -566,6 +579,7 @@ def _reporter() -> Callable[[str], None]:
 
 
 def child_main(spec: str) -> NoReturn:
+    _keep_stderr()
     config, group = decode_spec(spec)
     logs.configure(config.log_level, config.log_format, group.process_id)
     if not group.leader:  # waiting inside the runtime, a worker ends on the first signal

@@ -313,6 +313,25 @@ def test_a_worker_without_its_checkpoint_is_named_not_process_0s(checkpoint_dir,
         assert "own load then failed" not in text  # the collective's failure never came
 
 
+_LEAVE_DURING_A_RESTORE = """
+from vit22b.model.checkpoint import _quiet_orbax
+from vit22b.server import distributed
+distributed._keep_stderr()  # as child_main does first
+with _quiet_orbax():  # file descriptor 2 on /dev/null, as while any restore runs
+    distributed._leave(2, "vit22b serve: process 0: said during a restore")
+"""
+
+
+def test_a_process_that_leaves_during_a_restore_still_says_why():
+    """Process 0's load watcher leaves from its own thread, maybe while a restore holds file
+    descriptor 2 on /dev/null: its message was lost (exit 2 and nothing said; seen once in a
+    two-worker run of the test above)."""
+    done = subprocess.run([sys.executable, "-c", _LEAVE_DURING_A_RESTORE], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.endswith("vit22b serve: process 0: said during a restore\n"), done.stderr
+
+
 def parse(*argv: str, environ: dict | None = None):
     old = dict(os.environ)
     os.environ.update(environ or {})
