@@ -40,7 +40,7 @@ SERVICE = "vit22b.v1.FeatureService"
 DELAY_MS = 1500  # a long batching delay keeps admitted requests waiting in the queue
 # a deadline that passes while admitted images wait out DELAY_MS: 0.3 s did not always reach
 # the queue on a loaded host (parsing, decoding), and a call gone before it counts no image
-IN_QUEUE_TIMEOUT_S = DELAY_MS / 1500
+IN_QUEUE_TIMEOUT_S = DELAY_MS / 1e3 * 2 / 3
 WAIT = "delay"  # ... with the policy that always waits it out (not only for decoding images)
 QUEUE = 6
 
