@@ -127,21 +127,28 @@ def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, serve
     def kill_one(shard: int) -> None:
         seen.append(actor_pids())
         if not killed:  # both actors are busy with their next shard: kill one mid-shard
-            victim = min(seen[0])
+            assert len(seen[0]) == 2, seen
+            victim, survivor = sorted(seen[0])
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
-            # Ray restarts the actor on its own while the survivor drains the shards, which on
-            # a slow host can end the job first: the driver waits here (bounded) to see it
-            deadline = time.monotonic() + 60
-            while not actor_pids() - seen[0] and time.monotonic() < deadline:
-                time.sleep(0.1)
+            # Ray restarts the actor on its own, in seconds on a loaded host, while the survivor
+            # can drain every shard in one: the job then ended without it and Ray dropped the
+            # restart (the driver waiting here does not hold the survivor back). The survivor
+            # waits stopped until the restarted actor is there (bounded).
+            os.kill(survivor, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 60
+                while not actor_pids() - seen[0] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            finally:
+                os.kill(survivor, signal.SIGCONT)
             seen.append(actor_pids())
 
     # shards of 2 images, one per batch: 17 shards of >= 25 ms each over 2 actors
     summary = embed_with_ray(config(data, tmp_path / "out", batch_size=1, shard_size=2,
                                     on_shard=kill_one),
                              ServerActors((server.address,)), concurrency=2)
-    assert killed and len(seen[0]) == 2
+    assert killed
     assert summary.complete and (summary.embedded, summary.failed) == (30, 3)
     assert any(set(pids) - seen[0] for pids in seen[1:]), "no actor was restarted"
     result = open_outputs(str(tmp_path / "out"), verify=True)
