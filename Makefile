@@ -28,11 +28,12 @@ install: $(STAMP)
 
 # Two pytest workers, a test file each (their module fixtures start one server per file): most
 # tests wait on processes they start, so two share two cores well (benchmarks/NOTES.md, "The
-# suite on two workers"). TEST_WORKERS=0 runs it in this process alone.
+# suite on two workers"). Files go out slowest first (tests/conftest.py's SLOWEST_FILES, kept
+# by --no-loadscope-reorder). TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
