@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 from vit22b.model.identity import ModelIdentity
 from vit22b.model.outputs import OutputRequest
-from vit22b.model.pixels import Geometry
+from vit22b.model.pixels import Geometry, refused_over_limit
 
 from .embed_formats import FORMATS
 from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
@@ -161,6 +161,9 @@ class Worker(Protocol):
 
 class Backend(Protocol):
     model: ModelIdentity
+    # the decoded-size bound its workers apply: a local engine's, or the servers' smallest
+    # (None: not known)
+    max_image_pixels: int | None
 
     def workers(self) -> list[Worker]: ...
 
@@ -181,7 +184,7 @@ def readable_now(failure: dict, max_bytes: int | None = MAX_IMAGE_BYTES) -> bool
     """Whether a failure recorded as a file that could not be read is one whose file can be
     read now (its folder mounted again, a link or a permission fixed), within ``max_bytes``
     (None for videos, read in pieces): a rerun recomputes its shard. A file that could not be
-    decoded stays a failure."""
+    decoded stays a failure (but see ``allowed_now``)."""
     if not failure.get("reason", "").startswith(READ_FAILURE):
         return False
     try:
@@ -189,6 +192,23 @@ def readable_now(failure: dict, max_bytes: int | None = MAX_IMAGE_BYTES) -> bool
     except (OSError, ValueError):
         return False
     return True
+
+
+def allowed_now(failure: dict, max_image_pixels: int | None) -> bool:
+    """Whether a failure recorded as an image over the pixel limit is one the job's limit now
+    takes (a rerun with a larger --max-image-pixels, or servers started with one): a rerun
+    recomputes its shard. An image that declared more pixels than the new limit stays a
+    failure."""
+    refused = refused_over_limit(failure.get("reason", ""))
+    if refused is None or not max_image_pixels:
+        return False
+    declared, limit = refused
+    return max_image_pixels > limit and (declared is None or declared <= max_image_pixels)
+
+
+def retry_now(failure: dict, max_bytes: int | None, max_image_pixels: int | None) -> bool:
+    """Whether a rerun recomputes the shard of this recorded failure."""
+    return readable_now(failure, max_bytes) or allowed_now(failure, max_image_pixels)
 
 
 def embed_files(worker, items: Sequence[InputItem]) -> BatchResult:
@@ -340,10 +360,12 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
 
 def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None,
              run_pending: Callable[[list[InputItem], list[range], list[int], OutputStore, Summary],
-                                   None]) -> Summary:
+                                   None], max_image_pixels: int | None = None) -> Summary:
     """The job around a runner: open (or resume, refusing a mix) the output, hand the shards
     not yet done to ``run_pending(items, slices, pending, store, summary)``, which writes and
-    records them, and finish the output; returns the summary of this run."""
+    records them, and finish the output; returns the summary of this run. A resumed job also
+    recomputes the shards of recorded failures that may pass now (``retry_now``: files readable
+    again, images within the runner's ``max_image_pixels``)."""
     start = time.perf_counter()
     if config.batch_size < 1 or config.shard_size < 1:
         raise ValueError("--batch-size and --shard-size must be positive")
@@ -363,7 +385,7 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
              "num_patches": model.num_patches}
     limit = None if config.video is not None else MAX_IMAGE_BYTES
     store = OutputStore.open(config.output, identity, arrays, len(slices), about,
-                             retry=lambda failure: readable_now(failure, limit))
+                             retry=lambda failure: retry_now(failure, limit, max_image_pixels))
     summary = Summary(len(items), len(slices), output=config.output,
                       noun="images" if config.video is None else "videos")
     try:
@@ -388,7 +410,8 @@ def run_job(config: JobConfig, backend: Backend, items: list[InputItem] | None =
 
         backend = VideoBackend(backend, config.video, config.spec.dtype)
     return run_plan(config, backend.model, items,
-                    lambda *job: _run_pending(config, backend, *job))
+                    lambda *job: _run_pending(config, backend, *job),
+                    max_image_pixels=backend.max_image_pixels)
 
 
 def _run_pending(config, backend, items, slices, pending, store, summary) -> None:

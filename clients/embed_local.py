@@ -148,9 +148,10 @@ class LocalBackend:
             check_fits(self.engine, (size // cfg.patch,) * 2, f"--resolution {size}")
         if spec.resolution or spec.dense:
             self.model = self.model.at(cfg, self.geometry)
+        self.max_image_pixels = max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
         self.local = LocalInfer(self.engine, resolutions=(size,),
                                 max_dense_patches=self.geometry.max_patches,
-                                max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
+                                max_image_pixels=self.max_image_pixels)
 
     def warm_up(self) -> None:
         """Compile a full batch's forward before the clock (and the progress bar) starts; a

@@ -95,10 +95,9 @@ class ServerActors:
                              batch_size=batch_size, concurrency=1, timeout=self.timeout,
                              quiet=True)
 
-    def identity(self, spec: OutputSpec, batch_size: int) -> ModelIdentity:
-        backend = self.backend(spec, batch_size)  # a few GetModelInfo calls, here
-        backend.close()
-        return backend.model
+    def identity(self, spec: OutputSpec, batch_size: int) -> tuple[ModelIdentity, int | None]:
+        """The model the actors serve and their pixel bound (the job's Backend's two)."""
+        return _model_of(self, spec, batch_size)  # a few GetModelInfo calls, here
 
     def resources(self) -> dict:
         return {"num_cpus": self.num_cpus}
@@ -129,9 +128,9 @@ class EngineActors:
                             max_image_pixels=self.max_image_pixels,
                             compile_cache=self.compile_cache or default_compile_cache())
 
-    def identity(self, spec: OutputSpec, batch_size: int) -> ModelIdentity:
-        """Loaded once in a Ray task on an actor's resources (the driver may have no GPU and
-        no jax); the cost of one extra load at the start of a job."""
+    def identity(self, spec: OutputSpec, batch_size: int) -> tuple[ModelIdentity, int | None]:
+        """As ServerActors': loaded once in a Ray task on an actor's resources (the driver may
+        have no GPU and no jax); the cost of one extra load at the start of a job."""
         import ray
 
         task = ray.remote(_model_of).options(**self.resources(), max_retries=0)
@@ -146,10 +145,10 @@ class EngineActors:
         return {"num_cpus": self.num_cpus, **({"num_gpus": gpus} if gpus else {})}
 
 
-def _model_of(actors: EngineActors, spec: OutputSpec, batch_size: int) -> ModelIdentity:
+def _model_of(actors, spec: OutputSpec, batch_size: int) -> tuple[ModelIdentity, int | None]:
     backend = actors.backend(spec, batch_size)
     backend.close()
-    return backend.model
+    return backend.model, backend.max_image_pixels
 
 
 class EmbedShards:
@@ -316,7 +315,7 @@ def embed_with_ray(
     joined = connect(address)
     try:
         resources = _check_room(actors, concurrency)
-        model = actors.identity(config.spec, config.batch_size)
+        model, max_image_pixels = actors.identity(config.spec, config.batch_size)
 
         def run_pending(items, slices, pending, store, summary) -> None:
             logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -359,7 +358,7 @@ def embed_with_ray(
             if lost:
                 raise JobFailed(_given_up(lost, slices, items, max_retries, len(store.done)))
 
-        return run_plan(config, model, items, run_pending)
+        return run_plan(config, model, items, run_pending, max_image_pixels)
     finally:
         if joined:
             ray.shutdown()

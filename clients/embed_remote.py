@@ -47,8 +47,10 @@ LOST = (
 
 
 class _Server:
-    def __init__(self, address: str, client: FeatureClient, model: ModelIdentity):
+    def __init__(self, address: str, client: FeatureClient, model: ModelIdentity,
+                 max_image_pixels: int):
         self.address, self.client, self.model = address, client, model
+        self.max_image_pixels = max_image_pixels  # 0 from a server that does not say
         self.lost: str | None = None  # why it was dropped
         self._lock = threading.Lock()
 
@@ -172,7 +174,7 @@ class RemoteBackend:
             if spec.resolution or spec.dense:
                 cfg = ViTConfig.from_dict(json.loads(info.config_json))
                 model = model.at(cfg, spec.geometry(info.limits.max_dense_patches))
-            self.servers.append(_Server(address, client, model))
+            self.servers.append(_Server(address, client, model, info.limits.max_image_pixels))
         if not self.servers:  # as if every server were lost at once: exit 1, rerun later
             raise JobFailed(
                 f"no server could be reached: {'; '.join(unreachable)}; rerun the same command "
@@ -188,6 +190,7 @@ class RemoteBackend:
             )
             raise ValueError(f"the servers serve different models, refusing to mix: {listing}")
         self.model = self.servers[0].model
+        self.max_image_pixels = min(s.max_image_pixels for s in self.servers) or None
         self.layers = spec.layers(self.model.depth)
 
     def workers(self) -> list[RemoteWorker]:

@@ -106,6 +106,7 @@ class VideoBackend:
     def __init__(self, inner, sampling: Sampling, dtype: str):
         self.inner, self.sampling, self.dtype = inner, sampling, dtype
         self.model = inner.model
+        self.max_image_pixels = inner.max_image_pixels  # its frames go to the inner workers
 
     def workers(self) -> list[VideoWorker]:
         return [VideoWorker(w, self.sampling, self.dtype) for w in self.inner.workers()]

@@ -299,6 +299,18 @@ def _limit(max_pixels: int) -> str:
     )
 
 
+_OVER_LIMIT = re.compile(r"(?:(\d+) pixels, )?over the limit of (\d+) \(--max-image-pixels")
+
+
+def refused_over_limit(reason: str) -> tuple[int | None, int] | None:
+    """(the pixels the image declared, when the refusal says it; the limit) of a refusal worded
+    by ``_limit``, else None: what a job rerun under a larger limit needs to take it again."""
+    found = _OVER_LIMIT.search(reason)
+    if found is None:
+        return None
+    return (int(found[1]) if found[1] else None), int(found[2])
+
+
 def _name(fmt: str | None) -> str:
     """How messages name a format; a PIL image built in memory has none."""
     return {"WEBP": "WebP", "MPO": "JPEG (MPO)"}.get(fmt or "", fmt or "in-memory")

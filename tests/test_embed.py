@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import in_process, png
-from vit22b.clients.embed import JobConfig, OutputSpec, readable_now, run_job
+from vit22b.clients.embed import JobConfig, OutputSpec, allowed_now, readable_now, run_job
 from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
 from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
@@ -214,7 +214,8 @@ def local_job(engine, data, out, spec: OutputSpec | None = None, **kw):
     from vit22b.clients.embed_local import LocalBackend
 
     spec = spec or OutputSpec()
-    backend = LocalBackend(spec, engine=engine, concurrency=kw.pop("concurrency", 2))
+    backend = LocalBackend(spec, engine=engine, concurrency=kw.pop("concurrency", 2),
+                           max_image_pixels=kw.pop("max_image_pixels", 0))
     inputs = [str(d) for d in data] if isinstance(data, list) else [str(data)]
     config = JobConfig(inputs, str(out), spec, quiet=True,
                        **{"batch_size": 4, "shard_size": 6, **kw})
@@ -453,6 +454,48 @@ def test_a_rerun_retries_files_that_could_not_be_read_and_can_be_now(engine, tmp
     assert "data/late.png" in result.ids and len(result.ids) == 9
     errors = (out / "errors.jsonl").read_text().splitlines()
     assert [json.loads(row)["id"] for row in errors] == ["data/notes.txt"]
+
+
+def test_a_rerun_under_a_larger_pixel_limit_takes_the_images_it_refused(engine, tmp_path):
+    """An image refused as over --max-image-pixels stayed a failure for good: a user who raised
+    the limit for their phone photos and reran got every shard skipped. A rerun now recomputes
+    the shards of the images the new limit takes and ends as a job run at that limit from the
+    start; a shard whose refused image is still over it stays done."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    sizes = {"a_big.png": 40, **{f"small{i}.png": 8 for i in range(5)}, "z_mid.png": 20}
+    for name, side in sizes.items():
+        Image.new("RGB", (side, side), (side, 20, 30)).save(data / name)
+
+    def job(limit: int, to=out):  # shards: [a_big small0 small1] [small2-4] [z_mid]
+        return local_job(engine, data, to, shard_size=3, max_image_pixels=limit)
+
+    first = job(100)
+    assert (first.embedded, first.failed) == (5, 2)
+    reasons = {f["id"]: f["reason"] for f in open_outputs(str(out)).failed}
+    assert "40x40 = 1600 pixels, over the limit of 100 " in reasons["a_big.png"]
+    assert "20x20 = 400 pixels, over the limit of 100 " in reasons["z_mid.png"]
+    for limit in (100, 50):  # the same limit, or a smaller one: nothing to take
+        assert job(limit).skipped == 7
+    again = job(1000)  # takes z_mid; a_big's 1600 pixels are still over
+    assert (again.embedded, again.failed, again.skipped) == (1, 0, 6)
+    assert [f["id"] for f in open_outputs(str(out), verify=True).failed] == ["a_big.png"]
+    assert job(1000).skipped == 7
+    last = job(2000)
+    assert (last.embedded, last.skipped, last.complete) == (3, 4, True)
+    fresh = job(2000, tmp_path / "fresh")
+    assert fresh.embedded == 7 and read_dir(out) == read_dir(tmp_path / "fresh")
+
+
+def test_which_refusals_a_larger_pixel_limit_takes():
+    header = "JPEG declares a frame or tile of 5000 pixels, over the limit of 4000 (--max-image-"
+    assert allowed_now({"reason": header + "pixels of the server or the local job; a ..."}, 5000)
+    assert not allowed_now({"reason": header + "pixels ..."}, 4999)  # still over
+    vague = "PNG declares a frame or tile of more pixels than allowed, over the limit of 10 ("
+    assert allowed_now({"reason": vague + "--max-image-pixels ..."}, 11)  # size unknown: try
+    assert not allowed_now({"reason": vague + "--max-image-pixels ..."}, 10)
+    assert not allowed_now({"reason": header + "pixels ..."}, None)  # the bound is not known
+    assert not allowed_now({"reason": "PNG file, but truncated"}, 10**9)
 
 
 def test_whether_a_failed_file_is_readable_now_reads_a_byte_within_the_limit(tmp_path):

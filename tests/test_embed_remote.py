@@ -172,6 +172,41 @@ def test_two_servers_one_killed_mid_job(server, victim, dataset, tmp_path):
     assert (out / "errors.jsonl").read_bytes() == (tmp_path / "alone" / "errors.jsonl").read_bytes()
 
 
+def test_a_rerun_on_servers_with_a_larger_pixel_limit_takes_the_images_refused(tmp_path):
+    """A remote job's bound is its servers' (the smallest, as GetModelInfo states them): an
+    image one server refused as too large is taken by a rerun on a server whose limit allows
+    it, and not by one on a set that still includes the smaller limit."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, side in {"mid.png": 20, "small0.png": 8, "small1.png": 8}.items():
+        Image.new("RGB", (side, side), (side, 20, 30)).save(data / name)
+    small, large = start_server(max_image_pixels=100), start_server(max_image_pixels=1000)
+    spec = OutputSpec(pooled=True)
+
+    def job(*servers):
+        backend = RemoteBackend([s.address for s in servers], spec, quiet=True)
+        assert backend.max_image_pixels == min(s.server.config.max_image_pixels for s in servers)
+        try:
+            return run_job(JobConfig([str(data)], str(tmp_path / "out"), spec, batch_size=2,
+                                     shard_size=2, quiet=True), backend)
+        finally:
+            backend.close()
+
+    try:
+        first = job(small)
+        assert (first.embedded, first.failed) == (2, 1)
+        assert job(small, large).skipped == 3  # the set's bound is still 100
+        again = job(large)
+        assert (again.embedded, again.failed, again.skipped) == (2, 0, 1)  # mid's shard
+        result = open_outputs(str(tmp_path / "out"), verify=True)
+        assert result.ids == ["mid.png", "small0.png", "small1.png"] and not result.failed
+    finally:
+        small.stop()
+        large.stop()
+
+
 def test_cli_refusals_and_progress(server, dataset, tmp_path):
     data, good, _ = dataset
     out = str(tmp_path / "out")
