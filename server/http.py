@@ -770,10 +770,18 @@ class HttpDoor:
         admitted = await self.infer.admit(call, outputs)
         work = asyncio.ensure_future(self.infer.run(admitted))
         gone = asyncio.ensure_future(_disconnected(request))
-        left = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
         try:
-            done, _ = await asyncio.wait({work, gone}, timeout=left,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            # Until the deadline by time.monotonic, as the batcher judges it: the loop's timers
+            # run on its cached clock (uvloop reads it once per turn of the loop), so on a busy
+            # loop the wait ended early and the dropped images counted as "cancelled". One wait
+            # at least, even past the deadline: ``work`` must have started to give its admitted
+            # room back when it is cancelled (a task cancelled before its first step runs none).
+            while True:
+                left = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
+                done, _ = await asyncio.wait({work, gone}, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if done or not left:
+                    break
         finally:
             gone.cancel()
             if not work.done():
