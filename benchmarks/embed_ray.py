@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=max(args.concurrency, os.cpu_count() or 1), include_dashboard=False,
              logging_level="WARNING")
     spec = OutputSpec()
-    model = ServerActors((address,)).identity(spec, args.batch_size).name
+    model = ServerActors((address,)).model_and_limit(spec, args.batch_size)[0].name
     runs = iter(range(10**6))
     small = os.path.join(work, "small.txt")
     with open(small, "w") as f:

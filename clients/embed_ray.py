@@ -95,7 +95,8 @@ class ServerActors:
                              batch_size=batch_size, concurrency=1, timeout=self.timeout,
                              quiet=True)
 
-    def identity(self, spec: OutputSpec, batch_size: int) -> tuple[ModelIdentity, int | None]:
+    def model_and_limit(self, spec: OutputSpec,
+                        batch_size: int) -> tuple[ModelIdentity, int | None]:
         """The model the actors serve and their pixel bound (the job's Backend's two)."""
         return _model_of(self, spec, batch_size)  # a few GetModelInfo calls, here
 
@@ -128,7 +129,8 @@ class EngineActors:
                             max_image_pixels=self.max_image_pixels,
                             compile_cache=self.compile_cache or default_compile_cache())
 
-    def identity(self, spec: OutputSpec, batch_size: int) -> tuple[ModelIdentity, int | None]:
+    def model_and_limit(self, spec: OutputSpec,
+                        batch_size: int) -> tuple[ModelIdentity, int | None]:
         """As ServerActors': loaded once in a Ray task on an actor's resources (the driver may
         have no GPU and no jax); the cost of one extra load at the start of a job."""
         import ray
@@ -315,7 +317,7 @@ def embed_with_ray(
     joined = connect(address)
     try:
         resources = _check_room(actors, concurrency)
-        model, max_image_pixels = actors.identity(config.spec, config.batch_size)
+        model, max_image_pixels = actors.model_and_limit(config.spec, config.batch_size)
 
         def run_pending(items, slices, pending, store, summary) -> None:
             logging.getLogger("ray.data").setLevel(logging.WARNING)
