@@ -246,7 +246,8 @@ class FeatureServer:
         await server.start()
         self._server = server
         if config.http_port is not None:
-            from .http import ClientLimits, HttpDoor  # FastAPI, uvicorn: only with the door
+            from .http import HttpDoor  # FastAPI, uvicorn: only with the door
+            from .http_connections import ClientLimits
 
             clients = ClientLimits(config.http_header_timeout_s, config.http_body_timeout_s,
                                    config.http_max_connections, config.http_min_body_rate)

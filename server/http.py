@@ -13,12 +13,13 @@ doors read them alike), and the facade validates, admits and runs it. Failures m
 Image URLs are refused: this server does not fetch. A client that disconnects, or whose
 ``X-Request-Timeout`` passes, has its images dropped before they are computed.
 
-Slow or silent clients are bounded by the connection class (``_Connection``): headers must be
-complete within ``--http-header-timeout`` (408, or a close when nothing was sent) and under
-``MAX_HEADER_BYTES`` (431), a body may not stall for ``--http-body-timeout`` nor, after that
-long, average under ``--http-min-body-rate`` (408; read whole before admission, so a stalled or
-dripped one holds no place in the queue), nor a response go unread that long (the connection is
-cut), and ``--http-max-connections`` bound the open connections (503).
+Slow or silent clients are bounded by the connection class (``http_connections.py``): headers
+must be complete within ``--http-header-timeout`` (408, or a close when nothing was sent) and
+under ``MAX_HEADER_BYTES`` (431), nor a response go unread for ``--http-body-timeout`` (the
+connection is cut), and ``--http-max-connections`` bound the open connections (503); here, in
+``_Guard``, a body may not stall for ``--http-body-timeout`` nor, after that long, average under
+``--http-min-body-rate`` (408; read whole before admission, so a stalled or dripped one holds no
+place in the queue).
 """
 
 from __future__ import annotations
@@ -26,19 +27,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import json
 import logging
 import math
 import re
-import socket
-import struct
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from http import HTTPStatus
-from typing import ClassVar, Literal
+from typing import Literal
 
 import grpc
 import jiter
@@ -50,11 +46,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
-from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from vit22b.model.errors import (
     CallerGone,
     DeadlineExpired,
@@ -73,6 +67,7 @@ from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
 from .auth import Tokens
+from .http_connections import BoundedConnection, ClientLimits, UvicornServer, listen
 from .infer import EmbedCall, EmbedResult, ImageInput, Infer
 from .metrics import Metrics
 from .service import check_response_size, image_input, server_version
@@ -81,23 +76,13 @@ from .status import (
     RETRY_AFTER_S,
     STATUSES,
     ConnectionRefusal,
-    HeadersTooLarge,
     RequestTimeout,
     Status,
-    TooManyConnections,
     UnsupportedBody,
     status_of,
 )
 
 log = logging.getLogger(__name__)
-
-try:
-    import fcntl
-    import termios
-
-    _OUTQ: int | None = termios.TIOCOUTQ  # SIOCOUTQ on sockets
-except (ImportError, AttributeError):  # Windows
-    _OUTQ = None
 
 SAFETENSORS = "application/vnd.safetensors"
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own bound on a header
@@ -105,24 +90,6 @@ OPEN_PATHS = ("/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redir
 ROUTES = {"/v1/embeddings", "/v1/features", "/v1/models", *OPEN_PATHS}  # metric labels
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the call's deadline, like gRPC's
 ARRIVED = "vit22b.arrived"  # the ASGI scope's key for when a request's headers were complete
-# A request's line and headers (nginx: 4 x 8 KiB, Node.js 16 KiB); httptools has no limit of
-# its own and joins a header's pieces as they come: one endless header would grow the memory
-# and hold the event loop the gRPC door shares.
-MAX_HEADER_BYTES = 64 << 10
-
-
-@dataclass(frozen=True)
-class ClientLimits:
-    """What one HTTP client may hold: the ``--http-*`` settings (server/settings.py)."""
-
-    header_timeout_s: float
-    body_timeout_s: float
-    max_connections: int
-    min_body_rate: int  # bytes/s a body must average after its first body_timeout_s; 0: none
-
-
-
-
 # ---- request and response bodies (their schemas are the OpenAPI document's) -----------------
 
 
@@ -540,7 +507,7 @@ class HttpDoor:
             self.asgi = CORSMiddleware(self.asgi, allow_origins=cors_origins,
                                        allow_methods=("GET", "HEAD", "POST"),
                                        allow_headers=CORS_HEADERS, expose_headers=("Retry-After",))
-        self._server: _Server | None = None
+        self._server: UvicornServer | None = None
         self._task: asyncio.Task | None = None
 
     def _app(self) -> FastAPI:
@@ -625,17 +592,18 @@ class HttpDoor:
     async def start(self, host: str, port: int, cert: str | None = None,
                     key: str | None = None) -> int:
         """Listen on ``host:port`` (0: a free port) in the running loop; the bound port."""
-        sock = _listen(host, port)
+        sock = listen(host, port)
         # The connection class is named, not "auto" (httptools when installed, else h11): its
         # bounds hook httptools' parser callbacks. No WebSocket routes: an upgraded connection
         # would leave the class, and its bounds with it.
         config = uvicorn.Config(
             self.asgi, loop="none", lifespan="off", log_config=None, access_log=False,
             ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5,
-            http=_Connection.bounded_by(self.limits, self.metrics.http_connections_ended),
+            http=BoundedConnection.bounded_by(self.limits, self.metrics.http_connections_ended,
+                                              lambda err: error_response(err, status_of(err))),
             ws="none",
         )
-        self._server = _Server(config)
+        self._server = UvicornServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
@@ -823,33 +791,10 @@ class HttpDoor:
         return error_response(err, status)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket. Its protocol is named (IPPROTO_TCP, as getaddrinfo gives):
-    asyncio turns Nagle's algorithm off only on such sockets' connections, and with it on a
-    response's separate header and body writes wait out the client's delayed ACK (40 ms)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as err:
-        sock.close()
-        raise OSError(f"cannot bind HTTP {host}:{port}: {err}") from None
-    return sock
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the body was read before)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """The process's SIGTERM / SIGINT handling drains both doors; uvicorn takes none."""
-        yield
 
 
 class _Guard:
@@ -938,191 +883,3 @@ class _Guard:
     def _too_large(self, size: int) -> TooLarge:
         return TooLarge(f"request body of {size} bytes is over the message limit of "
                         f"{self.limit} bytes (--max-message-mb); send fewer images per request")
-
-
-def _wire(response: Response, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """``response`` as HTTP/1.1 bytes: the connection layer answers where no ASGI cycle runs."""
-    code = response.status_code
-    lines = [b"HTTP/1.1 %d %s" % (code, HTTPStatus(code).phrase.encode())]
-    lines += [b"%s: %s" % pair for pair in [*default_headers, *response.raw_headers]]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
-
-
-# uvicorn's connection hooks the bounds below override: were one renamed upstream, its bound
-# would silently stop applying, so a uvicorn without them is refused when the door starts.
-_HOOKS = ("connection_made", "connection_lost", "data_received", "on_message_begin",
-          "on_headers_complete", "on_response_complete", "timeout_keep_alive_handler",
-          "shutdown", "pause_writing", "resume_writing")
-
-
-class _Connection(HttpToolsProtocol):
-    """uvicorn's httptools connection, bounded against slow and silent clients: nginx's
-    client_header_timeout and send_timeout, a header size limit and a cap on connections (the
-    body's timeout is ``_Guard``'s, where the body is read). uvicorn's own keep-alive timer runs
-    only while a kept-alive connection is idle: the next request's first byte disarms it, and
-    nothing bounds the rest of that request.
-
-    The header clock runs from the connection's start, and from the end of each response that
-    leaves no request pending, until the next request's headers are complete. Writes are
-    watched while the client has unread response bytes: no progress in the body timeout, and
-    the connection is cut (a close would wait for them forever)."""
-
-    limits: ClassVar[ClientLimits]
-    ended: ClassVar[Counter]  # connections the bounds ended, by reason
-    crowded_warned_at: ClassVar[float] = -math.inf
-
-    @classmethod
-    def bounded_by(cls, limits: ClientLimits, ended: Counter) -> type[_Connection]:
-        """The class uvicorn instantiates per connection (``Config(http=...)``), with ``limits``
-        and the counter (a ``reason`` label) of the connections its bounds end."""
-        missing = [name for name in _HOOKS if not callable(getattr(HttpToolsProtocol, name, None))]
-        if missing:
-            raise RuntimeError(f"uvicorn {uvicorn.__version__}'s HttpToolsProtocol lacks "
-                               f"{', '.join(missing)}: the HTTP door's client bounds need them")
-        return type(cls.__name__, (cls,), {"limits": limits, "ended": ended})
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._header_timer: asyncio.TimerHandle | None = None
-        self._begun = False  # part of a request's line or headers has come
-        self._asked = False  # a request has begun on this connection
-        self._header_bytes = 0
-        self._write_timer: asyncio.TimerHandle | None = None
-        self._unread_before = 0  # at the last look
-        self._resumed = False  # the buffer drained below its low mark since the last look
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
-            self._crowded()
-        else:
-            self._await_headers()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._header_timer, self._write_timer):
-            if timer is not None:
-                timer.cancel()
-        self._header_timer = self._write_timer = None
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        # Counted from the chunk after the one a request began in until its headers are
-        # complete: never body bytes, and the parser holds at most the limit and two reads.
-        counted = self._begun
-        super().data_received(data)
-        if counted and self._begun and not self.transport.is_closing():
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self.ended.labels("headers_too_large").inc()
-                self._refuse(HeadersTooLarge(f"request headers over {MAX_HEADER_BYTES >> 10} "
-                                             "KiB"))
-
-    # ---- parser callbacks and uvicorn's hooks --------------------------------------------
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._begun, self._asked, self._header_bytes = True, True, 0
-
-    def on_headers_complete(self) -> None:
-        self._begun = False
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-        super().on_headers_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.transport.is_closing():
-            self._watch_writes()
-        elif self.cycle.response_complete:  # no request pending: not even a pipelined one
-            self._await_headers()
-
-    def timeout_keep_alive_handler(self) -> None:
-        if not self.transport.is_closing():
-            self._close()
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        if self.transport.is_closing():
-            self._watch_writes()
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self._watch_writes()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._resumed = True
-
-    # ---- the bounds --------------------------------------------------------------------
-    def _await_headers(self) -> None:
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.limits.header_timeout_s,
-                                                      self._headers_late)
-
-    def _headers_late(self) -> None:
-        self._header_timer = None
-        if self.transport.is_closing():
-            return
-        if self._begun:
-            self.ended.labels("header_timeout").inc()
-            self._refuse(RequestTimeout(f"request headers not complete in "
-                                        f"{self.limits.header_timeout_s:g} s "
-                                        "(--http-header-timeout)"))
-        else:  # nothing sent (an idle or a silent connection): nothing to answer
-            if not self._asked:  # silent from the start; an idle kept-alive one is not counted
-                self.ended.labels("silent").inc()
-            self._close()
-
-    def _refuse(self, err: ConnectionRefusal) -> None:
-        log.info("HTTP connection from %s refused: %s", self.client, err)
-        self._answer(err)
-
-    def _crowded(self) -> None:
-        cls = type(self)
-        now = self.loop.time()
-        if now - cls.crowded_warned_at > 10:  # once in a while, not once per connection
-            cls.crowded_warned_at = now
-            log.warning("HTTP connections over --http-max-connections (%d): new ones get 503",
-                        self.limits.max_connections)
-        self.ended.labels("too_many_connections").inc()
-        self._answer(TooManyConnections(
-            f"this server holds its maximum of {self.limits.max_connections} HTTP connections "
-            "(--http-max-connections); retry, or reuse a connection"))
-
-    def _answer(self, err: ConnectionRefusal) -> None:
-        response = error_response(err, status_of(err))
-        self.transport.write(_wire(response, self.server_state.default_headers))
-        self._close()
-
-    def _close(self) -> None:
-        self.transport.close()  # once what was written has gone out
-        self._watch_writes()
-
-    def _watch_writes(self, unread: int | None = None) -> None:
-        unread = self._unread() if unread is None else unread
-        if self._write_timer is None and unread:
-            self._unread_before, self._resumed = unread, False
-            self._write_timer = self.loop.call_later(self.limits.body_timeout_s,
-                                                     self._check_writes)
-
-    def _check_writes(self) -> None:
-        self._write_timer = None
-        unread = self._unread()
-        if unread and unread >= self._unread_before and not self._resumed:
-            log.info("HTTP connection from %s cut: it read none of its response for %g s "
-                     "(--http-body-timeout)", self.client, self.limits.body_timeout_s)
-            self.ended.labels("response_unread").inc()
-            self.transport.abort()
-        else:
-            self._watch_writes(unread)
-
-    def _unread(self) -> int:
-        """Response bytes the client has not taken while some wait in our buffer: those, and
-        the kernel's unacknowledged ones (Linux's SIOCOUTQ). The buffer alone moves only when
-        the kernel's has a third free, up to a megabyte or more of the client's reading."""
-        unread = self.transport.get_write_buffer_size()
-        sock = self.transport.get_extra_info("socket")
-        if unread and _OUTQ is not None and sock is not None:
-            with contextlib.suppress(OSError, ValueError):
-                unread += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, bytes(4)))[0]
-        return unread

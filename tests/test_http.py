@@ -168,6 +168,24 @@ def test_safetensors_body_holds_every_tensor_and_the_metadata(server, http):
     assert meta["model"]["fingerprint"] == server.engine.identity.fingerprint
 
 
+def test_a_bfloat16_safetensors_body_is_BF16_as_the_readme_says(server, http):
+    """safetensors.numpy has no BF16 (the README says so and how to read it): the body's
+    tensors are read here by the format's spec, as ml_dtypes.bfloat16."""
+    images = random_images(2, seed=24)
+    response = http.post("/v1/features", json={"images": pngs(images), "dtype": "bfloat16"},
+                         headers={"Accept": "application/vnd.safetensors"})
+    body = response.content
+    size = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8 : 8 + size])
+    assert header["pooled"]["dtype"] == "BF16" and header["pooled"]["shape"] == [2, 64]
+    start, end = header["pooled"]["data_offsets"]
+    pooled = np.frombuffer(body[8 + size + start : 8 + size + end], ml_dtypes.bfloat16)
+    want = in_process(server.engine, images)["pooled"].astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(pooled.reshape(2, 64), want)
+    with pytest.raises(KeyError, match="BF16"):  # the README's warning, while it holds
+        safetensors.numpy.load(body)
+
+
 def test_ids_are_counted_as_each_encoding_writes_them(server, http):
     """JSON writes an id ASCII-escaped ('é': 6 bytes, 2 in UTF-8), safetensors inside its
     header's JSON: an id that fits as UTF-8 could make a JSON answer over the limit (it was
