@@ -9,13 +9,20 @@ Per model it starts ``vit22b serve`` with both doors, draws a pool of images (ra
 sent as PNG, JPEG or raw pixels) and of output configs (random kinds, layers, dtype,
 normalisations, resolution, dense mode), and takes a reference for every (config, image) by a
 lone unary call while nothing else runs. Then ``--threads`` threads send ``--calls`` calls, each
-a random config over 1-4 images of the pool (repeats allowed), by one of five paths: unary
-``Embed``, ``EmbedStream`` (several requests, each its own config), the SDK's session, HTTP
-``/v1/features`` as JSON and as safetensors. Every answer must carry the ids and indices asked,
+a random config over 1-4 images of the pool (repeats allowed), by one of six paths: unary
+``Embed``, ``EmbedStream`` (1-3 requests, each its own config), the SDK's session, its asyncio
+session (1-3 overlapping calls, each its own config), HTTP ``/v1/features`` as JSON and as
+safetensors. Every answer must carry the ids and indices asked,
 the outputs asked and no other, and each row must equal its image's reference within its
 dtype's tolerance (relative to the reference's largest value: float32 1e-5, float16 2e-3,
 bfloat16 1.6e-2) and be nearer to it than to any other image's reference of that config. At the
 end the server's queue gauge must be 0.
+
+``--chaos`` adds what disturbs the batches without being checkable itself: a quarter of the
+calls carry a junk image at a random place and skip it (the rows must still be the valid
+images', with their request positions as ``indices``), and two more paths, unary calls with a
+1-30 ms deadline and unary calls their caller cancels after 0-20 ms (each either ends so or is
+answered, and then checked like any other).
 
 Models: ``tiny`` is the embedded default (MAP head; pooled, patch tokens, attention stats);
 ``heads`` a small random-weight checkpoint written here with a class token, four registers,
@@ -28,6 +35,7 @@ wrong answer, unexpected refusal or a queue left non-empty.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import io
 import json
@@ -48,13 +56,15 @@ import numpy as np
 from benchlib import emit, log, machine, serve_process
 from PIL import Image
 from soak import free_port
-from vit22b.clients import FeatureClient
+from vit22b.clients import AsyncFeatureClient, FeatureClient
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-PATHS = ("unary", "stream", "session", "http_json", "http_safetensors")
+PATHS = ("unary", "stream", "session", "async_session", "http_json", "http_safetensors")
+CHAOS = ("deadline", "cancel")
+SEVERAL = ("stream", "async_session")  # paths that send 1-3 requests at once, each its own config
 POOL_IMAGES = 10
 CONFIGS = 12
 
@@ -102,14 +112,14 @@ class Config:
     resolution: int
     dense: bool
 
-    def request(self, images: list[pb.Image]) -> pb.EmbedRequest:
+    def request(self, images: list[pb.Image], skip: bool = False) -> pb.EmbedRequest:
         return pb.EmbedRequest(
             images=images, outputs=[wire.kind_code(k) for k in self.outputs],
             patch_layers=self.layers, dtype=wire.dtype_code(self.dtype),
             l2_normalize=self.l2_normalize, normalize_patches=self.normalize_patches,
-            resolution=self.resolution, dense=self.dense)
+            resolution=self.resolution, dense=self.dense, skip_invalid_images=skip)
 
-    def body(self, images: list[pb.Image], ids: list[str]) -> dict:
+    def body(self, images: list[pb.Image], ids: list[str], skip: bool) -> dict:
         def image(x: pb.Image, i: str) -> dict:
             if x.HasField("encoded"):
                 return {"id": i, "data": base64.b64encode(x.encoded).decode()}
@@ -120,12 +130,12 @@ class Config:
                 "outputs": list(self.outputs), "layers": list(self.layers),
                 "dtype": self.dtype, "l2_normalize": self.l2_normalize,
                 "normalize_patches": self.normalize_patches, "resolution": self.resolution,
-                "dense": self.dense}
+                "dense": self.dense, "skip_invalid": skip}
 
-    def sdk(self) -> dict:
+    def sdk(self, skip: bool) -> dict:
         return {"outputs": self.outputs, "layers": self.layers, "dtype": self.dtype,
                 "l2_normalize": self.l2_normalize, "normalize_patches": self.normalize_patches,
-                "resolution": self.resolution, "dense": self.dense}
+                "resolution": self.resolution, "dense": self.dense, "skip_invalid": skip}
 
 
 def draw_configs(r: random.Random, info: pb.ModelInfo) -> list[Config]:
@@ -145,6 +155,47 @@ def draw_configs(r: random.Random, info: pb.ModelInfo) -> list[Config]:
                               "patch_tokens" in outputs and r.random() < 0.5,
                               0 if dense else r.choice(resolutions), dense))
     return configs
+
+
+JUNK = pb.Image(encoded=b"\x89PNG\r\n\x1a\n but not a PNG")  # refused, or skipped with skip_invalid
+
+
+@dataclass
+class Call:
+    """One request: ``picks`` of the pool under ``config``, with a junk image at ``junk_at``
+    (None: none; else the request skips invalid images)."""
+
+    config: Config
+    picks: list[int]
+    ids: list[str]
+    pool: list[pb.Image]
+    junk_at: int | None = None
+
+    @property
+    def skip(self) -> bool:
+        return self.junk_at is not None
+
+    @property
+    def images(self) -> list[pb.Image]:
+        images = [self.pool[p] for p in self.picks]
+        return images if self.junk_at is None else [*images[:self.junk_at], JUNK,
+                                                     *images[self.junk_at:]]
+
+    @property
+    def sent_ids(self) -> list[str]:
+        return self.ids if self.junk_at is None else [*self.ids[:self.junk_at], "junk",
+                                                      *self.ids[self.junk_at:]]
+
+    @property
+    def indices(self) -> list[int]:
+        """The request positions of the rows that come back."""
+        return [i for i in range(len(self.sent_ids)) if i != self.junk_at]
+
+    def request(self) -> pb.EmbedRequest:
+        return self.config.request(_with_ids(self.images, self.sent_ids), self.skip)
+
+    def sdk(self) -> dict:
+        return self.config.sdk(self.skip)
 
 
 def rows_of_response(response: pb.EmbedResponse) -> dict[str, np.ndarray]:
@@ -186,29 +237,53 @@ class Caller:
         self.stub = pb_grpc.FeatureServiceStub(self.channel)
         self.client = FeatureClient(address)
         self.session = self.client.session()
+        self.loop = asyncio.new_event_loop()
+        self.aclient = AsyncFeatureClient(address)
+        self.asession = self.aclient.session()
         self.url = f"http://127.0.0.1:{http_port}/v1/features"
 
     def close(self) -> None:
         self.session.close()
         self.client.close()
+        self.loop.run_until_complete(self.asession.close())
+        self.loop.run_until_complete(self.aclient.close())
+        self.loop.close()
         self.channel.close()
 
-    def unary(self, config: Config, images, ids):
-        response = self.stub.Embed(config.request(_with_ids(images, ids)), timeout=120)
+    def unary(self, call: Call, timeout: float = 120):
+        response = self.stub.Embed(call.request(), timeout=timeout)
         return list(response.ids), list(response.indices), rows_of_response(response)
 
-    def session_call(self, config: Config, images, ids):
-        plain = [x.encoded if x.HasField("encoded") else wire.from_tensor(x.pixels)
-                 for x in images]  # the SDK's own inputs: bytes, or a uint8 array
-        got = self.session.embed(plain, ids=ids, **config.sdk())
-        return got.ids, list(range(len(ids))), rows_of_embeddings(got)
+    def cancelled_unary(self, call: Call, after_s: float):
+        """A unary call its caller cancels after ``after_s``: its answer if it came first."""
+        future = self.stub.Embed.future(call.request(), timeout=120)
+        time.sleep(after_s)
+        if future.cancel():
+            return None
+        response = future.result()
+        return list(response.ids), list(response.indices), rows_of_response(response)
 
-    def http(self, config: Config, images, ids, safetensors_body: bool):
+    def session_call(self, call: Call):
+        got = self.session.embed(_plain(call.images), ids=call.sent_ids, **call.sdk())
+        return got.ids, list(got.indices), rows_of_embeddings(got)
+
+    def async_session_calls(self, calls: list[Call]) -> list:
+        """Overlapping calls on one asyncio session, as tasks of one loop sharing it."""
+        async def one(call: Call):
+            got = await self.asession.embed(_plain(call.images), ids=call.sent_ids, **call.sdk())
+            return got.ids, list(got.indices), rows_of_embeddings(got)
+
+        async def together():
+            return await asyncio.gather(*(one(c) for c in calls))
+        return self.loop.run_until_complete(together())
+
+    def http(self, call: Call, safetensors_body: bool):
         headers = {"Content-Type": "application/json"}
         if safetensors_body:
             headers["Accept"] = "application/vnd.safetensors"
         request = urllib.request.Request(
-            self.url, json.dumps(config.body(images, ids)).encode(), headers)
+            self.url, json.dumps(call.config.body(call.images, call.sent_ids, call.skip)).encode(),
+            headers)
         with urllib.request.urlopen(request, timeout=120) as answer:
             body = answer.read()
         if not safetensors_body:
@@ -230,6 +305,11 @@ def read_safetensors(body: bytes):
                                 SAFETENSORS_DTYPES[t["dtype"]]).reshape(t["shape"])
             for name, t in header.items()}
     return json.loads(meta["ids"]), json.loads(meta["indices"]), rows
+
+
+def _plain(images: list[pb.Image]) -> list:
+    """The SDK's own inputs: encoded bytes, or a uint8 array."""
+    return [x.encoded if x.HasField("encoded") else wire.from_tensor(x.pixels) for x in images]
 
 
 def _with_ids(images, ids) -> list[pb.Image]:
@@ -281,10 +361,10 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 def run_model(name: str, flags: list[str], args, r: random.Random) -> dict:
     http_port, metrics_port = free_port(), free_port()
-    worker = None
+    member = None
     if args.group:  # process 1 of a group of two; process 0 (below) takes the calls
         flags = [*flags, "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
-        worker = subprocess.Popen(
+        member = subprocess.Popen(
             [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
              "--metrics-port", "-1", "--log-level", "WARNING", *flags, "--process-id", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -311,10 +391,11 @@ def run_model(name: str, flags: list[str], args, r: random.Random) -> dict:
                     with lock:
                         if next(numbers, None) is None:
                             return
-                    path = rr.choice(PATHS)
-                    problems = one_call(caller, path, rr, images, configs, refs)
+                    path = rr.choice(PATHS + (CHAOS if args.chaos else ()))
+                    problems, outcome = one_call(caller, path, rr, images, configs, refs,
+                                                 args.chaos)
                     with lock:
-                        counts[path] += 1
+                        counts[f"{path}:{outcome}"] += 1
                         failures.extend(f"{path}: {p}" for p in problems)
             finally:
                 caller.close()
@@ -335,46 +416,57 @@ def run_model(name: str, flags: list[str], args, r: random.Random) -> dict:
                 "wrong": len(failures), "failures": failures[:20], "queue_left": queue_left,
                 "alive": proc.poll() is None}
     finally:
-        for process in (proc, worker):
+        for process in (proc, member):
             if process is not None:
                 process.terminate()
                 process.wait(60)
 
 
-def one_call(caller: Caller, path: str, r: random.Random, images, configs, refs) -> list[str]:
-    """One call by ``path``; its problems (a refusal is one)."""
-    requests = []
-    for _ in range(r.randrange(1, 4) if path == "stream" else 1):
+def one_call(caller: Caller, path: str, r: random.Random, pool, configs, refs,
+             chaos: bool) -> tuple[list[str], str]:
+    """One call by ``path``: (its problems, a refusal of a valid call being one; its outcome)."""
+    calls = []
+    for _ in range(r.randrange(1, 4) if path in SEVERAL else 1):
         config = r.choice(configs)
         picks = [r.randrange(POOL_IMAGES) for _ in range(1 if config.dense else r.randrange(1, 5))]
         ids = [f"{r.getrandbits(40):x}-{p}" for p in picks]
-        requests.append((config, picks, ids))
+        junk = chaos and not config.dense and r.random() < 0.25  # dense: one image a request
+        junk_at = r.randrange(len(picks) + 1) if junk else None
+        calls.append(Call(config, picks, ids, pool, junk_at))
     try:
         if path == "stream":
-            answers = caller.stub.EmbedStream(
-                iter([c.request(_with_ids([images[p] for p in picks], ids))
-                      for c, picks, ids in requests]), timeout=120)
+            answers = caller.stub.EmbedStream(iter([c.request() for c in calls]), timeout=120)
             results = [(list(a.ids), list(a.indices), rows_of_response(a)) for a in answers]
+        elif path == "async_session":
+            results = caller.async_session_calls(calls)
+        elif path == "unary":
+            results = [caller.unary(calls[0])]
+        elif path == "deadline":  # 1-30 ms: expired, or answered and checked
+            results = [caller.unary(calls[0], timeout=r.uniform(0.001, 0.03))]
+        elif path == "cancel":  # cancelled by its caller after 0-20 ms, or answered and checked
+            results = [caller.cancelled_unary(calls[0], r.uniform(0, 0.02))]
+            if results[0] is None:
+                return [], "cancelled"
+        elif path == "session":
+            results = [caller.session_call(calls[0])]
         else:
-            config, picks, ids = requests[0]
-            chosen = [images[p] for p in picks]
-            if path == "unary":
-                results = [caller.unary(config, chosen, ids)]
-            elif path == "session":
-                results = [caller.session_call(config, chosen, ids)]
-            else:
-                results = [caller.http(config, chosen, ids, path == "http_safetensors")]
+            results = [caller.http(calls[0], path == "http_safetensors")]
+    except grpc.RpcError as err:
+        if path == "deadline" and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return [], "expired"
+        return [f"refused: {err.code().name}: {err.details()[:300]}"], "refused"
     except Exception as err:  # noqa: BLE001 - a refusal of a valid call is a finding
-        return [f"refused: {type(err).__name__}: {str(err)[:300]}"]
-    if len(results) != len(requests):
-        return [f"{len(results)} answers to {len(requests)} requests"]
+        return [f"refused: {type(err).__name__}: {str(err)[:300]}"], "refused"
+    if len(results) != len(calls):
+        return [f"{len(results)} answers to {len(calls)} requests"], "answered"
     problems = []
-    for (config, picks, ids), (got_ids, indices, rows) in zip(requests, results, strict=True):
-        if list(got_ids) != ids or list(indices) != list(range(len(ids))):
-            problems.append(f"ids {got_ids} / indices {indices} for ids {ids}")
+    for call, (got_ids, indices, rows) in zip(calls, results, strict=True):
+        if list(got_ids) != call.ids or list(indices) != call.indices:
+            problems.append(f"ids {got_ids} / indices {indices} for ids {call.sent_ids}")
             continue
-        problems.extend(f"{config}: {p}" for p in compare(rows, picks, config, refs))
-    return problems
+        problems.extend(f"{call.config}: {p}" for p in compare(rows, call.picks, call.config,
+                                                               refs))
+    return problems, "answered, junk skipped" if any(c.skip for c in calls) else "answered"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chaos", action="store_true",
+                        help="also calls with a junk image skipped, 1-30 ms deadlines and "
+                        "unary calls their caller cancels after 0-20 ms")
     parser.add_argument("--group", action="store_true",
                         help="serve each model by a group of two processes (jax.distributed)")
     parser.add_argument("--models", nargs="+", default=["tiny", "heads"],
@@ -397,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                       "--resolutions", "32,64,80", "--max-dense-patches", "48"])]
             results.append(run_model(model, flags, args, r))
             log(json.dumps({k: v for k, v in results[-1].items() if k != "configs"}))
-    emit({"benchmark": "crosstalk", "seed": args.seed, "threads": args.threads, "group": args.group,
+    emit({"benchmark": "crosstalk", "seed": args.seed, "threads": args.threads,
+          "group": args.group, "chaos": args.chaos,
           "results": results, "machine": machine()})
     bad = any(x["wrong"] or x["queue_left"] != 0 or not x["alive"] for x in results)
     return 1 if bad else 0
