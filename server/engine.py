@@ -465,8 +465,10 @@ class Engine:
             elif len(self._used) >= self._max_output_sets:
                 raise CompileLimit(
                     f"the server holds compiled forwards for {len(self._used)} on-demand output "
-                    f"sets, its limit, all used within {CACHE_IDLE_S:.0f}s; this request needs "
-                    "another (other patch layers or outputs): reuse a set, or retry later"
+                    f"sets, its limit (--max-compiled {self._max_compiled} forwards over "
+                    f"{len(self.plan.buckets)} batch buckets), all used within "
+                    f"{CACHE_IDLE_S:.0f}s; this request needs another (other patch layers or "
+                    "outputs): reuse a set, or retry later"
                 )
             self._used[outputs] = now
 
