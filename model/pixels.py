@@ -375,15 +375,68 @@ def _header_reason(err: Exception) -> str:
     return f"its header is unusable: {type(err).__name__}: {err}"
 
 
+# ISO media brands (bytes 8-12 after "ftyp") of files sent as images that are none Pillow reads.
+_ISO_BRANDS = {
+    **dict.fromkeys((b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs",
+                     b"mif1", b"msf1"), "HEIF/HEIC (a phone's photo format)"),
+    **dict.fromkeys((b"avif", b"avis"), "AVIF"),
+    b"qt  ": "QuickTime (MOV) video",
+    **dict.fromkeys((b"isom", b"iso2", b"iso4", b"iso5", b"iso6", b"mp41", b"mp42", b"avc1",
+                     b"dash", b"M4V ", b"M4VP", b"MSNV", b"NDAS", b"f4v "), "MP4 video"),
+    **dict.fromkeys((b"3gp4", b"3gp5", b"3gp6", b"3g2a"), "3GP video"),
+    b"crx ": "Canon CR3 raw",
+}
+# Other well-known files with a signature at their start, for a refusal that names them.
+_OTHER_SIGNATURES = (
+    (b"\xff\x0a", "JPEG XL"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"),
+    (b"\x1a\x45\xdf\xa3", "Matroska or WebM video"),
+    (b"%PDF-", "PDF document"),
+    (b"PK\x03\x04", "ZIP archive"),
+    (b"\x1f\x8b", "gzip archive"),
+)
+
+
+def _iso_kind(data: bytes) -> str | None:
+    """An ISO media file's kind by its ``ftyp`` brands: the major one, else the first
+    compatible one known, the generic HEIF ones last (a HEIC photo's major brand may be
+    ``mif1``, which Pillow's AVIF plugin takes for AVIF; an AVIF's too)."""
+    if data[4:8] != b"ftyp":
+        return None
+    end = min(int.from_bytes(data[:4], "big"), len(data), 4096)
+    brands = [data[8:12], *(data[k:k + 4] for k in range(16, end - 3, 4))]
+    generic = (b"mif1", b"msf1")  # any HEIF-family image: a specific brand says which
+    for brand in [*(b for b in brands if b not in generic), *generic]:
+        if brand in brands and brand in _ISO_BRANDS:
+            return _ISO_BRANDS[brand]
+    return f"ISO media (brand {brands[0].decode('latin-1')!r})"
+
+
+def _other_kind(data: bytes) -> str | None:
+    """What well-known non-image (or unaccepted image) file the bytes start like, if any."""
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "AVI video"
+    for signature, kind in _OTHER_SIGNATURES:
+        if data.startswith(signature):
+            return kind
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if head.startswith(b"<svg") or (head.startswith(b"<?xml") and b"<svg" in head):
+        return "SVG (vector) image"
+    return None
+
+
 def _unaccepted(data: bytes) -> str:
-    """The reason for bytes of no accepted format: another format Pillow knows, or none."""
-    prefix = data[:16]
-    for fmt in Image.ID:
+    """The reason for bytes of no accepted format: another format Pillow knows, a well-known
+    one it does not (HEIC, JPEG XL, a video, a PDF, ...), or none."""
+    prefix, kind = data[:16], _iso_kind(data)  # ISO brands first: they tell HEIC from AVIF
+    for fmt in Image.ID if kind is None else ():
         factory, accept = Image.OPEN[fmt]
         if fmt not in FORMATS and accept is not None and _signature(accept, prefix) is True:
             description = getattr(factory, "format_description", None)
             named = f"{fmt} ({description})" if description else fmt
             return f"{named} file (by its signature), not an accepted format: send {FORMAT_NAMES}"
+    if (kind := kind or _other_kind(data)) is not None:
+        return f"{kind} file (by its signature), not an accepted format: send {FORMAT_NAMES}"
     return (
         f"not an image file of a known format: no {FORMAT_NAMES} signature "
         f"({len(data)} bytes starting {data[:8]!r})"

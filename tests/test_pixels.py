@@ -128,6 +128,35 @@ def test_other_formats_are_refused_by_name(fmt, named):
     assert named in str(info.value) and "JPEG, PNG, WebP, BMP, GIF or TIFF" in str(info.value)
 
 
+HEIC = "HEIF/HEIC (a phone's photo format)"
+
+
+@pytest.mark.parametrize("data, named", [
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64), HEIC),
+    (b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1heic" + bytes(64), HEIC),
+    (b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1avifmiaf" + bytes(64), "AVIF"),
+    (b"\xff\x0a\xfa\x7f" + bytes(64), "JPEG XL"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n" + bytes(64), "JPEG XL"),
+    (b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2" + bytes(64), "MP4 video"),
+    (b"\x00\x00\x00\x14ftypqt  \x00\x00\x00\x00" + bytes(64), "QuickTime (MOV) video"),
+    (b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81\x01" + bytes(64), "Matroska or WebM video"),
+    (b"RIFF\x00\x10\x00\x00AVI LIST" + bytes(64), "AVI video"),
+    (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n" + bytes(64), "PDF document"),
+    (b'\xef\xbb\xbf<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>',
+     "SVG (vector) image"),
+    (b"PK\x03\x04\x14\x00" + bytes(64), "ZIP archive"),
+    (b"\x1f\x8b\x08\x00" + bytes(64), "gzip archive"),
+    (b"\x00\x00\x00\x18ftypabcd" + bytes(64), "ISO media (brand 'abcd')"),
+], ids=lambda x: None if isinstance(x, bytes) else x.split(" ")[0])
+def test_well_known_files_pillow_does_not_read_are_refused_by_name(data, named):
+    """A folder of a user's files holds phone photos (HEIC), videos, PDFs: the refusal names
+    what the file is, not only that it is no accepted format."""
+    with pytest.raises(InvalidImage) as info:
+        decode(data)
+    assert str(info.value) == (f"{named} file (by its signature), not an accepted format: "
+                               "send JPEG, PNG, WebP, BMP, GIF or TIFF")
+
+
 def test_bytes_of_no_format_say_so():
     with pytest.raises(InvalidImage, match="not an image file of a known format"):
         decode(b"this is text, not an image")
