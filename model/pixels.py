@@ -82,6 +82,15 @@ except ImportError:  # pragma: no cover - the model extra installs it
 
 FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 FORMAT_NAMES = "JPEG, PNG, WebP, BMP, GIF or TIFF"
+# The names files of those formats go by, for loaders that pick images out of a folder by name
+# (the format itself is read from the bytes).
+SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".dib", ".gif", ".tif",
+            ".tiff")
+# Names of image files in formats this contract refuses: a loader that picks by name lists them
+# too, so that their refusal names them instead of a folder's silently losing them.
+REFUSED_SUFFIXES = (".heic", ".heif", ".avif", ".jxl", ".jp2", ".j2k", ".ppm", ".pgm", ".pbm",
+                    ".pnm", ".tga", ".ico", ".pcx", ".psd", ".svg", ".dng", ".cr2", ".cr3",
+                    ".nef", ".arw")
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # about 7.3k x 5.5k; far beyond any model input
 BACKGROUND = (255, 255, 255)  # what transparent pixels show: white, as image viewers do
 FULL_RESIZE_CROPS = 64  # the full shorter-side resize up to this many crops' worth of pixels

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from vit22b.model.pixels import REFUSED_SUFFIXES, SUFFIXES
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "bar", "star")
 TEXTURES = ("stripes", "checker", "dots", "waves", "grid", "noise", "solid", "diagonal")
@@ -40,7 +41,8 @@ _PALETTES = np.array(
 _HAZE = np.array([0.72, 0.76, 0.80], np.float32)  # colour that distance fades everything into
 _FOG_DEPTH = 8.0  # depth at which 1/e of an object's own colour is left
 TextureMode = Literal["independent", "matched", "conflict"]
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# An accepted format's name, or a refused one's (then refused by name when read, not left out).
+IMAGE_SUFFIXES = (*SUFFIXES, *REFUSED_SUFFIXES)
 
 
 class DataError(ValueError):
@@ -224,7 +226,7 @@ def image_files(folder: str | Path) -> list[Path]:
         p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
     )
     if not files:
-        raise DataError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+        raise DataError(f"{folder}: no images ({', '.join(SUFFIXES)})")
     return files
 
 
@@ -261,7 +263,7 @@ def load_image_folder(root: str | Path) -> LabelledImages:
         if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
     ]
     if not paths:
-        raise DataError(f"{root}: the class subfolders hold no images ({IMAGE_SUFFIXES})")
+        raise DataError(f"{root}: the class subfolders hold no images ({', '.join(SUFFIXES)})")
     return LabelledImages(paths, *labels_from_folders(paths))
 
 

@@ -42,6 +42,27 @@ def test_class_folders(tmp_path):
     np.testing.assert_array_equal(read_images(data.images[:1])[0], world.images[0])
 
 
+def test_class_folders_take_every_accepted_format_and_name_refused_ones(tmp_path):
+    """GIF and TIFF (accepted by the pixel contract) were left out of a class folder without a
+    word, as was a phone's HEIC photo: the probe ran on fewer images than the folder held."""
+    world = shapes_world(5, seed=1)
+    names = ["a.gif", "b.TIF", "c.tiff", "d.JPEG", "e.jfif"]
+    for name, image in zip(names, world.images):
+        fmt = {"gif": "GIF", "tif": "TIFF", "tiff": "TIFF"}.get(name.split(".")[1].lower(),
+                                                             "JPEG")
+        (tmp_path / "cls").mkdir(exist_ok=True)
+        Image.fromarray(image).save(tmp_path / "cls" / name, fmt)
+    (tmp_path / "cls" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    data = load_image_folder(tmp_path)
+    assert [p.name for p in data.images] == names
+    assert len(read_images(data.images)) == 5
+    (tmp_path / "cls" / "f.heic").write_bytes(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic")
+    data = load_image_folder(tmp_path)
+    assert data.images[-1].name == "f.heic"
+    with pytest.raises(DataError, match=r"f\.heic: cannot decode image \(HEIF/HEIC"):
+        read_images(data.images)
+
+
 def test_class_folder_errors_name_the_folder(tmp_path):
     with pytest.raises(DataError, match="not a folder"):
         load_image_folder(tmp_path / "missing")
