@@ -262,6 +262,14 @@ def load_image_folder(root: str | Path) -> LabelledImages:
         for path in sorted((root / name).iterdir())
         if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
     ]
+    for name in classes:  # deeper images would be left out without a word: refused instead
+        for path in sorted((root / name).rglob("*")):
+            if path.parent != root / name and path.is_file() and \
+                    path.suffix.lower() in IMAGE_SUFFIXES and not any(
+                        part.startswith(".") for part in path.relative_to(root).parts):
+                raise DataError(f"{path}: an image below the class folder {name!r}, in "
+                                f"{path.parent.relative_to(root / name)}; a class's images go "
+                                f"directly in {root / name} (the probe reads one level)")
     if not paths:
         raise DataError(f"{root}: the class subfolders hold no images ({', '.join(SUFFIXES)})")
     return LabelledImages(paths, *labels_from_folders(paths))

@@ -63,6 +63,18 @@ def test_class_folders_take_every_accepted_format_and_name_refused_ones(tmp_path
         read_images(data.images)
 
 
+def test_images_below_a_class_folder_are_refused_not_left_out(tmp_path):
+    world = shapes_world(3, seed=2)
+    _png(tmp_path / "cat" / "0.png", world.images[0])
+    _png(tmp_path / "dog" / "1.png", world.images[1])
+    _png(tmp_path / "dog" / ".thumbs" / "t.png", world.images[2])  # hidden: not the user's
+    assert len(load_image_folder(tmp_path)) == 2
+    _png(tmp_path / "dog" / "batch2" / "2.png", world.images[2])
+    with pytest.raises(DataError, match=r"2\.png: an image below the class folder 'dog', in "
+                       r"batch2; a class's images go directly in"):
+        load_image_folder(tmp_path)
+
+
 def test_class_folder_errors_name_the_folder(tmp_path):
     with pytest.raises(DataError, match="not a folder"):
         load_image_folder(tmp_path / "missing")
