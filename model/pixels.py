@@ -421,6 +421,17 @@ def _iso_kind(data: bytes) -> str | None:
     return f"ISO media (brand {brands[0].decode('latin-1')!r})"
 
 
+def _tga_kind(data: bytes) -> str | None:
+    """A Targa file has no signature, and its commonest header (uncompressed true colour:
+    ``00 00 02 00``) starts as a Windows cursor's does; a cursor's image count (bytes 4-5) is
+    at least 1 where a TGA without a colour map has 0 there. So: no colour map, a true-colour
+    or grey image type, a bit depth it allows, and a non-empty size."""
+    if len(data) < 18 or data[1] != 0 or data[2] not in (2, 3, 10, 11) or data[3:8] != bytes(5):
+        return None
+    width, height = int.from_bytes(data[12:14], "little"), int.from_bytes(data[14:16], "little")
+    return "TGA (Targa)" if width and height and data[16] in (8, 15, 16, 24, 32) else None
+
+
 def _other_kind(data: bytes) -> str | None:
     """What well-known non-image (or unaccepted image) file the bytes start like, if any."""
     if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
@@ -437,7 +448,7 @@ def _other_kind(data: bytes) -> str | None:
 def _unaccepted(data: bytes) -> str:
     """The reason for bytes of no accepted format: another format Pillow knows, a well-known
     one it does not (HEIC, JPEG XL, a video, a PDF, ...), or none."""
-    prefix, kind = data[:16], _iso_kind(data)  # ISO brands first: they tell HEIC from AVIF
+    prefix, kind = data[:16], _iso_kind(data) or _tga_kind(data)  # before Pillow's guesses
     for fmt in Image.ID if kind is None else ():
         factory, accept = Image.OPEN[fmt]
         if fmt not in FORMATS and accept is not None and _signature(accept, prefix) is True:

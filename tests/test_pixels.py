@@ -146,6 +146,8 @@ HEIC = "HEIF/HEIC (a phone's photo format)"
      "SVG (vector) image"),
     (b"PK\x03\x04\x14\x00" + bytes(64), "ZIP archive"),
     (b"\x1f\x8b\x08\x00" + bytes(64), "gzip archive"),
+    (b"\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00\x00\x00<\x00(\x00\x18\x00" + bytes(64),
+     "TGA (Targa)"),  # its commonest header begins as a Windows cursor's
     (b"\x00\x00\x00\x18ftypabcd" + bytes(64), "ISO media (brand 'abcd')"),
 ], ids=lambda x: None if isinstance(x, bytes) else x.split(" ")[0])
 def test_well_known_files_pillow_does_not_read_are_refused_by_name(data, named):
