@@ -10,15 +10,18 @@ the decoding and resampling rules below).
 
 Untrusted bytes (``decode``):
 
-- Formats: JPEG (an MPO's first picture), PNG, WebP, BMP, GIF and TIFF, recognised by their
-  signature, never by a file name; animations and multi-page files give their first frame. A
-  file of another format Pillow knows is refused naming that format.
+- Formats: JPEG (an MPO's first picture), PNG, WebP, AVIF, BMP, GIF and TIFF, recognised by
+  their signature (AVIF: its ISO brands, not HEIC's), never by a file name; animations and
+  multi-page files give their first frame. A file of another format Pillow knows, or of a
+  well-known one it does not (HEIC, JPEG XL, a video, ...), is refused naming that format.
 - Size: the declared size is checked against ``max_pixels`` (the server's
   ``--max-image-pixels``) before any pixel is decoded. Pillow's own bomb guard (one
   process-wide setting, read inside its GIF and TIFF plugins) is raised to at least that limit,
   never lowered, so it never refuses what the limit allows; what it still refuses is over the
   limit and reported as such.
-- Orientation: the EXIF (or XMP) orientation is applied, as phone photos expect.
+- Orientation: the EXIF (or XMP) orientation is applied, as phone photos expect. An AVIF's is
+  its ``irot``/``imir`` boxes (Pillow puts them in its EXIF orientation; an EXIF orientation
+  the boxes do not confirm is dropped, as browsers ignore it).
 - Colour: every mode becomes 8-bit RGB. Bilevel, grey and palette images are expanded; 16-bit
   grey (``I;16``, ``I;16B``, ...) is scaled by 255/65535 and rounded (16-bit colour PNG and
   TIFF arrive from Pillow as their high bytes); CMYK (naive, no ICC profile) and YCbCr (JFIF)
@@ -80,15 +83,15 @@ try:  # the fast decoder for plain JPEGs (``_decode_jfif``); Pillow decodes ever
 except ImportError:  # pragma: no cover - the model extra installs it
     simplejpeg = None
 
-FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
-FORMAT_NAMES = "JPEG, PNG, WebP, BMP, GIF or TIFF"
+FORMATS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "GIF", "TIFF")
+FORMAT_NAMES = "JPEG, PNG, WebP, AVIF, BMP, GIF or TIFF"
 # The names files of those formats go by, for loaders that pick images out of a folder by name
 # (the format itself is read from the bytes).
-SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".dib", ".gif", ".tif",
-            ".tiff")
+SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".avif", ".bmp", ".dib", ".gif",
+            ".tif", ".tiff")
 # Names of image files in formats this contract refuses: a loader that picks by name lists them
 # too, so that their refusal names them instead of a folder's silently losing them.
-REFUSED_SUFFIXES = (".heic", ".heif", ".avif", ".jxl", ".jp2", ".j2k", ".ppm", ".pgm", ".pbm",
+REFUSED_SUFFIXES = (".heic", ".heif", ".jxl", ".jp2", ".j2k", ".ppm", ".pgm", ".pbm",
                     ".pnm", ".tga", ".ico", ".pcx", ".psd", ".svg", ".dng", ".cr2", ".cr3",
                     ".nef", ".arw")
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # about 7.3k x 5.5k; far beyond any model input
@@ -350,6 +353,8 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     prefix = data[:16]
     for fmt in FORMATS:
         factory, accept = Image.OPEN[fmt]
+        if fmt == "AVIF" and _iso_kind(data) != "AVIF":  # Pillow's check takes HEIC's mif1
+            continue
         recognised = _signature(accept, prefix)
         if isinstance(recognised, str):  # the plugin is there but its codec is not
             raise InvalidImage(f"{_name(fmt)} image, but {recognised}")
