@@ -387,8 +387,8 @@ def run_model(name: str, flags: list[str], args, r: random.Random) -> dict:
                 refs[(config, p)] = rows_of_response(stub.Embed(config.request([image]),
                                                                 timeout=600))
         # bfloat16 compute: a row moves by a rounding from one batch's program to another's
-        # (README, batch_invariance.py: up to 4.2e-3 of the largest value), whatever the output
-        # dtype
+        # (README: up to 6.1e-3 of the largest value in this script's mix), whatever the
+        # output dtype
         floor = TOLERANCE["bfloat16"] if info.model.compute_dtype == "bfloat16" else 0.0
         log(f"{name}: {len(refs)} references ({info.model.compute_dtype} compute); storm of "
             f"{args.calls} calls")
