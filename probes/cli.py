@@ -20,6 +20,7 @@ from vit22b.clients.settings import COMPILE_CACHE_HELP, default_compile_cache, p
 from vit22b.model.config import parse_seed
 
 from .data import (
+    IGNORE_INDEX,
     DataError,
     LabelledImages,
     cue_conflict_labels,
@@ -31,7 +32,6 @@ from .data import (
     read_images,
     shapes_world,
 )
-from .dense import IGNORE_INDEX
 from .features import features_from_embed_folder
 from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_world, run_probe
 

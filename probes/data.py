@@ -45,6 +45,12 @@ TextureMode = Literal["independent", "matched", "conflict"]
 IMAGE_SUFFIXES = (*SUFFIXES, *REFUSED_SUFFIXES)
 
 
+# The label of pixels that belong to no class (object borders, void): VOC's, Cityscapes' and
+# mmsegmentation's convention. Those pixels are left out of the loss, the metrics and the
+# baseline, never learnt as a class.
+IGNORE_INDEX = 255
+
+
 class DataError(ValueError):
     """Input data that cannot be used; the message names the file and what is wrong."""
 

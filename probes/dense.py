@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .data import IGNORE_INDEX
 from .features import Features
 
 
@@ -336,10 +337,6 @@ def depth_probe(
 # ------------------------------------------------------------------------------------------
 
 
-# The label of pixels that belong to no class (object borders, void): VOC's, Cityscapes' and
-# mmsegmentation's convention. Those pixels are left out of the loss, the metrics and the
-# baseline, never learnt as a class.
-IGNORE_INDEX = 255
 
 
 def _classes_in_range(name: str, labels: np.ndarray, num_classes: int,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import calibration, dense, diagnostics, fewshot, knn, linear, plots, shape_bias, video
-from .data import DataError, ShapesWorld
+from . import calibration, diagnostics, fewshot, knn, linear, plots, shape_bias
+from .data import IGNORE_INDEX, DataError, ShapesWorld
 from .features import Features, check_finite, feature_arrays, load_npz_features, write_npz
 from .heads import LinearHead
 from .metrics import (
@@ -252,6 +252,8 @@ def run_depth(data: ProbeData, seed: int = 0, layers=(), out_dir=None, **options
     depth = data.require("depth", "depth probe")
     train, test = _dense_split(len(depth), seed)
     layers = _default_layers(data.features, layers)
+    from . import dense  # jax, flax and optax: only for the decoders that train
+
     report, predictions = dense.depth_probe(
         data.features, depth, train, test, layers,
         use_pooled=data.features.pooled is not None, seed=seed, **options,
@@ -265,12 +267,14 @@ def run_depth(data: ProbeData, seed: int = 0, layers=(), out_dir=None, **options
 
 
 def run_segmentation(data: ProbeData, seed: int = 0, layers=(), out_dir=None,
-                     ignore_index: int | None = dense.IGNORE_INDEX, **options) -> dict:
+                     ignore_index: int | None = IGNORE_INDEX, **options) -> dict:
     mask = data.require("mask", "segmentation probe")
     labelled = mask if ignore_index is None else mask[mask != ignore_index]
     num_classes = data.num_mask_classes or int(labelled.max(initial=0)) + 1
     train, test = _dense_split(len(mask), seed)
     layers = _default_layers(data.features, layers)
+    from . import dense
+
     report, pred = dense.segmentation_probe(data.features, mask, num_classes, train, test,
                                             layers, seed=seed, ignore_index=ignore_index,
                                             **options)
@@ -360,6 +364,8 @@ def run_probe(kind: str, data: ProbeData, out_dir=None, seed: int = 0, **options
 
     ``video`` takes a ``video.VideoFeatures`` (per-frame features of videos) as ``data``."""
     if kind == "video":
+        from . import video  # jax, flax and optax, as dense's: only the probes that train
+
         report = video.run_video(data, seed=seed, **options)
         if out_dir is not None:
             report["report"] = str(write_report(report, out_dir, kind))

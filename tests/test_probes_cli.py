@@ -1,6 +1,8 @@
 """`vit22b probe KIND`: in-process features, saved features, a real server, embed output folders."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,31 @@ from vit22b.probes.heads import LinearHead, save_head
 from vit22b.probes.shape_bias import CATEGORIES
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cue-conflict-sample"
+
+
+def test_the_probes_on_features_never_import_jax():
+    """jax, flax and optax load only for the probes that train (depth, segmentation, video):
+    the others, over features a server or a file gave, start in a fraction of a second (the
+    CLI's `probe --help` took 3.6-6.3 s while the decoders' module was imported up front)."""
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "import vit22b.probes.cli\n"
+        "from vit22b.probes.features import Features\n"
+        "from vit22b.probes.runner import ProbeData, run_probe\n"
+        "rng = np.random.default_rng(0)\n"
+        "labels = np.repeat(np.arange(4), 20)\n"
+        "pooled = (rng.standard_normal((80, 16)) + labels[:, None]).astype(np.float32)\n"
+        "data = ProbeData(Features(pooled=pooled), labels=labels, class_names=tuple('abcd'))\n"
+        "for kind in ('linear', 'knn', 'fewshot', 'calibration'):\n"
+        "    run_probe(kind, data)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax'))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def _report(out: Path, kind: str) -> dict:
