@@ -353,9 +353,11 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     prefix = data[:16]
     for fmt in FORMATS:
         factory, accept = Image.OPEN[fmt]
-        if fmt == "AVIF" and _iso_kind(data) != "AVIF":  # Pillow's check takes HEIC's mif1
-            continue
         recognised = _signature(accept, prefix)
+        if fmt == "AVIF":  # the ISO brands decide (Pillow's check takes a HEIC's mif1 for it)
+            if _iso_kind(data) != "AVIF":
+                continue
+            recognised = recognised or True  # and its reader says whether it can read it
         if isinstance(recognised, str):  # the plugin is there but its codec is not
             raise InvalidImage(f"{_name(fmt)} image, but {recognised}")
         if not recognised:
@@ -389,7 +391,8 @@ def _header_reason(err: Exception) -> str:
     return f"its header is unusable: {type(err).__name__}: {err}"
 
 
-# ISO media brands (bytes 8-12 after "ftyp") of files sent as images that are none Pillow reads.
+# What an ISO media file is, by its brands (bytes 8-12 after "ftyp", then the compatible ones):
+# AVIF is read; the others are named when refused.
 _ISO_BRANDS = {
     **dict.fromkeys((b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs",
                      b"mif1", b"msf1"), "HEIF/HEIC (a phone's photo format)"),

@@ -427,10 +427,11 @@ def test_avif_transparency_animation_grey_and_size_limit():
     np.testing.assert_array_equal(decode(grey), _pillow_avif(grey))
     with pytest.raises(InvalidImage, match="declared size of the AVIF is 24x16 = 384 pixels"):
         decode(data, max_pixels=100)
-    # an AVIF whose major brand is HEIF's generic mif1 is read as AVIF (a HEIC with it is not:
-    # test_well_known_files_pillow_does_not_read_are_refused_by_name)
-    with pytest.raises(InvalidImage, match="AVIF file, but its header is unusable"):
-        decode(b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1avifmiaf" + bytes(64))
+    # an AVIF whose major brand is HEIF's generic mif1, or miaf, is read as AVIF (a HEIC with
+    # mif1 is not: test_well_known_files_pillow_does_not_read_are_refused_by_name)
+    for brands in (b"mif1\x00\x00\x00\x00mif1avifmiaf", b"miaf\x00\x00\x00\x00miafavif"):
+        with pytest.raises(InvalidImage, match="AVIF file, but its header is unusable"):
+            decode(b"\x00\x00\x00\x1cftyp" + brands + bytes(64))  # brands alone: no image
 
 
 def test_the_contract_names_the_rules_and_its_hash_covers_them():
