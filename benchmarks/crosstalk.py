@@ -201,9 +201,7 @@ class Call:
 
 def rows_of_response(response: pb.EmbedResponse) -> dict[str, np.ndarray]:
     out = {name: wire.from_tensor(getattr(response, name))
-           for name in ("pooled", "class_token", "attention_entropy", "attention_max_logit",
-                        "logits", "register_tokens", "pre_projection")
-           if response.HasField(name)}
+           for name in wire.TENSOR_FIELDS if response.HasField(name)}
     out.update({f"patch_tokens.{k}": wire.from_tensor(v)
                 for k, v in response.patch_tokens.items()})
     return out
@@ -223,9 +221,7 @@ def rows_of_json(outputs: dict) -> dict[str, np.ndarray]:
 
 
 def rows_of_embeddings(got) -> dict[str, np.ndarray]:
-    out = {name: getattr(got, name) for name in ("pooled", "class_token", "attention_entropy",
-           "attention_max_logit", "logits", "register_tokens", "pre_projection")
-           if getattr(got, name) is not None}
+    out = dict(got.arrays())
     out.update({f"patch_tokens.{k}": v for k, v in got.patch_tokens.items()})
     return out
 

@@ -262,20 +262,18 @@ def load_image_folder(root: str | Path) -> LabelledImages:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     if not classes:
         raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<image>)")
-    paths = [
-        path
-        for name in classes
-        for path in sorted((root / name).iterdir())
-        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
-    ]
-    for name in classes:  # deeper images would be left out without a word: refused instead
-        for path in sorted((root / name).rglob("*")):
-            if path.parent != root / name and path.is_file() and \
-                    path.suffix.lower() in IMAGE_SUFFIXES and not any(
-                        part.startswith(".") for part in path.relative_to(root).parts):
+    paths = []
+    for name in classes:  # one walk a class: its images, and any deeper (refused, not left out)
+        folder = root / name
+        for path in sorted(folder.rglob("*")):
+            if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+                continue
+            if path.parent == folder:
+                paths.append(path)
+            elif not any(part.startswith(".") for part in path.relative_to(folder).parts):
                 raise DataError(f"{path}: an image below the class folder {name!r}, in "
-                                f"{path.parent.relative_to(root / name)}; a class's images go "
-                                f"directly in {root / name} (the probe reads one level)")
+                                f"{path.parent.relative_to(folder)}; a class's images go "
+                                f"directly in {folder} (the probe reads one level)")
     if not paths:
         raise DataError(f"{root}: the class subfolders hold no images ({', '.join(SUFFIXES)})")
     return LabelledImages(paths, *labels_from_folders(paths))
