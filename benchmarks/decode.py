@@ -8,6 +8,10 @@ thread: ``Preprocessor.load``, the server's per-image work), full decoding (``dr
 reduced-size (the contract), alternating, medians; the model input's difference between the two
 (max and mean absolute, in 8-bit levels of the resized crop and in normalised input units), and
 for the tiny model the pooled features' relative difference (its engine, seeded weights).
+The same photos as HEIC (quality 90 in 512x512 tiles, as phones write them; written by
+pillow-heif, decoded by the contract's libheif) are timed beside them: HEIC has no reduced-size
+decoding, so this is what a phone's photo costs against its JPEG. Skipped, with a note, where
+pillow-heif or pi-heif is not installed.
 
     python benchmarks/decode.py
     python benchmarks/decode.py --sizes 12 --repeats 3 --models vit-22b-tiny/16
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from vit22b.model.pixels import Preprocessor, decode
 
     files = {mp: [photo_jpeg(*SIZES[mp], seed=s) for s in range(args.images)] for mp in args.sizes}
+    heics = _as_heic(files)
     rows, figures, inputs = [], {}, {}
     for model in args.models:
         pre = Preprocessor(get_config(model))
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 "full": lambda d=datas, pre=pre: [pre.load(b, draft=False) for b in d],
                 "draft": lambda d=datas, pre=pre: [pre.load(b) for b in d],
             }
+            if heics:
+                sides["heic"] = lambda d=heics[mp], pre=pre: [pre.load(b) for b in d]
             for fn in sides.values():
                 fn()  # warm-up
             seconds = alternate(sides, args.repeats)
@@ -76,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                 "max_abs_input": round(float(np.abs(full - reduced).max()), 4),
                 "mean_abs_input": round(float(np.abs(full - reduced).mean()), 5),
             }
+            if heics:
+                row["heic_kb"] = round(median([len(b) for b in heics[mp]]) / 1024)
+                row["heic_images_per_s"] = round(ips["heic"], 2)
+                row["ratio_heic_to_jpeg"] = round(ips["heic"] / ips["draft"], 2)
+                log(f"{model} {mp} MP: HEIC {ips['heic']:.2f} img/s "
+                    f"(x{row['ratio_heic_to_jpeg']} of its JPEG's, reduced-size)")
             rows.append(row)
             figures[f"ratio_draft_to_full_{model}_{mp}mp"] = row["ratio_draft_to_full"]
             log(f"{model} {mp} MP: full {ips['full']:.2f} img/s, draft {ips['draft']:.2f} img/s "
@@ -88,6 +101,29 @@ def main(argv: list[str] | None = None) -> int:
     emit({"benchmark": "decode", "repeats": args.repeats, "images": args.images,
           "threads": 1, "rows": rows, **figures, "machine": machine()})
     return 0
+
+
+def _as_heic(files: dict) -> dict:
+    """Megapixels -> the same photos as HEIC files, or {} (with a note) without the codecs."""
+    import io
+
+    from PIL import Image
+
+    try:
+        import pi_heif  # noqa: F401  (the contract's decoder)
+        import pillow_heif  # the encoder (pi-heif only decodes)
+    except ImportError as err:
+        log(f"HEIC skipped: {err}")
+        return {}
+    out = {}
+    for mp, datas in files.items():
+        out[mp] = []
+        for data in datas:
+            buffer = io.BytesIO()
+            picture = Image.open(io.BytesIO(data)).convert("RGB")
+            pillow_heif.from_pillow(picture).save(buffer, quality=90, tile_size=512)
+            out[mp].append(buffer.getvalue())
+    return out
 
 
 def _levels(pre, normalised: np.ndarray) -> np.ndarray:

@@ -42,7 +42,7 @@ _CHOICES = {
 # 16-bit grey scaled, transparency over white, I/F/LAB refused, bounded resampling window.
 # 3: JPEG reduced-size decoding (DCT scaling) down to twice the resize's shorter side.
 # A format accepted that was refused before changes no accepted image's pixels, so it is no new
-# version (3 took AVIF on 2026-12-06: features of every other file are the same).
+# version (3 took AVIF and HEIC on 2026-12-06: features of every other file are the same).
 PIXEL_RULES = 3
 
 

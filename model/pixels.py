@@ -10,10 +10,12 @@ the decoding and resampling rules below).
 
 Untrusted bytes (``decode``):
 
-- Formats: JPEG (an MPO's first picture), PNG, WebP, AVIF, BMP, GIF and TIFF, recognised by
-  their signature (AVIF: its ISO brands, not HEIC's), never by a file name; animations and
-  multi-page files give their first frame. A file of another format Pillow knows, or of a
-  well-known one it does not (HEIC, JPEG XL, a video, ...), is refused naming that format.
+- Formats: JPEG (an MPO's first picture), PNG, WebP, AVIF, HEIC (HEIF with HEVC, phones'
+  photos; decoded by libheif through pi-heif, which the ``model`` extra installs), BMP, GIF and
+  TIFF, recognised by their signature (AVIF and HEIC: their ISO brands), never by a file name;
+  animations and multi-page files give their first frame, a HEIF file its primary image. A file
+  of another format Pillow knows, or of a well-known one it does not (JPEG XL, a video, ...),
+  is refused naming that format.
 - Size: the declared size is checked against ``max_pixels`` (the server's
   ``--max-image-pixels``) before any pixel is decoded. Pillow's own bomb guard (one
   process-wide setting, read inside its GIF and TIFF plugins) is raised to at least that limit,
@@ -21,7 +23,9 @@ Untrusted bytes (``decode``):
   limit and reported as such.
 - Orientation: the EXIF (or XMP) orientation is applied, as phone photos expect. An AVIF's is
   its ``irot``/``imir`` boxes (Pillow puts them in its EXIF orientation; an EXIF orientation
-  the boxes do not confirm is dropped, as browsers ignore it).
+  the boxes do not confirm is dropped, as browsers ignore it). A HEIC's is its boxes alone,
+  applied by libheif as it decodes; its EXIF orientation (a phone writes both) is never applied
+  again, as the HEIF standard says.
 - Colour: every mode becomes 8-bit RGB. Bilevel, grey and palette images are expanded; 16-bit
   grey (``I;16``, ``I;16B``, ...) is scaled by 255/65535 and rounded (16-bit colour PNG and
   TIFF arrive from Pillow as their high bytes); CMYK (naive, no ICC profile) and YCbCr (JFIF)
@@ -82,16 +86,25 @@ try:  # the fast decoder for plain JPEGs (``_decode_jfif``); Pillow decodes ever
     import simplejpeg
 except ImportError:  # pragma: no cover - the model extra installs it
     simplejpeg = None
+try:  # HEIC's decoder: libheif and libde265 as a Pillow plugin (decoding only, LGPL libraries)
+    import pi_heif
+except ImportError:  # pragma: no cover - the model extra installs it; HEIC is refused without it
+    pi_heif = None
+else:  # one decoding thread, as every other format's (the server's decode pool is the parallelism);
+    # no thumbnails, depth maps or auxiliary images: only the primary image is used
+    pi_heif.register_heif_opener(decode_threads=1, thumbnails=False, depth_images=False,
+                                 aux_images=False)
 
-FORMATS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "GIF", "TIFF")
-FORMAT_NAMES = "JPEG, PNG, WebP, AVIF, BMP, GIF or TIFF"
+FORMATS = ("JPEG", "PNG", "WEBP", "AVIF", "HEIF", "BMP", "GIF", "TIFF")
+FORMAT_NAMES = "JPEG, PNG, WebP, AVIF, HEIC, BMP, GIF or TIFF"
+_BY_BRANDS = {"AVIF": "AVIF", "HEIF": "HEIC"}  # the formats whose ISO brands decide (_iso_kind)
 # The names files of those formats go by, for loaders that pick images out of a folder by name
 # (the format itself is read from the bytes).
-SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".avif", ".bmp", ".dib", ".gif",
-            ".tif", ".tiff")
+SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".avif", ".heic", ".heif", ".hif",
+            ".bmp", ".dib", ".gif", ".tif", ".tiff")
 # Names of image files in formats this contract refuses: a loader that picks by name lists them
 # too, so that their refusal names them instead of a folder's silently losing them.
-REFUSED_SUFFIXES = (".heic", ".heif", ".jxl", ".jp2", ".j2k", ".ppm", ".pgm", ".pbm",
+REFUSED_SUFFIXES = (".jxl", ".jp2", ".j2k", ".ppm", ".pgm", ".pbm",
                     ".pnm", ".tga", ".ico", ".pcx", ".psd", ".svg", ".dng", ".cr2", ".cr3",
                     ".nef", ".arw")
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # about 7.3k x 5.5k; far beyond any model input
@@ -325,7 +338,7 @@ def refused_over_limit(reason: str) -> tuple[int | None, int] | None:
 
 def _name(fmt: str | None) -> str:
     """How messages name a format; a PIL image built in memory has none."""
-    return {"WEBP": "WebP", "MPO": "JPEG (MPO)"}.get(fmt or "", fmt or "in-memory")
+    return {"WEBP": "WebP", "MPO": "JPEG (MPO)", "HEIF": "HEIC"}.get(fmt or "", fmt or "in-memory")
 
 
 def _allow_in_pillow(max_pixels: int) -> None:
@@ -352,11 +365,15 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     """
     prefix = data[:16]
     for fmt in FORMATS:
+        if fmt in _BY_BRANDS:  # the ISO brands decide (Pillow's AVIF check takes a HEIC's mif1)
+            if _iso_kind(data) != _BY_BRANDS[fmt]:
+                continue
+            if fmt not in Image.OPEN:  # pi-heif not installed
+                raise InvalidImage(f"{_name(fmt)} image, but its decoder is not installed "
+                                   "(pi-heif, in the vit22b[model] extra)")
         factory, accept = Image.OPEN[fmt]
         recognised = _signature(accept, prefix)
-        if fmt == "AVIF":  # the ISO brands decide (Pillow's check takes a HEIC's mif1 for it)
-            if _iso_kind(data) != "AVIF":
-                continue
+        if fmt in _BY_BRANDS:
             recognised = recognised or True  # and its reader says whether it can read it
         if isinstance(recognised, str):  # the plugin is there but its codec is not
             raise InvalidImage(f"{_name(fmt)} image, but {recognised}")
@@ -392,10 +409,11 @@ def _header_reason(err: Exception) -> str:
 
 
 # What an ISO media file is, by its brands (bytes 8-12 after "ftyp", then the compatible ones):
-# AVIF is read; the others are named when refused.
+# AVIF and HEIC (any HEIF image but AVIF: libheif says what it cannot decode) are read; the
+# others are named when refused.
 _ISO_BRANDS = {
     **dict.fromkeys((b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs",
-                     b"mif1", b"msf1"), "HEIF/HEIC (a phone's photo format)"),
+                     b"mif1", b"msf1"), "HEIC"),
     **dict.fromkeys((b"avif", b"avis"), "AVIF"),
     b"qt  ": "QuickTime (MOV) video",
     **dict.fromkeys((b"isom", b"iso2", b"iso4", b"iso5", b"iso6", b"mp41", b"mp42", b"avc1",
@@ -455,7 +473,7 @@ def _other_kind(data: bytes) -> str | None:
 
 def _unaccepted(data: bytes) -> str:
     """The reason for bytes of no accepted format: another format Pillow knows, a well-known
-    one it does not (HEIC, JPEG XL, a video, a PDF, ...), or none."""
+    one it does not (JPEG XL, a video, a PDF, ...), or none."""
     prefix, kind = data[:16], _iso_kind(data) or _tga_kind(data)  # before Pillow's guesses
     for fmt in Image.ID if kind is None else ():
         factory, accept = Image.OPEN[fmt]
@@ -490,7 +508,10 @@ def _orientation(image: Image.Image, name: str):
 
 
 def _upright(image: Image.Image, name: str) -> Image.Image:
-    """Apply the EXIF orientation."""
+    """Apply the EXIF orientation; a HEIF image is upright from its decoder (``irot``/``imir``),
+    and the EXIF orientation a phone writes beside those boxes must not turn it again."""
+    if image.format == "HEIF":
+        return image
     method = _ORIENTATION.get(_orientation(image, name))
     return image if method is None else image.transpose(method)
 
@@ -682,7 +703,8 @@ class Preprocessor:
             out = f"float32 [{size}, {size}, 3]"
         return (
             f"pixel rules v{PIXEL_RULES}: decode ({FORMAT_NAMES.replace(' or', ',')}; first "
-            f"frame; EXIF orientation applied; 16-bit grey scaled by 255/65535; transparency "
+            f"frame (HEIC: its primary image); EXIF orientation applied (HEIC: its irot/imir "
+            f"boxes); 16-bit grey scaled by 255/65535; transparency "
             f"over RGB {BACKGROUND}; modes I, F and LAB refused; JPEG decoded at the largest "
             f"DCT scale of 1/2, 1/4, 1/8 that divides both sides and keeps both >= "
             f"{DRAFT_MARGIN} x {self.min_side}) -> RGB; raw uint8 pixels as given; {geometry}; "

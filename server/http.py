@@ -105,8 +105,8 @@ class Tensor(_Body):
 
 class Image(_Body):
     id: str = ""
-    data: str | None = Field(None, description="an encoded file (JPEG, PNG, WebP, AVIF, ...) as "
-                             "base64 or a data: URI")
+    data: str | None = Field(None, description="an encoded file (JPEG, PNG, WebP, AVIF, HEIC, "
+                             "...) as base64 or a data: URI")
     pixels: Tensor | None = Field(None, description="raw uint8 [height, width, 3] pixels")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import start_server
-from test_pixels import encode, exif
+from test_pixels import LOSSLESS, encode, exif, heic
 from vit22b.clients import FeatureClient, FeatureError
 
 LIMIT = 1_500_000  # the server's --max-image-pixels here: room for the 1e6-pixel strips
@@ -78,6 +78,21 @@ def test_a_phone_jpeg_is_embedded_upright(client):
     upright = np.ascontiguousarray(np.rot90(pixels, k=-1))  # orientation 6: turn 90 deg CW
     np.testing.assert_array_equal(client.embed([data]).pooled, client.embed([upright]).pooled)
     assert "EXIF orientation applied" in client.model_info().preprocessing.description
+
+
+def test_a_phone_heic_is_embedded_upright_once(client, tmp_path):
+    """A phone's HEIC (irot/imir boxes and an EXIF orientation, both 6) by its file: the
+    features of libheif's upright pixels, not of those pixels turned again by the EXIF."""
+    pi_heif = pytest.importorskip("pi_heif")
+    image = Image.fromarray(np.random.default_rng(24).integers(0, 256, (64, 128, 3), np.uint8))
+    image.info["exif"] = exif(6)
+    path = tmp_path / "IMG_0001.HEIC"
+    path.write_bytes(heic(image, **LOSSLESS))
+    shown = np.asarray(pi_heif.open_heif(str(path)).to_pillow().convert("RGB"))
+    got = client.embed([path])
+    np.testing.assert_array_equal(got.pooled, client.embed([shown]).pooled)
+    turned_again = np.ascontiguousarray(np.rot90(shown, k=-1))
+    assert not np.allclose(got.pooled, client.embed([turned_again]).pooled, atol=1e-3)
 
 
 def test_unusable_files_get_their_real_reason(client):
