@@ -11,7 +11,7 @@ for the tiny model the pooled features' relative difference (its engine, seeded 
 The same photos as HEIC (quality 90 in 512x512 tiles, as phones write them; written by
 pillow-heif, decoded by the contract's libheif) are timed beside them: HEIC has no reduced-size
 decoding, so this is what a phone's photo costs against its JPEG. Skipped, with a note, where
-pillow-heif or pi-heif is not installed.
+pillow-heif (the contract's HEIC decoder, and the encoder here) is not installed.
 
     python benchmarks/decode.py
     python benchmarks/decode.py --sizes 12 --repeats 3 --models vit-22b-tiny/16
@@ -110,8 +110,7 @@ def _as_heic(files: dict) -> dict:
     from PIL import Image
 
     try:
-        import pi_heif  # noqa: F401  (the contract's decoder)
-        import pillow_heif  # the encoder (pi-heif only decodes)
+        import pillow_heif
     except ImportError as err:
         log(f"HEIC skipped: {err}")
         return {}

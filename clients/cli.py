@@ -36,7 +36,7 @@ EXTRA_OF_COMMAND = {"info": "model", "init": "model", "convert": "model", "serve
 # Which extra brings each optional dependency (by the top-level name it is imported as).
 EXTRA_OF_DEPENDENCY = {
     **dict.fromkeys(("jax", "jaxlib", "flax", "orbax", "tensorstore", "safetensors",
-                     "huggingface_hub", "simplejpeg"), "model"),
+                     "huggingface_hub", "simplejpeg", "pillow_heif"), "model"),
     **dict.fromkeys(("grpc_health", "grpc_reflection", "prometheus_client", "fastapi",
                      "pydantic", "jiter", "uvicorn", "httptools", "uvloop", "opentelemetry"),
                     "server"),

@@ -11,7 +11,7 @@ the decoding and resampling rules below).
 Untrusted bytes (``decode``):
 
 - Formats: JPEG (an MPO's first picture), PNG, WebP, AVIF, HEIC (HEIF with HEVC, phones'
-  photos; decoded by libheif through pi-heif, which the ``model`` extra installs), BMP, GIF and
+  photos; decoded by libheif through pillow-heif, which the ``model`` extra installs), BMP, GIF and
   TIFF, recognised by their signature (AVIF and HEIC: their ISO brands), never by a file name;
   animations and multi-page files give their first frame, a HEIF file its primary image. A file
   of another format Pillow knows, or of a well-known one it does not (JPEG XL, a video, ...),
@@ -86,14 +86,14 @@ try:  # the fast decoder for plain JPEGs (``_decode_jfif``); Pillow decodes ever
     import simplejpeg
 except ImportError:  # pragma: no cover - the model extra installs it
     simplejpeg = None
-try:  # HEIC's decoder: libheif and libde265 as a Pillow plugin (decoding only, LGPL libraries)
-    import pi_heif
+try:  # HEIC's decoder: libheif and libde265 as a Pillow plugin
+    import pillow_heif
 except ImportError:  # pragma: no cover - the model extra installs it; HEIC is refused without it
-    pi_heif = None
+    pillow_heif = None
 else:  # one decoding thread, as every other format's (the server's decode pool is the parallelism);
     # no thumbnails, depth maps or auxiliary images: only the primary image is used
-    pi_heif.register_heif_opener(decode_threads=1, thumbnails=False, depth_images=False,
-                                 aux_images=False)
+    pillow_heif.register_heif_opener(decode_threads=1, thumbnails=False, depth_images=False,
+                                     aux_images=False)
 
 FORMATS = ("JPEG", "PNG", "WEBP", "AVIF", "HEIF", "BMP", "GIF", "TIFF")
 FORMAT_NAMES = "JPEG, PNG, WebP, AVIF, HEIC, BMP, GIF or TIFF"
@@ -368,9 +368,9 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         if fmt in _BY_BRANDS:  # the ISO brands decide (Pillow's AVIF check takes a HEIC's mif1)
             if _iso_kind(data) != _BY_BRANDS[fmt]:
                 continue
-            if fmt not in Image.OPEN:  # pi-heif not installed
+            if fmt not in Image.OPEN:  # pillow-heif not installed
                 raise InvalidImage(f"{_name(fmt)} image, but its decoder is not installed "
-                                   "(pi-heif, in the vit22b[model] extra)")
+                                   "(pillow-heif, in the vit22b[model] extra)")
         factory, accept = Image.OPEN[fmt]
         recognised = _signature(accept, prefix)
         if fmt in _BY_BRANDS:

@@ -83,12 +83,12 @@ def test_a_phone_jpeg_is_embedded_upright(client):
 def test_a_phone_heic_is_embedded_upright_once(client, tmp_path):
     """A phone's HEIC (irot/imir boxes and an EXIF orientation, both 6) by its file: the
     features of libheif's upright pixels, not of those pixels turned again by the EXIF."""
-    pi_heif = pytest.importorskip("pi_heif")
+    pillow_heif = pytest.importorskip("pillow_heif")
     image = Image.fromarray(np.random.default_rng(24).integers(0, 256, (64, 128, 3), np.uint8))
     image.info["exif"] = exif(6)
     path = tmp_path / "IMG_0001.HEIC"
     path.write_bytes(heic(image, **LOSSLESS))
-    shown = np.asarray(pi_heif.open_heif(str(path)).to_pillow().convert("RGB"))
+    shown = np.asarray(pillow_heif.open_heif(str(path)).to_pillow().convert("RGB"))
     got = client.embed([path])
     np.testing.assert_array_equal(got.pooled, client.embed([shown]).pooled)
     turned_again = np.ascontiguousarray(np.rot90(shown, k=-1))
