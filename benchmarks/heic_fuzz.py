@@ -34,8 +34,8 @@ import json, sys
 decoder = __import__(sys.argv[2])
 sys.modules["pillow_heif"] = decoder  # the contract registers whatever this name holds
 from vit22b.model.errors import InvalidImage
-from vit22b.model.pixels import Image, decode
-assert Image.OPEN["HEIF"][0].__module__.startswith(sys.argv[2])
+from vit22b.model.pixels import Image, _heif_reader, decode
+assert _heif_reader() and Image.OPEN["HEIF"][0].__module__.startswith(sys.argv[2])
 folder, start = sys.argv[1], int(sys.argv[3])
 files = sorted(__import__("pathlib").Path(folder).glob("*.heic"))
 for path in files[start:]:

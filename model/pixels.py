@@ -86,14 +86,6 @@ try:  # the fast decoder for plain JPEGs (``_decode_jfif``); Pillow decodes ever
     import simplejpeg
 except ImportError:  # pragma: no cover - the model extra installs it
     simplejpeg = None
-try:  # HEIC's decoder: libheif and libde265 as a Pillow plugin
-    import pillow_heif
-except ImportError:  # pragma: no cover - the model extra installs it; HEIC is refused without it
-    pillow_heif = None
-else:  # one decoding thread, as every other format's (the server's decode pool is the parallelism);
-    # no thumbnails, depth maps or auxiliary images: only the primary image is used
-    pillow_heif.register_heif_opener(decode_threads=1, thumbnails=False, depth_images=False,
-                                     aux_images=False)
 
 FORMATS = ("JPEG", "PNG", "WEBP", "AVIF", "HEIF", "BMP", "GIF", "TIFF")
 FORMAT_NAMES = "JPEG, PNG, WebP, AVIF, HEIC, BMP, GIF or TIFF"
@@ -368,7 +360,7 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         if fmt in _BY_BRANDS:  # the ISO brands decide (Pillow's AVIF check takes a HEIC's mif1)
             if _iso_kind(data) != _BY_BRANDS[fmt]:
                 continue
-            if fmt not in Image.OPEN:  # pillow-heif not installed
+            if fmt == "HEIF" and not _heif_reader():
                 raise InvalidImage(f"{_name(fmt)} image, but its decoder is not installed "
                                    "(pillow-heif, in the vit22b[model] extra)")
         factory, accept = Image.OPEN[fmt]
@@ -388,6 +380,22 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         except Exception as err:  # noqa: BLE001 - a header parser failure is the sender's data
             raise InvalidImage(f"{_name(fmt)} file, but {_header_reason(err)}") from None
     raise InvalidImage(_unaccepted(data))
+
+
+@functools.cache
+def _heif_reader() -> bool:
+    """Whether HEIC can be read: pillow-heif (libheif and libde265) registered with Pillow at the
+    first HEIC, so that a process that never decodes one (the client SDK) neither imports it
+    nor has its process-wide settings changed. One decoding thread, as every other format's (the
+    server's decode pool is the parallelism); no thumbnails, depth maps or auxiliary images read:
+    only the primary image is used, and less of a hostile file is parsed."""
+    try:
+        import pillow_heif
+    except ImportError:  # the model extra installs it
+        return False
+    pillow_heif.register_heif_opener(decode_threads=1, thumbnails=False, depth_images=False,
+                                     aux_images=False)
+    return True
 
 
 def _signature(accept, prefix: bytes):

@@ -76,13 +76,16 @@ def _fresh(code: str) -> str:
 
 
 def test_the_vocabulary_and_the_client_import_no_jax_and_no_server():
+    # nor pillow-heif: the contract registers it at its first HEIC, so an SDK user's own
+    # pillow-heif settings stay theirs
     code = (
         "import sys\n"
         "import vit22b.clients, vit22b.clients.client, vit22b.clients.embed\n"
         "from vit22b.clients import FeatureClient\n"
         "from vit22b.model import ViTConfig, OutputRequest, get_config\n"
         "from vit22b.model import pixels, features, identity, errors, outputs\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'orbax')"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'orbax',"
+        " 'pillow_heif')"
         " or m.startswith('vit22b.server')))\n"
     )
     assert _fresh(code).strip() == "[]"
