@@ -28,7 +28,8 @@ Untrusted bytes (``decode``):
   again, as the HEIF standard says.
 - Colour: every mode becomes 8-bit RGB. Bilevel, grey and palette images are expanded; 16-bit
   grey (``I;16``, ``I;16B``, ...) is scaled by 255/65535 and rounded (16-bit colour PNG and
-  TIFF arrive from Pillow as their high bytes); CMYK (naive, no ICC profile) and YCbCr (JFIF)
+  TIFF arrive from Pillow as their high bytes, a 10- or 12-bit HEIC from libheif as its high 8
+  bits); CMYK (naive, no ICC profile) and YCbCr (JFIF)
   go through Pillow's conversions; transparency (alpha channels, PNG tRNS, GIF transparency) is
   composited over ``BACKGROUND``. 32-bit integer (``I``) and float (``F``) pixels carry no range
   (which values are black and white), and Pillow has no faithful CIELab conversion: refused.

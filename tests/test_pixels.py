@@ -487,6 +487,22 @@ def test_heic_primary_image_transparency_grey_odd_size_and_limit():
         decode(b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1heic" + bytes(64))
 
 
+def test_a_10_bit_heic_arrives_as_its_high_8_bits():
+    """Phones' HDR photos are 10-bit HEVC: libheif keeps the high 8 bits of each sample (as
+    Pillow does for 16-bit colour PNG), the contract's documented rule. The samples themselves
+    are read from the same file at 16 bits (pillow-heif scales 10-bit values by 64)."""
+    pillow_heif = pytest.importorskip("pillow_heif")
+    ramp = np.linspace(0, 65535, 1024).astype(np.uint16)  # every 10-bit level once
+    wide = np.stack([np.tile(ramp, (8, 1))] * 3, -1)
+    buffer = io.BytesIO()
+    pillow_heif.from_bytes("RGB;16", (1024, 8), wide.tobytes()).save(buffer, **LOSSLESS)
+    file = pillow_heif.open_heif(io.BytesIO(buffer.getvalue()), convert_hdr_to_8bit=False)
+    assert file.info["bit_depth"] == 10
+    samples = np.asarray(file[0]).astype(np.int64) >> 6  # the stored 10-bit values
+    assert len(np.unique(samples)) > 1000
+    np.testing.assert_array_equal(decode(buffer.getvalue()), samples >> 2)
+
+
 def test_a_heic_whose_coded_picture_is_larger_than_declared_is_refused_before_decoding():
     """The size checked before decoding is the container's (ispe); the HEVC stream declares its
     own. A file declaring 64x64 around a 2048x2048 picture is refused by libheif's limits before
