@@ -231,7 +231,8 @@ def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     except MemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - a decoder error means bad input, not a bug
-        raise InvalidImage(f"cannot decode {name} image: {type(err).__name__}: {err}") from None
+        reason = f"{type(err).__name__}: {str(err).strip()}"  # libheif's end in a newline
+        raise InvalidImage(f"cannot decode {name} image: {reason}") from None
     return to_rgb(image)
 
 
@@ -414,7 +415,7 @@ def _header_reason(err: Exception) -> str:
             "its header declares no pixels Pillow can read (a zero width or height, or no known "
             "pixel format)"
         )
-    return f"its header is unusable: {type(err).__name__}: {err}"
+    return f"its header is unusable: {type(err).__name__}: {str(err).strip()}"
 
 
 # What an ISO media file is, by its brands (bytes 8-12 after "ftyp", then the compatible ones):
