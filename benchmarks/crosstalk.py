@@ -6,7 +6,7 @@
 A hostile tester's check for the worst bug a batching server can have: rows that reach the
 wrong caller, or the right caller's rows from the wrong layer, kind, dtype or normalisation.
 Per model it starts ``vit22b serve`` with both doors, draws a pool of images (random sizes,
-sent as PNG, JPEG or raw pixels) and of output configs (random kinds, layers, dtype,
+sent as PNG, JPEG, HEIC or raw pixels) and of output configs (random kinds, layers, dtype,
 normalisations, resolution, dense mode), and takes a reference for every (config, image) by a
 lone unary call while nothing else runs. Then ``--threads`` threads send ``--calls`` calls, each
 a random config over 1-4 images of the pool (repeats allowed), by one of six paths: unary
@@ -86,16 +86,23 @@ def heads_checkpoint(folder: Path) -> Path:
 
 
 def draw_images(r: random.Random) -> list[pb.Image]:
-    """Distinct images of random sizes, each as PNG, JPEG or raw pixels."""
+    """Distinct images of random sizes, each as PNG, JPEG, HEIC or raw pixels (HEIC: libheif
+    decodes on the server's decode threads, several at once)."""
     images = []
     for k in range(POOL_IMAGES):
         h, w = r.randrange(24, 150), r.randrange(24, 150)
         rng = np.random.default_rng(r.randrange(2**32))
         coarse = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), np.uint8)
         pixels = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC))
-        form = ("png", "jpeg", "raw")[k % 3]
+        form = ("png", "jpeg", "raw", "heic")[k % 4]
         if form == "raw":
             images.append(pb.Image(pixels=wire.to_tensor(pixels)))
+        elif form == "heic":
+            import pillow_heif  # the contract's HEIC decoder; its encoder writes them here
+
+            buffer = io.BytesIO()
+            pillow_heif.from_pillow(Image.fromarray(pixels)).save(buffer, quality=80)
+            images.append(pb.Image(encoded=buffer.getvalue()))
         else:
             buffer = io.BytesIO()
             Image.fromarray(pixels).save(buffer, form.upper())
