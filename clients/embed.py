@@ -31,7 +31,13 @@ from typing import Protocol
 import numpy as np
 from vit22b.model.identity import ModelIdentity
 from vit22b.model.outputs import OutputRequest
-from vit22b.model.pixels import Geometry, refused_over_limit
+from vit22b.model.pixels import (
+    HEAD_BYTES,
+    Geometry,
+    accepted_format,
+    refused_as_format,
+    refused_over_limit,
+)
 
 from .embed_formats import FORMATS
 from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
@@ -39,7 +45,7 @@ from .embed_inputs import InputItem, enumerate_inputs, ids_digest, places_digest
 from .embed_store import OutputStore, ShardWriter
 from .files import MAX_IMAGE_BYTES, READ_FAILURE, os_reason
 from .outputs import ERRORS, array_name
-from .storage import check_readable, read_bytes
+from .storage import check_readable, read_bytes, read_head
 from .video import Sampling
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
@@ -206,9 +212,24 @@ def allowed_now(failure: dict, max_image_pixels: int | None) -> bool:
     return max_image_pixels > limit and (declared is None or declared <= max_image_pixels)
 
 
+def accepted_now(failure: dict) -> bool:
+    """Whether a failure recorded as a file of a refused format (or of one whose decoder was not
+    installed) is one whose bytes are of a format the pixel contract accepts now (HEIC and AVIF
+    joined on 2026-12-06): a rerun recomputes its shard. A file of a format still refused, or
+    whose content was refused, stays a failure."""
+    if not refused_as_format(failure.get("reason", "")):
+        return False
+    try:
+        head = read_head(failure["path"], HEAD_BYTES, MAX_IMAGE_BYTES)
+    except (OSError, ValueError):
+        return False
+    return accepted_format(head) is not None
+
+
 def retry_now(failure: dict, max_bytes: int | None, max_image_pixels: int | None) -> bool:
     """Whether a rerun recomputes the shard of this recorded failure."""
-    return readable_now(failure, max_bytes) or allowed_now(failure, max_image_pixels)
+    return (readable_now(failure, max_bytes) or allowed_now(failure, max_image_pixels)
+            or accepted_now(failure))
 
 
 def embed_files(worker, items: Sequence[InputItem]) -> BatchResult:
@@ -365,7 +386,7 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     not yet done to ``run_pending(items, slices, pending, store, summary)``, which writes and
     records them, and finish the output; returns the summary of this run. A resumed job also
     recomputes the shards of recorded failures that may pass now (``retry_now``: files readable
-    again, images within the runner's ``max_image_pixels``)."""
+    again, images within the runner's ``max_image_pixels``, files of a format accepted now)."""
     start = time.perf_counter()
     if config.batch_size < 1 or config.shard_size < 1:
         raise ValueError("--batch-size and --shard-size must be positive")

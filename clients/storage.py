@@ -120,14 +120,19 @@ def _within(fs, inner: str, end: int | None, path: str) -> bytes:
 def check_readable(path: str, max_bytes: int | None = None) -> None:
     """OSError, as ``read_bytes`` would raise it, unless the file at a local path or URL is a
     regular file of at most ``max_bytes`` whose first byte can be read (the rest is not read)."""
+    read_head(path, 1, max_bytes)
+
+
+def read_head(path: str, size: int, max_bytes: int | None = None) -> bytes:
+    """The first ``size`` bytes of the file at a local path or URL (the rest is not read), if a
+    regular file of at most ``max_bytes``; OSError as ``read_bytes`` would raise it."""
     if not is_url(path):
         with open_local(local_path(path), max_bytes) as f:
-            f.read(1)
-        return
+            return f.read(size)
     fs, inner = filesystem(path)
     with _reasons(path):
         over_limit(fs.size(inner), max_bytes, path)
-        _within(fs, inner, 1, path)
+        return _within(fs, inner, size, path)[:size]
 
 
 @contextlib.contextmanager

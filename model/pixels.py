@@ -330,6 +330,33 @@ def refused_over_limit(reason: str) -> tuple[int | None, int] | None:
     return (int(found[1]) if found[1] else None), int(found[2])
 
 
+# How refusals for a file's format read, in this version and the earlier ones that wrote jobs'
+# errors.jsonl (HEIC and AVIF were refused so before 2026-12-06).
+_FORMAT_REFUSALS = ("not an accepted format: send ", "not an image file of a known format",
+                    "image, but its decoder is not installed")
+
+
+def refused_as_format(reason: str) -> bool:
+    """Whether a refusal was for the file's format (not its content): what a job rerun needs to
+    take it again once its format is accepted (``accepted_format``)."""
+    return any(words in reason for words in _FORMAT_REFUSALS)
+
+
+HEAD_BYTES = 4096  # what ``accepted_format`` needs of a file: an ISO file's brands are within
+
+
+def accepted_format(head: bytes) -> str | None:
+    """The accepted format (of ``FORMATS``) a file's first ``HEAD_BYTES`` name by their
+    signature, recognised as ``decode`` recognises it, nothing parsed further; else None."""
+    for fmt in FORMATS:
+        if fmt in _BY_BRANDS:
+            if _iso_kind(head) == _BY_BRANDS[fmt]:
+                return fmt
+        elif _signature(Image.OPEN[fmt][1], head[:16]) is True:
+            return fmt
+    return None
+
+
 def _name(fmt: str | None) -> str:
     """How messages name a format; a PIL image built in memory has none."""
     return {"WEBP": "WebP", "MPO": "JPEG (MPO)", "HEIF": "HEIC"}.get(fmt or "", fmt or "in-memory")

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 from PIL import Image
 from serving import in_process, png
-from vit22b.clients.embed import JobConfig, OutputSpec, allowed_now, readable_now, run_job
+from vit22b.clients.embed import (
+    JobConfig,
+    OutputSpec,
+    accepted_now,
+    allowed_now,
+    readable_now,
+    run_job,
+)
 from vit22b.clients.embed_inputs import InputListError, enumerate_inputs
 from vit22b.clients.embed_store import JobMismatch, OutputStore, atomic_write
 from vit22b.clients.outputs import OutputsError, open_outputs, read_manifest
@@ -496,6 +503,53 @@ def test_which_refusals_a_larger_pixel_limit_takes():
     assert not allowed_now({"reason": vague + "--max-image-pixels ..."}, 10)
     assert not allowed_now({"reason": header + "pixels ..."}, None)  # the bound is not known
     assert not allowed_now({"reason": "PNG file, but truncated"}, 10**9)
+
+
+def test_a_rerun_takes_the_files_of_a_format_accepted_since(engine, tmp_path, monkeypatch):
+    """A job run where HEIC was refused (before 2026-12-06, or without its decoder installed)
+    listed a folder's phone photos as failures for good: the rerun after the upgrade skipped
+    every shard. A rerun now recomputes the shards of files refused for their format whose bytes
+    are of a format accepted now, and ends as a job run with HEIC from the start; a file of a
+    format still refused stays listed."""
+    from test_pixels import heic
+    from vit22b.model import pixels as contract
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    ids = write_images(data, 4)
+    (data / "phone.heic").write_bytes(heic(Image.new("RGB", (40, 30), (200, 40, 10))))
+    Image.new("RGB", (8, 8)).save(data / "scan.pcx", "PCX")
+    with monkeypatch.context() as patch:  # the decoder missing: refused for its format
+        patch.setattr(contract, "_heif_reader", lambda: False)
+        first = local_job(engine, data, out, shard_size=3)
+    reasons = {f["id"]: f["reason"] for f in open_outputs(str(out)).failed}
+    assert "its decoder is not installed" in reasons["phone.heic"]
+    assert "not an accepted format" in reasons["scan.pcx"] and first.embedded == len(ids)
+    errors = out / "errors.jsonl"  # as a version that refused HEIC by name wrote it
+    errors.write_text(errors.read_text().replace(
+        reasons["phone.heic"].replace("\n", "\\n"),
+        "HEIF/HEIC (a phone's photo format) file (by its signature), not an accepted format: "
+        "send JPEG, PNG, WebP, AVIF, BMP, GIF or TIFF"))
+    again = local_job(engine, data, out, shard_size=3)
+    assert (again.embedded, again.failed) == (2, 1)  # phone.heic's shard: an image, it, the PCX
+    assert [f["id"] for f in open_outputs(str(out), verify=True).failed] == ["scan.pcx"]
+    assert local_job(engine, data, out, shard_size=3).skipped == 6  # the PCX stays refused
+    assert local_job(engine, data, tmp_path / "fresh", shard_size=3).embedded == 5
+    assert read_dir(out) == read_dir(tmp_path / "fresh")
+
+
+def test_which_format_refusals_a_rerun_takes(tmp_path):
+    from test_pixels import heic
+
+    heic_file, text = tmp_path / "a.heic", tmp_path / "b.txt"
+    heic_file.write_bytes(heic(Image.new("RGB", (8, 8))))
+    text.write_bytes(b"plain text")
+    for reason in ("HEIC image, but its decoder is not installed (pillow-heif, ...)",
+                   "HEIF/HEIC (a phone's photo format) file (by its signature), not an "
+                   "accepted format: send ...", "not an image file of a known format: no ..."):
+        assert accepted_now({"reason": reason, "path": str(heic_file)})
+        assert not accepted_now({"reason": reason, "path": str(text)})  # still no format
+        assert not accepted_now({"reason": reason, "path": str(tmp_path / "gone.heic")})
+    assert not accepted_now({"reason": "cannot decode HEIC image: ...", "path": str(heic_file)})
 
 
 def test_whether_a_failed_file_is_readable_now_reads_a_byte_within_the_limit(tmp_path):
