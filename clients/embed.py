@@ -35,7 +35,7 @@ from vit22b.model.pixels import (
     HEAD_BYTES,
     Geometry,
     accepted_format,
-    refused_as_format,
+    refused_for_format,
     refused_over_limit,
 )
 
@@ -217,7 +217,7 @@ def accepted_now(failure: dict) -> bool:
     installed) is one whose bytes are of a format the pixel contract accepts now (HEIC and AVIF
     joined on 2026-12-06): a rerun recomputes its shard. A file of a format still refused, or
     whose content was refused, stays a failure."""
-    if not refused_as_format(failure.get("reason", "")):
+    if not refused_for_format(failure.get("reason", "")):
         return False
     try:
         head = read_head(failure["path"], HEAD_BYTES, MAX_IMAGE_BYTES)

@@ -69,6 +69,7 @@ the full resize on smooth images; Pillow may order its two passes differently th
 
 from __future__ import annotations
 
+import ast
 import functools
 import io
 import math
@@ -330,16 +331,32 @@ def refused_over_limit(reason: str) -> tuple[int | None, int] | None:
     return (int(found[1]) if found[1] else None), int(found[2])
 
 
-# How refusals for a file's format read, in this version and the earlier ones that wrote jobs'
-# errors.jsonl (HEIC and AVIF were refused so before 2026-12-06).
-_FORMAT_REFUSALS = ("not an accepted format: send ", "not an image file of a known format",
-                    "image, but its decoder is not installed")
+# How refusals for a file's format read (``_unaccepted``, ``_open``), in this version and the
+# earlier ones that wrote jobs' errors.jsonl: HEIC and AVIF were refused so before 2026-12-06.
+_NAMED_REFUSAL = re.compile(r"(.*?) file \(by its signature\), not an accepted format")
+_UNKNOWN_REFUSAL = re.compile(r"not an image file of a known format: .* starting (b'.*'|b\".*\")\)")
+_NO_DECODER = "image, but its decoder is not installed"
 
 
-def refused_as_format(reason: str) -> bool:
-    """Whether a refusal was for the file's format (not its content): what a job rerun needs to
-    take it again once its format is accepted (``accepted_format``)."""
-    return any(words in reason for words in _FORMAT_REFUSALS)
+def refused_for_format(reason: str) -> bool:
+    """Whether a refusal was for a file's format and the file may be of a format accepted now:
+    one named as such (a HEIC once refused by name; a JPEG XL, which names JPEG, too), one
+    refused for want of its decoder, or one of no known format that starts as an ISO media file
+    (the family of HEIC and AVIF, refused so before they were named). A job's rerun reads such a
+    file's head (``accepted_format``) to take it again; a text file's or a PCX's refusal is not
+    worth a read."""
+    if _NO_DECODER in reason:
+        return True
+    if (named := _NAMED_REFUSAL.match(reason)) is not None:
+        accepted = {*FORMAT_NAMES.replace(" or", ",").split(", "), "HEIF"}
+        return any(name in named[1] for name in accepted)
+    if (unknown := _UNKNOWN_REFUSAL.match(reason)) is not None:
+        try:
+            start = ast.literal_eval(unknown[1])
+        except (ValueError, SyntaxError):
+            return False
+        return isinstance(start, bytes) and start[4:8] == b"ftyp"
+    return False
 
 
 HEAD_BYTES = 4096  # what ``accepted_format`` needs of a file: an ISO file's brands are within
@@ -390,8 +407,8 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
             if _iso_kind(data) != _BY_BRANDS[fmt]:
                 continue
             if fmt == "HEIF" and not _heif_reader():
-                raise InvalidImage(f"{_name(fmt)} image, but its decoder is not installed "
-                                   "(pillow-heif, in the vit22b[model] extra)")
+                raise InvalidImage(f"{_name(fmt)} {_NO_DECODER} (pillow-heif, in the "
+                                   "vit22b[model] extra)")
         factory, accept = Image.OPEN[fmt]
         recognised = _signature(accept, prefix)
         if fmt in _BY_BRANDS:

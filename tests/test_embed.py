@@ -538,6 +538,8 @@ def test_a_rerun_takes_the_files_of_a_format_accepted_since(engine, tmp_path, mo
 
 
 def test_which_format_refusals_a_rerun_takes(tmp_path):
+    """The reasons this version and the earlier ones wrote for a file's format; only those a
+    format accepted now may answer lead to a read of the file's head."""
     from test_pixels import heic
 
     heic_file, text = tmp_path / "a.heic", tmp_path / "b.txt"
@@ -545,11 +547,18 @@ def test_which_format_refusals_a_rerun_takes(tmp_path):
     text.write_bytes(b"plain text")
     for reason in ("HEIC image, but its decoder is not installed (pillow-heif, ...)",
                    "HEIF/HEIC (a phone's photo format) file (by its signature), not an "
-                   "accepted format: send ...", "not an image file of a known format: no ..."):
-        assert accepted_now({"reason": reason, "path": str(heic_file)})
+                   "accepted format: send ...",
+                   "AVIF (AVIF image) file (by its signature), not an accepted format: send ...",
+                   "not an image file of a known format: no JPEG, PNG, WebP, BMP, GIF or TIFF "
+                   "signature (2591 bytes starting b'\\x00\\x00\\x00\\x1cftyp')"):
+        assert accepted_now({"reason": reason, "path": str(heic_file)}), reason
         assert not accepted_now({"reason": reason, "path": str(text)})  # still no format
         assert not accepted_now({"reason": reason, "path": str(tmp_path / "gone.heic")})
-    assert not accepted_now({"reason": "cannot decode HEIC image: ...", "path": str(heic_file)})
+    for reason in ("cannot decode HEIC image: ...",  # its content, not its format
+                   "PCX (Paintbrush) file (by its signature), not an accepted format: send ...",
+                   "not an image file of a known format: no JPEG, PNG, WebP, BMP, GIF or TIFF "
+                   "signature (10 bytes starting b'plain te')"):  # not worth a read
+        assert not accepted_now({"reason": reason, "path": str(heic_file)}), reason
 
 
 def test_whether_a_failed_file_is_readable_now_reads_a_byte_within_the_limit(tmp_path):
