@@ -11,11 +11,12 @@ the decoding and resampling rules below).
 Untrusted bytes (``decode``):
 
 - Formats: JPEG (an MPO's first picture), PNG, WebP, AVIF, HEIC (HEIF with HEVC, phones'
-  photos; decoded by libheif through pillow-heif, which the ``model`` extra installs), BMP, GIF and
-  TIFF, recognised by their signature (AVIF and HEIC: their ISO brands), never by a file name;
-  animations and multi-page files give their first frame, a HEIF file its primary image. A file
-  of another format Pillow knows, or of a well-known one it does not (JPEG XL, a video, ...),
-  is refused naming that format.
+  photos; decoded by libheif through pillow-heif, which the ``model`` extra installs), BMP, GIF
+  and TIFF, recognised by their signature (AVIF and HEIC: their ISO brands), never by a file
+  name; animations and multi-page files give their first frame, a HEIF file its primary image.
+  A file of another format Pillow knows, or of a well-known one it does not (JPEG XL, a video,
+  ...), is refused naming that format; so are camera raws, TIFF files whose first image is a
+  preview or thumbnail (``_camera_raw``).
 - Size: the declared size is checked against ``max_pixels`` (the server's
   ``--max-image-pixels``) before any pixel is decoded. Pillow's own bomb guard (one
   process-wide setting, read inside its GIF and TIFF plugins) is raised to at least that limit,
@@ -202,6 +203,8 @@ def open_encoded(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
     _allow_in_pillow(max_pixels)
     image = _open(data, max_pixels)
     name = _name(image.format)
+    if image.format == "TIFF" and (raw := _camera_raw(data, image)) is not None:
+        raise InvalidImage(f"{raw}, not an accepted format: send {FORMAT_NAMES}")
     check_size(image.height, image.width, max_pixels, f"declared size of the {name}")
     if image.format == "TIFF":  # libtiff allocates a whole declared tile, whatever the image
         tile = image.tag_v2.get(TIFF_TILE_WIDTH, 0), image.tag_v2.get(TIFF_TILE_LENGTH, 0)
@@ -212,6 +215,23 @@ def open_encoded(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
 
 
 TIFF_TILE_WIDTH, TIFF_TILE_LENGTH = 322, 323  # an 8x8 TIFF's 16384^2 tile took 770 MiB
+TIFF_NEW_SUBFILE_TYPE, TIFF_DNG_VERSION = 254, 50706
+
+
+def _camera_raw(data: bytes, image: Image.Image) -> str | None:
+    """What a TIFF-structured file whose first image is not the picture is: camera raws (DNG,
+    Canon's CR2, Nikon's NEF, Sony's ARW, ...) are TIFF files whose first image is a preview or
+    a thumbnail (the raw sensor data, which no decoder here reads, lies elsewhere), so Pillow
+    would give a 160-px thumbnail's features as the photo's. None for a plain TIFF."""
+    if data[8:11] == b"CR\x02":
+        return "Canon CR2 raw file (by its signature)"
+    if TIFF_DNG_VERSION in image.tag_v2:
+        return "DNG camera raw file (by its DNGVersion tag; its first image is a preview)"
+    subfile = image.tag_v2.get(TIFF_NEW_SUBFILE_TYPE, 0)
+    if isinstance(subfile, int) and subfile & 1:
+        return ("TIFF file whose first image is a reduced-resolution copy of another "
+                "(NewSubfileType 1: a camera raw's thumbnail, as in NEF or ARW files)")
+    return None
 
 
 def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

@@ -156,6 +156,57 @@ def test_well_known_files_pillow_does_not_read_are_refused_by_name(data, named):
                                f"send {contract.FORMAT_NAMES}")
 
 
+def _tiff_with(tags: dict, size: tuple[int, int] = (16, 12)) -> bytes:
+    from PIL import TiffImagePlugin
+
+    info = TiffImagePlugin.ImageFileDirectory_v2()
+    for tag, value in tags.items():
+        info[tag] = value
+        if isinstance(value, bytes):
+            info.tagtype[tag] = 1  # BYTE, as DNGVersion is
+    return encode(Image.new("RGB", size, (90, 120, 30)), "TIFF", tiffinfo=info)
+
+
+def _cr2_like(width: int = 4, height: int = 3) -> bytes:
+    """A grey 8-bit TIFF in Canon's CR2 layout: TIFF's header, then "CR", version 2 and the raw
+    IFD's offset (here 0), its first IFD at 16 (a CR2's is a preview)."""
+    entries = [(256, 3, width), (257, 3, height), (258, 3, 8), (259, 3, 1), (262, 3, 1),
+               (273, 4, 0), (277, 3, 1), (278, 3, height), (279, 4, width * height)]
+    ifd_size = 2 + 12 * len(entries) + 4
+    pixels_at = 16 + ifd_size
+    ifd = struct.pack("<H", len(entries))
+    for tag, kind, value in entries:
+        value = pixels_at if tag == 273 else value
+        packed = struct.pack("<HI", value, 0)[:4] if kind == 3 else struct.pack("<I", value)
+        ifd += struct.pack("<HHI", tag, kind, 1) + packed
+    ifd += struct.pack("<I", 0)
+    header = b"II*\x00" + struct.pack("<I", 16) + b"CR\x02\x00" + struct.pack("<I", 0)
+    return header + ifd + bytes(range(width * height))
+
+
+@pytest.mark.parametrize("tags, named", [
+    ({50706: b"\x01\x04\x00\x00", 254: 1}, "DNG camera raw file (by its DNGVersion tag"),
+    ({50706: b"\x01\x06\x00\x00"}, "DNG camera raw file (by its DNGVersion tag"),
+    ({254: 1, 271: "NIKON CORPORATION"}, "TIFF file whose first image is a reduced-resolution"),
+], ids=["dng-preview-first", "dng", "nef-like"])
+def test_camera_raws_are_refused_not_read_as_their_thumbnail(tags, named):
+    """Camera raws are TIFF files whose first image is a thumbnail or preview: read as TIFF,
+    a photographer's DNG gave its 256-px preview's features as the photo's, without a word."""
+    with pytest.raises(InvalidImage) as info:
+        decode(_tiff_with(tags))
+    assert str(info.value).startswith(named)
+    assert str(info.value).endswith(f"not an accepted format: send {contract.FORMAT_NAMES}")
+    with pytest.raises(InvalidImage, match=r"^Canon CR2 raw file \(by its signature\)"):
+        decode(_cr2_like())
+    # a plain TIFF, and one whose first image says it is the full-resolution one, are read;
+    # so is the CR2-like file with its signature cleared (the file is well formed)
+    for plain in (_tiff_with({}), _tiff_with({254: 0}), _tiff_with({254: 2})):
+        assert decode(plain).shape == (12, 16, 3)
+    plain = _cr2_like().replace(b"CR\x02\x00", bytes(4), 1)
+    grey = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    np.testing.assert_array_equal(decode(plain), np.repeat(grey[..., None], 3, axis=2))
+
+
 def test_bytes_of_no_format_say_so():
     with pytest.raises(InvalidImage, match="not an image file of a known format"):
         decode(b"this is text, not an image")
