@@ -228,9 +228,10 @@ def _camera_raw(data: bytes, image: Image.Image) -> str | None:
     if TIFF_DNG_VERSION in image.tag_v2:
         return "DNG camera raw file (by its DNGVersion tag; its first image is a preview)"
     subfile = image.tag_v2.get(TIFF_NEW_SUBFILE_TYPE, 0)
-    if isinstance(subfile, int) and subfile & 1:
-        return ("TIFF file whose first image is a reduced-resolution copy of another "
-                "(NewSubfileType 1: a camera raw's thumbnail, as in NEF or ARW files)")
+    if isinstance(subfile, int) and subfile & 0b101:  # bit 0: reduced resolution; 2: a mask
+        return (f"TIFF file whose first image is a reduced-resolution copy or a transparency "
+                f"mask of another (NewSubfileType {subfile}: a camera raw's thumbnail, as in "
+                f"NEF or ARW files)")
     return None
 
 

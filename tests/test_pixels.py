@@ -188,7 +188,8 @@ def _cr2_like(width: int = 4, height: int = 3) -> bytes:
     ({50706: b"\x01\x04\x00\x00", 254: 1}, "DNG camera raw file (by its DNGVersion tag"),
     ({50706: b"\x01\x06\x00\x00"}, "DNG camera raw file (by its DNGVersion tag"),
     ({254: 1, 271: "NIKON CORPORATION"}, "TIFF file whose first image is a reduced-resolution"),
-], ids=["dng-preview-first", "dng", "nef-like"])
+    ({254: 4}, "TIFF file whose first image is a reduced-resolution copy or a transparency mask"),
+], ids=["dng-preview-first", "dng", "nef-like", "mask-first"])
 def test_camera_raws_are_refused_not_read_as_their_thumbnail(tags, named):
     """Camera raws are TIFF files whose first image is a thumbnail or preview: read as TIFF,
     a photographer's DNG gave its 256-px preview's features as the photo's, without a word."""
