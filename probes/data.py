@@ -223,13 +223,20 @@ class LabelledImages:
         return len(self.images)
 
 
+def _hidden(name: str) -> bool:
+    """A name the batch job leaves out of a folder too: macOS's ``._`` copies of a file's
+    metadata (named as the image, holding none), ``.thumbnails``, ``.ipynb_checkpoints``."""
+    return name.startswith(".")
+
+
 def image_files(folder: str | Path) -> list[Path]:
-    """The image files directly in ``folder``, sorted by name."""
+    """The image files directly in ``folder`` (hidden ones left out), sorted by name."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
     files = sorted(
-        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        p for p in folder.iterdir()
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not _hidden(p.name)
     )
     if not files:
         raise DataError(f"{folder}: no images ({', '.join(SUFFIXES)})")
@@ -255,11 +262,12 @@ def labels_from_folders(paths) -> tuple[np.ndarray, tuple[str, ...]]:
 
 
 def load_image_folder(root: str | Path) -> LabelledImages:
-    """A folder of class subfolders (``root/<class>/<image>``), classes in sorted order."""
+    """A folder of class subfolders (``root/<class>/<image>``), classes in sorted order; hidden
+    folders and files are left out, as the batch job leaves them."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not _hidden(p.name))
     if not classes:
         raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<image>)")
     paths = []
@@ -268,9 +276,11 @@ def load_image_folder(root: str | Path) -> LabelledImages:
         for path in sorted(folder.rglob("*")):
             if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
                 continue
+            if any(_hidden(part) for part in path.relative_to(folder).parts):
+                continue
             if path.parent == folder:
                 paths.append(path)
-            elif not any(part.startswith(".") for part in path.relative_to(folder).parts):
+            else:
                 raise DataError(f"{path}: an image below the class folder {name!r}, in "
                                 f"{path.parent.relative_to(folder)}; a class's images go "
                                 f"directly in {folder} (the probe reads one level)")

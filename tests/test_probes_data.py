@@ -64,6 +64,22 @@ def test_class_folders_take_every_accepted_format_and_name_refused_ones(tmp_path
         read_images(data.images)
 
 
+def test_hidden_files_and_folders_are_left_out_as_the_batch_job_leaves_them(tmp_path):
+    """A folder copied from a Mac holds ``._IMG_0001.HEIC`` beside each photo (AppleDouble
+    metadata named as the image): the probe stopped on the first, refused as no image, where
+    ``vit22b embed`` leaves hidden names out; a hidden folder of images became a class."""
+    world = shapes_world(3, seed=4)
+    _png(tmp_path / "cat" / "0.png", world.images[0])
+    _png(tmp_path / "dog" / "1.png", world.images[1])
+    (tmp_path / "cat" / "._0.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    _png(tmp_path / ".thumbnails" / "2.png", world.images[2])
+    data = load_image_folder(tmp_path)
+    assert [p.name for p in data.images] == ["0.png", "1.png"]
+    assert data.class_names == ("cat", "dog")
+    assert len(read_images(data.images)) == 2
+    assert [p.name for p in image_files(tmp_path / "cat")] == ["0.png"]
+
+
 def test_images_below_a_class_folder_are_refused_not_left_out(tmp_path):
     world = shapes_world(3, seed=2)
     _png(tmp_path / "cat" / "0.png", world.images[0])
