@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from vit22b.model.errors import quoted
 
-from .files import as_text
+from .files import as_text, hidden
 from .storage import check_url, filesystem, is_url
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
@@ -59,10 +59,6 @@ def _posix(path: str) -> str:
     return os.path.normpath(path).replace(os.sep, "/")
 
 
-def _visible(name: str) -> bool:
-    return not name.startswith(".")
-
-
 def _unlisted(err: OSError) -> None:
     """os.walk's default skips a folder it cannot list, and every image below it with no word."""
     folder = quoted(as_text(str(err.filename)))
@@ -83,8 +79,8 @@ def _each_folder_once(top: str):
             dirs[:] = []
             continue
         seen.add((info.st_dev, info.st_ino))
-        dirs[:] = [d for d in dirs if _visible(d)]
-        yield root, dirs, [f for f in files if _visible(f)]
+        dirs[:] = [d for d in dirs if not hidden(d)]
+        yield root, dirs, [f for f in files if not hidden(f)]
 
 
 def _walk(folder: str, prefix: str | None) -> list[InputItem]:
@@ -146,7 +142,7 @@ def _listed(entry: str, resolve) -> InputItem:
 
 def _hidden(rel: str) -> bool:
     """A name starting with '.' on the way (a store's key may hold '.' and '..' as names)."""
-    return any(part.startswith(".") and part not in (".", "..") for part in rel.split("/"))
+    return any(hidden(part) and part not in (".", "..") for part in rel.split("/"))
 
 
 def _expand_url(spec: str, several: bool) -> list[InputItem]:

@@ -43,6 +43,13 @@ def as_text(name: str) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
+def hidden(name: str) -> bool:
+    """A hidden file or folder name, which a folder's walk leaves out (the batch job's and the
+    probes'): ``.DS_Store``, ``.thumbnails``, and macOS's ``._IMG_0001.HEIC`` copies of a
+    file's metadata, named as the image and holding none."""
+    return name.startswith(".")
+
+
 def usable(path: str) -> str:
     """``path``, or OSError if no file can have it: a NUL byte (a list file's line, say), for
     which os functions raise ValueError, would end a job instead of failing its input."""

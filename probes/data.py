@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from vit22b.clients.files import hidden
 from vit22b.model.pixels import REFUSED_SUFFIXES, SUFFIXES
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "bar", "star")
@@ -223,12 +224,6 @@ class LabelledImages:
         return len(self.images)
 
 
-def _hidden(name: str) -> bool:
-    """A name the batch job leaves out of a folder too: macOS's ``._`` copies of a file's
-    metadata (named as the image, holding none), ``.thumbnails``, ``.ipynb_checkpoints``."""
-    return name.startswith(".")
-
-
 def image_files(folder: str | Path) -> list[Path]:
     """The image files directly in ``folder`` (hidden ones left out), sorted by name."""
     folder = Path(folder)
@@ -236,7 +231,7 @@ def image_files(folder: str | Path) -> list[Path]:
         raise DataError(f"{folder}: not a folder")
     files = sorted(
         p for p in folder.iterdir()
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not _hidden(p.name)
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not hidden(p.name)
     )
     if not files:
         raise DataError(f"{folder}: no images ({', '.join(SUFFIXES)})")
@@ -267,7 +262,7 @@ def load_image_folder(root: str | Path) -> LabelledImages:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not _hidden(p.name))
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not hidden(p.name))
     if not classes:
         raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<image>)")
     paths = []
@@ -276,7 +271,7 @@ def load_image_folder(root: str | Path) -> LabelledImages:
         for path in sorted(folder.rglob("*")):
             if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
                 continue
-            if any(_hidden(part) for part in path.relative_to(folder).parts):
+            if any(hidden(part) for part in path.relative_to(folder).parts):
                 continue
             if path.parent == folder:
                 paths.append(path)
