@@ -357,6 +357,7 @@ def refused_over_limit(reason: str) -> tuple[int | None, int] | None:
 _NAMED_REFUSAL = re.compile(r"(.*?) file \(by its signature\), not an accepted format")
 _UNKNOWN_REFUSAL = re.compile(r"not an image file of a known format: .* starting (b'.*'|b\".*\")\)")
 _NO_DECODER = "image, but its decoder is not installed"
+_ACCEPTED_NAMES = (*FORMAT_NAMES.replace(" or", ",").split(", "), "HEIF")
 
 
 def refused_for_format(reason: str) -> bool:
@@ -369,8 +370,7 @@ def refused_for_format(reason: str) -> bool:
     if _NO_DECODER in reason:
         return True
     if (named := _NAMED_REFUSAL.match(reason)) is not None:
-        accepted = {*FORMAT_NAMES.replace(" or", ",").split(", "), "HEIF"}
-        return any(name in named[1] for name in accepted)
+        return any(name in named[1] for name in _ACCEPTED_NAMES)
     if (unknown := _UNKNOWN_REFUSAL.match(reason)) is not None:
         try:
             start = ast.literal_eval(unknown[1])

@@ -46,21 +46,25 @@ def test_class_folders_take_every_accepted_format_and_name_refused_ones(tmp_path
     """GIF and TIFF (accepted by the pixel contract) were left out of a class folder without a
     word, as were files of a refused format: the probe ran on fewer images than the folder
     held."""
-    world = shapes_world(5, seed=1)
+    from test_pixels import heic
+
+    world = shapes_world(6, seed=1)
     names = ["a.gif", "b.TIF", "c.tiff", "d.JPEG", "e.jfif"]
     for name, image in zip(names, world.images):
         fmt = {"gif": "GIF", "tif": "TIFF", "tiff": "TIFF"}.get(name.split(".")[1].lower(),
                                                              "JPEG")
         (tmp_path / "cls").mkdir(exist_ok=True)
         Image.fromarray(image).save(tmp_path / "cls" / name, fmt)
+    (tmp_path / "cls" / "f.HEIC").write_bytes(heic(Image.fromarray(world.images[5])))
+    names.append("f.HEIC")
     (tmp_path / "cls" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
     data = load_image_folder(tmp_path)
     assert [p.name for p in data.images] == names
-    assert len(read_images(data.images)) == 5
-    (tmp_path / "cls" / "f.jxl").write_bytes(b"\xff\x0a\xfa\x7f" + bytes(64))
+    assert len(read_images(data.images)) == 6
+    (tmp_path / "cls" / "g.jxl").write_bytes(b"\xff\x0a\xfa\x7f" + bytes(64))
     data = load_image_folder(tmp_path)
-    assert data.images[-1].name == "f.jxl"
-    with pytest.raises(DataError, match=r"f\.jxl: cannot decode image \(JPEG XL"):
+    assert data.images[-1].name == "g.jxl"
+    with pytest.raises(DataError, match=r"g\.jxl: cannot decode image \(JPEG XL"):
         read_images(data.images)
 
 
