@@ -34,7 +34,7 @@ TINY = "vit-22b-tiny/16"
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from peers import rel_err  # noqa: E402  (the parity tests' measure of agreement)
-from photos import photo_jpeg  # noqa: E402  (the pixel tests' photo-like pictures)
+from photos import heic, photo_jpeg  # noqa: E402  (the pixel tests' photo-like pictures)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,19 +110,12 @@ def _as_heic(files: dict) -> dict:
     from PIL import Image
 
     try:
-        import pillow_heif
+        import pillow_heif  # noqa: F401  (the contract's decoder, and the writer here)
     except ImportError as err:
         log(f"HEIC skipped: {err}")
         return {}
-    out = {}
-    for mp, datas in files.items():
-        out[mp] = []
-        for data in datas:
-            buffer = io.BytesIO()
-            picture = Image.open(io.BytesIO(data)).convert("RGB")
-            pillow_heif.from_pillow(picture).save(buffer, quality=90, tile_size=512)
-            out[mp].append(buffer.getvalue())
-    return out
+    return {mp: [heic(Image.open(io.BytesIO(data)).convert("RGB"), quality=90, tile_size=512)
+                 for data in datas] for mp, datas in files.items()}
 
 
 def _levels(pre, normalised: np.ndarray) -> np.ndarray:

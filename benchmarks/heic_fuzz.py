@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
 import json
 import subprocess
 import sys
@@ -28,6 +27,9 @@ from pathlib import Path
 
 import numpy as np
 from benchlib import emit, log, machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from photos import heic  # noqa: E402  (the pixel tests' HEIC writer)
 
 CHILD = """
 import json, sys
@@ -51,18 +53,9 @@ for path in files[start:]:
 
 
 def seeds() -> list[bytes]:
-    import pillow_heif
     from PIL import Image
 
     rng = np.random.default_rng(0)
-
-    def heic(*images, **params) -> bytes:
-        file = pillow_heif.from_pillow(images[0])
-        for other in images[1:]:
-            file.add_from_pillow(other)
-        buffer = io.BytesIO()
-        file.save(buffer, **params)
-        return buffer.getvalue()
 
     def picture(height, width, channels=3):
         shape = (height, width, channels) if channels > 1 else (height, width)

@@ -43,3 +43,18 @@ def photo_jpeg(width: int, height: int, seed: int = 0, quality: int = 90) -> byt
     buffer = io.BytesIO()
     photo(width, height, seed).save(buffer, format="JPEG", quality=quality, subsampling="4:2:0")
     return buffer.getvalue()
+
+
+def heic(image: Image.Image, *more: Image.Image, **params) -> bytes:
+    """``image`` (and ``more`` after it) as a HEIC file written by libheif's encoder
+    (pillow-heif's x265); ``params`` are its save options (quality, tile_size, primary_index).
+    An EXIF orientation in ``image.info`` becomes irot/imir boxes and stays in the EXIF, as a
+    phone writes both."""
+    import pillow_heif
+
+    file = pillow_heif.from_pillow(image)
+    for other in more:
+        file.add_from_pillow(other)
+    buffer = io.BytesIO()
+    file.save(buffer, **params)
+    return buffer.getvalue()

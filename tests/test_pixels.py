@@ -16,6 +16,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import photos
 import pytest
 from photos import photo, photo_jpeg
 from PIL import Image
@@ -485,15 +486,9 @@ def test_avif_transparency_animation_grey_and_size_limit():
 
 
 def heic(image: Image.Image, *more: Image.Image, **params) -> bytes:
-    """A HEIC written by libheif's encoder (pillow-heif's x265); an EXIF orientation in
-    ``image.info`` becomes irot/imir boxes and stays in the EXIF, as a phone writes both."""
-    pillow_heif = pytest.importorskip("pillow_heif")
-    buffer = io.BytesIO()
-    file = pillow_heif.from_pillow(image)
-    for other in more:
-        file.add_from_pillow(other)
-    file.save(buffer, **params)
-    return buffer.getvalue()
+    """``photos.heic``, the test skipped where pillow-heif is not installed."""
+    pytest.importorskip("pillow_heif")
+    return photos.heic(image, *more, **params)
 
 
 LOSSLESS = {"quality": -1, "chroma": 444}  # RGB -> YCbCr 4:4:4 and back: within 2 levels
