@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from .config import DEFAULT_MODEL, ConfigError, get_config, parse_seed
+from .config import DEFAULT_MODEL, INTERPOLATIONS, SOURCES, ConfigError, get_config, parse_seed
 
 
 def _summary(out: str, meta, **extra) -> str:
@@ -107,12 +107,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _guarded(handler):
     """Every refusal (bad preset, mesh, checkpoint or source) is one line on stderr, exit 2;
-    a failed write (the disk's error) one line too, exit 1."""
-    from .checkpoint import CheckpointError
-    from .convert import ConvertError
-    from .sharding import MeshError
+    a failed write (the disk's error) one line too, exit 1. Their modules import jax: only when
+    the command runs, so that `--help` and a bad flag answer at once."""
 
     def run(args: argparse.Namespace) -> int:
+        from .checkpoint import CheckpointError
+        from .convert import ConvertError
+        from .sharding import MeshError
+
         try:
             return handler(args)
         except (ConfigError, MeshError, CheckpointError, ConvertError) as err:
@@ -147,9 +149,6 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
             "as split the heads, on the model axis)",
         )
         return _guarded(_init)
-    from .config import INTERPOLATIONS
-    from .convert import SOURCES
-
     parser.add_argument("--from", dest="source", required=True, choices=SOURCES)
     parser.add_argument(
         "--input",

@@ -23,6 +23,9 @@ MlpType = Literal["gelu", "quick_gelu", "swiglu"]
 PosembResample = Literal["bicubic", "bicubic_antialias", "none"]
 DType = Literal["float32", "bfloat16"]
 INTERPOLATIONS = ("bicubic", "bilinear")  # the resamplings the pixel contract serves
+# The weight formats `vit22b convert` reads, each by its module convert_<source> (named here, not
+# in convert.py, so that the command line lists them without importing jax).
+SOURCES = ("timm", "hf", "big_vision", "open_clip")
 
 _CHOICES = {
     "block": ("parallel", "sequential"),

@@ -13,13 +13,14 @@ Face Hub are read from its cache (or downloaded) by hub.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from . import convert_big_vision, convert_hf, convert_open_clip, convert_timm, hub
+from . import hub
 from .checkpoint import (
     expected_shapes,
     flatten,
@@ -28,7 +29,7 @@ from .checkpoint import (
     shapes_of,
     unflatten,
 )
-from .config import ConfigError, ViTConfig
+from .config import SOURCES, ConfigError, ViTConfig
 from .convert_common import (
     WEIGHT_FILES,
     ConvertError,
@@ -60,13 +61,7 @@ class Converted:
 # Each source module: SIDE_FILES (the config files it reads beside the weights) and side_files(path)
 # -> what they say; canonical(tensors, notes) -> tensors under the names it reads; infer_config;
 # preprocessing(side, image_size) -> SourcePreprocess; build_params.
-IMPORTERS = {
-    "timm": convert_timm,
-    "hf": convert_hf,
-    "big_vision": convert_big_vision,
-    "open_clip": convert_open_clip,
-}
-SOURCES = tuple(IMPORTERS)
+IMPORTERS = {name: importlib.import_module(f"{__package__}.convert_{name}") for name in SOURCES}
 HUB_SOURCES = ("hf", "timm", "open_clip")  # whose files the hub keeps under known names
 
 

@@ -476,13 +476,10 @@ EXPLORE_MAX_TOKENS, EXPLORE_MAX_WIDTH, EXPLORE_MAX_SCALES = 512, 512, 32
 
 
 def _explore_arguments(parser: argparse.ArgumentParser) -> None:
-    from .explore import DEFAULT_SCALES
-
     parser.add_argument(
         "--scales",
         type=_floats,
-        default=DEFAULT_SCALES,
-        help="query/key weight scales (comma-separated)",
+        help="query/key weight scales (comma-separated; default: 0.25 to 32, by factors of 2)",
     )
     parser.add_argument("--tokens", type=int, default=8, help="sequence length")
     parser.add_argument("--width", type=int, default=32, help="model width (one head)")
@@ -496,21 +493,22 @@ def _explore_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_explore_command(args) -> int:
-    from .explore import explore, format_table
-    from .plots import entropy_vs_scale
-    from .report import write_report
-
     # bounded: its attention maps are scales x batch x tokens^2 floats at once, per variant
     if not (2 <= args.tokens <= EXPLORE_MAX_TOKENS and 2 <= args.width <= EXPLORE_MAX_WIDTH
-            and 0 < len(args.scales) <= EXPLORE_MAX_SCALES
-            and all(math.isfinite(s) and s > 0 for s in args.scales)):
+            and (args.scales is None or 0 < len(args.scales) <= EXPLORE_MAX_SCALES
+                 and all(math.isfinite(s) and s > 0 for s in args.scales))):
         print(
             f"vit22b explore: error: needs --tokens in 2..{EXPLORE_MAX_TOKENS}, --width in "
             f"2..{EXPLORE_MAX_WIDTH} and 1..{EXPLORE_MAX_SCALES} finite, positive --scales",
             file=sys.stderr,
         )
         return 2
-    report = explore(args.scales, tokens=args.tokens, width=args.width, seed=args.seed)
+    from .explore import DEFAULT_SCALES, explore, format_table  # jax: once the flags are read
+    from .plots import entropy_vs_scale
+    from .report import write_report
+
+    scales = DEFAULT_SCALES if args.scales is None else args.scales
+    report = explore(scales, tokens=args.tokens, width=args.width, seed=args.seed)
     try:
         figure = entropy_vs_scale(report, args.out / "entropy_vs_scale.png")
         report["figure"] = str(figure)

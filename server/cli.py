@@ -11,14 +11,12 @@ import sys
 
 from .cpu_devices import prepare_xla_cpu
 
-prepare_xla_cpu()  # before jax is imported (below): the device count is fixed at its start
+prepare_xla_cpu()  # before jax is imported (in run): the device count is fixed at its start
 
 from vit22b.clients import settings  # noqa: E402
 
 from . import logs  # noqa: E402
-from .app import serve_until_signal  # noqa: E402
 from .distributed_cli import add_group_arguments, group_from_args, supervise  # noqa: E402
-from .infer import run_loop  # noqa: E402
 from .settings import ServeConfig  # noqa: E402
 
 
@@ -36,6 +34,11 @@ def run(args: argparse.Namespace) -> int:
         if group is not None:
             config.check()  # here: before the JAX process starts
             return supervise(config, group)
+        # the server's modules import jax: only once the flags are read, so that `--help` and a
+        # bad flag answer at once (and a group's supervisor never imports it)
+        from .app import serve_until_signal
+        from .infer import run_loop
+
         return run_loop(serve_until_signal(config))  # FeatureServer checks the settings
     except (ValueError, OSError) as err:  # bad flags, mesh, model, checkpoint or port
         print(f"vit22b serve: {err}", file=sys.stderr)

@@ -291,7 +291,8 @@ def _without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProces
 @pytest.mark.parametrize(("missing", "argv", "says"), [
     (("jax",), ["info", "--model", "vit-22b/14"], "needs jax, which is not installed; install "
      "it with: pip install 'vit22b[model]'"),
-    (("jax",), ["convert", "--help"], "pip install 'vit22b[model]'"),
+    (("jax",), ["convert", "--from", "timm", "--input", "{data}", "--out", "{out}"],
+     "pip install 'vit22b[model]'"),  # its --help answers without jax (tests/test_layout.py)
     (("jax",), ["embed", "{data}", "-o", "{out}"], "the in-process engine (--local, the "
      "default without --server) needs jax, which is not installed; install it with: "
      "pip install 'vit22b[server]'"),

@@ -102,3 +102,24 @@ def test_vit22b_models_runs_without_jax():
         "print('jax' in sys.modules)\n"
     )
     assert _fresh(code).strip() == "False"
+
+
+def test_every_commands_help_and_a_bad_flag_answer_without_jax():
+    # jax's import takes 3-5 s: `--help` and a flag argparse refuses answer before it
+    code = (
+        "import sys, contextlib, io\n"
+        "from vit22b.clients.cli import COMMANDS, main\n"
+        "for name in COMMANDS:\n"
+        "    for flag, code in (('--help', 0), ('--no-such-flag', 2)):\n"
+        "        with contextlib.redirect_stdout(io.StringIO()) as out, \\\n"
+        "                contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "            try:\n"
+        "                main([name, flag])\n"
+        "            except SystemExit as stop:\n"
+        "                assert stop.code == code, (name, flag, stop.code, err.getvalue())\n"
+        "            else:\n"
+        "                raise AssertionError((name, flag, 'did not stop'))\n"
+        "        assert f'vit22b {name}' in (out.getvalue() + err.getvalue()), (name, flag)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'orbax'}))\n"
+    )
+    assert _fresh(code).strip() == "[]"
