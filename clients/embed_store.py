@@ -198,6 +198,8 @@ class OutputStore:
                 where.makedirs(SHARDS_DIR)  # a no-op on object stores
             else:
                 _make_levels(os.path.join(where.root, SHARDS_DIR), made)
+        except TimeoutError:  # the store's failure (no answer), not the output's
+            raise
         except OSError as err:  # e.g. the output is a file, or under one; no permission
             OutputStore.unprepare(made[::-1])
             raise _not_a_folder(directory, err) from None

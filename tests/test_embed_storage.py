@@ -454,8 +454,48 @@ def test_a_store_that_never_answers_is_a_read_failure_within_the_deadline(silent
     from vit22b.clients.embed import embed_files
     from vit22b.clients.embed_inputs import InputItem
 
-    monkeypatch.setattr(storage, "READ_TIMEOUT_S", 2)
+    monkeypatch.setattr(storage, "STORE_TIMEOUT_S", 2)
     start = time.perf_counter()
     result = embed_files(None, [InputItem("k.jpg", "s3://bucket/k.jpg")])
     assert time.perf_counter() - start < 10
     assert result.failed == [(0, "cannot read file: no answer within 2 s from the store")]
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_a_store_that_never_answers_ends_the_job_within_the_deadline(silent_endpoint,
+                                                                      monkeypatch, capsys,
+                                                                      tmp_path, where):
+    """The listing of an input and the making of an output on such an endpoint ran on for over
+    five minutes with nothing said: every call to the store has the deadline now, and missing
+    it is the store's failure (exit 1, naming the URL), not a bad output."""
+    import time
+
+    import vit22b.clients.storage as storage
+    from vit22b.clients.cli import main
+
+    monkeypatch.setattr(storage, "STORE_TIMEOUT_S", 2)
+    write_images(tmp_path / "photos", 2)
+    data, out = (("s3://bucket/photos", str(tmp_path / "out")) if where == "input"
+                 else (str(tmp_path / "photos"), "s3://bucket/out"))
+    start = time.perf_counter()
+    code = main(["embed", data, "-o", out, "--server", "127.0.0.1:1", "-q"])
+    assert time.perf_counter() - start < 15
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "no answer within 2 s from the store" in err and "s3://bucket/" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_small_files_go_to_a_store_in_one_call_within_the_deadline(silent_endpoint, monkeypatch):
+    """The manifest and errors.jsonl are written by one call on the store's loop, which the
+    deadline bounds (a streamed write waits on the library's own timeouts)."""
+    import time
+
+    import vit22b.clients.storage as storage
+
+    monkeypatch.setattr(storage, "STORE_TIMEOUT_S", 2)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="no answer within 2 s") as caught:
+        storage.Location("s3://bucket/out").write_bytes("manifest.json", b"{}")
+    assert time.perf_counter() - start < 10
+    assert caught.value.filename == "s3://bucket/out/manifest.json"
