@@ -639,7 +639,7 @@ class HttpDoor:
         return _json({"status": "NOT_SERVING"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
     async def list_models(self, request: Request) -> Response:
-        return await self._serve("GET /v1/models", request, self._models)
+        return await self._serve(f"{request.method} /v1/models", request, self._models)
 
     async def embeddings(self, request: Request) -> Response:
         return await self._serve("POST /v1/embeddings", request, self._embeddings)

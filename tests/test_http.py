@@ -380,8 +380,13 @@ def test_health_ready_models_and_openapi(server, http):
     assert model["outputs"] == ["pooled", "patch_tokens", "attention_stats"]
     assert model["config"]["width"] == 64 and model["parameter_count"] > 0
     assert all(isinstance(v, (int, float, list)) for v in model["limits"].values())  # no int64
+    before = metric(metrics(server), "vit22b_requests_total", method="HEAD /v1/models",
+                    code="OK")
     for path in ("/health", "/ready", "/v1/models"):  # load balancers probe with HEAD too
         assert http.head(path).status_code == 200
+    # counted as what it was, not as a GET
+    assert metric(metrics(server), "vit22b_requests_total", method="HEAD /v1/models",
+                  code="OK") == before + 1
     for method, path, status, code in (("GET", "/nowhere", 404, "NOT_FOUND"),
                                        ("GET", "/v1/features", 405, "UNIMPLEMENTED"),
                                        # not a bare 307 to the Host header the client sent
