@@ -4,8 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # uv resolves and installs the project's 170 pinned packages in about 10 s where pip takes over
 # two minutes (measured on a fresh clone, no cache); torch stays pip's: only pip looks on the
-# disk that holds its CPU wheel.
-UV := $(VENV)/bin/uv pip install -q --python $(PY)
+# disk that holds its CPU wheel. --compile-bytecode writes the .pyc files pip writes by default
+# and uv does not: where PYTHONDONTWRITEBYTECODE is set (this machine's image), every process
+# compiled jax, flax and orbax from source again, 3.5 s of each start (benchmarks/NOTES.md,
+# "Bytecode compiled at install").
+UV := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 STAMP := $(VENV)/.installed
 
 .PHONY: install test demo lint protos bench clean
@@ -33,6 +36,9 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
+	# the project's own modules too, for the hundreds of processes the tests start (stale ones
+	# are recompiled in memory, as without them)
+	$(PY) -m compileall -q model server clients probes protos
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
