@@ -57,3 +57,12 @@ def test_explore_command_refuses_bad_arguments(tmp_path, capsys):
         assert "finite, positive --scales" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["explore", "--scales", "one,two"])
+
+
+def test_the_help_states_the_default_scales(capsys):
+    # said in words by the command line, which does not import the explorer (jax) for --help
+    with pytest.raises(SystemExit):
+        main(["explore", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default: {DEFAULT_SCALES[0]:g} to {DEFAULT_SCALES[-1]:g}, by factors of 2" in text
+    assert all(b == 2 * a for a, b in zip(DEFAULT_SCALES, DEFAULT_SCALES[1:]))
