@@ -91,7 +91,7 @@ class VideoWorker:
         try:
             if is_url(item.path):
                 fs, inner = filesystem(item.path)
-                with fs.open(inner, "rb") as remote:
+                with fs.open_read(inner) as remote:
                     return read_clip(remote, self.sampling, name=item.id)
             return read_clip(local_path(item.path), self.sampling, name=item.id)
         except OSError as err:

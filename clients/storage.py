@@ -22,6 +22,7 @@ import fcntl
 import functools
 import hashlib
 import inspect
+import io
 import os
 import threading
 from collections.abc import Callable
@@ -78,8 +79,8 @@ class Deadlined:
     """An fsspec filesystem whose calls on an asynchronous one (s3fs, gcsfs) end within
     STORE_TIMEOUT_S: missed, the call is cancelled on the filesystem's loop and raises
     TimeoutError (an OSError: that file's failure, or the listing's). A synchronous
-    filesystem's calls (local, memory) go straight through, as do the files it opens (a shard
-    streamed to the store: its library's own timeouts)."""
+    filesystem's calls (local, memory) go straight through, as do the files ``open`` gives (a
+    shard streamed to the store: its library's own timeouts); ``open_read`` reads with it."""
 
     def __init__(self, fs):
         self.fs = fs
@@ -93,6 +94,14 @@ class Deadlined:
             return functools.partial(self.run, coroutine)
         return method
 
+    def open_read(self, inner: str) -> BinaryIO:
+        """The object opened for reading, seekable: on an asynchronous filesystem, read in
+        blocks of READ_BLOCK, each within the deadline (a video's ranged reads, an output's
+        arrays); else the filesystem's own file."""
+        if not self.asynchronous:
+            return self.fs.open(inner, "rb")
+        return io.BufferedReader(_Ranges(self, inner), buffer_size=READ_BLOCK)
+
     def run(self, coroutine, *args, **kwargs):
         """``coroutine(*args, **kwargs)`` on the filesystem's loop within STORE_TIMEOUT_S;
         TimeoutError naming the call's path (its first text argument) when missed."""
@@ -104,6 +113,42 @@ class Deadlined:
             path = next((self.fs.unstrip_protocol(a) for a in args if isinstance(a, str)), None)
             raise TimeoutError(errno.ETIMEDOUT, f"no answer within {STORE_TIMEOUT_S} s from "
                                "the store", path) from None
+
+
+READ_BLOCK = 8 << 20  # bytes a seekable remote file asks for at once (S3 advises 8-16 MB ranges)
+
+
+class _Ranges(io.RawIOBase):
+    """An object read by byte ranges, each request within the store's deadline."""
+
+    def __init__(self, fs: Deadlined, inner: str):
+        self.fs, self.inner, self.pos = fs, inner, 0
+        self.size = fs.size(inner)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self.pos = base + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        end = min(self.pos + len(buffer), self.size)
+        if end <= self.pos:
+            return 0
+        data = self.fs.run(self.fs.fs._cat_file, self.inner, start=self.pos, end=end)
+        memoryview(buffer)[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 # The storage libraries fsspec drives raise their own errors for what is the environment's
@@ -311,7 +356,7 @@ class Location:
     def open(self, rel: str) -> BinaryIO:
         """A binary file opened for reading (pyarrow and np.load take it)."""
         if self.remote:
-            return self.fs.open(self._inner(rel), "rb")
+            return self.fs.open_read(self._inner(rel))
         return open_local(os.path.join(self.root, rel))
 
     def remove(self, rel: str) -> None:

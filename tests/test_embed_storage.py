@@ -499,3 +499,40 @@ def test_small_files_go_to_a_store_in_one_call_within_the_deadline(silent_endpoi
         storage.Location("s3://bucket/out").write_bytes("manifest.json", b"{}")
     assert time.perf_counter() - start < 10
     assert caught.value.filename == "s3://bucket/out/manifest.json"
+
+
+def test_a_remote_file_read_in_ranges_gives_the_objects_bytes(s3, monkeypatch):
+    """A video's reads and an output's arrays on a store go through ``open_read``: blocks
+    fetched by range, each call within the deadline; seeks anywhere give the object's bytes."""
+    pytest.importorskip("s3fs")
+    import vit22b.clients.storage as storage
+
+    monkeypatch.setattr(storage, "READ_BLOCK", 1000)  # several blocks, and reads across them
+    blob = np.random.default_rng(3).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    bucket = s3("ranges", {"blob.bin": blob, "empty.bin": b""})
+    fs, inner = storage.filesystem(f"{bucket}/blob.bin")
+    with fs.open_read(inner) as f:
+        assert f.read(10) == blob[:10]
+        assert f.seek(-25, os.SEEK_END) == 9_975 and f.read() == blob[-25:]
+        for start, size in ((2_990, 20), (0, 10_000), (9_999, 5), (500, 2_600), (10_000, 1)):
+            f.seek(start)
+            assert f.read(size) == blob[start:start + size], (start, size)
+            assert f.tell() == min(start + size, len(blob))
+    fs, inner = storage.filesystem(f"{bucket}/empty.bin")
+    with fs.open_read(inner) as f:
+        assert f.read() == b""
+
+
+def test_a_remote_file_opened_on_a_store_that_never_answers_fails_within_the_deadline(
+        silent_endpoint, monkeypatch):
+    """A video on such an endpoint waited on the storage library's retries (fs.open asks the
+    object's size first): the video's failure within the deadline now."""
+    import time
+
+    import vit22b.clients.storage as storage
+
+    monkeypatch.setattr(storage, "STORE_TIMEOUT_S", 2)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="no answer within 2 s"):
+        storage.Location("s3://bucket/videos").open("clip.mp4")
+    assert time.perf_counter() - start < 10
