@@ -88,6 +88,8 @@ class Deadlined:
             getattr(fs, "loop", None) is not None
 
     def __getattr__(self, name: str):
+        if name == "fs":  # not set yet (a copy or an unpickling): no recursion through it
+            raise AttributeError(name)
         method = getattr(self.fs, name)
         coroutine = getattr(self.fs, f"_{name}", None)
         if self.asynchronous and inspect.iscoroutinefunction(coroutine):

@@ -536,3 +536,21 @@ def test_a_remote_file_opened_on_a_store_that_never_answers_fails_within_the_dea
     with pytest.raises(TimeoutError, match="no answer within 2 s"):
         storage.Location("s3://bucket/videos").open("clip.mp4")
     assert time.perf_counter() - start < 10
+
+
+def test_a_deadlined_filesystem_pickles_and_copies(s3):
+    """Ray ships what a task holds by pickling it: the wrapper recursed through its own
+    attribute lookup when unpickled or copied."""
+    import copy
+    import pickle
+
+    from vit22b.clients.storage import filesystem
+
+    pytest.importorskip("s3fs")
+    bucket = s3("pickled", {"a.bin": b"abc"})
+    fs, inner = filesystem(f"{bucket}/a.bin")
+    for twin in (pickle.loads(pickle.dumps(fs)), copy.copy(fs)):
+        assert twin.asynchronous and twin.cat_file(inner) == b"abc"
+    memory, path = filesystem("memory://pickled/b.bin")
+    memory.pipe_file(path, b"def")
+    assert pickle.loads(pickle.dumps(memory)).cat_file(path) == b"def"
