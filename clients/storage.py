@@ -144,7 +144,9 @@ class _Ranges(io.RawIOBase):
         return self.pos
 
     def readinto(self, buffer) -> int:
-        end = min(self.pos + len(buffer), self.size)
+        # at most a block a request, so that each has the deadline's worth of time (a large
+        # read, an output's array, is many; the buffered reader asks until it has them all)
+        end = min(self.pos + len(buffer), self.pos + READ_BLOCK, self.size)
         if end <= self.pos:
             return 0
         data = self.fs.run(self.fs.fs._cat_file, self.inner, start=self.pos, end=end)

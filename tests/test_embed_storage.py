@@ -508,6 +508,7 @@ def test_a_remote_file_read_in_ranges_gives_the_objects_bytes(s3, monkeypatch):
     import vit22b.clients.storage as storage
 
     monkeypatch.setattr(storage, "READ_BLOCK", 1000)  # several blocks, and reads across them
+    real_run = storage.Deadlined.run
     blob = np.random.default_rng(3).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
     bucket = s3("ranges", {"blob.bin": blob, "empty.bin": b""})
     fs, inner = storage.filesystem(f"{bucket}/blob.bin")
@@ -518,6 +519,17 @@ def test_a_remote_file_read_in_ranges_gives_the_objects_bytes(s3, monkeypatch):
             f.seek(start)
             assert f.read(size) == blob[start:start + size], (start, size)
             assert f.tell() == min(start + size, len(blob))
+    requests = []
+
+    def counted(self, coroutine, *args, **kwargs):  # the bytes each ranged request asks for
+        if "end" in kwargs:
+            requests.append(kwargs["end"] - kwargs["start"])
+        return real_run(self, coroutine, *args, **kwargs)
+
+    monkeypatch.setattr(storage.Deadlined, "run", counted)
+    with fs.open_read(inner) as f:  # one large read: many requests of a block at most
+        assert f.read(9_500) == blob[:9_500]
+    assert max(requests) <= 1000 and sum(requests) >= 9_500, requests
     fs, inner = storage.filesystem(f"{bucket}/empty.bin")
     with fs.open_read(inner) as f:
         assert f.read() == b""
