@@ -6,8 +6,8 @@ PY := $(VENV)/bin/python
 # two minutes (measured on a fresh clone, no cache); torch stays pip's: only pip looks on the
 # disk that holds its CPU wheel. --compile-bytecode writes the .pyc files pip writes by default
 # and uv does not: where PYTHONDONTWRITEBYTECODE is set (this machine's image), every process
-# compiled jax, flax and orbax from source again, 3.5 s of each start (benchmarks/NOTES.md,
-# "Bytecode compiled at install").
+# compiled jax, flax and orbax from source again (importing them with grpc and ray: 5.5 s, not
+# 2 s; benchmarks/NOTES.md, "Bytecode compiled at install").
 UV := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 STAMP := $(VENV)/.installed
 

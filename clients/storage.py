@@ -71,7 +71,7 @@ def filesystem(url: str):
 
 # A remote call's deadline: an endpoint that accepts and never answers stalls a call for many
 # minutes in the storage libraries' own retries (a listing: over 5 minutes, nothing said). Within
-# it: a read of 1 GiB at 1.8 MB/s; a listing of 3 million keys at 0.2 s per request of 1,000.
+# it: a read of 1 GiB at 1.8 MB/s; a listing of 3 million keys if a request of 1,000 takes 0.2 s.
 STORE_TIMEOUT_S = 600
 
 
