@@ -265,6 +265,19 @@ def _staging(path: Path) -> Path:
     return path.with_name(f".{path.name}.saving")
 
 
+def _remove_for_good(folder: Path, settle_s: float = 0.1, limit_s: float = 5.0) -> None:
+    """Remove a failed save's folder and keep it removed. orbax stops awaiting a save at its
+    first failed write, but the other writes run on in tensorstore's threads and can land
+    during or after a first removal (recreating their parent folders); so remove until the
+    folder has stayed gone for ``settle_s``, for ``limit_s`` at most."""
+    end = time.monotonic() + limit_s
+    while True:
+        shutil.rmtree(folder, ignore_errors=True)
+        time.sleep(settle_s)
+        if not folder.exists() or time.monotonic() > end:
+            return
+
+
 def _disk_error(err: BaseException, path: Path) -> OSError | None:
     """A failed write as an OSError naming the checkpoint, not the folder it was written in:
     the disk's own, or tensorstore's (orbax raises it as a ValueError carrying the OS error,
@@ -324,7 +337,7 @@ def save(
         meta = _write(staging, cfg, params, source, notes, shapes, primary)
     except BaseException as err:
         if primary:  # give its space back
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_for_good(staging)
         disk = _disk_error(err, path)
         if disk is None:
             raise
