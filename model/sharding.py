@@ -8,6 +8,7 @@ their sharding by a jitted init with ``out_shardings``: nothing holds the whole 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -134,9 +135,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def init_sharded(cfg: ViTConfig, mesh: Mesh, seed: int = 0) -> dict:
     """Seeded random parameters materialised directly in their sharding."""
-    shardings = param_shardings(cfg, mesh)
-    init = jax.jit(lambda key: init_params(cfg, key), out_shardings=shardings)
-    return init(jax.random.key(seed))
+    # the compute dtype shapes the forward init runs, never the parameters it returns
+    return _initializer(cfg.replace(compute_dtype="float32"), mesh)(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _initializer(cfg: ViTConfig, mesh: Mesh):
+    """The compiled init of ``cfg`` on ``mesh``, kept for the process: XLA:CPU compiles each
+    parameter's random draw on its own (6 s for the tiny preset on a 2-core host), and a
+    process that loads a preset again (a notebook, the test suite) would pay that each time."""
+    return jax.jit(functools.partial(init_params, cfg), out_shardings=param_shardings(cfg, mesh))
 
 
 def shard_params(cfg: ViTConfig, params, mesh: Mesh) -> dict:

@@ -62,6 +62,30 @@ def test_init_lands_in_its_sharding_with_the_same_values_as_on_one_device():
     assert shards == {(64, 2, 3 * 8 + 256 // 8)}
 
 
+def test_a_second_init_compiles_nothing_and_the_compute_dtype_leaves_the_values_alone():
+    """The compiled init is kept per config and mesh (a process loading a preset again paid
+    seconds of XLA compiles each time); the compute dtype, which init's forward runs in, must
+    not change the parameters it returns."""
+    compiles = []
+
+    def listen(event, secs, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    cfg = PARALLEL.replace(depth=1, compute_dtype="float32")
+    mesh = make_mesh("data=2,model=4")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = fingerprint(init_sharded(cfg, mesh, seed=7))
+        before = len(compiles)
+        again = init_sharded(cfg.replace(compute_dtype="bfloat16"), mesh, seed=7)
+        assert len(compiles) == before  # fingerprint's host copies compiled above too
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert fingerprint(again) == first
+    assert fingerprint(init_sharded(cfg, mesh, seed=8)) != first
+
+
 def _collectives_by_scope(hlo: str) -> dict[str, dict[str, int]]:
     """Count collective instructions in compiled HLO text by the module scope in their metadata.
 
