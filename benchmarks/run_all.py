@@ -479,15 +479,16 @@ def decode_section(r: dict) -> str:
 
 def startup_section(r: dict) -> str:
     rows = [[model, v["cold_s"], v["warm_s"], v["ratio_warm_to_cold"], v["cache_entries"],
-             v.get("local_job_cold_s", "-"), v.get("local_job_warm_s", "-")]
+             v.get("local_job_cold_s", "-"), v.get("local_job_warm_s", "-"),
+             v.get("init_cold_s", "-"), v.get("init_warm_s", "-")]
             for model, v in r["models"].items()]
     return "\n\n".join([
         "## Start-up: process start to SERVING, cold and with the compilation cache",
         f"`{r['_command']}` ({r['_seconds']} s; {_load(r)}). `vit22b serve --compile-cache DIR`"
         ": cold is an empty cache folder, warm the median of the next starts reusing it; a "
-        "one-image `vit22b embed --local` job the same way, start to exit.",
+        "one-image `vit22b embed --local` job and `vit22b init` the same way, start to exit.",
         table(["model", "cold s", "warm s", "warm / cold", "cache entries", "local job cold s",
-               "local job warm s"], rows),
+               "local job warm s", "init cold s", "init warm s"], rows),
     ])
 
 

@@ -1,5 +1,5 @@
 """Start-up: seconds from process start to SERVING, cold and with the compilation cache warm;
-and the same for a one-image `vit22b embed --local` job, start to exit.
+and the same for a one-image `vit22b embed --local` job and for `vit22b init`, start to exit.
 
     python benchmarks/startup.py                     # the embedded default and vit-22b-base/14
     python benchmarks/startup.py --models vit-22b-tiny/16 --repeats 1
@@ -7,8 +7,9 @@ and the same for a one-image `vit22b embed --local` job, start to exit.
 For each model: a cold start (an empty --compile-cache folder), then warm starts reusing that
 folder; each process is started afresh (``vit22b serve``, 2 emulated CPU devices as the CLI
 asks), timed until it prints SERVING, then stopped with SIGTERM. Then a one-image local job of
-that model, into a new output folder each time, cold and warm the same way. Ends with one JSON
-line.
+that model, into a new output folder each time, cold and warm the same way; then `vit22b init`
+of that model's seeded weights (its init program compiled or read), the same way. Ends with one
+JSON line.
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ def time_to_serving(model: str, cache: str, extra: list[str] | None = None) -> t
         proc.communicate(timeout=120)
 
 
-def time_local_job(model: str, cache: str, image: Path, out: Path) -> float:
-    """Seconds of a one-image `vit22b embed --local` job of ``model``, start to exit."""
+def time_command(*args: str) -> float:
+    """Seconds of ``vit22b ARGS``, start to exit (it must succeed)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, "-m", "vit22b.clients.cli", "embed", str(image.parent), "-o",
-               str(out), "--model", model, "--compile-cache", cache, "--quiet"]
+    command = [sys.executable, "-m", "vit22b.clients.cli", *args]
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
     return time.perf_counter() - start
@@ -82,14 +82,20 @@ def main(argv: list[str] | None = None) -> int:
             entries = sum(len(files) for _, _, files in os.walk(cache))
         with tempfile.TemporaryDirectory(prefix="vit22b-job-") as work:
             image = one_image(Path(work) / "data")
-            jobs = [time_local_job(model, f"{work}/cache", image, Path(work) / f"out{i}")
+            jobs = [time_command("embed", str(image.parent), "-o", f"{work}/out{i}", "--model",
+                                 model, "--compile-cache", f"{work}/cache", "--quiet")
                     for i in range(args.repeats + 1)]
+            inits = [time_command("init", "--model", model, "--out", f"{work}/ckpt{i}",
+                                  "--compile-cache", f"{work}/init-cache")
+                     for i in range(args.repeats + 1)]
         row = {"cold_s": round(cold, 2), "warm_s": round(median(warm), 2),
                "ratio_warm_to_cold": round(median(warm) / cold, 3), "cache_entries": entries,
                "local_job_cold_s": round(jobs[0], 2),
-               "local_job_warm_s": round(median(jobs[1:]), 2)}
+               "local_job_warm_s": round(median(jobs[1:]), 2),
+               "init_cold_s": round(inits[0], 2), "init_warm_s": round(median(inits[1:]), 2)}
         log(f"{model}: cold {cold:.1f}s, warm {median(warm):.1f}s ({entries} cache entries); "
-            f"one-image local job cold {jobs[0]:.1f}s, warm {median(jobs[1:]):.1f}s")
+            f"one-image local job cold {jobs[0]:.1f}s, warm {median(jobs[1:]):.1f}s; init cold "
+            f"{inits[0]:.1f}s, warm {median(inits[1:]):.1f}s")
         out["models"][model] = row
     emit({**out, "machine": machine()})
     return 0

@@ -20,6 +20,11 @@ import sys
 import threading
 from dataclasses import dataclass, replace
 
+from vit22b.model.compile_cache import (
+    COMPILE_CACHE_HELP,
+    SERVERS_COMPILE_CACHE,
+    default_compile_cache,
+)
 from vit22b.model.config import parse_seed
 from vit22b.model.outputs import OutputRequest
 
@@ -40,10 +45,8 @@ from .embed_store import JobMismatch, OutputStore
 from .embed_video import video_arrays
 from .outputs import OutputsError
 from .settings import (
-    COMPILE_CACHE_HELP,
     COMPUTE_DTYPE_HELP,
     compute_dtype,
-    default_compile_cache,
     non_negative,
     parse_tls,
     positive,
@@ -111,8 +114,7 @@ class EmbedSettings:
         "the server's, 40,000,000); a server states its own",
         check=non_negative)
     compile_cache: str | None = setting(
-        None, f"local: {COMPILE_CACHE_HELP} (default: vit22b serve's, "
-        "$XDG_CACHE_HOME/vit22b/xla, else ~/.cache/vit22b/xla)")
+        None, f"local: {COMPILE_CACHE_HELP} ({SERVERS_COMPILE_CACHE})")
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(

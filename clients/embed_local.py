@@ -21,6 +21,7 @@ prefer_wide_vectors()  # the server's XLA:CPU codegen setting, before jax starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from vit22b.model.compile_cache import use_compile_cache  # noqa: E402
 from vit22b.model.config import ViTConfig  # noqa: E402
 from vit22b.model.errors import InvalidImage, InvalidRequest  # noqa: E402
 from vit22b.model.features import Features  # noqa: E402
@@ -38,7 +39,6 @@ from vit22b.server.engine import (  # noqa: E402
     auto_mesh,
     chosen_dtype,
     stored_config,
-    use_compile_cache,
 )
 from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 

@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from vit22b.model.compile_cache import default_compile_cache
 from vit22b.model.identity import ModelIdentity
 
 from .embed import (
@@ -73,7 +74,6 @@ from .embed import (
 from .embed_inputs import InputItem
 from .embed_store import JobMismatch, ShardWriter
 from .outputs import OutputsError
-from .settings import default_compile_cache
 
 MAX_RETRIES = 3  # runs of a shard after the first whose worker process died (--ray-max-retries)
 

@@ -88,16 +88,6 @@ COMPUTE_DTYPE_HELP = (
     "bf16), where bfloat16 runs slower; none: the checkpoint's or preset's on every host")
 
 
-# --compile-cache of `vit22b serve` and of local jobs: one folder, shared safely by processes.
-COMPILE_CACHE_HELP = ("JAX's persistent compilation cache (a folder per jax version; shared "
-                      "safely between processes); 'off' compiles afresh at every start")
-
-
-def default_compile_cache() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return os.path.join(base, "vit22b", "xla")
-
-
 def compute_dtype(text: str) -> str | None:
     if text in ("", "none", "None"):
         return None

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from .compile_cache import COMPILE_CACHE_HELP, SERVERS_COMPILE_CACHE, default_compile_cache
 from .config import DEFAULT_MODEL, INTERPOLATIONS, SOURCES, ConfigError, get_config, parse_seed
 
 
@@ -40,6 +41,7 @@ def _summary(out: str, meta, **extra) -> str:
 
 def _init(args: argparse.Namespace) -> int:
     from .checkpoint import check_writable, save
+    from .compile_cache import use_compile_cache
     from .sharding import init_sharded, make_mesh
 
     check_writable(args.out, args.overwrite)  # before minutes of initialising a large model
@@ -49,6 +51,10 @@ def _init(args: argparse.Namespace) -> int:
     if args.compute_dtype:
         cfg = cfg.replace(compute_dtype=args.compute_dtype)
     mesh = make_mesh(args.mesh) if args.mesh else _tensor_parallel_mesh(cfg)
+    try:
+        use_compile_cache(args.compile_cache or default_compile_cache())
+    except ValueError as err:  # a folder given that cannot be one
+        raise ConfigError(str(err)) from None
     params = init_sharded(cfg, mesh, args.seed)
     meta = save(args.out, cfg, params, f"init:seed={args.seed}", overwrite=args.overwrite)
     print(_summary(args.out, meta))
@@ -147,6 +153,11 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
             "--mesh",
             help="mesh the weights are created on, e.g. data=1,model=8 (default: as many devices "
             "as split the heads, on the model axis)",
+        )
+        parser.add_argument(
+            "--compile-cache", metavar="DIR|off",
+            help=f"for the seeded init's program (seconds of compiling even for the tiny "
+            f"preset): {COMPILE_CACHE_HELP} ({SERVERS_COMPILE_CACHE})",
         )
         return _guarded(_init)
     parser.add_argument("--from", dest="source", required=True, choices=SOURCES)

@@ -16,7 +16,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from vit22b.clients.settings import COMPILE_CACHE_HELP, default_compile_cache, parse_tls
+from vit22b.clients.settings import parse_tls
+from vit22b.model.compile_cache import (
+    COMPILE_CACHE_HELP,
+    SERVERS_COMPILE_CACHE,
+    default_compile_cache,
+)
 from vit22b.model.config import parse_seed
 
 from .data import (
@@ -172,8 +177,8 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     feat.add_argument(
         "--compile-cache", metavar="DIR|off",
         help="for what this command compiles (the backbone without --server or --features; the "
-        f"depth, segmentation and video decoders): {COMPILE_CACHE_HELP} (default: vit22b "
-        "serve's, $XDG_CACHE_HOME/vit22b/xla, else ~/.cache/vit22b/xla)",
+        f"depth, segmentation and video decoders): {COMPILE_CACHE_HELP} "
+        f"({SERVERS_COMPILE_CACHE})",
     )
     feat.add_argument(
         "--layers",
@@ -418,7 +423,7 @@ def _check_outputs(args) -> None:
 def _use_compile_cache(directory: str | None) -> None:
     """JAX's persistent cache for this process's compiles: the backbone's forwards and the
     decoders' training steps, compiled afresh at every run without it."""
-    from vit22b.clients.embed_local import use_compile_cache
+    from vit22b.model.compile_cache import use_compile_cache
 
     use_compile_cache(directory or default_compile_cache())
 

@@ -18,12 +18,13 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from vit22b.model.compile_cache import use_compile_cache
 from vit22b.model.config import ViTConfig
 from vit22b.v1 import features_pb2 as pb
 
 from .auth import TokenAuth, Tokens, check_tls_pair, read_tokens, server_credentials
 from .batcher import Batcher
-from .engine import Engine, Executor, stored_config, use_compile_cache
+from .engine import Engine, Executor, stored_config
 from .infer import Infer, Limits, new_event_loop
 from .metrics import Metrics
 from .parsing import ParsingRegistrar

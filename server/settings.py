@@ -9,16 +9,15 @@ import os
 from dataclasses import dataclass
 
 from vit22b.clients.settings import (
-    COMPILE_CACHE_HELP,
     COMPUTE_DTYPE_HELP,
     at_most,
     check,
     compute_dtype,
-    default_compile_cache,
     non_negative,
     positive,
     setting,
 )
+from vit22b.model.compile_cache import COMPILE_CACHE_HELP, default_compile_cache
 from vit22b.model.config import parse_seed
 from vit22b.model.errors import InvalidRequest
 from vit22b.model.outputs import POOLED, OutputRequest

@@ -177,22 +177,29 @@ def test_a_default_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monk
             "directory (--compile-cache to choose a folder)") in proc.start_output
 
 
+def cold_then_warm(tmp_path: Path, monkeypatch, command) -> None:
+    """``vit22b *command(out)`` for out = tmp_path/cold, then tmp_path/warm, with `vit22b
+    serve`'s default cache folder under tmp_path: the cold run writes entries there, the warm
+    one compiles nothing new."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    cache = tmp_path / "home-cache" / "vit22b" / "xla"
+    written = None
+    for out in ("cold", "warm"):
+        done = vit22b(*command(tmp_path / out), timeout=300)
+        assert done.returncode == 0, done.stderr
+        entries = sorted(p.name for p in cache.rglob("*-cache"))
+        assert entries, "nothing was written to the compilation cache"
+        written = written or entries
+    assert entries == written  # the warm run compiled nothing new
+
+
 def test_a_local_job_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):
     """A local job compiled its forwards afresh at every run (benchmarks/startup.py times it
     cold and warm). It uses `vit22b serve`'s cache folder, with the same flag; a rerun reads it
     and stores the same bits."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
     data = one_image(tmp_path)
-    cache = tmp_path / "home-cache" / "vit22b" / "xla"
-    for out in ("cold", "warm"):
-        done = vit22b("embed", str(data), "-o", str(tmp_path / out), "--mesh", "data=2",
-                      "--quiet")
-        assert done.returncode == 0, done.stderr
-        entries = sorted(p.name for p in cache.rglob("*-cache"))
-        assert entries, "nothing was written to the compilation cache"
-        if out == "cold":
-            written = entries
-    assert entries == written  # the warm run compiled nothing new
+    cold_then_warm(tmp_path, monkeypatch,
+                   lambda out: ("embed", str(data), "-o", str(out), "--mesh", "data=2", "--quiet"))
     cold, warm = (tmp_path / out / "shards" / "00000.pooled.npy" for out in ("cold", "warm"))
     assert cold.read_bytes() == warm.read_bytes()
     given = tmp_path / "given"
@@ -208,27 +215,39 @@ def test_a_local_job_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, m
 def test_a_probe_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):
     """`vit22b probe` compiled the in-process backbone and the decoders' training steps afresh
     at every run. It uses `vit22b serve`'s cache folder too, with the same flag."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
-    cache = tmp_path / "home-cache" / "vit22b" / "xla"
     probe = ("probe", "depth", "--shapes-world", "16", "--world-size", "32", "--steps", "2",
              "--decoders", "linear")
-    reports = []
-    for out in ("cold", "warm"):
-        done = vit22b(*probe, "--out", str(tmp_path / out), timeout=300)
-        assert done.returncode == 0, done.stderr
-        entries = sorted(p.name for p in cache.rglob("*-cache"))
-        assert entries, "nothing was written to the compilation cache"
-        if out == "cold":
-            written = entries
-        report = json.loads((tmp_path / out / "depth.json").read_text())
-        reports.append((report["linear"], report["baselines"]))
-    assert entries == written  # the warm run compiled nothing new
-    assert reports[0] == reports[1]
+    cold_then_warm(tmp_path, monkeypatch, lambda out: (*probe, "--out", str(out)))
+    cold, warm = ((r["linear"], r["baselines"]) for r in
+                  (json.loads((tmp_path / out / "depth.json").read_text()) for out in ("cold",
+                                                                                      "warm")))
+    assert cold == warm
     given = tmp_path / "a-file"
     given.write_text("")
     done = vit22b(*probe, "--out", str(tmp_path / "o2"), "--compile-cache", str(given))
     assert done.returncode == 2
     assert f"--compile-cache {given}: cannot create" in done.stderr
+
+
+def test_init_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):
+    """`vit22b init` compiled its seeded init afresh at every run (6 s for the tiny preset on a
+    2-core host); it uses `vit22b serve`'s cache folder too, with the same flag, and the warm
+    run writes the same weights."""
+    cold_then_warm(tmp_path, monkeypatch,
+                   lambda out: ("init", "--model", "vit-22b-tiny/16", "--out", str(out)))
+    cold, warm = (json.loads((tmp_path / out / "metadata.json").read_text())["fingerprint"]
+                  for out in ("cold", "warm"))
+    assert cold == warm
+    given = tmp_path / "a-file"
+    given.write_text("")
+    done = vit22b("init", "--out", str(tmp_path / "o2"), "--compile-cache", str(given))
+    assert done.returncode == 2 and not (tmp_path / "o2").exists()
+    version = f"jax-{metadata.version('jax')}-jaxlib-{metadata.version('jaxlib')}"
+    assert done.stderr.strip() == (f"vit22b init: --compile-cache {given}: cannot create "
+                                   f"{given}/{version}: Not a directory (give a folder, or "
+                                   "'off')"), done.stderr
+    off = vit22b("init", "--out", str(tmp_path / "o3"), "--compile-cache", "off")
+    assert off.returncode == 0, off.stderr
 
 
 def test_serve_with_stdout_on_a_full_disk_serves_and_drains():

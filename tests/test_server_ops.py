@@ -31,7 +31,7 @@ from serving import (
     wait_for,
 )
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
-from vit22b.server.engine import _check_cache_folder
+from vit22b.model.compile_cache import _check_cache_folder
 from vit22b.server.settings import ServeConfig
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
@@ -381,7 +381,7 @@ def test_empty_compile_cache_entries_are_removed_at_start(tmp_path):
 _COMPILE_ONCE = """
 import logging, sys
 import jax, jax.numpy as jnp
-from vit22b.server.engine import enable_compile_cache
+from vit22b.model.compile_cache import enable_compile_cache
 logging.basicConfig(level=logging.WARNING)
 enable_compile_cache(sys.argv[1])
 x = jnp.arange(12.0).reshape(3, 4)
@@ -416,7 +416,7 @@ def test_an_unreadable_compile_cache_entry_is_written_afresh(tmp_path):
 _SWITCH_FOLDERS = """
 import sys
 import jax, jax.numpy as jnp
-from vit22b.server.engine import use_compile_cache
+from vit22b.model.compile_cache import use_compile_cache
 x = jnp.arange(12.0)
 for folder, function in zip(sys.argv[1:], (jnp.sin, jnp.cos, jnp.tanh)):
     use_compile_cache(folder)
