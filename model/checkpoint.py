@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from .config import ConfigError, ViTConfig
 from .errors import file_kind, odd_entry
-from .sharding import check_mesh_fits, param_shardings
+from .sharding import check_host_memory, check_mesh_fits, param_shardings
 from .vit import abstract_params
 
 FORMAT_VERSION = 1
@@ -655,6 +655,7 @@ def restore(
         f"checkpoint {path} does not match its config",
     )
     check_mesh_fits(cfg, mesh)
+    check_host_memory(cfg, mesh)
     target = abstract_target(cfg, mesh)
     params_dir = path / PARAMS_DIR
     with _native_threads_muted():

@@ -8,10 +8,12 @@ their sharding by a jitted init with ``out_shardings``: nothing holds the whole 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -135,6 +137,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def init_sharded(cfg: ViTConfig, mesh: Mesh, seed: int = 0) -> dict:
     """Seeded random parameters materialised directly in their sharding."""
+    check_host_memory(cfg, mesh)
     # the compute dtype shapes the forward init runs, never the parameters it returns
     return _initializer(cfg.replace(compute_dtype="float32"), mesh)(jax.random.key(seed))
 
@@ -165,6 +168,43 @@ def bytes_per_device(cfg: ViTConfig, mesh_shape: dict[str, int], dtype: str | No
                 shard[axis] = -(-shard[axis] // mesh_shape[name])
         total += math.prod(shard) * itemsize
     return total
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: /proc/meminfo's MemAvailable, or less under the
+    memory limit of its cgroup (a container's: v2 ``memory.max``, v1 ``limit_in_bytes``, each
+    less its usage); None where none can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        with contextlib.suppress(OSError, ValueError):
+            cap = Path("/sys/fs/cgroup", limit).read_text().strip()  # "max": no limit
+            if cap.isdigit():
+                found.append(max(int(cap) - int(Path("/sys/fs/cgroup", usage).read_text()), 0))
+    return min(found) if found else None
+
+
+def check_host_memory(cfg: ViTConfig, mesh: Mesh) -> None:
+    """Refuse a model whose parameters alone exceed this host's available memory, where they
+    live in it (CPU devices: each of this process's devices holds its shard, so every data
+    replica a copy). Past it the allocations need not fail (Linux overcommits memory): the
+    kernel's OOM killer would end the process later, with no message."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if not local or local[0].platform != "cpu":
+        return
+    need = bytes_per_device(cfg, dict(mesh.shape)) * len(local)
+    have = available_memory()
+    if have is not None and need > have:
+        shape = ",".join(f"{axis}={n}" for axis, n in mesh.shape.items())
+        copies = "; each data replica holds a copy" if mesh.shape["data"] > 1 else ""
+        one_copy = need // mesh.shape["data"]
+        remedy = "fewer data replicas (--mesh data=1) or " if copies and one_copy <= have else ""
+        raise MeshError(
+            f"{cfg.name} does not fit this host's memory: its {cfg.param_dtype} parameters take "
+            f"{need / 2**30:.1f} GiB on this process's CPU devices (mesh {shape}{copies}) and "
+            f"{have / 2**30:.1f} GiB is available; it needs {remedy}a host with more memory")
 
 
 def _is_spec(x) -> bool:

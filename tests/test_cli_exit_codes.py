@@ -23,6 +23,8 @@ from PIL import Image
 from serving import capped_cli, serve_process, serving_then_stopped
 from vit22b.clients.outputs import SHARDS_DIR, open_outputs
 from vit22b.clients.storage import TEMP_MARK
+from vit22b.model import get_config
+from vit22b.model.sharding import available_memory, bytes_per_device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,6 +250,29 @@ def test_init_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypa
                                    "'off')"), done.stderr
     off = vit22b("init", "--out", str(tmp_path / "o3"), "--compile-cache", "off")
     assert off.returncode == 0, off.stderr
+
+
+def test_a_model_larger_than_the_hosts_memory_is_refused_before_any_allocation():
+    """ViT-22B's parameters on CPU devices (eight data replicas here, 331 GiB in bfloat16)
+    were allocated as asked, past the host's memory (Linux overcommits: no allocation need fail
+    up front). Each command that builds the weights now refuses at once, naming both sizes."""
+    need = 8 * bytes_per_device(get_config("vit-22b/14"), {"data": 8, "model": 1})
+    have = available_memory()
+    if have is None or have >= need:
+        pytest.skip(f"this host has {have} bytes available: the model fits")
+    for command in (("serve", "--port", "0", "--metrics-port", "-1"),
+                    ("init", "--out", "never-written"),
+                    ("embed", str(ROOT / "tests"), "-o", "never-written", "--quiet")):
+        done = vit22b(*command, "--model", "vit-22b/14", "--mesh", "data=8,model=1")
+        assert done.returncode == 2, done.stderr[-2000:]
+        line = done.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(
+            rf"vit22b {command[0]}: vit-22b/14 does not fit this host's memory: its bfloat16 "
+            rf"parameters take {need / 2**30:.1f} GiB on this process's CPU devices "
+            r"\(mesh data=8,model=1; "
+            r"each data replica holds a copy\) and [\d.]+ GiB is available; it needs "
+            r"(fewer data replicas \(--mesh data=1\) or )?a host with more memory", line), line
+        assert not (ROOT / "never-written").exists()
 
 
 def test_serve_with_stdout_on_a_full_disk_serves_and_drains():
