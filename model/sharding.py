@@ -145,8 +145,9 @@ def init_sharded(cfg: ViTConfig, mesh: Mesh, seed: int = 0) -> dict:
 @functools.lru_cache(maxsize=16)
 def _initializer(cfg: ViTConfig, mesh: Mesh):
     """The compiled init of ``cfg`` on ``mesh``, kept for the process: XLA:CPU compiles each
-    parameter's random draw on its own (6 s for the tiny preset on a 2-core host), and a
-    process that loads a preset again (a notebook, the test suite) would pay that each time."""
+    parameter's random draw on its own (most of `vit22b init`'s time for the tiny preset:
+    benchmarks/startup.py, cold against warm), and a process that loads a preset again (a
+    notebook, the test suite) would pay that each time."""
     return jax.jit(functools.partial(init_params, cfg), out_shardings=param_shardings(cfg, mesh))
 
 

@@ -232,9 +232,9 @@ def test_a_probe_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monke
 
 
 def test_init_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):
-    """`vit22b init` compiled its seeded init afresh at every run (6 s for the tiny preset on a
-    2-core host); it uses `vit22b serve`'s cache folder too, with the same flag, and the warm
-    run writes the same weights."""
+    """`vit22b init` compiled its seeded init afresh at every run (benchmarks/startup.py times
+    it cold and warm); it uses `vit22b serve`'s cache folder too, with the same flag, and the
+    warm run writes the same weights."""
     cold_then_warm(tmp_path, monkeypatch,
                    lambda out: ("init", "--model", "vit-22b-tiny/16", "--out", str(out)))
     cold, warm = (json.loads((tmp_path / out / "metadata.json").read_text())["fingerprint"]
