@@ -12,6 +12,7 @@ from vit22b.model import OutputRequest, ViTConfig, apply, get_config
 from vit22b.model.checkpoint import abstract_target, fingerprint, flatten
 from vit22b.model.sharding import (
     MeshError,
+    available_memory,
     batch_sharding,
     init_sharded,
     make_mesh,
@@ -84,6 +85,28 @@ def test_a_second_init_compiles_nothing_and_the_compute_dtype_leaves_the_values_
         jax.monitoring.unregister_event_duration_listener(listen)
     assert fingerprint(again) == first
     assert fingerprint(init_sharded(cfg, mesh, seed=8)) != first
+
+
+def test_available_memory_is_the_smaller_of_the_hosts_and_the_cgroups_working_set_room(tmp_path):
+    """A container's limit less its working set: the file cache the kernel reclaims (here 8 of
+    the 9 MiB in use) does not count as used, or a cgroup full of cache would refuse a model
+    that fits. (MiB limits: below any host's MemAvailable, which is read again at each call.)"""
+    host = available_memory(tmp_path / "none")
+    assert host is not None and host > 64 << 20  # /proc/meminfo's MemAvailable
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{10 << 20}\n")
+    (v2 / "memory.current").write_text(f"{9 << 20}\n")
+    (v2 / "memory.stat").write_text(f"anon {1 << 20}\ninactive_file {8 << 20}\n")
+    assert available_memory(v2) == 9 << 20
+    (v2 / "memory.max").write_text("max\n")  # no limit: the host's
+    assert available_memory(v2) > 64 << 20
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 << 20}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{3 << 20}\n")
+    (v1 / "memory.stat").write_text(f"inactive_file 0\ntotal_inactive_file {2 << 20}\n")
+    assert available_memory(tmp_path / "v1") == 3 << 20
 
 
 def _collectives_by_scope(hlo: str) -> dict[str, dict[str, int]]:
