@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass, replace
 
 from vit22b.model.compile_cache import (
+    COMPILE_CACHE_DEFAULT_HELP,
     COMPILE_CACHE_HELP,
-    SERVERS_COMPILE_CACHE,
     default_compile_cache,
 )
 from vit22b.model.config import parse_seed
@@ -114,7 +114,7 @@ class EmbedSettings:
         "the server's, 40,000,000); a server states its own",
         check=non_negative)
     compile_cache: str | None = setting(
-        None, f"local: {COMPILE_CACHE_HELP} ({SERVERS_COMPILE_CACHE})")
+        None, f"local: {COMPILE_CACHE_HELP} ({COMPILE_CACHE_DEFAULT_HELP})")
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(

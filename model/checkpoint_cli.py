@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from .compile_cache import COMPILE_CACHE_HELP, SERVERS_COMPILE_CACHE, default_compile_cache
+from .compile_cache import COMPILE_CACHE_DEFAULT_HELP, COMPILE_CACHE_HELP, default_compile_cache
 from .config import DEFAULT_MODEL, INTERPOLATIONS, SOURCES, ConfigError, get_config, parse_seed
 
 
@@ -157,7 +157,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
         parser.add_argument(
             "--compile-cache", metavar="DIR|off",
             help=f"for the seeded init's program (seconds of compiling even for the tiny "
-            f"preset): {COMPILE_CACHE_HELP} ({SERVERS_COMPILE_CACHE})",
+            f"preset): {COMPILE_CACHE_HELP} ({COMPILE_CACHE_DEFAULT_HELP})",
         )
         return _guarded(_init)
     parser.add_argument("--from", dest="source", required=True, choices=SOURCES)

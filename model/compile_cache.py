@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 COMPILE_CACHE_HELP = ("JAX's persistent compilation cache (a folder per jax version; shared "
                       "safely between processes); 'off' compiles afresh at every start")
 # what the commands that compile for themselves (local jobs, probes, init) say of their default
-SERVERS_COMPILE_CACHE = ("default: vit22b serve's, $XDG_CACHE_HOME/vit22b/xla, else "
-                         "~/.cache/vit22b/xla")
+COMPILE_CACHE_DEFAULT_HELP = ("default: vit22b serve's, $XDG_CACHE_HOME/vit22b/xla, else "
+                              "~/.cache/vit22b/xla")
 
 
 def default_compile_cache() -> str:

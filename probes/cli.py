@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from vit22b.clients.settings import parse_tls
 from vit22b.model.compile_cache import (
+    COMPILE_CACHE_DEFAULT_HELP,
     COMPILE_CACHE_HELP,
-    SERVERS_COMPILE_CACHE,
     default_compile_cache,
 )
 from vit22b.model.config import parse_seed
@@ -178,7 +178,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile-cache", metavar="DIR|off",
         help="for what this command compiles (the backbone without --server or --features; the "
         f"depth, segmentation and video decoders): {COMPILE_CACHE_HELP} "
-        f"({SERVERS_COMPILE_CACHE})",
+        f"({COMPILE_CACHE_DEFAULT_HELP})",
     )
     feat.add_argument(
         "--layers",

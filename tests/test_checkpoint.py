@@ -111,18 +111,21 @@ def test_writes_of_a_failed_save_that_land_late_are_removed_too(tmp_path, monkey
     """orbax stops awaiting a save at its first failed write; the others run on in
     tensorstore's threads and can land after the staging folder was removed (a full run of the
     suite once found it left behind). Here one lands 30 ms after the failure."""
+    writers = []
+
     def failing_write(folder, *args):
         def late():
             threading.Event().wait(0.03)
             (folder / "params" / "d").mkdir(parents=True, exist_ok=True)
             (folder / "params" / "d" / "chunk").write_bytes(b"late")
-        threading.Thread(target=late).start()
+        writers.append(threading.Thread(target=late))
+        writers[-1].start()
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt, "_write", failing_write)
     with pytest.raises(OSError, match="No space left"):
         ckpt.save(tmp_path / "c", PARALLEL, random_params(PARALLEL, seed=1), "test")
-    threading.Event().wait(0.2)
+    writers[0].join()  # it landed during the save's removal, not after this check
     assert list(tmp_path.iterdir()) == []
 
 
