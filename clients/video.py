@@ -34,7 +34,14 @@ as players and ffmpeg's autorotate apply it, exactly: a turn by a multiple of 90
 FFmpeg's decoder puts the stream's matrix on every frame; the first decoded frame's is the
 video's (read in the demux pass, so ``probe`` knows it), and every frame must carry the same.
 ``VideoInfo.width``/``height`` are the upright frames'; ``rotation`` and ``mirrored`` say what
-was applied. The matrix's scale and translation are ignored (as the pixel aspect ratio is).
+was applied. The matrix's scale and translation are ignored.
+
+Pixels are square: a stream whose stored pixels are not (a sample aspect ratio, SAR, other than
+1:1: DV and DVD's 720x480 at 8:9 or 32:27, HDV's 1440x1080 at 4:3, an anamorphic lens's 2:1)
+has each chosen frame resampled to ``round(width * SAR)`` x ``height`` (bicubic, in the RGB
+conversion), as players show it and ffmpeg's ``scale=iw*sar:ih`` makes it, before it is turned
+upright. The SAR is the container's (MP4's ``pasp``, Matroska's display size), else the codec's
+(h264's VUI), as FFmpeg guesses it; ``VideoInfo.sample_aspect_ratio`` says which was applied.
 
 Refused, with ``VideoError`` naming the file and the reason: a file that cannot be read
 (``cannot read file: ...``, as the embed job words it, which a rerun retries), non-video data,
@@ -47,8 +54,9 @@ decoders flag nothing), a stream that ends more than
 where that is the longest stream's, as Matroska's with audio, every stream ending so early), a
 frame size that changes among the frames sampled, a display matrix that changes among the frames,
 turns them by an angle that is not a multiple of 90 degrees (beyond ``ANGLE_TOLERANCE``), skews
-them or is singular, and a sample over ``MAX_SAMPLES`` times or ``MAX_CLIP_BYTES`` of decoded
-frames.
+them or is singular, a sample aspect ratio beyond ``MAX_SAMPLE_ASPECT`` either way, and a
+sample over ``MAX_SAMPLES`` times or ``MAX_CLIP_BYTES`` of decoded frames (counted at the square
+pixels' size).
 """
 
 from __future__ import annotations
@@ -89,6 +97,9 @@ MAX_CLIP_BYTES = 4 << 30
 # fixed point rounds a written angle by under 0.001 degrees; 0.1 moves a 1000-pixel edge's end
 # by under 2 pixels.
 ANGLE_TOLERANCE = 0.1
+# The widest sample aspect ratio taken, either way: formats use 8:9 to 2:1 (an anamorphic lens);
+# far past that a header is damaged, and the resampled frame would be that much wider.
+MAX_SAMPLE_ASPECT = 16
 
 
 class VideoError(ValueError):
@@ -203,6 +214,7 @@ class VideoInfo:
     fps: float  # frame_count / duration_s
     rotation: int = 0  # degrees turned clockwise to make the stored frames upright (Orientation)
     mirrored: bool = False  # mirrored left-right before that turn
+    sample_aspect_ratio: str = "1:1"  # a stored pixel's width:height, resampled to square
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -366,6 +378,42 @@ def _orientation(matrix: bytes | None, name: str) -> Orientation:
     return Orientation(90 * quarter, mirrored)
 
 
+def _sample_aspect(stream) -> Fraction:
+    """A stored pixel's width over its height, as FFmpeg's ``av_guess_sample_aspect_ratio``
+    picks it: the container's, else the codec's; 1 when neither says (0:1 means unknown)."""
+    for ratio in (stream.sample_aspect_ratio, stream.codec_context.sample_aspect_ratio):
+        if ratio is not None and ratio > 0:
+            return Fraction(ratio)
+    return Fraction(1)
+
+
+def _ratio(aspect: Fraction) -> str:
+    return f"{aspect.numerator}:{aspect.denominator}"
+
+
+def _square_width(width: int, aspect: Fraction, name: str) -> int:
+    """The width of a stored frame resampled to square pixels (rounded half up)."""
+    if not Fraction(1, MAX_SAMPLE_ASPECT) <= aspect <= MAX_SAMPLE_ASPECT:
+        raise VideoError(name, f"its sample aspect ratio {_ratio(aspect)} (a stored pixel's "
+                         f"width:height) is beyond 1:{MAX_SAMPLE_ASPECT} to "
+                         f"{MAX_SAMPLE_ASPECT}:1, which no format writes (a damaged header?)")
+    shown = math.floor(width * aspect + Fraction(1, 2))
+    if shown < 1 <= width:
+        raise VideoError(name, f"its sample aspect ratio {_ratio(aspect)} leaves its {width} "
+                         "pixels wide frames no pixel wide")
+    return shown
+
+
+def _rgb(frame, aspect: Fraction, name: str) -> np.ndarray:
+    """A decoded frame as uint8 RGB [H, W, 3], resampled to square pixels when they are not
+    (bicubic, as ffmpeg's ``scale`` filter by default)."""
+    if aspect == 1:
+        return frame.to_ndarray(format="rgb24")
+    width = _square_width(frame.width, aspect, name)
+    return frame.reformat(width=width, height=frame.height, format="rgb24",
+                          interpolation="BICUBIC").to_ndarray()
+
+
 def _end(pts: list[int], durations: list[int], stream) -> int:
     """Where the last frame ends: its own duration, else the median interval, else 1/rate."""
     if durations[-1] and durations[-1] > 0:
@@ -443,6 +491,7 @@ def _decode(av, source, name: str, wanted: set[int], order: tuple[int, ...] | No
     with _open(av, source, name) as container:
         stream = _video_stream(av, container, name)
         stream.thread_type = "AUTO"  # frame and slice threads: the same pixels, sooner
+        aspect = _sample_aspect(stream)
         entries, kept = [], {}
         last_pts, first, orientation = None, None, UPRIGHT
         avi = container.format.name == "avi"
@@ -472,7 +521,7 @@ def _decode(av, source, name: str, wanted: set[int], order: tuple[int, ...] | No
                                      "must share one")
                 entries.append((pts, getattr(frame, "duration", None)))
                 if pts in wanted:
-                    kept[pts] = orientation.apply(frame.to_ndarray(format="rgb24"))
+                    kept[pts] = orientation.apply(_rgb(frame, aspect, name))
         except av.error.FFmpegError as err:
             raise VideoError(
                 name, f"decoding failed after {len(entries)} frames ({_ffmpeg(err)})"
@@ -505,8 +554,9 @@ def _stream_meta(container, stream) -> dict:
     return {
         "container": container.format.name,
         "codec": stream.codec_context.name,
-        "width": stream.codec_context.width,
+        "width": stream.codec_context.width,  # stored
         "height": stream.codec_context.height,
+        "aspect": _sample_aspect(stream),
         "time_base": Fraction(stream.time_base),
         "declared": declared,
         "declared_is_longest": longest,
@@ -516,13 +566,19 @@ def _stream_meta(container, stream) -> dict:
     }
 
 
-def _info(timeline: _Timeline, meta: dict, orientation: Orientation) -> VideoInfo:
+def _shown_size(meta: dict, orientation: Orientation, name: str) -> tuple[int, int]:
+    """The (width, height) of the frames this module gives: square pixels, upright."""
+    width = _square_width(meta["width"], meta["aspect"], name)
+    return orientation.size(width, meta["height"])
+
+
+def _info(timeline: _Timeline, meta: dict, orientation: Orientation, name: str) -> VideoInfo:
     duration = (timeline.end - timeline.pts[0]) * meta["time_base"]
     count = len(timeline.pts)
-    width, height = orientation.size(meta["width"], meta["height"])
+    width, height = _shown_size(meta, orientation, name)
     return VideoInfo(meta["container"], meta["codec"], width, height, count, float(duration),
                      float(count / duration) if duration else 0.0, orientation.rotation,
-                     orientation.mirrored)
+                     orientation.mirrored, _ratio(meta["aspect"]))
 
 
 def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
@@ -549,7 +605,7 @@ def _check_complete(timeline: _Timeline, meta: dict, name: str) -> None:
 
 def _fits(count: int, meta: dict, name: str) -> None:
     """Refuse a sample whose decoded frames would hold more than MAX_CLIP_BYTES."""
-    width, height = meta["orientation"].size(meta["width"], meta["height"])
+    width, height = _shown_size(meta, meta["orientation"], name)
     size = count * width * height * 3
     if size > MAX_CLIP_BYTES:
         raise VideoError(name, f"{count} frames of {width}x{height} sampled are "
@@ -566,7 +622,7 @@ def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
     orientation = meta["orientation"]
     if timeline is None:
         timeline, _, orientation = _decode_in_order(av, source, name, set(), None)
-    return _info(timeline, meta, orientation)
+    return _info(timeline, meta, orientation, name)
 
 
 def read_clip(source: VideoSource, sampling: Sampling, name: str | None = None) -> Clip:
@@ -615,7 +671,7 @@ def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
         frames=np.stack(frames),
         timestamps=np.asarray([float(starts[i]) for i in chosen], np.float64),
         indices=np.asarray(chosen, np.int64),
-        info=_info(timeline, meta, orientation),
+        info=_info(timeline, meta, orientation, name),
     )
 
 
@@ -653,6 +709,7 @@ def write_video(
     fps: int = 8,
     codec: str | None = None,
     display_matrix: Sequence[int] | None = None,
+    sample_aspect_ratio: Fraction | None = None,
 ) -> str:
     """Encode uint8 frames [T, H, W, 3] (H, W even) to ``path`` at ``fps``; returns the codec.
 
@@ -661,7 +718,9 @@ def write_video(
     more often under CPU load, not always (tests compare encodes within a few levels).
     ``display_matrix``: nine integers (a, b, u, c, d, v, x, y, w; 16.16 fixed point, u, v, w
     2.30) for the stream, as a phone writes its portrait clips; MP4, MOV and Matroska/WebM
-    keep it, AVI drops it.
+    keep it, AVI drops it. ``sample_aspect_ratio``: a stored pixel's width over its height, as
+    a DV camera writes 8:9; the encoder keeps it (x264 in its VUI, MPEG-4 part 2 in its header;
+    VP8 and VP9 have no field for it, so a WebM drops it).
     """
     av = load_av()
     frames = np.asarray(frames)
@@ -679,6 +738,8 @@ def write_video(
         stream.pix_fmt = "yuv420p"
         if display_matrix is not None:
             stream.set_display_matrix(display_matrix)
+        if sample_aspect_ratio is not None:
+            stream.codec_context.sample_aspect_ratio = Fraction(sample_aspect_ratio)
         if codec != "libx264":
             stream.bit_rate = 2_000_000
         for pixels in frames:

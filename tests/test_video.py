@@ -534,6 +534,97 @@ def test_display_matrices_that_are_no_exact_turn_are_refused(tmp_path, monkeypat
         read_clip(tmp_path / "changing.mp4", Sampling(frames=2))
 
 
+def scene(width: int, height: int = 48) -> np.ndarray:
+    """A shown picture with square pixels: a 16 x 16 white square (its left edge at a third of
+    the width) over a smooth horizontal ramp."""
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[..., 1] = np.linspace(0, 160, width).astype(np.uint8)
+    pixels[16:32, width // 3 : width // 3 + 16] = 255
+    return pixels
+
+
+def stored_as(pixels: np.ndarray, width: int) -> np.ndarray:
+    """What a camera with non-square pixels stores: the picture squeezed to ``width``."""
+    return np.asarray(Image.fromarray(pixels).resize((width, pixels.shape[0]), Image.BICUBIC))
+
+
+def square_width(frame: np.ndarray) -> int:
+    return int((frame[24, :, 0] > 128).sum())  # red: white in the square only
+
+
+@pytest.mark.parametrize("suffix, aspect, shown", [
+    (".mp4", Fraction(3, 2), 96),  # an anamorphic 1.5x lens; HDV's 1440 -> 1920 is 4:3
+    (".mkv", Fraction(8, 9), 64),  # DV's 720x480 shown 4:3: pixels taller than wide
+    (".mov", Fraction(4, 3), 88),
+    (".avi", Fraction(32, 27), 76),  # DV's 16:9
+])
+def test_frames_of_non_square_pixels_are_resampled_to_square_ones(tmp_path, suffix, aspect,
+                                                                  shown):
+    stored_width = round(shown / aspect)  # 64, 72, 66, 64
+    stored_width += stored_width % 2
+    picture = scene(shown)
+    path = tmp_path / f"anamorphic{suffix}"
+    write_video(path, np.stack([stored_as(picture, stored_width)] * 4), fps=FPS,
+                sample_aspect_ratio=aspect)
+    expected = math.floor(stored_width * aspect + Fraction(1, 2))  # round(W * SAR), half up
+    info = probe(path)
+    assert (info.width, info.height) == (expected, 48)
+    assert info.sample_aspect_ratio == f"{aspect.numerator}:{aspect.denominator}"
+    clip = read_clip(path, Sampling(frames=2))
+    assert clip.frames.shape == (2, 48, expected, 3) and clip.info == info
+    # the square is square again (stored, it was 16 / SAR wide), and the picture is the shown
+    # one within what two resamples and a lossy codec leave
+    assert [abs(square_width(f) - 16) <= 1 for f in clip.frames] == [True, True]
+    if expected == shown:
+        assert np.abs(clip.frames.astype(int) - picture).mean() < 6
+
+
+def test_square_pixels_then_the_turn(tmp_path):
+    # a portrait clip shot with non-square pixels: widened first (its stored rows), then turned
+    stored = stored_as(scene(96), 64)
+    write_video(tmp_path / "both.mp4", np.stack([stored] * 2), fps=FPS,
+                display_matrix=PORTRAIT, sample_aspect_ratio=Fraction(3, 2))
+    clip = read_clip(tmp_path / "both.mp4", Sampling(frames=1))
+    assert (clip.info.width, clip.info.height, clip.info.rotation) == (48, 96, 90)
+    assert clip.frames.shape == (1, 96, 48, 3)
+    assert int((clip.frames[0, :, 24, 0] > 128).sum()) == pytest.approx(16, abs=1)  # a column
+
+
+def test_the_containers_sample_aspect_ratio_wins_and_bad_ones_are_refused(tmp_path,
+                                                                           monkeypatch):
+    import vit22b.clients.video as video
+
+    write_video(tmp_path / "pasp.mp4", np.stack([stored_as(scene(96), 64)] * 2), fps=FPS,
+                sample_aspect_ratio=Fraction(3, 2))  # in x264's VUI and the MP4's pasp box
+    data = bytearray((tmp_path / "pasp.mp4").read_bytes())
+    at = data.index(b"pasp") + 4  # hSpacing, vSpacing (ISO/IEC 14496-12, 12.1.4)
+    assert struct.unpack_from(">II", data, at) == (3, 2)
+
+    def edited(name: str, h: int, v: int) -> Path:
+        struct.pack_into(">II", data, at, h, v)
+        (tmp_path / name).write_bytes(data)
+        return tmp_path / name
+
+    # FFmpeg's rule: the container's when it has one, else the codec's (0 means unknown)
+    assert probe(edited("two.mp4", 2, 1)).width == 128
+    assert probe(edited("unknown.mp4", 0, 5)).sample_aspect_ratio == "3:2"
+    # far past any format's (a damaged header): refused by name, not a frame 17 times as wide
+    for name, (h, v), words in [
+        ("wide.mp4", (17, 1), "17:1 (a stored pixel's width:height) is beyond 1:16 to 16:1"),
+        ("huge.mp4", (196605, 2), "196605:2"),
+        ("narrow.mp4", (1, 1000), "1:1000"),
+    ]:
+        path = edited(name, h, v)
+        for read in (probe, lambda p: read_clip(p, Sampling(frames=1))):
+            with pytest.raises(VideoError) as caught:
+                read(path)
+            assert caught.value.source == str(path) and words in caught.value.reason, name
+    # the decoded frames' bound counts them at their square size: 96x48, not 64x48
+    monkeypatch.setattr(video, "MAX_CLIP_BYTES", 4 * 64 * 48 * 3)
+    with pytest.raises(VideoError, match="4 frames of 96x48 sampled"):
+        read_clip(tmp_path / "pasp.mp4", Sampling(frames=4))
+
+
 def _with_audio(path: Path, video_frames: int, audio_seconds: float) -> Path:
     """An h264 (MKV) or VP9 (WebM) video of ``video_frames`` indexed frames at FPS with an
     Opus / AAC track of ``audio_seconds`` interleaved, as cameras and screen recorders write."""
