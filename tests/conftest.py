@@ -1,5 +1,5 @@
-"""Test setup: 8 emulated CPU devices and the server's XLA:CPU flags, set before jax is imported
-anywhere; S3 and GCS servers."""
+"""Test setup: 8 emulated CPU devices and the server's XLA:CPU flags (with the tests' fast
+compile: tests/xla_env.py), set before jax is imported anywhere; S3 and GCS servers."""
 
 import contextlib
 import importlib.util
@@ -10,10 +10,9 @@ import socket
 
 import pytest
 from vit22b.server.cpu_devices import prefer_wide_vectors  # jax-free
+from xla_env import xla_flags
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
 # The server's XLA:CPU code generation here too, and in every process a test starts (they
 # inherit it): a job's engine workers must compute what this process computes, bit for bit.
 prefer_wide_vectors()

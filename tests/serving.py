@@ -35,6 +35,7 @@ from vit22b.server.settings import ServeConfig
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import features_pb2_grpc as pb_grpc
 from vit22b.v1 import wire
+from xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data=2,model=4"
@@ -68,7 +69,7 @@ def serve_process(*flags: str, devices: int = 8) -> tuple[subprocess.Popen, str]
     SERVING is ``process.start_output``. With ``--http-port``, the announced HTTP door's URL
     is ``process.http_url``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     command = [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0",
                "--metrics-port", "-1", *flags]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -34,6 +34,7 @@ from vit22b.server.distributed_cli import group_from_args
 from vit22b.server.engine import Engine
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
+from xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data=2,model=4"
@@ -55,7 +56,7 @@ class Member:
     def __init__(self, log_dir: Path, coordinator: str, process_id: int, *extra: str, n: int):
         self.log = log_dir / f"process{process_id}.log"
         env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        env["XLA_FLAGS"] = xla_flags(4)
         args = ["--coordinator", coordinator, "--num-processes", str(n)]
         args += ["--process-id", str(process_id), "--port", "0", "--metrics-port", "-1"]
         args += ["--mesh", MESH, "--max-batch-images", str(MAX_BATCH)]

@@ -24,6 +24,7 @@ from vit22b.clients.client import Retry
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
 from vit22b.clients.embed_remote import RemoteBackend
 from vit22b.clients.outputs import open_outputs
+from xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +115,7 @@ def victim():
     """A `vit22b serve` process on the same mesh, seed and compute dtype (the preset's, on any
     host) as the in-process servers."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     proc = subprocess.Popen(
         [sys.executable, "-m", "vit22b.clients.cli", "serve", "--port", "0", "--metrics-port",
          "-1", "--mesh", MESH, "--max-batch-images", "8", "--max-delay-ms", "25",
