@@ -396,7 +396,8 @@ def _square_width(width: int, aspect: Fraction, name: str) -> int:
     if not Fraction(1, MAX_SAMPLE_ASPECT) <= aspect <= MAX_SAMPLE_ASPECT:
         raise VideoError(name, f"its sample aspect ratio {_ratio(aspect)} (a stored pixel's "
                          f"width:height) is beyond 1:{MAX_SAMPLE_ASPECT} to "
-                         f"{MAX_SAMPLE_ASPECT}:1, which no format writes (a damaged header?)")
+                         f"{MAX_SAMPLE_ASPECT}:1, far past any camera's or format's (a "
+                         "damaged header?)")
     shown = math.floor(width * aspect + Fraction(1, 2))
     if shown < 1 <= width:
         raise VideoError(name, f"its sample aspect ratio {_ratio(aspect)} leaves its {width} "

@@ -18,7 +18,7 @@ from vit22b.clients.cli import main
 from vit22b.model import OutputRequest, apply, get_config
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.convert import ConvertError, Hints, convert
-from vit22b.model.sharding import batch_sharding, make_mesh, param_shardings
+from vit22b.model.sharding import available_memory, batch_sharding, make_mesh, param_shardings
 
 timm = import_timm()
 from timm.models._hub import save_config_for_hf  # noqa: E402
@@ -573,6 +573,35 @@ def test_keys_the_model_cannot_express_are_refused_not_dropped(
         state["fc_norm.weight"] = torch.zeros(shape)
     with pytest.raises(ConvertError, match=re.escape(f"key {key!r} {tuple(shape)} is {what}")):
         _convert_state(state, tmp_path)
+
+
+def test_weight_files_larger_than_the_hosts_memory_are_refused_before_any_read(tmp_path, capsys):
+    """Every reader holds a checkpoint's tensors whole. Tensors each smaller than the memory
+    available but larger together (three of 1 GiB under a 2 GiB cgroup limit) were read on
+    past it: allocations succeed (Linux overcommits), and the process thrashed or was killed.
+    Refused now, before any read, naming both sizes. The file is sparse: a hostile tester's
+    cheap checkpoint, nothing on disk."""
+    have = available_memory()
+    if have is None or have > 1 << 40:
+        pytest.skip(f"{have} bytes available: no sparse file of that size here")
+    count, header, end = have // 8, {}, 0  # three tensors of half the room each
+    for name in ("a", "b", "c"):
+        header[name] = {"dtype": "F32", "shape": [count], "data_offsets": [end, end + 4 * count]}
+        end += 4 * count
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + end)  # a hole
+    out = tmp_path / "o"
+    assert main(["convert", "--from", "timm", "--input", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        rf"vit22b convert: {re.escape(str(path))}: its weight files take "
+        rf"{path.stat().st_size / 2**30:.1f} GiB, read whole, and [\d.]+ GiB of memory is "
+        r"available: converting it needs a host with more memory", err), err
+    assert not out.exists()
 
 
 def test_heads_must_come_from_somewhere(tmp_path):
