@@ -37,8 +37,10 @@ def production_env() -> dict[str, str]:
 
 
 def run_at_production_level(code: str, *args: str) -> None:
-    """``python -c code *args`` compiled as users' processes compile; fails the test on a
-    non-zero exit, with the child's stderr."""
-    done = subprocess.run([sys.executable, "-c", code, *args], env=production_env(),
-                          capture_output=True, text=True, timeout=300)
+    """``python -c code *args`` compiled as users' processes compile (this one compiles at the
+    tests' level: the two differ); fails the test on a non-zero exit, with the child's stderr."""
+    env = production_env()
+    assert FAST_COMPILE in os.environ["XLA_FLAGS"] and "optimization_level" not in env["XLA_FLAGS"]
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
