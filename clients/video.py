@@ -42,6 +42,9 @@ has each chosen frame resampled to ``round(width * SAR)`` x ``height`` (bicubic,
 conversion), as players show it and ffmpeg's ``scale=iw*sar:ih`` makes it, before it is turned
 upright. The SAR is the container's (MP4's ``pasp``, Matroska's display size), else the codec's
 (h264's VUI), as FFmpeg guesses it; ``VideoInfo.sample_aspect_ratio`` says which was applied.
+A codec's SAR that changes within the video (a broadcast recording's 4:3 and 16:9 segments) is
+refused: no one ratio suits all its frames. ``VideoInfo``'s size is the returned frames' (a
+stream's header may give another; ``probe`` gives its first frame's).
 
 Refused, with ``VideoError`` naming the file and the reason: a file that cannot be read
 (``cannot read file: ...``, as the embed job words it, which a rerun retries), non-video data,
@@ -54,9 +57,10 @@ decoders flag nothing), a stream that ends more than
 where that is the longest stream's, as Matroska's with audio, every stream ending so early), a
 frame size that changes among the frames sampled, a display matrix that changes among the frames,
 turns them by an angle that is not a multiple of 90 degrees (beyond ``ANGLE_TOLERANCE``), skews
-them or is singular, a sample aspect ratio beyond ``MAX_SAMPLE_ASPECT`` either way, and a
-sample over ``MAX_SAMPLES`` times or ``MAX_CLIP_BYTES`` of decoded frames (counted at the square
-pixels' size).
+them or is singular, a sample aspect ratio beyond ``MAX_SAMPLE_ASPECT`` either way or changing
+among the frames, and a sample over ``MAX_SAMPLES`` times or ``MAX_CLIP_BYTES`` of decoded frames
+(counted at the square pixels' size before decoding, and again as they are decoded: a stream's
+frames may be larger than its header says).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import BinaryIO
@@ -378,17 +382,20 @@ def _orientation(matrix: bytes | None, name: str) -> Orientation:
     return Orientation(90 * quarter, mirrored)
 
 
+def _known(ratio) -> Fraction | None:
+    """A ratio PyAV gives, None where it is unknown (unset, 0:1, or negative)."""
+    return Fraction(ratio) if ratio is not None and ratio > 0 else None
+
+
 def _sample_aspect(stream) -> Fraction:
     """A stored pixel's width over its height, as FFmpeg's ``av_guess_sample_aspect_ratio``
-    picks it: the container's, else the codec's; 1 when neither says (0:1 means unknown)."""
-    for ratio in (stream.sample_aspect_ratio, stream.codec_context.sample_aspect_ratio):
-        if ratio is not None and ratio > 0:
-            return Fraction(ratio)
-    return Fraction(1)
+    picks it: the container's, else the codec's; 1 when neither says."""
+    return (_known(stream.sample_aspect_ratio) or _known(stream.codec_context.sample_aspect_ratio)
+            or Fraction(1))
 
 
-def _ratio(aspect: Fraction) -> str:
-    return f"{aspect.numerator}:{aspect.denominator}"
+def _ratio(aspect: Fraction | None) -> str:
+    return "unset (1:1)" if aspect is None else f"{aspect.numerator}:{aspect.denominator}"
 
 
 def _square_width(width: int, aspect: Fraction, name: str) -> int:
@@ -493,7 +500,7 @@ def _decode(av, source, name: str, wanted: set[int], order: tuple[int, ...] | No
         stream = _video_stream(av, container, name)
         stream.thread_type = "AUTO"  # frame and slice threads: the same pixels, sooner
         aspect = _sample_aspect(stream)
-        entries, kept = [], {}
+        entries, kept, held, codec_aspect = [], {}, 0, None
         last_pts, first, orientation = None, None, UPRIGHT
         avi = container.format.name == "avi"
         try:
@@ -520,9 +527,20 @@ def _decode(av, source, name: str, wanted: set[int], order: tuple[int, ...] | No
                     raise VideoError(name, f"its display matrix (rotation) changes within the "
                                      f"video, at frame {len(entries)}; the frames of one video "
                                      "must share one")
+                now = _known(stream.codec_context.sample_aspect_ratio)
+                if not entries:
+                    codec_aspect = now
+                elif now != codec_aspect:  # no one ratio is right for all of its frames
+                    raise VideoError(name, f"its sample aspect ratio changes within the video "
+                                     f"({_ratio(codec_aspect)}, then {_ratio(now)} by frame "
+                                     f"{len(entries)}); the frames of one video must share one")
                 entries.append((pts, getattr(frame, "duration", None)))
                 if pts in wanted:
                     kept[pts] = orientation.apply(_rgb(frame, aspect, name))
+                    held += kept[pts].nbytes  # the stream's size may grow past its header's
+                    if held > MAX_CLIP_BYTES:
+                        raise _too_large(f"{len(kept)} frames of up to {frame.width}x"
+                                         f"{frame.height} (stored) sampled", held, name)
         except av.error.FFmpegError as err:
             raise VideoError(
                 name, f"decoding failed after {len(entries)} frames ({_ffmpeg(err)})"
@@ -609,9 +627,12 @@ def _fits(count: int, meta: dict, name: str) -> None:
     width, height = _shown_size(meta, meta["orientation"], name)
     size = count * width * height * 3
     if size > MAX_CLIP_BYTES:
-        raise VideoError(name, f"{count} frames of {width}x{height} sampled are "
-                         f"{size / 2**30:.1f} GiB of RGB, over the {MAX_CLIP_BYTES >> 30} GiB "
-                         "a clip may hold: sample fewer frames")
+        raise _too_large(f"{count} frames of {width}x{height} sampled", size, name)
+
+
+def _too_large(what: str, size: int, name: str) -> VideoError:
+    return VideoError(name, f"{what} are {size / 2**30:.1f} GiB of RGB, over the "
+                      f"{MAX_CLIP_BYTES >> 30} GiB a clip may hold: sample fewer frames")
 
 
 def probe(source: VideoSource, name: str | None = None) -> VideoInfo:
@@ -668,11 +689,15 @@ def _read_clip(source: VideoSource, sampling: Sampling, name: str) -> Clip:
         shown = " and ".join(f"{w}x{h}" for h, w, _ in sorted(sizes))
         raise VideoError(name, f"its frame size changes within the video ({shown} among the "
                          "frames sampled); the frames of one video must share a size")
+    (height, width, _), = sizes  # the frames', where the stream's header said another size
+    if len(frames) * frames[0].nbytes > MAX_CLIP_BYTES:  # repeated samples are copies too
+        raise _too_large(f"{len(frames)} frames of {width}x{height} sampled",
+                         len(frames) * frames[0].nbytes, name)
     return Clip(
         frames=np.stack(frames),
         timestamps=np.asarray([float(starts[i]) for i in chosen], np.float64),
         indices=np.asarray(chosen, np.int64),
-        info=_info(timeline, meta, orientation, name),
+        info=replace(_info(timeline, meta, orientation, name), width=width, height=height),
     )
 
 
@@ -720,8 +745,9 @@ def write_video(
     ``display_matrix``: nine integers (a, b, u, c, d, v, x, y, w; 16.16 fixed point, u, v, w
     2.30) for the stream, as a phone writes its portrait clips; MP4, MOV and Matroska/WebM
     keep it, AVI drops it. ``sample_aspect_ratio``: a stored pixel's width over its height, as
-    a DV camera writes 8:9; the encoder keeps it (x264 in its VUI, MPEG-4 part 2 in its header;
-    VP8 and VP9 have no field for it, so a WebM drops it).
+    a DV camera writes 8:9; x264 (its VUI) and MPEG-4 part 2 (its header) keep it where FFmpeg
+    takes it for the frame size (not 16:1 at 2x2), MPEG-2 rounds it to its table, and VP8 and
+    VP9 have no field for it (a WebM drops it): tests read back ``probe``'s.
     """
     av = load_av()
     frames = np.asarray(frames)

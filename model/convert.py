@@ -37,6 +37,7 @@ from .convert_common import (
     SourceTensors,
     find_weights,
     read_tensors,
+    unpacked_size,
 )
 from .convert_preprocess import PreprocessFlags, SourcePreprocess, resolve
 from .sharding import available_memory
@@ -89,10 +90,11 @@ def _locate(source: str, name, importer) -> tuple[Path, str | None]:
 
 def _check_memory(path: Path, files: list[Path]) -> None:
     """Refuse weight files larger than the memory available: every reader holds their tensors
-    whole (safetensors' copied out of its map), so past it the reads would go on until the
-    kernel's OOM killer ended the process, with no message. A lower bound of what a conversion
-    needs (the converted parameters come on top), so it refuses nothing that could fit."""
-    size = sum(f.stat().st_size for f in files if f.is_file())
+    whole (safetensors' copied out of its map; a zip's unpacked), so past it the reads would go
+    on until the kernel's OOM killer ended the process, with no message. A lower bound of what
+    a conversion needs (the converted parameters come on top), so it refuses nothing that could
+    fit."""
+    size = sum(unpacked_size(f) for f in files if f.is_file())
     have = available_memory()
     if have is not None and size > have:
         raise ConvertError(f"{path}: its weight files take {size / 2**30:.1f} GiB, read whole, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,10 +126,37 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
+def _head(path: Path, size: int = 262) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(size)
+
+
+def unpacked_size(path: Path) -> int:
+    """The bytes a reader holds for a weight file: a zip's (an .npz, PyTorch's format) as its
+    directory lists them unpacked (Python's and PyTorch's zip readers stop there), any other
+    file's as it is."""
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return max(size, sum(info.file_size for info in archive.infolist()))
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return size
+
+
 def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
     import pickle
 
     import torch
+
+    # torch's own words for a file it cannot place advise loading it unsafely: say what it is
+    head = _head(path)
+    if head[257:262] == b"ustar":
+        raise ConvertError(f"{path}: saved in PyTorch's legacy tar format, which cannot be "
+                           "read without running its pickles: save its state dict again with "
+                           "a current PyTorch, or as safetensors")
+    if not (head.startswith(b"PK") or head.startswith(b"\x80")):  # a zip, or a pickle
+        raise ConvertError(f"{path}: not a PyTorch checkpoint (neither a zip archive nor a "
+                           "pickle): damaged, or another format under this name?")
 
     try:  # tensors and plain containers only: a pickle's other objects could run code
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -157,6 +185,9 @@ def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _npz_tensors(path: Path) -> dict[str, np.ndarray]:
+    if not zipfile.is_zipfile(path):  # numpy would take it for a pickle, and advise loading it
+        raise ConvertError(f"{path}: not an .npz archive (no zip directory): damaged, or "
+                           "another format under this name?")
     with np.load(path, allow_pickle=False) as npz:
         tensors = {key: npz[key] for key in npz.files}
     for key, value in tensors.items():

@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 from peers import import_open_clip, perturb
@@ -19,6 +20,7 @@ from vit22b.clients.cli import main
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.config import Preprocess
 from vit22b.model.convert import ConvertError, Hints, convert
+from vit22b.model.convert_common import unpacked_size
 from vit22b.model.convert_preprocess import PreprocessFlags
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -420,3 +422,50 @@ def test_weights_that_are_integers_or_pickled_objects_are_refused(tmp_path):
     with pytest.raises(ConvertError, match=rf"pickled.pth: holds pickled Python objects besides "
                                            rf"tensors {called}, which are never loaded"):
         convert("timm", tmp_path / "pickled.pth", Hints(heads=4))
+
+
+def test_files_that_are_no_checkpoint_are_named_so_and_no_unsafe_load_is_advised(tmp_path):
+    """Zeros or text under a weight file's name: torch took zeros for its legacy tar format and
+    advised `weights_only=False` ("arbitrary code execution"), text was said to hold pickled
+    objects, and numpy took zeros for a pickle and advised `allow_pickle`. Each is named for
+    what it is not now; a legacy tar checkpoint is named as one; checkpoints still read."""
+    import tarfile
+
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, **TIMM_SHAPE).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    (tmp_path / "zeros.pth").write_bytes(bytes(4096))
+    (tmp_path / "text.bin").write_bytes(b"not a checkpoint at all\n")
+    (tmp_path / "zeros.npz").write_bytes(bytes(4096))
+    with tarfile.open(tmp_path / "old.pth", "w") as tar:  # torch.save's format before 0.4
+        tar.add(tmp_path / "text.bin", arcname="storages")
+    cases = {
+        "zeros.pth": "not a PyTorch checkpoint (neither a zip archive nor a pickle)",
+        "text.bin": "not a PyTorch checkpoint (neither a zip archive nor a pickle)",
+        "zeros.npz": "not an .npz archive (no zip directory)",
+        "old.pth": "saved in PyTorch's legacy tar format, which cannot be read without running "
+                   "its pickles",
+    }
+    for name, words in cases.items():
+        source = "big_vision" if name.endswith(".npz") else "timm"
+        with pytest.raises(ConvertError) as caught:
+            convert(source, tmp_path / name, Hints(heads=4))
+        message = str(caught.value)
+        assert message.startswith(f"{tmp_path / name}: {words}"), message
+        assert not re.search(r"weights_only|allow_pickle|pickled", message), message
+    # both of torch.save's formats since 0.4 still read: its zip, and its plain pickle
+    for zipped in (True, False):
+        torch.save(state, tmp_path / "ok.pth", _use_new_zipfile_serialization=zipped)
+        assert convert("timm", tmp_path / "ok.pth", Hints(heads=4)).config.heads == 4
+
+
+def test_a_zip_of_weights_is_counted_unpacked(tmp_path):
+    """The memory check before a conversion (model/convert.py) counted an .npz or a PyTorch
+    zip by its size on disk: a compressed file of zeros 1/1000 of what it unpacks to passed it
+    whatever it held. It counts what the zip's directory says the reader will hold."""
+    np.savez_compressed(tmp_path / "zeros.npz", w=np.zeros(16 << 20, np.float32))  # 64 MiB
+    assert (tmp_path / "zeros.npz").stat().st_size < 1 << 20
+    assert unpacked_size(tmp_path / "zeros.npz") >= 64 << 20
+    torch.save({"w": torch.zeros(1 << 20)}, tmp_path / "w.pth")  # stored, not deflated: as is
+    assert 4 << 20 <= unpacked_size(tmp_path / "w.pth") <= (tmp_path / "w.pth").stat().st_size
+    (tmp_path / "junk.bin").write_bytes(b"PK" + bytes(100))  # no directory: its size
+    assert unpacked_size(tmp_path / "junk.bin") == 102

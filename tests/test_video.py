@@ -625,6 +625,67 @@ def test_the_containers_sample_aspect_ratio_wins_and_bad_ones_are_refused(tmp_pa
         read_clip(tmp_path / "pasp.mp4", Sampling(frames=4))
 
 
+def spliced(path: Path, parts: list[tuple[int, int, Fraction | None, int]]) -> Path:
+    """An MPEG-TS of h264 segments (width, height, SAR or None, frames), each with its own
+    in-band SPS: a broadcast recording's 4:3 and 16:9 programmes, or a stream whose size
+    changes. The stream's header is its first segment's."""
+    with av.open(str(path), "w", format="mpegts") as container:
+        stream = container.add_stream("h264", rate=FPS)
+        stream.width, stream.height = parts[0][:2]
+        start = 0
+        for width, height, aspect, count in parts:
+            codec = av.CodecContext.create("libx264", "w")
+            codec.width, codec.height, codec.pix_fmt = width, height, "yuv420p"
+            codec.time_base, codec.framerate = Fraction(1, FPS), FPS
+            codec.options, codec.max_b_frames = {"crf": "18"}, 0
+            if aspect is not None:
+                codec.sample_aspect_ratio = aspect
+            packets = []
+            for i in range(count):
+                frame = av.VideoFrame.from_ndarray(scene(width, height), format="rgb24")
+                frame = frame.reformat(format="yuv420p")
+                frame.pts, frame.time_base = i, Fraction(1, FPS)
+                packets += codec.encode(frame)
+            packets += codec.encode(None)
+            for packet in packets:  # on the container's 90 kHz clock, after the last segment
+                packet.stream = stream  # no B-frames: decoded in presentation order
+                packet.pts = packet.dts = (packet.pts + start) * 90_000 // FPS
+                packet.time_base = Fraction(1, 90_000)
+                container.mux(packet)
+            start += count
+    return path
+
+
+def test_a_sample_aspect_ratio_that_changes_within_the_video_is_refused(tmp_path):
+    # 4:3 then 16:9 programmes in one recording: no one ratio is right for every frame
+    for name, parts in {"to_wide.ts": [(64, 48, None, 4), (64, 48, Fraction(2), 8)],
+                        "to_square.ts": [(64, 48, Fraction(2), 4), (64, 48, None, 8)]}.items():
+        path = spliced(tmp_path / name, parts)
+        with pytest.raises(VideoError, match=r"its sample aspect ratio changes within the video"
+                                             r" \((unset \(1:1\), then 2:1|2:1, then unset "
+                                             r"\(1:1\)) by frame \d+\)"):
+            read_clip(path, Sampling(frames=1))
+    # one ratio throughout, stated in every SPS: read, and resampled
+    steady = spliced(tmp_path / "steady.ts", [(64, 48, Fraction(2), 4), (64, 48, Fraction(2), 8)])
+    assert read_clip(steady, Sampling(frames=2)).frames.shape == (2, 48, 128, 3)
+
+
+def test_frames_larger_than_the_streams_header_are_counted_as_they_are(tmp_path, monkeypatch):
+    import vit22b.clients.video as video
+
+    # the header says 32x24 (the first SPS); the frames sampled (8 and 24) are 64x48
+    path = spliced(tmp_path / "grows.ts", [(32, 24, None, 8), (64, 48, None, 24)])
+    assert (probe(path).width, probe(path).height) == (32, 24)
+    clip = read_clip(path, Sampling(frames=2))
+    assert clip.frames.shape == (2, 48, 64, 3) and clip.indices.tolist() == [8, 24]
+    assert (clip.info.width, clip.info.height) == (64, 48)  # the frames', not the header's
+    # a bound the header's size fits and the frames do not: refused as they are decoded
+    monkeypatch.setattr(video, "MAX_CLIP_BYTES", 2 * 64 * 48 * 3 - 1)
+    with pytest.raises(VideoError, match=r"grows.ts: 2 frames of up to 64x48 \(stored\) "
+                                         r"sampled are .* over the"):
+        read_clip(path, Sampling(frames=2))
+
+
 def _with_audio(path: Path, video_frames: int, audio_seconds: float) -> Path:
     """An h264 (MKV) or VP9 (WebM) video of ``video_frames`` indexed frames at FPS with an
     Opus / AAC track of ``audio_seconds`` interleaved, as cameras and screen recorders write."""
