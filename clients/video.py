@@ -394,8 +394,8 @@ def _sample_aspect(stream) -> Fraction:
             or Fraction(1))
 
 
-def _ratio(aspect: Fraction | None) -> str:
-    return "unset (1:1)" if aspect is None else f"{aspect.numerator}:{aspect.denominator}"
+def _ratio(aspect: Fraction) -> str:
+    return f"{aspect.numerator}:{aspect.denominator}"
 
 
 def _square_width(width: int, aspect: Fraction, name: str) -> int:
@@ -527,7 +527,7 @@ def _decode(av, source, name: str, wanted: set[int], order: tuple[int, ...] | No
                     raise VideoError(name, f"its display matrix (rotation) changes within the "
                                      f"video, at frame {len(entries)}; the frames of one video "
                                      "must share one")
-                now = _known(stream.codec_context.sample_aspect_ratio)
+                now = _known(stream.codec_context.sample_aspect_ratio) or Fraction(1)  # unset: 1:1
                 if not entries:
                     codec_aspect = now
                 elif now != codec_aspect:  # no one ratio is right for all of its frames

@@ -662,12 +662,14 @@ def test_a_sample_aspect_ratio_that_changes_within_the_video_is_refused(tmp_path
                         "to_square.ts": [(64, 48, Fraction(2), 4), (64, 48, None, 8)]}.items():
         path = spliced(tmp_path / name, parts)
         with pytest.raises(VideoError, match=r"its sample aspect ratio changes within the video"
-                                             r" \((unset \(1:1\), then 2:1|2:1, then unset "
-                                             r"\(1:1\)) by frame \d+\)"):
+                                             r" \((1:1, then 2:1|2:1, then 1:1) by frame \d+\)"):
             read_clip(path, Sampling(frames=1))
-    # one ratio throughout, stated in every SPS: read, and resampled
+    # one ratio throughout, stated in every SPS: read, and resampled; and 1:1 unset in one SPS
+    # and stated in the next is one ratio
     steady = spliced(tmp_path / "steady.ts", [(64, 48, Fraction(2), 4), (64, 48, Fraction(2), 8)])
     assert read_clip(steady, Sampling(frames=2)).frames.shape == (2, 48, 128, 3)
+    square = spliced(tmp_path / "square.ts", [(64, 48, None, 4), (64, 48, Fraction(1), 8)])
+    assert read_clip(square, Sampling(frames=2)).frames.shape == (2, 48, 64, 3)
 
 
 def test_frames_larger_than_the_streams_header_are_counted_as_they_are(tmp_path, monkeypatch):
