@@ -133,8 +133,8 @@ def _head(path: Path, size: int = 262) -> bytes:
 
 def unpacked_size(path: Path) -> int:
     """The bytes a reader holds for a weight file: a zip's (an .npz, PyTorch's format) as its
-    directory lists them unpacked (Python's and PyTorch's zip readers stop there), any other
-    file's as it is."""
+    directory lists them unpacked (what its readers allocate; Python's stops reading there),
+    any other file's as it is."""
     size = path.stat().st_size
     try:
         with zipfile.ZipFile(path) as archive:
