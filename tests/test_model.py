@@ -136,48 +136,36 @@ def test_the_rational_erf_and_gelu_are_as_close_to_float64_as_jaxs_own(tmp_path)
     np.testing.assert_array_equal(np.asarray(vit.gelu(x, False)), np.asarray(jax.nn.gelu(x)))
 
 
-_FORWARD_AT_PRODUCTION = """
-import sys
-import jax
-import numpy as np
-from tiny_models import PARALLEL, SEQUENTIAL, images, random_params
-from vit22b.model import OutputRequest, apply
-request = OutputRequest(pooled=True, patch_layers=(0, -1))
-out = {}
-for name, cfg in (("parallel", PARALLEL), ("sequential", SEQUENTIAL)):
-    for dtype in ("float32", "bfloat16"):
-        c = cfg.replace(compute_dtype=dtype)
-        f = jax.jit(lambda p, x: apply(c, p, x, request))(random_params(c, seed=3),
-                                                           images(c, n=4))
-        out[f"{name}-{dtype}-pooled"] = np.asarray(f["pooled"], np.float32)
-        for layer, tokens in f["patch_tokens"].items():
-            out[f"{name}-{dtype}-patch{layer}"] = np.asarray(tokens, np.float32)
-np.savez(sys.argv[1], **out)
-"""
+def tiny_features() -> dict[str, np.ndarray]:
+    """Pooled and patch features of the two tiny models, float32 and bfloat16, jitted as the
+    engine runs them: what the two compiles are compared on."""
+    from tiny_models import PARALLEL, SEQUENTIAL, images, random_params
+
+    request = OutputRequest(pooled=True, patch_layers=(0, -1))
+    out = {}
+    for name, cfg in (("parallel", PARALLEL), ("sequential", SEQUENTIAL)):
+        for dtype in ("float32", "bfloat16"):
+            c = cfg.replace(compute_dtype=dtype)
+            f = jax.jit(lambda p, x, c=c: apply(c, p, x, request))(random_params(c, seed=3),
+                                                                   images(c, n=4))
+            out[f"{name}-{dtype}-pooled"] = np.asarray(f["pooled"], np.float32)
+            for layer, tokens in f["patch_tokens"].items():
+                out[f"{name}-{dtype}-patch{layer}"] = np.asarray(tokens, np.float32)
+    return out
 
 
 def test_the_tests_fast_compile_computes_what_the_production_compile_does(tmp_path):
     """The suite compiles at LLVM's -O0 (tests/xla_env.py): the same programs, rounded apart
     where the production compile fuses a multiply-add. On two tiny models' pooled and patch
-    features, float32 agrees to 1e-6 (1.4e-7 measured) and bfloat16 to its rounding, as two
-    batchings do (6e-8 measured)."""
-    from tiny_models import PARALLEL, SEQUENTIAL, images, random_params
-
-    run_at_production_level(_FORWARD_AT_PRODUCTION, str(tmp_path / "forward.npz"))
-    request = OutputRequest(pooled=True, patch_layers=(0, -1))
-    with np.load(tmp_path / "forward.npz") as production:
-        assert len(production.files) == 12
-        for name, cfg in (("parallel", PARALLEL), ("sequential", SEQUENTIAL)):
-            for dtype, tol in (("float32", 1e-6), ("bfloat16", 5e-3)):
-                c = cfg.replace(compute_dtype=dtype)
-                f = jax.jit(lambda p, x, c=c: apply(c, p, x, request))(
-                    random_params(c, seed=3), images(c, n=4))
-                here = {"pooled": f["pooled"]} | {
-                    f"patch{layer}": t for layer, t in f["patch_tokens"].items()}
-                for key, value in here.items():
-                    want = production[f"{name}-{dtype}-{key}"]
-                    got = np.asarray(value, np.float32)
-                    assert rel_err(got, want) <= tol, (name, dtype, key, rel_err(got, want))
+    features, float32 agrees to 1e-6 and bfloat16 to its rounding, as two batchings do."""
+    run_at_production_level("import sys, numpy as np; from test_model import tiny_features; "
+                            "np.savez(sys.argv[1], **tiny_features())", str(tmp_path / "f.npz"))
+    here = tiny_features()
+    with np.load(tmp_path / "f.npz") as production:
+        assert sorted(production.files) == sorted(here) and len(here) == 12
+        for key, got in here.items():
+            tol = 1e-6 if "float32" in key else 5e-3
+            assert rel_err(got, production[key]) <= tol, (key, rel_err(got, production[key]))
 
 
 def test_the_erf_fit_script_runs_and_accepts_the_models_coefficients():

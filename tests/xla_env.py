@@ -6,7 +6,8 @@ generates for them is about a quarter of its time (`benchmarks/NOTES.md`, "The s
 -O0"). The HLO passes (fusion, layouts, sharding) and the GEMM libraries are the production
 programs'; what changes is instruction selection: at -O0 no multiply and add are fused into one
 FMA, so elementwise results differ from the production compile's by rounding (the exact GELU at
--8 is 4.8e-7 where float64's is -5e-15; a tiny model's float32 features are 1.4e-7 apart).
+-8 is 4.8e-7 where float64's is -5e-15; `benchmarks/fast_compile_gap.py` measures the gap on
+whole models).
 Every process a test starts gets the same flags, so bit-for-bit comparisons across processes
 hold; the tests that measure rounding itself, and one that bounds the two compiles' difference
 on whole models, run at the production level (``run_at_production_level``). Benchmarks, `make
