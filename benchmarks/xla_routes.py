@@ -16,6 +16,9 @@ Sides, each in its own process (XLA reads its flags once, at start), rounds alte
 - ``onednn_only``: the same with YNNPACK's fusions off (``--xla_cpu_experimental_ynn_fusion_
   type=``), so every dot reaches oneDNN's fusion (bf16 dots as float32: this jaxlib's oneDNN
   fusion takes float32 only).
+- ``--flags NAME=FLAGS`` (repeatable): any other set of XLA:CPU flags as a side of its own, the
+  engine as it serves otherwise (``--sides`` picks which of the sides above run; ``ynnpack``,
+  the reference, always does).
 Each side reports how many of the compiled program's fusions are oneDNN's and YNNPACK's.
 
 Then one optax training step of the video probe's attention pool (float32, ``probes/video.py``)
@@ -26,7 +29,10 @@ Each side: ViT-B/16 with seeded weights, the engine's own mesh, bucket and chunk
 timed forwards of one batch per round after a warm-up; img/s medians over all rounds, the
 pooled features' relative error against ``ynnpack``'s (the parity tests' measure).
 ``python benchmarks/xla_routes.py [--dtype bfloat16] [--batch 8] [--rounds 2]`` (results:
-benchmarks/NOTES.md).
+benchmarks/NOTES.md); a screen of other flags, the training step skipped::
+
+    python benchmarks/xla_routes.py --sides --no-training \
+        --flags sched=--xla_cpu_enable_concurrency_optimized_scheduler=true
 """
 
 from __future__ import annotations
@@ -151,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--side", choices=(*SIDES, "training"),
-                        help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--sides", nargs="*", choices=SIDES, default=list(SIDES),
+                        help="which of the named routes run (ynnpack always does)")
+    parser.add_argument("--flags", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another side: the engine under these XLA flags (repeatable)")
+    parser.add_argument("--no-training", action="store_true",
+                        help="skip the training step under the oneDNN flags")
+    parser.add_argument("--side", help=argparse.SUPPRESS)  # a child process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side == "training":
@@ -164,12 +175,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
+    flags = {"ynnpack": FLAGS["ynnpack"], **{n: FLAGS[n] for n in args.sides}}
+    for item in args.flags:
+        name, sep, value = item.partition("=")
+        if not sep or not name or name in flags:
+            parser.error(f"--flags {item!r}: NAME=FLAGS with a new name")
+        flags[name] = value
     folder = tempfile.TemporaryDirectory(prefix="vit22b-routes-")
-    results: dict[str, list[dict]] = {name: [] for name in SIDES}
+    results: dict[str, list[dict]] = {name: [] for name in flags}
     for _ in range(args.rounds):
-        for name in SIDES:
+        for name, side_flags in flags.items():
             out = os.path.join(folder.name, f"{name}.npy")
-            done = run_side(name, FLAGS[name], args, out)
+            done = run_side(name, side_flags, args, out)
             if done.returncode:
                 raise SystemExit(f"side {name} failed:\n{done.stderr[-3000:]}")
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         log(f"{name:10s} {rate:7.3f} img/s  {summary[name]}")
     training = {}
-    for name in ("ynnpack", "onednn"):
+    for name in () if args.no_training else ("ynnpack", "onednn"):
         done = run_side("training", FLAGS[name], args)
         said = [line for line in done.stderr.splitlines() if "partition compile failed" in line]
         training[name] = {"exit_status": done.returncode, "partition_compile_failed": bool(said)}
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     emit({"benchmark": "xla_routes", "model": "vit-b/16", "dtype": args.dtype,
           "batch": args.batch, "bucket": results["ynnpack"][-1]["bucket"], "sides": summary,
           "training_step": training,
+          "flags": flags,
           **{f"ratio_{n}_to_ynnpack": round(s["images_per_s"] / base, 3)
              for n, s in summary.items() if n != "ynnpack"},
           "machine": machine()})

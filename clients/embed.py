@@ -376,7 +376,13 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
         **({"resolution": spec.resolution, "num_patches": model.num_patches}
            if spec.resolution or spec.dense else {}),
         **({"dense": True} if spec.dense else {}),
-    } | ({"video": config.video.describe()} if config.video is not None else {})
+    } | ({"video": video_identity(config.video)} if config.video is not None else {})
+
+
+def video_identity(sampling) -> dict:
+    from .video import DISPLAY
+
+    return sampling.describe() | {"display": DISPLAY}
 
 
 def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | None,
@@ -405,8 +411,15 @@ def run_plan(config: JobConfig, model: ModelIdentity, items: list[InputItem] | N
     about = {"model_source": model.source, "width": model.width, "depth": model.depth,
              "num_patches": model.num_patches}
     limit = None if config.video is not None else MAX_IMAGE_BYTES
+    recheck = None
+    if config.video is not None:
+        from .embed_video import shown_otherwise_before
+
+        def recheck(shard: int) -> bool:
+            return any(shown_otherwise_before(items[p]) for p in slices[shard])
     store = OutputStore.open(config.output, identity, arrays, len(slices), about,
-                             retry=lambda failure: retry_now(failure, limit, max_image_pixels))
+                             retry=lambda failure: retry_now(failure, limit, max_image_pixels),
+                             recheck=recheck)
     summary = Summary(len(items), len(slices), output=config.output,
                       noun="images" if config.video is None else "videos")
     try:

@@ -120,6 +120,21 @@ def _recorded_places(recorded: dict, now: dict, directory: str) -> dict:
     return {**recorded, "inputs": new}
 
 
+def _recorded_display(recorded: dict, now: dict, directory: str) -> tuple[dict, bool]:
+    """``recorded`` as this version writes it, and whether it is of a video job written before
+    frames were shown by ``video.DISPLAY`` (its identity's video lacks the rule): such a job is
+    taken to be of this rule, said once, and its shards are rechecked (``OutputStore.open``)."""
+    old, new = recorded.get("video"), now.get("video")
+    if not (isinstance(old, dict) and isinstance(new, dict)) or "display" in old:
+        return recorded, False
+    if old != {k: v for k, v in new.items() if k != "display"}:
+        return recorded, False
+    log.warning("%s: its manifest (an earlier vit22b's) was written before frames of non-square "
+                "pixels were resampled to square; its shards holding such videos are recomputed",
+                directory)
+    return {**recorded, "video": new}, True
+
+
 def _identity_diff(old: dict, new: dict) -> list[str]:
     keys = sorted(set(old) | set(new))
     return [f"  {k}: {old.get(k)!r} in the manifest, {new.get(k)!r} now" for k in keys
@@ -143,7 +158,7 @@ class OutputStore:
     """The output directory of one job: knows which shards are done and records the others."""
 
     def __init__(self, directory: str, identity: dict, arrays: dict, num_shards: int,
-                 about: dict | None = None, retry=None):
+                 about: dict | None = None, retry=None, recheck=None):
         self.directory = directory
         self.where = Location(directory)
         self.identity = identity
@@ -155,6 +170,7 @@ class OutputStore:
         self._failed: dict[int, list[dict]] = {}
         self._lock = threading.Lock()
         self._retry = retry
+        self._recheck = recheck
         self._writer = {"host": socket.gethostname(), "pid": os.getpid(),
                         "token": uuid.uuid4().hex}
         self._next_write = 0.0  # monotonic time from which the manifest may be written again
@@ -164,11 +180,13 @@ class OutputStore:
     # -- opening -------------------------------------------------------------------------
     @classmethod
     def open(cls, directory: str, identity: dict, arrays: dict, num_shards: int,
-             about: dict | None = None, retry=None) -> OutputStore:
+             about: dict | None = None, retry=None, recheck=None) -> OutputStore:
         """Create or resume ``directory``; JobMismatch if it holds a job with other settings.
         ``retry(failure)``: whether a done shard's recorded failure (``errors.jsonl``'s row)
-        should be tried again, which makes its shard one to recompute."""
-        store = cls(directory, identity, arrays, num_shards, about, retry)
+        should be tried again, which makes its shard one to recompute. ``recheck(index)``:
+        for a video job written before ``video.DISPLAY``, whether done shard ``index`` holds a
+        video that rule shows otherwise (recomputed too)."""
+        store = cls(directory, identity, arrays, num_shards, about, retry, recheck)
         cls.prepare(directory)
         try:
             locked = store.where.lock(LOCK)
@@ -232,6 +250,8 @@ class OutputStore:
 
     def _resume(self, manifest: dict) -> None:
         recorded = _recorded_places(manifest["identity"], self.identity, self.directory)
+        recorded, earlier_display = _recorded_display(recorded, self.identity, self.directory)
+        recheck = self._recheck if earlier_display else None
         diff = _identity_diff(recorded, self.identity)
         if recorded.get("inputs") != self.identity.get("inputs"):
             diff.append("  (the input list changed: files added, removed or renamed, or read "
@@ -251,7 +271,8 @@ class OutputStore:
             if all(f["file"] in present for f in files.values()):
                 failed = read_ids(self.where, files[IDS]["file"])["failed"] if (
                     entry["failed"]) else []
-                if self._retry is not None and any(map(self._retry, failed)):
+                if (self._retry is not None and any(map(self._retry, failed))
+                        or recheck is not None and recheck(entry["index"])):
                     retried = True  # recomputed, its files rewritten
                     continue
                 self.done[entry["index"]] = entry

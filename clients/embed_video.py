@@ -25,7 +25,7 @@ shape per output, and a stride in seconds gives each video its own frame count (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -33,12 +33,35 @@ from .embed import BatchResult, to_stored
 from .embed_inputs import InputItem
 from .files import os_reason
 from .storage import filesystem, is_url, local_path
-from .video import Clip, Sampling, VideoError, read_clip
+from .video import Clip, Sampling, VideoError, probe, read_clip
 from .video_features import FramePlan
 
 FRAMES, MEAN = "frames.", "mean."
 TIMESTAMPS, FRAME_INDICES = "timestamps", "frame_indices"
 _MEANS = ("pooled", "class_token")  # the outputs with one vector per frame
+
+
+def _opened(item: InputItem, read: Callable):
+    """``read(source, name=...)`` of a local file by its path, of a URL through an fsspec file
+    (PyAV reads either); an OSError is that video's VideoError."""
+    try:
+        if is_url(item.path):
+            fs, inner = filesystem(item.path)
+            with fs.open_read(inner) as remote:
+                return read(remote, name=item.id)
+        return read(local_path(item.path), name=item.id)
+    except OSError as err:
+        raise VideoError(item.id, os_reason(err)) from None
+
+
+def shown_otherwise_before(item: InputItem) -> bool:
+    """Whether a vit22b before ``video.DISPLAY`` showed this video's frames otherwise: its
+    pixels are not square (they were not resampled then), or it cannot be read now (its shard
+    is recomputed, and records why)."""
+    try:
+        return _opened(item, probe).sample_aspect_ratio != "1:1"
+    except Exception:  # noqa: BLE001 (whatever it is, the recomputed shard records it)
+        return True
 
 
 def video_arrays(image_arrays: dict[str, dict], sampling: Sampling) -> dict[str, dict]:
@@ -87,15 +110,8 @@ class VideoWorker:
 
 
     def _read(self, item: InputItem) -> Clip | VideoError:
-        """A local file by its path, a URL through an fsspec file: PyAV reads either."""
         try:
-            if is_url(item.path):
-                fs, inner = filesystem(item.path)
-                with fs.open_read(inner) as remote:
-                    return read_clip(remote, self.sampling, name=item.id)
-            return read_clip(local_path(item.path), self.sampling, name=item.id)
-        except OSError as err:
-            return VideoError(item.id, os_reason(err))
+            return _opened(item, lambda source, name: read_clip(source, self.sampling, name))
         except VideoError as err:
             return err
 

@@ -104,6 +104,9 @@ ANGLE_TOLERANCE = 0.1
 # The widest sample aspect ratio taken, either way: formats use 8:9 to 2:1 (an anamorphic lens);
 # far past that a header is damaged, and the resampled frame would be that much wider.
 MAX_SAMPLE_ASPECT = 16
+# How frames are shown, for a job's identity: outputs written before non-square pixels were
+# resampled to square lack it, and a resumed job recomputes what that rule changed.
+DISPLAY = "square pixels (a stored width times its sample aspect ratio), turned upright"
 
 
 class VideoError(ValueError):

@@ -8,6 +8,7 @@ per-frame features, their temporal mean and the timestamps; bad videos land in e
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from vit22b.clients.embed_local import LocalBackend
 from vit22b.clients.embed_remote import RemoteBackend
 from vit22b.clients.embed_store import JobMismatch
 from vit22b.clients.outputs import open_outputs
-from vit22b.clients.video import Sampling, read_clip, write_video
+from vit22b.clients.video import DISPLAY, Sampling, read_clip, write_video
 from vit22b.clients.video_features import embed_videos
 from vit22b.model.outputs import OutputRequest
 
@@ -327,3 +328,44 @@ def test_a_portrait_clip_is_embedded_upright(tmp_path):
     want = in_process(shared_engine(), list(upright))
     np.testing.assert_allclose(pooled["portrait.mp4"], want.pooled, rtol=1e-5, atol=1e-5)
     assert np.abs(pooled["portrait.mp4"] - pooled["stored.mp4"]).max() > 1e-2  # it matters
+
+
+def test_a_job_written_before_non_square_pixels_were_shown_square_recomputes_their_shards(
+        videos, tmp_path, caplog):
+    """A video job's identity names how frames are shown (``video.DISPLAY``). A manifest of an
+    earlier vit22b lacks it: its frames of non-square pixels were embedded stretched, so a
+    resumed job recomputes the shards holding such videos (and only those), not mixing the
+    two rules in one output; its other shards are kept."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    for path in videos[:3]:  # shard 0 (shards of 3): square pixels
+        (data / path.name).write_bytes(path.read_bytes())
+    write_video(data / "wide.mp4", coloured(6, seed=9), fps=FPS,
+                sample_aspect_ratio=Fraction(3, 2))  # shard 1
+    backend = LocalBackend(OutputSpec(), engine=shared_engine())
+    assert embed_job(backend, data, out, k=3).embedded == 4
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["identity"]["video"]["display"] == DISPLAY
+    first = open_outputs(str(out))
+    first_rows = {name: np.asarray(first[name]).copy() for name in first.names}
+
+    manifest["identity"]["video"].pop("display")  # as an earlier vit22b wrote it
+    manifest_path.write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING", logger="vit22b.clients.embed_store"):
+        again = embed_job(backend, data, out, k=3)
+    assert (again.embedded, again.skipped, again.held) == (1, 3, 4)
+    assert "written before frames of non-square pixels were resampled" in caplog.text
+    assert json.loads(manifest_path.read_text())["identity"]["video"]["display"] == DISPLAY
+    after = open_outputs(str(out), verify=True)
+    assert after.ids == first.ids
+    for name in first.names:  # this version's rows, recomputed or kept
+        np.testing.assert_array_equal(np.asarray(after[name]), first_rows[name])
+    assert embed_job(backend, data, out, k=3).embedded == 0  # rewritten: nothing to recheck
+
+    manifest = json.loads(manifest_path.read_text())
+    manifest["identity"]["video"].pop("display")
+    manifest["identity"]["video"]["frames"] = 5  # an earlier job of other settings: refused
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(JobMismatch, match="video: "):
+        embed_job(backend, data, out, k=3)
