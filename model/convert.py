@@ -35,12 +35,12 @@ from .convert_common import (
     ConvertError,
     Hints,
     SourceTensors,
+    check_memory,
     find_weights,
     read_tensors,
     unpacked_size,
 )
 from .convert_preprocess import PreprocessFlags, SourcePreprocess, resolve
-from .sharding import available_memory
 
 # Config fields a checkpoint decides even when a preset is named (numerics of the source).
 _SOURCE_DECIDES = ("norm_eps", "gelu_exact", "num_classes", "param_dtype")
@@ -88,20 +88,6 @@ def _locate(source: str, name, importer) -> tuple[Path, str | None]:
     return folder, f"{model.spec}@{folder.name}"
 
 
-def _check_memory(path: Path, files: list[Path]) -> None:
-    """Refuse weight files larger than the memory available: every reader holds their tensors
-    whole (safetensors' copied out of its map; a zip's unpacked), so past it the reads would go
-    on until the kernel's OOM killer ended the process, with no message. A lower bound of what
-    a conversion needs (the converted parameters come on top), so it refuses nothing that could
-    fit."""
-    size = sum(unpacked_size(f) for f in files if f.is_file())
-    have = available_memory()
-    if have is not None and size > have:
-        raise ConvertError(f"{path}: its weight files take {size / 2**30:.1f} GiB, read whole, "
-                           f"and {have / 2**30:.1f} GiB of memory is available: converting it "
-                           "needs a host with more memory")
-
-
 def _with_preset(cfg: ViTConfig, preset: ViTConfig, notes: list[str]) -> ViTConfig:
     """The preset's name, provided its architecture is the checkpoint's."""
     problems = shape_problems(
@@ -144,7 +130,7 @@ def convert(
     side = importer.side_files(path)
     notes: list[str] = []
     files = find_weights(path, getattr(importer, "WEIGHT_FILES", WEIGHT_FILES))
-    _check_memory(path, files)
+    check_memory(str(path), sum(unpacked_size(f) for f in files if f.is_file()))
     tensors = importer.canonical(read_tensors(files), notes)
     name = f"{source}:{hub_name or _source_name(path, side)}"
     t = SourceTensors(tensors, source)

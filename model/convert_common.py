@@ -30,6 +30,22 @@ class ConvertError(ValueError):
     """A source checkpoint that cannot be converted; the message names the keys involved."""
 
 
+def check_memory(what: str, size: int, then: str = "") -> None:
+    """Refuse weight files of ``size`` bytes larger than the memory available: every reader
+    holds their tensors whole (safetensors' copied out of its map; a zip's unpacked), so past it
+    the reads would go on until the kernel's OOM killer ended the process, with no message. A
+    lower bound of what a conversion needs (the converted parameters come on top), so it
+    refuses nothing that could fit. ``then``: what the message adds (``"; nothing was
+    downloaded"``)."""
+    from .sharding import available_memory  # jax: not for the importers alone
+
+    have = available_memory()
+    if have is not None and size > have:
+        raise ConvertError(f"{what}: its weight files take {size / 2**30:.1f} GiB, read whole, "
+                           f"and {have / 2**30:.1f} GiB of memory is available: converting it "
+                           f"needs a host with more memory{then}")
+
+
 @dataclass(frozen=True)
 class Hints:
     """What the user told us: a preset to match, a head count, a parameter dtype, the MLP's

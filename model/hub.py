@@ -6,17 +6,21 @@ hub is reachable (never with ``HF_HUB_OFFLINE=1``).
 
 Only what an importer reads is fetched: its config files and the first weight file of its
 preference list that the repository holds (a repository often keeps the same weights in several
-formats).
+formats). Its size is asked first (the hub's file metadata): weights larger than the memory
+available (the converter reads them whole) or than the cache's free disk are refused before a
+byte is downloaded.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
-from .convert_common import ConvertError
+from .convert_common import ConvertError, check_memory
 
 PREFIX = "hf-hub:"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -115,7 +119,7 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
             f"{_named(model)}{missing} ({model.folder(cache)}), and HF_HUB_OFFLINE forbids "
             "downloading it"
         )
-    return _download(model, cache, side_files, weights)
+    return _download(model, cache, side_files, weights, folder)
 
 
 def _named(model: HubModel) -> str:
@@ -134,16 +138,57 @@ def _holds_weights(folder: Path, weights: tuple[str, ...]) -> bool:
     return any((folder / name).is_file() for name in (*weights, *index))
 
 
+def _size(sibling) -> int | None:
+    """A file's bytes as the hub's metadata gives them (an LFS file's are its object's); None
+    where it gives none that is a byte count."""
+    lfs = getattr(sibling, "lfs", None)
+    size = getattr(lfs, "size", None) if lfs is not None else getattr(sibling, "size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+
+
+def _free_disk(folder: Path) -> int | None:
+    """Free bytes on the file system that holds (or will hold) ``folder``."""
+    for level in (folder, *folder.parents):
+        if level.exists():
+            try:
+                return shutil.disk_usage(level).free
+            except OSError:
+                return None
+    return None
+
+
+def _check_room(model: HubModel, cache: Path, sizes: dict[str, int | None],
+                chosen: list[str], cached: Path | None) -> None:
+    """Refuse, before downloading, weights the converter could not read whole here or the
+    cache could not hold (the files already in the cached snapshot ``cached`` need no room)."""
+    names = [name for name in sizes if any(fnmatch(name, pattern) for pattern in chosen)]
+    what = f"{model.spec} (revision {model.revision!r})"
+    needed = sum(sizes[name] or 0 for name in names
+                 if cached is None or not (cached / name).is_file())
+    free = _free_disk(cache)
+    if free is not None and needed > free:
+        raise ConvertError(
+            f"{what}: its weight files take {needed / 2**30:.1f} GiB to download, and the "
+            f"Hugging Face cache ({cache}) has {free / 2**30:.1f} GiB free; nothing was "
+            "downloaded (HF_HUB_CACHE chooses another cache)"
+        )
+    check_memory(what, sum(sizes[name] or 0 for name in names), "; nothing was downloaded")
+
+
 def _download(
-    model: HubModel, cache: Path, side_files: tuple[str, ...], weights: tuple[str, ...]
+    model: HubModel, cache: Path, side_files: tuple[str, ...], weights: tuple[str, ...],
+    cached: Path | None,
 ) -> Path:
     from huggingface_hub import HfApi, snapshot_download
 
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, as the cache is
     try:
-        # model_info asks once (list_repo_files would retry an unreachable hub for half a minute)
-        info = HfApi(endpoint=endpoint).model_info(model.repo, revision=model.revision, timeout=10)
-        files = {sibling.rfilename for sibling in info.siblings or ()}
+        # model_info asks once (list_repo_files would retry an unreachable hub for half a
+        # minute); with the files' sizes, to refuse what cannot fit before downloading it
+        info = HfApi(endpoint=endpoint).model_info(model.repo, revision=model.revision,
+                                                   timeout=10, files_metadata=True)
+        sizes = {sibling.rfilename: _size(sibling) for sibling in info.siblings or ()}
+        files = set(sizes)
         chosen = [name for name in weights if name in files][:1]
         if not chosen and _sharded(weights) and SHARD_INDEX in files:
             chosen = [SHARD_INDEX, SHARDS]
@@ -153,6 +198,7 @@ def _download(
                 f"{model.spec} (revision {model.revision!r}) holds none of the weight files this "
                 f"importer reads ({', '.join(weights)}); it has: {held}"
             )
+        _check_room(model, cache, sizes, chosen, cached)
         folder = snapshot_download(
             model.repo,
             revision=model.revision,

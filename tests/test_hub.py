@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,6 +30,8 @@ from timm.models._hub import save_config_for_hf
 from vit22b.clients.cli import main
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.convert import ConvertError, convert
+from vit22b.model.hub import SHARD_INDEX
+from vit22b.model.sharding import available_memory
 
 
 def cache_repo(cache: Path, repo: str, files: Path, ref: str = "main", commit: str = "") -> str:
@@ -192,8 +195,9 @@ class LocalHub:
     """The hub's HTTP API for ``repos`` ({repo: (commit, folder)}) on 127.0.0.1: model info,
     the file tree, and files by commit (HEAD and GET); ``requests`` logs every (method, path)."""
 
-    def __init__(self, repos: dict[str, tuple[str, Path]]):
+    def __init__(self, repos: dict[str, tuple[str, Path]], declared: dict[str, int] | None = None):
         self.repos = repos
+        self.declared = declared or {}  # sizes the metadata states in place of the files' own
         self.requests: list[tuple[str, str]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_port}"
@@ -212,7 +216,17 @@ class LocalHub:
             p.rsplit("/", 1)[-1] for m, p in self.requests if m == "GET" and "/resolve/" in p
         )
 
-    def _answer(self, method: str, path: str) -> tuple[int, bytes, dict]:
+    def _sibling(self, folder: Path, name: str, blobs: bool) -> dict:
+        """A file as model_info lists it: with ``?blobs=true`` its size, and a weight file's LFS
+        object (the hub keeps weights in LFS)."""
+        if not blobs:
+            return {"rfilename": name}
+        size = self.declared.get(name, (folder / name).stat().st_size)
+        lfs = {"size": size, "sha256": "0" * 64, "pointerSize": 134}
+        return {"rfilename": name, "size": size, "blobId": "0" * 40,
+                **({"lfs": lfs} if name.endswith((".safetensors", ".bin")) else {})}
+
+    def _answer(self, method: str, path: str, query: str = "") -> tuple[int, bytes, dict]:
         self.requests.append((method, path))
         if m := re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)$", path):
             repo, kind, _ = m.groups()
@@ -221,7 +235,9 @@ class LocalHub:
             commit, folder = self.repos[repo]
             files = sorted(p.name for p in folder.iterdir())
             if kind == "revision":
-                body = {"id": repo, "sha": commit, "siblings": [{"rfilename": f} for f in files]}
+                blobs = "blobs=true" in query.lower()
+                body = {"id": repo, "sha": commit,
+                        "siblings": [self._sibling(folder, f, blobs) for f in files]}
             else:
                 body = [
                     {"type": "file", "path": f, "size": (folder / f).stat().st_size, "oid": f}
@@ -249,7 +265,8 @@ class LocalHub:
                 self._reply(head=False)
 
             def _reply(self, head: bool) -> None:
-                code, body, headers = hub._answer(self.command, unquote(urlparse(self.path).path))
+                url = urlparse(self.path)
+                code, body, headers = hub._answer(self.command, unquote(url.path), url.query)
                 self.send_response(code)
                 for key, value in {**headers, "Content-Length": str(len(body))}.items():
                     self.send_header(key, value)
@@ -258,6 +275,44 @@ class LocalHub:
                     self.wfile.write(body)
 
         return Handler
+
+
+def test_weights_too_large_for_the_cache_or_the_memory_are_refused_before_downloading(
+        tmp_path, monkeypatch):
+    """A hub model was downloaded whole before the converter found it larger than the memory
+    (or failed mid-download on a full disk). The files' sizes are asked first now (the hub's
+    metadata, as model_info gives them with ``files_metadata``), and a model the cache's disk
+    or the converter's memory cannot hold is refused with nothing downloaded; the sizes of a
+    sharded model's shards are summed."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shards = [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    for name in ("config.json", "model.safetensors", SHARD_INDEX, *shards):
+        (repo / name).write_bytes(b"{}")
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with LocalHub({"acme/huge": ("d" * 40, repo)}, {"model.safetensors": 2**50}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(ConvertError, match=r"acme/huge \(revision 'main'\): its weight files "
+                           r"take 1048576\.0 GiB to download, and the Hugging Face cache \(.*hub\) "
+                           r"has .* GiB free; nothing was downloaded"):
+            convert("hf", "acme/huge")
+        assert hub.fetched() == []
+
+    have, free = available_memory(), shutil.disk_usage(tmp_path).free
+    if have is None or have + 2**31 >= free:
+        pytest.skip(f"{have} bytes of memory, {free} of disk: no size between them")
+    (repo / "model.safetensors").unlink()  # the shards, then, each half of more than memory
+    half = have // 2 + 2**30
+    declared = dict.fromkeys(shards, half)
+    with LocalHub({"acme/huge": ("d" * 40, repo)}, declared) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(ConvertError, match=r"acme/huge \(revision 'main'\): its weight files "
+                           r"take .* GiB, read whole, and .* GiB of memory is available: "
+                           r"converting it needs a host with more memory; nothing was downloaded"):
+            convert("hf", "acme/huge")
+        assert hub.fetched() == []
 
 
 def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch):
