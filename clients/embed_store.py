@@ -135,6 +135,21 @@ def _recorded_display(recorded: dict, now: dict, directory: str) -> tuple[dict, 
     return {**recorded, "video": new}, True
 
 
+_GEOMETRY = ("resolution", "num_patches")
+
+
+def _recorded_geometry(recorded: dict, now: dict) -> dict:
+    """``now`` where the two differ only in one naming its square geometry and the other not:
+    a ``--resolution`` equal to the model's own computes what none does, and the contract's
+    hash, which holds the input size, is the same in both (a dense job is never this case)."""
+    if recorded.get("dense") or now.get("dense") or ("resolution" in recorded) == (
+            "resolution" in now):
+        return recorded
+    rest = [{k: v for k, v in identity.items() if k not in _GEOMETRY}
+            for identity in (recorded, now)]
+    return now if rest[0] == rest[1] else recorded
+
+
 def _identity_diff(old: dict, new: dict) -> list[str]:
     keys = sorted(set(old) | set(new))
     return [f"  {k}: {old.get(k)!r} in the manifest, {new.get(k)!r} now" for k in keys
@@ -251,6 +266,7 @@ class OutputStore:
     def _resume(self, manifest: dict) -> None:
         recorded = _recorded_places(manifest["identity"], self.identity, self.directory)
         recorded, earlier_display = _recorded_display(recorded, self.identity, self.directory)
+        recorded = _recorded_geometry(recorded, self.identity)
         recheck = self._recheck if earlier_display else None
         diff = _identity_diff(recorded, self.identity)
         if recorded.get("inputs") != self.identity.get("inputs"):

@@ -170,6 +170,24 @@ def test_a_job_records_its_geometry_and_refuses_to_mix(tmp_path):
         finally:
             backend.close()
 
+        # the model's own resolution named or not is one job ("None in the manifest, 64 now"
+        # was refused), either way round; the same rows
+        own = engine().cfg.image_size
+        for first, then in ((own, 0), (0, own)):
+            folder = str(tmp_path / f"own-{first}")
+            for resolution, embedded in ((first, 5), (then, 0)):
+                spec = OutputSpec(pooled=True, patch_layers=(-1,), resolution=resolution)
+                backend = RemoteBackend([server.address], spec, quiet=True)
+                try:
+                    summary = run_job(JobConfig([str(tmp_path / "data")], folder, spec,
+                                                quiet=True), backend)
+                finally:
+                    backend.close()
+                assert (summary.embedded, summary.complete) == (embedded, True)
+        named, unnamed = (open_outputs(str(tmp_path / f"own-{r}")) for r in (own, 0))
+        assert named.ids == unnamed.ids
+        assert_same_rows(np.asarray(named["pooled"]), np.asarray(unnamed["pooled"]))
+
 
 def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
     from vit22b.model.outputs import POOLED
