@@ -46,7 +46,7 @@ from .embed_store import OutputStore, ShardWriter
 from .files import MAX_IMAGE_BYTES, READ_FAILURE, os_reason
 from .outputs import ERRORS, array_name
 from .storage import check_readable, read_bytes, read_head
-from .video import Sampling
+from .video import DISPLAY, Sampling
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
 GRID = "grid"  # a dense job's array of each image's patch grid (rows, cols)
@@ -379,9 +379,8 @@ def identity_of(model: ModelIdentity, config: JobConfig, items: list[InputItem],
     } | ({"video": video_identity(config.video)} if config.video is not None else {})
 
 
-def video_identity(sampling) -> dict:
-    from .video import DISPLAY
-
+def video_identity(sampling: Sampling) -> dict:
+    """A video job's identity: which frames, and how they are shown."""
     return sampling.describe() | {"display": DISPLAY}
 
 
