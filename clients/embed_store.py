@@ -135,6 +135,14 @@ def _recorded_display(recorded: dict, now: dict, directory: str) -> tuple[dict, 
     return {**recorded, "video": new}, True
 
 
+def _other_display(recorded: dict, now: dict):
+    """The manifest's rule for showing frames where it names one other than ``now``'s."""
+    old, new = recorded.get("video"), now.get("video")
+    if isinstance(old, dict) and isinstance(new, dict) and "display" in old:
+        return old["display"] if old["display"] != new.get("display") else None
+    return None
+
+
 _GEOMETRY = ("resolution", "num_patches")
 
 
@@ -274,14 +282,22 @@ class OutputStore:
                         "from another folder; shards are positions in the sorted list, so a "
                         "changed list needs a new --output)")
         if diff:
+            advice = "rerun with the manifest's settings to resume it, or choose another --output"
+            shown = _other_display(recorded, self.identity)
+            if shown is not None:
+                advice = (f"its frames were shown by another rule ({shown!r}) than this "
+                          "vit22b's: no setting chooses the rule, so choose another --output")
             raise JobMismatch(
                 f"refusing to mix into {self.directory}: it holds a job with different settings\n"
-                + "\n".join(diff)
-                + "\nrerun with the manifest's settings to resume it, or choose another --output"
+                + "\n".join(diff) + "\n" + advice
             )
         present = {f"{SHARDS_DIR}/{name}" for name in self.where.files(SHARDS_DIR)}
         retried = False
-        for entry in manifest["shards"]:
+        for k, entry in enumerate(manifest["shards"]):
+            if entry["index"] >= self.num_shards:  # the same inputs give the same shards
+                raise OutputsError(f"{self.where.path(MANIFEST)}: shards.{k}.index is "
+                                   f"{entry['index']}, beyond this job's {self.num_shards} "
+                                   "shards (a damaged or edited manifest)")
             files = entry["files"]
             # a shard whose files were deleted by hand is simply recomputed
             if all(f["file"] in present for f in files.values()):

@@ -55,13 +55,15 @@ def _opened(item: InputItem, read: Callable):
 
 
 def shown_otherwise_before(item: InputItem) -> bool:
-    """Whether a vit22b before ``video.DISPLAY`` showed this video's frames otherwise: its
-    pixels are not square (they were not resampled then), or it cannot be read now (its shard
-    is recomputed, and records why)."""
+    """Whether a vit22b before ``video.DISPLAY`` may have shown this video's frames otherwise:
+    its pixels are not square (not resampled before 2026-12-07), it has a display matrix that
+    turns or mirrors it (not applied before 2026-12-02), or it cannot be read now (its shard is
+    recomputed, and records why)."""
     try:
-        return _opened(item, probe).sample_aspect_ratio != "1:1"
+        info = _opened(item, probe)
     except Exception:  # noqa: BLE001 (whatever it is, the recomputed shard records it)
         return True
+    return info.sample_aspect_ratio != "1:1" or info.rotation != 0 or info.mirrored
 
 
 def video_arrays(image_arrays: dict[str, dict], sampling: Sampling) -> dict[str, dict]:

@@ -694,6 +694,8 @@ def test_a_job_resumed_on_a_damaged_manifest_is_refused_naming_the_key(engine, t
         (lambda m: m.__setitem__("identity", None), "identity is null, not a JSON object"),
         (lambda m: m["shards"][0]["files"]["ids"].__setitem__("file", ["x"]),
          r'shards.0.files.ids.file is \["x"\], not a string'),
+        (lambda m: m["shards"][0].__setitem__("index", 99),  # was a bare IndexError
+         r"shards.0.index is 99, beyond this job's 1 shards"),
     ):
         changed = json.loads(manifest)
         edit(changed)

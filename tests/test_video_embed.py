@@ -330,20 +330,25 @@ def test_a_portrait_clip_is_embedded_upright(tmp_path):
     assert np.abs(pooled["portrait.mp4"] - pooled["stored.mp4"]).max() > 1e-2  # it matters
 
 
-def test_a_job_written_before_non_square_pixels_were_shown_square_recomputes_their_shards(
+def test_a_video_job_of_an_earlier_display_rule_recomputes_the_shards_it_showed_otherwise(
         videos, tmp_path, caplog):
     """A video job's identity names how frames are shown (``video.DISPLAY``). A manifest of an
-    earlier vit22b lacks it: its frames of non-square pixels were embedded stretched, so a
-    resumed job recomputes the shards holding such videos (and only those), not mixing the
-    two rules in one output; its other shards are kept."""
+    earlier vit22b lacks it: its frames of non-square pixels were embedded stretched (and,
+    before 2026-12-02, a portrait clip's sideways), so a resumed job recomputes the shards
+    holding such videos (and only those), not mixing two rules in one output; its other
+    shards are kept."""
     data, out = tmp_path / "data", tmp_path / "out"
     data.mkdir()
-    for path in videos[:3]:  # shard 0 (shards of 3): square pixels
+    for path in videos[:3]:  # shard 0 (shards of 3): square pixels, upright
         (data / path.name).write_bytes(path.read_bytes())
     write_video(data / "wide.mp4", coloured(6, seed=9), fps=FPS,
-                sample_aspect_ratio=Fraction(3, 2))  # shard 1
+                sample_aspect_ratio=Fraction(3, 2))  # shard 1: pixels 3:2 wide
+    write_video(data / "yportrait.mp4", coloured(6, seed=10), fps=FPS,  # shard 2: turned
+                display_matrix=matrix(0, ONE, -ONE, 0))  # (not applied before 2026-12-02)
+    for seed, name in enumerate(["x1", "x2", "z1", "z2", "~last"]):  # square and upright
+        write_video(data / f"{name}.mp4", coloured(6, seed=20 + seed), fps=FPS)
     backend = LocalBackend(OutputSpec(), engine=shared_engine())
-    assert embed_job(backend, data, out, k=3).embedded == 4
+    assert embed_job(backend, data, out, k=3).embedded == 10  # shard 3: "~last.mp4" alone
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     assert manifest["identity"]["video"]["display"] == DISPLAY
@@ -354,7 +359,7 @@ def test_a_job_written_before_non_square_pixels_were_shown_square_recomputes_the
     manifest_path.write_text(json.dumps(manifest))
     with caplog.at_level("WARNING", logger="vit22b.clients.embed_store"):
         again = embed_job(backend, data, out, k=3)
-    assert (again.embedded, again.skipped, again.held) == (1, 3, 4)
+    assert (again.embedded, again.skipped, again.held) == (6, 4, 10)  # shards 1 and 2
     assert "written before frames of non-square pixels were resampled" in caplog.text
     assert json.loads(manifest_path.read_text())["identity"]["video"]["display"] == DISPLAY
     after = open_outputs(str(out), verify=True)
@@ -367,5 +372,12 @@ def test_a_job_written_before_non_square_pixels_were_shown_square_recomputes_the
     manifest["identity"]["video"].pop("display")
     manifest["identity"]["video"]["frames"] = 5  # an earlier job of other settings: refused
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(JobMismatch, match="video: "):
+    with pytest.raises(JobMismatch, match="(?s)video: .*rerun with the manifest's settings"):
+        embed_job(backend, data, out, k=3)
+
+    manifest["identity"]["video"] |= {"frames": 3, "display": "another rule"}  # a newer one's?
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(JobMismatch, match="its frames were shown by another rule "
+                       r"\('another rule'\) than this vit22b's: no setting chooses the rule, "
+                       "so choose another --output"):
         embed_job(backend, data, out, k=3)
