@@ -30,19 +30,29 @@ class ConvertError(ValueError):
     """A source checkpoint that cannot be converted; the message names the keys involved."""
 
 
+def byte_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit under which it is at least 1 (``3.0 MiB``)."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
+            break
+        value /= 1024
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def check_memory(what: str, size: int, then: str = "") -> None:
     """Refuse weight files of ``size`` bytes larger than the memory available: every reader
     holds their tensors whole (safetensors' copied out of its map; a zip's unpacked), so past it
     the reads would go on until the kernel's OOM killer ended the process, with no message. A
     lower bound of what a conversion needs (the converted parameters come on top), so it
-    refuses nothing that could fit. ``then``: what the message adds (``"; nothing was
-    downloaded"``)."""
+    refuses nothing that could fit. ``then``: what the message adds (``"; no weight file
+    was downloaded"``)."""
     from .sharding import available_memory  # jax: not for the importers alone
 
     have = available_memory()
     if have is not None and size > have:
-        raise ConvertError(f"{what}: its weight files take {size / 2**30:.1f} GiB, read whole, "
-                           f"and {have / 2**30:.1f} GiB of memory is available: converting it "
+        raise ConvertError(f"{what}: its weight files take {byte_size(size)}, read whole, "
+                           f"and {byte_size(have)} of memory is available: converting it "
                            f"needs a host with more memory{then}")
 
 
@@ -118,7 +128,7 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
                            else f"{path}: no such file or directory")
     index = path / "model.safetensors.index.json"  # transformers' shards
     if index.exists() and "model.safetensors" in preferred:
-        return [path / name for name in _index_shards(index)]
+        return [path / name for name in index_shards(index)]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     present = [path / name for name in preferred if (path / name) in candidates]
     if present or len(candidates) == 1:
@@ -129,7 +139,7 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     )
 
 
-def _index_shards(index: Path) -> list[str]:
+def index_shards(index: Path) -> list[str]:
     """The shard files transformers' index names: plain file names beside it, each once."""
     data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None

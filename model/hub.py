@@ -6,21 +6,22 @@ hub is reachable (never with ``HF_HUB_OFFLINE=1``).
 
 Only what an importer reads is fetched: its config files and the first weight file of its
 preference list that the repository holds (a repository often keeps the same weights in several
-formats). Its size is asked first (the hub's file metadata): weights larger than the memory
-available (the converter reads them whole) or than the cache's free disk are refused before a
-byte is downloaded.
+formats), or, for transformers' sharded safetensors, the index and then the shards it names.
+The weights' sizes are asked first (the hub's file metadata): weights larger than the memory
+available (the converter reads them whole) or than the cache's free disk are refused before any
+of them is downloaded. A snapshot cut short (an index and some of its shards) is completed.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 
-from .convert_common import ConvertError, check_memory
+from .convert_common import ConvertError, byte_size, check_memory, index_shards
 
 PREFIX = "hf-hub:"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -68,12 +69,21 @@ def cache_dir() -> Path:
     are fixed when it is imported), with huggingface_hub's precedence."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
-            return Path(os.path.expanduser(os.environ[var]))
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "huggingface",
-    )
-    return Path(os.path.expanduser(home)) / "hub"
+            return _expanded(os.environ[var], var)
+    if os.environ.get("HF_HOME"):
+        return _expanded(os.environ["HF_HOME"], "HF_HOME") / "hub"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(_expanded("~", "HOME"), ".cache")
+    return _expanded(cache, "XDG_CACHE_HOME") / "huggingface" / "hub"
+
+
+def _expanded(value: str, var: str) -> Path:
+    """``value`` with a leading ``~`` or ``~user`` expanded; ConvertError where it cannot be
+    (huggingface_hub's own expansion raised a bare RuntimeError)."""
+    path = os.path.expanduser(value)
+    if path.startswith("~"):
+        raise ConvertError(f"{var}={value!r}: {path.split(os.sep)[0]} names no user's home "
+                           "folder here, so the Hugging Face cache has no place")
+    return Path(path)
 
 
 def offline() -> bool:
@@ -108,13 +118,16 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
         # never fetched are missing, ours may not be
         snapshot = getattr(err, "snapshot_path", None)
         folder = Path(snapshot) if snapshot else None
-    if folder is not None and _holds_weights(folder, weights):
+    lacks = None if folder is None else _missing(folder, weights)
+    if lacks == []:
         return folder
     if offline():
-        if folder is None:
+        if lacks is None:
             missing = f"revision {model.revision!r} is not in the Hugging Face cache"
-        else:
+        elif lacks == list(weights):
             missing = f"its cached snapshot holds none of {', '.join(weights)}"
+        else:  # an index and some of its shards
+            missing = (f"its cached snapshot lacks {', '.join(lacks)} (a download cut short?)")
         raise ConvertError(
             f"{_named(model)}{missing} ({model.folder(cache)}), and HF_HUB_OFFLINE forbids "
             "downloading it"
@@ -133,17 +146,28 @@ def _sharded(weights: tuple[str, ...]) -> bool:
     return "model.safetensors" in weights
 
 
-def _holds_weights(folder: Path, weights: tuple[str, ...]) -> bool:
-    index = (SHARD_INDEX,) if _sharded(weights) else ()
-    return any((folder / name).is_file() for name in (*weights, *index))
+def _missing(folder: Path, weights: tuple[str, ...]) -> list[str]:
+    """The weight files ``folder`` lacks: none when it holds one of ``weights`` or an index
+    and every shard it names (a download cut short keeps the index and some shards), else the
+    shards it lacks, or ``weights`` themselves."""
+    if any((folder / name).is_file() for name in weights):
+        return []
+    index = folder / SHARD_INDEX
+    if not (_sharded(weights) and index.is_file()):
+        return list(weights)
+    return [name for name in index_shards(index) if not (folder / name).is_file()]
 
 
 def _size(sibling) -> int | None:
-    """A file's bytes as the hub's metadata gives them (an LFS file's are its object's); None
-    where it gives none that is a byte count."""
-    lfs = getattr(sibling, "lfs", None)
-    size = getattr(lfs, "size", None) if lfs is not None else getattr(sibling, "size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+    """A file's bytes as the hub's metadata gives them (an LFS object's, else the file's); None
+    where neither is a byte count."""
+    for size in (getattr(getattr(sibling, "lfs", None), "size", None),
+                 getattr(sibling, "size", None)):
+        if isinstance(size, float) and math.isfinite(size) and size.is_integer():
+            size = int(size)  # JSON's 1e10
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+            return size
+    return None
 
 
 def _free_disk(folder: Path) -> int | None:
@@ -158,54 +182,72 @@ def _free_disk(folder: Path) -> int | None:
 
 
 def _check_room(model: HubModel, cache: Path, sizes: dict[str, int | None],
-                chosen: list[str], cached: Path | None) -> None:
-    """Refuse, before downloading, weights the converter could not read whole here or the
-    cache could not hold (the files already in the cached snapshot ``cached`` need no room)."""
-    names = [name for name in sizes if any(fnmatch(name, pattern) for pattern in chosen)]
+                names: list[str], cached: Path | None) -> None:
+    """Refuse, before downloading, weight files ``names`` that the converter could not read
+    whole here or the cache could not hold (those already in the cached snapshot ``cached``
+    need no room)."""
     what = f"{model.spec} (revision {model.revision!r})"
-    needed = sum(sizes[name] or 0 for name in names
+    needed = sum(sizes.get(name) or 0 for name in names
                  if cached is None or not (cached / name).is_file())
     free = _free_disk(cache)
     if free is not None and needed > free:
         raise ConvertError(
-            f"{what}: its weight files take {needed / 2**30:.1f} GiB to download, and the "
-            f"Hugging Face cache ({cache}) has {free / 2**30:.1f} GiB free; nothing was "
-            "downloaded (HF_HUB_CACHE chooses another cache)"
+            f"{what}: its weight files take {byte_size(needed)} to download, and the Hugging "
+            f"Face cache ({cache}) has {byte_size(free)} free; no weight file was downloaded "
+            "(HF_HUB_CACHE chooses another cache)"
         )
-    check_memory(what, sum(sizes[name] or 0 for name in names), "; nothing was downloaded")
+    check_memory(what, sum(sizes.get(name) or 0 for name in names),
+                 "; no weight file was downloaded")
+
+
+def _files(model: HubModel, endpoint: str | None) -> dict[str, int | None]:
+    """The repository's files at the revision, with their sizes where the hub gives them."""
+    from huggingface_hub import HfApi
+
+    try:
+        # model_info asks once (list_repo_files would retry an unreachable hub for half a
+        # minute); huggingface_hub parses the answer as it comes
+        info = HfApi(endpoint=endpoint).model_info(model.repo, revision=model.revision,
+                                                   timeout=10, files_metadata=True)
+        return {sibling.rfilename: _size(sibling) for sibling in info.siblings or ()}
+    except (AssertionError, AttributeError, KeyError, TypeError) as err:  # another shape
+        raise ConvertError(f"{_named(model)}the hub's description of revision "
+                           f"{model.revision!r} is malformed ({type(err).__name__}: {err}); "
+                           "no weight file was downloaded") from None
 
 
 def _download(
     model: HubModel, cache: Path, side_files: tuple[str, ...], weights: tuple[str, ...],
     cached: Path | None,
 ) -> Path:
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import snapshot_download
 
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, as the cache is
+
+    def download(patterns: list[str]) -> Path:
+        return Path(snapshot_download(model.repo, revision=model.revision, cache_dir=cache,
+                                      allow_patterns=patterns, endpoint=endpoint))
+
     try:
-        # model_info asks once (list_repo_files would retry an unreachable hub for half a
-        # minute); with the files' sizes, to refuse what cannot fit before downloading it
-        info = HfApi(endpoint=endpoint).model_info(model.repo, revision=model.revision,
-                                                   timeout=10, files_metadata=True)
-        sizes = {sibling.rfilename: _size(sibling) for sibling in info.siblings or ()}
-        files = set(sizes)
-        chosen = [name for name in weights if name in files][:1]
-        if not chosen and _sharded(weights) and SHARD_INDEX in files:
-            chosen = [SHARD_INDEX, SHARDS]
+        sizes = _files(model, endpoint)
+        chosen = [name for name in weights if name in sizes][:1]
+        if not chosen and _sharded(weights) and SHARD_INDEX in sizes:
+            # the index first: its shards alone are fetched (a repository may keep others)
+            chosen = index_shards(download([*side_files, SHARD_INDEX]) / SHARD_INDEX)
+            if absent := [name for name in chosen if name not in sizes]:
+                raise ConvertError(
+                    f"{model.spec} (revision {model.revision!r}): its {SHARD_INDEX} names "
+                    f"{', '.join(absent)}, which the repository does not hold; no weight file "
+                    "was downloaded")
+            chosen.append(SHARD_INDEX)
         if not chosen:
-            held = ", ".join(sorted(files)) or "no files"
+            held = ", ".join(sorted(sizes)) or "no files"
             raise ConvertError(
                 f"{model.spec} (revision {model.revision!r}) holds none of the weight files this "
                 f"importer reads ({', '.join(weights)}); it has: {held}"
             )
         _check_room(model, cache, sizes, chosen, cached)
-        folder = snapshot_download(
-            model.repo,
-            revision=model.revision,
-            cache_dir=cache,
-            allow_patterns=[*side_files, *chosen],
-            endpoint=endpoint,
-        )
+        folder = download([*side_files, *chosen])
     except ConvertError:
         raise
     except Exception as err:  # no route, refused, unknown repository or revision, no access
@@ -214,4 +256,7 @@ def _download(
             f"{_named(model)}revision {model.revision!r} is not in the Hugging Face cache "
             f"({model.folder(cache)}), and downloading it failed: {reason}"
         ) from err
-    return Path(folder)
+    if missing := _missing(folder, weights):  # a hub that listed files it does not serve
+        raise ConvertError(f"{_named(model)}revision {model.revision!r}: downloaded, but "
+                           f"{', '.join(missing)} did not arrive in {folder}")
+    return folder

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -287,16 +288,17 @@ def test_weights_too_large_for_the_cache_or_the_memory_are_refused_before_downlo
     repo = tmp_path / "repo"
     repo.mkdir()
     shards = [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
-    for name in ("config.json", "model.safetensors", SHARD_INDEX, *shards):
+    for name in ("config.json", "model.safetensors", *shards):
         (repo / name).write_bytes(b"{}")
+    (repo / SHARD_INDEX).write_text(json.dumps({"weight_map": dict(zip("ab", shards))}))
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with LocalHub({"acme/huge": ("d" * 40, repo)}, {"model.safetensors": 2**50}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         with pytest.raises(ConvertError, match=r"acme/huge \(revision 'main'\): its weight files "
-                           r"take 1048576\.0 GiB to download, and the Hugging Face cache \(.*hub\) "
-                           r"has .* GiB free; nothing was downloaded"):
+                           r"take 1\.0 PiB to download, and the Hugging Face cache \(.*hub\) "
+                           r"has [\d.]+ \w+ free; no weight file was downloaded"):
             convert("hf", "acme/huge")
         assert hub.fetched() == []
 
@@ -310,9 +312,100 @@ def test_weights_too_large_for_the_cache_or_the_memory_are_refused_before_downlo
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         with pytest.raises(ConvertError, match=r"acme/huge \(revision 'main'\): its weight files "
                            r"take .* GiB, read whole, and .* GiB of memory is available: "
-                           r"converting it needs a host with more memory; nothing was downloaded"):
+                           r"converting it needs a host with more memory; no weight file was "
+                           "downloaded"):
             convert("hf", "acme/huge")
-        assert hub.fetched() == []
+        assert hub.fetched() == ["config.json", SHARD_INDEX]  # the index, to name the shards
+
+
+class OddHub(LocalHub):
+    """A hub (or a mirror) whose file metadata is ``sibling(name)`` for the weights."""
+
+    def __init__(self, repos, sibling):
+        super().__init__(repos)
+        self.odd = sibling
+
+    def _sibling(self, folder: Path, name: str, blobs: bool) -> dict:
+        plain = super()._sibling(folder, name, blobs)
+        return self.odd(name) if name.endswith(".safetensors") else plain
+
+
+def test_odd_file_metadata_and_cache_paths_are_named(tmp_path, monkeypatch):
+    """An outside tester's finds: a malformed LFS entry was "downloading it failed: KeyError:
+    'sha256'"; a size JSON gives as 1e+30 (a float) counted as unknown and the file was
+    fetched; a cache under ``~user`` ended in a bare RuntimeError from huggingface_hub."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (repo / name).write_bytes(b"{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    repos = {"acme/odd": ("f" * 40, repo)}
+    for sibling, message in (
+        (lambda n: {"rfilename": n, "lfs": {"size": 3}}, r"the hub's description of revision "
+         r"'main' is malformed \(KeyError: 'sha256'\); no weight file was downloaded"),
+        (lambda n: {"rfilename": n, "size": 1e30}, r"its weight files take [\d.]+ EiB to "
+         "download"),
+        (lambda n: {"rfilename": n, "size": -1, "lfs": {"size": 1e30, "sha256": "0" * 64,
+                                                        "pointerSize": 1}}, "EiB to download"),
+    ):
+        with OddHub(repos, sibling) as hub:
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            with pytest.raises(ConvertError, match=message):
+                convert("hf", "acme/odd")
+            assert hub.fetched() == []
+    monkeypatch.setenv("HF_HUB_CACHE", "~no-such-user-vit22b/hub")
+    with pytest.raises(ConvertError, match="HF_HUB_CACHE='~no-such-user-vit22b/hub': "
+                       "~no-such-user-vit22b names no user's home folder here"):
+        convert("hf", "acme/odd")
+
+
+def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_short_download(
+        tmp_path, monkeypatch):
+    """transformers' sharded safetensors: the index first, then the shards it names, not every
+    file the shard pattern matches (a repository may keep an earlier sharding's files). A
+    snapshot cut short (the index and some shards) passed as complete, online or not, and the
+    converter failed on the missing file: online it is completed now, the missing shard
+    alone fetched; offline it is named. An index naming a file the repository lacks is refused
+    before any weight is fetched."""
+    cls_name, config_name, kw, outputs, normed, _ = HF_CASES["siglip"]
+    model = _hf(cls_name, config_name, seed=66, **kw)
+    repo = tmp_path / "repo"
+    model.save_pretrained(repo, max_shard_size="40KB")
+    named = json.loads((repo / SHARD_INDEX).read_text())["weight_map"]
+    shards = sorted(set(named.values()))
+    assert len(shards) > 2
+    (repo / "model-00001-of-00009.safetensors").write_bytes(b"an earlier sharding's file")
+    cache, commit = tmp_path / "hub", "e" * 40
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {k: v.numpy() for k, v in outputs(model, pixels).items()}
+    with LocalHub({"acme/sharded": (commit, repo)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        converted = convert("hf", "acme/sharded")
+        assert hub.fetched() == sorted(["config.json", SHARD_INDEX, *shards])
+        check_parity("hub-download-sharded", f"hf {cls_name}", converted, pixels.numpy(), peer,
+                     normed)
+
+        link = cache / "models--acme--sharded" / "snapshots" / commit / shards[1]
+        link.resolve().unlink()  # as a download cut short leaves it: neither blob nor link
+        link.unlink()
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ConvertError, match=f"its cached snapshot lacks {shards[1]} "
+                           r"\(a download cut short\?\) .*HF_HUB_OFFLINE forbids"):
+            convert("hf", "acme/sharded")
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        before = Counter(hub.fetched())
+        assert convert("hf", "acme/sharded").source == converted.source
+        assert Counter(hub.fetched()) - before == Counter([shards[1]])  # the missing one alone
+
+        (repo / shards[0]).unlink()  # the hub no longer holds a file its index names
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub2"))
+        with pytest.raises(ConvertError, match=f"its {SHARD_INDEX} names {shards[0]}, which the "
+                           "repository does not hold; no weight file was downloaded"):
+            convert("hf", "acme/sharded")
 
 
 def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch):
