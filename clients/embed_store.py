@@ -147,15 +147,15 @@ _GEOMETRY = ("resolution", "num_patches")
 
 
 def _recorded_geometry(recorded: dict, now: dict) -> dict:
-    """``now`` where the two differ only in one naming its square geometry and the other not:
-    a ``--resolution`` equal to the model's own computes what none does, and the contract's
-    hash, which holds the input size, is the same in both (a dense job is never this case)."""
-    if recorded.get("dense") or now.get("dense") or ("resolution" in recorded) == (
-            "resolution" in now):
-        return recorded
+    """``now`` where the two differ only in how they name one geometry: a ``--resolution``
+    equal to the model's own computes what none does (square or dense), and the contract's
+    hash, which holds the geometry, is the same in both; a dense job's patch bound (its rows'
+    shape) must be the same too."""
     rest = [{k: v for k, v in identity.items() if k not in _GEOMETRY}
             for identity in (recorded, now)]
-    return now if rest[0] == rest[1] else recorded
+    bounds = [identity.get("num_patches") for identity in (recorded, now)]
+    same_rows = None in bounds or bounds[0] == bounds[1]
+    return now if rest[0] == rest[1] and same_rows else recorded
 
 
 def _identity_diff(old: dict, new: dict) -> list[str]:

@@ -38,6 +38,7 @@ from .convert_common import (
     check_memory,
     find_weights,
     read_tensors,
+    shard_index,
     unpacked_size,
 )
 from .convert_preprocess import PreprocessFlags, SourcePreprocess, resolve
@@ -129,9 +130,10 @@ def convert(
     path, hub_name = _locate(source, input_path, importer)
     side = importer.side_files(path)
     notes: list[str] = []
-    files = find_weights(path, getattr(importer, "WEIGHT_FILES", WEIGHT_FILES))
+    preferred = getattr(importer, "WEIGHT_FILES", WEIGHT_FILES)
+    files = find_weights(path, preferred)
     check_memory(str(path), sum(unpacked_size(f) for f in files if f.is_file()))
-    tensors = importer.canonical(read_tensors(files), notes)
+    tensors = importer.canonical(read_tensors(files, shard_index(path, preferred)), notes)
     name = f"{source}:{hub_name or _source_name(path, side)}"
     t = SourceTensors(tensors, source)
     try:

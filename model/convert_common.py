@@ -26,6 +26,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+SHARD_INDEX = "model.safetensors.index.json"  # transformers' sharded safetensors
+
+
 class ConvertError(ValueError):
     """A source checkpoint that cannot be converted; the message names the keys involved."""
 
@@ -34,7 +37,7 @@ def byte_size(n: int) -> str:
     """``n`` bytes in the largest binary unit under which it is at least 1 (``3.0 MiB``)."""
     value, unit = float(n), "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if value < 1024 or unit == "EiB":
+        if round(value, 1) < 1024 or unit == "EiB":  # 1048575 B is 1.0 MiB, not 1024.0 KiB
             break
         value /= 1024
     return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
@@ -126,8 +129,7 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     if not path.is_dir():
         raise ConvertError(f"{path}: not a regular file or a folder" if path.exists()
                            else f"{path}: no such file or directory")
-    index = path / "model.safetensors.index.json"  # transformers' shards
-    if index.exists() and "model.safetensors" in preferred:
+    if (index := shard_index(path, preferred)) is not None:
         return [path / name for name in index_shards(index)]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     present = [path / name for name in preferred if (path / name) in candidates]
@@ -139,17 +141,36 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     )
 
 
-def index_shards(index: Path) -> list[str]:
-    """The shard files transformers' index names: plain file names beside it, each once."""
+def index_map(index: Path) -> dict[str, str]:
+    """transformers' shard index: tensor name -> shard file, each a plain ``.safetensors`` name
+    beside it (no folder, no glob character: the hub fetches by pattern)."""
     data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConvertError(f"{index}: holds no weight_map, an object of tensor names to shard "
                            "files")
     for name in weight_map.values():
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise ConvertError(f"{index}: weight_map names {name!r}, not a file in its folder")
-    return sorted(set(weight_map.values()))
+        if (not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")
+                or not name.endswith(".safetensors") or any(c in name for c in "*?[]")):
+            raise ConvertError(f"{index}: weight_map names {name!r}, not a .safetensors file in "
+                               "its folder")
+    return weight_map
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard files transformers' index names, each once."""
+    return sorted(set(index_map(index).values()))
+
+
+def shard_index(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> Path | None:
+    """The shard index ``find_weights`` reads at ``path``: transformers' index, where the
+    importer reads ``model.safetensors`` and the folder holds no such single file (transformers'
+    own order)."""
+    index = path / SHARD_INDEX
+    if ("model.safetensors" in preferred and path.is_dir()
+            and not (path / "model.safetensors").is_file() and index.exists()):
+        return index
+    return None
 
 
 def _head(path: Path, size: int = 262) -> bytes:
@@ -229,7 +250,9 @@ def _safetensors(path: Path) -> dict[str, np.ndarray]:
         return {key: f.get_tensor(key) for key in f.keys()}
 
 
-def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+def read_tensors(files: list[Path], index: Path | None = None) -> dict[str, np.ndarray]:
+    """Every tensor of ``files``; with the shard ``index`` they come from, each tensor it names
+    must be in one of them."""
     readers: dict[str, Callable[[Path], dict]] = {
         ".safetensors": _safetensors,
         ".npz": _npz_tensors,
@@ -238,6 +261,7 @@ def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
         ".bin": _torch_tensors,
     }
     tensors: dict[str, np.ndarray] = {}
+    where: dict[str, str] = {}  # tensor -> the file it came from
     for path in files:
         reader = readers.get(path.suffix)
         if reader is None:
@@ -254,6 +278,12 @@ def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
         if clash:
             raise ConvertError(f"{path}: keys {clash[:5]} also appear in another shard")
         tensors.update(part)
+        where |= dict.fromkeys(part, path.name)
+    if index is not None:  # a tensor the index names but no shard holds
+        lost = sorted(k for k in index_map(index) if k not in where)
+        if lost:  # would be read as absent (a bias, a head): another model, silently
+            raise ConvertError(f"{index}: names tensors no shard holds ({', '.join(lost[:5])}"
+                               f"{'...' if len(lost) > 5 else ''}): a shard of another save?")
     return tensors
 
 

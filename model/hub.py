@@ -21,10 +21,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert_common import ConvertError, byte_size, check_memory, index_shards
+from .convert_common import (
+    SHARD_INDEX,
+    ConvertError,
+    byte_size,
+    check_memory,
+    index_shards,
+    shard_index,
+)
 
 PREFIX = "hf-hub:"
-SHARD_INDEX = "model.safetensors.index.json"
 SHARDS = "model-*-of-*.safetensors"
 _REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
 # a branch, tag or commit ("main", "v1.0", "refs/pr/1", a hash): huggingface_hub reads
@@ -147,15 +153,12 @@ def _sharded(weights: tuple[str, ...]) -> bool:
 
 
 def _missing(folder: Path, weights: tuple[str, ...]) -> list[str]:
-    """The weight files ``folder`` lacks: none when it holds one of ``weights`` or an index
-    and every shard it names (a download cut short keeps the index and some shards), else the
-    shards it lacks, or ``weights`` themselves."""
-    if any((folder / name).is_file() for name in weights):
-        return []
-    index = folder / SHARD_INDEX
-    if not (_sharded(weights) and index.is_file()):
-        return list(weights)
-    return [name for name in index_shards(index) if not (folder / name).is_file()]
+    """The weight files ``folder`` lacks for the converter: the shards an index names that it
+    lacks (a download cut short keeps the index and some), none when it holds one of
+    ``weights``, else ``weights`` themselves."""
+    if (index := shard_index(folder, weights)) is not None:  # as the converter reads it
+        return [name for name in index_shards(index) if not (folder / name).is_file()]
+    return [] if any((folder / name).is_file() for name in weights) else list(weights)
 
 
 def _size(sibling) -> int | None:
@@ -251,7 +254,8 @@ def _download(
     except ConvertError:
         raise
     except Exception as err:  # no route, refused, unknown repository or revision, no access
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        # whole (a 404's file is on its third line), in one line
+        reason = f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"
         raise ConvertError(
             f"{_named(model)}revision {model.revision!r} is not in the Hugging Face cache "
             f"({model.folder(cache)}), and downloading it failed: {reason}"

@@ -367,22 +367,36 @@ def test_hf_and_open_clip_config_values_of_the_wrong_kind_are_refused(tmp_path):
 
 
 def test_a_shard_index_must_name_files_in_its_own_folder(tmp_path):
+    """And every tensor it names must be in its shards; it is read where no model.safetensors
+    is beside it (transformers' order: a single file beside an index wins)."""
+    from safetensors import safe_open
+
     folder = _clip_folder(tmp_path / "c")
     (tmp_path / "other.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    (folder / "model.safetensors").rename(folder / "shard.safetensors")
     index = folder / "model.safetensors.index.json"
     for text, message in (
         ("{oops", "not valid JSON"),
         ("[1]", "holds no weight_map, an object of tensor names to shard files"),
         ("{}", "holds no weight_map, an object of tensor names to shard files"),
         (json.dumps({"weight_map": {"a": "../other.safetensors"}}),
-         "weight_map names '../other.safetensors', not a file in its folder"),
-        (json.dumps({"weight_map": {"a": 5}}), "weight_map names 5, not a file in its folder"),
+         "weight_map names '../other.safetensors', not a .safetensors file in its folder"),
+        (json.dumps({"weight_map": {"a": 5}}),
+         "weight_map names 5, not a .safetensors file in its folder"),
     ):
         index.write_text(text)
         with pytest.raises(ConvertError, match=rf"^{re.escape(str(index))}: {message}"):
             convert("hf", folder)
-    index.write_text(json.dumps({"weight_map": {"a": "model.safetensors"}}))
+    with safe_open(folder / "shard.safetensors", "np") as f:
+        weight_map = dict.fromkeys(f.keys(), "shard.safetensors")
+    index.write_text(json.dumps({"weight_map": {**weight_map, "a": "shard.safetensors"}}))
+    with pytest.raises(ConvertError, match=r"names tensors no shard holds \(a\)"):
+        convert("hf", folder)
+    index.write_text(json.dumps({"weight_map": weight_map}))
     assert convert("hf", folder).config.depth == 2
+    (folder / "model.safetensors").write_bytes(b"not read")  # beside the index, it is read
+    with pytest.raises(ConvertError, match="model.safetensors: cannot read weights"):
+        convert("hf", folder)
 
 
 def test_a_pipe_or_device_in_place_of_a_file_is_refused_not_waited_on(tmp_path):
@@ -391,6 +405,8 @@ def test_a_pipe_or_device_in_place_of_a_file_is_refused_not_waited_on(tmp_path):
     for name in ("config.json", "model.safetensors.index.json", "model.safetensors"):
         folder = _clip_folder(tmp_path / name)
         (folder / name).unlink(missing_ok=True)
+        if name.endswith(".index.json"):  # read where no model.safetensors is (transformers')
+            (folder / "model.safetensors").unlink()
         os.mkfifo(folder / name)
         with pytest.raises(ConvertError, match=rf"{re.escape(name)}: not a regular file"):
             convert("hf", folder)

@@ -31,7 +31,7 @@ from timm.models._hub import save_config_for_hf
 from vit22b.clients.cli import main
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.convert import ConvertError, convert
-from vit22b.model.hub import SHARD_INDEX
+from vit22b.model.convert_common import SHARD_INDEX, byte_size
 from vit22b.model.sharding import available_memory
 
 
@@ -330,6 +330,12 @@ class OddHub(LocalHub):
         return self.odd(name) if name.endswith(".safetensors") else plain
 
 
+def test_byte_sizes_in_messages_take_the_unit_that_fits():
+    sizes = (0, 1023, 1024, 2**20 - 1, 3 * 2**20, 2**50, 5 * 2**70)
+    assert [byte_size(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "1.0 MiB", "3.0 MiB",
+                                             "1.0 PiB", "5120.0 EiB"]
+
+
 def test_odd_file_metadata_and_cache_paths_are_named(tmp_path, monkeypatch):
     """An outside tester's finds: a malformed LFS entry was "downloading it failed: KeyError:
     'sha256'"; a size JSON gives as 1e+30 (a float) counted as unknown and the file was
@@ -400,6 +406,33 @@ def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_
         before = Counter(hub.fetched())
         assert convert("hf", "acme/sharded").source == converted.source
         assert Counter(hub.fetched()) - before == Counter([shards[1]])  # the missing one alone
+
+        # a folder (or a snapshot) holding model.safetensors and an index: the single file, as
+        # transformers reads them (the index's shards were read: another model, by what else
+        # was cached)
+        single = _hf(cls_name, config_name, seed=67, **kw)
+        both = tmp_path / "both"
+        single.save_pretrained(both)
+        for name in (SHARD_INDEX, *shards):
+            (both / name).write_bytes((repo / name).read_bytes())
+        with torch.no_grad():
+            peer_single = {k: v.numpy() for k, v in outputs(single, pixels).items()}
+        check_parity("hub-both-single-wins", f"hf {cls_name}", convert("hf", str(both)),
+                     pixels.numpy(), peer_single, normed)
+        # an index naming a tensor no shard holds was read as that tensor absent (a patch bias
+        # dropped: another model, no word); a shard name with a glob character fetched others
+        index = json.loads((repo / SHARD_INDEX).read_text())
+        for edit, message in (
+            ({**named, "extra.weight": shards[0]},
+             r"names tensors no shard holds \(extra.weight\)"),
+            ({**named, "x": "model-[1]-of-00007.safetensors"}, "weight_map names "
+             r"'model-\[1\]-of-00007.safetensors', not a .safetensors file in its folder"),
+            ({**named, "x": "config.json"}, "weight_map names 'config.json', not a .safetensors"),
+        ):
+            (both / "model.safetensors").unlink(missing_ok=True)
+            (both / SHARD_INDEX).write_text(json.dumps({**index, "weight_map": edit}))
+            with pytest.raises(ConvertError, match=message):
+                convert("hf", str(both))
 
         (repo / shards[0]).unlink()  # the hub no longer holds a file its index names
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub2"))

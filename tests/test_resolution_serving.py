@@ -171,22 +171,29 @@ def test_a_job_records_its_geometry_and_refuses_to_mix(tmp_path):
             backend.close()
 
         # the model's own resolution named or not is one job ("None in the manifest, 64 now"
-        # was refused), either way round; the same rows
+        # was refused; dense: "0 in the manifest, 64 now"), either way round; the same rows
         own = engine().cfg.image_size
-        for first, then in ((own, 0), (0, own)):
-            folder = str(tmp_path / f"own-{first}")
-            for resolution, embedded in ((first, 5), (then, 0)):
-                spec = OutputSpec(pooled=True, patch_layers=(-1,), resolution=resolution)
-                backend = RemoteBackend([server.address], spec, quiet=True)
-                try:
-                    summary = run_job(JobConfig([str(tmp_path / "data")], folder, spec,
-                                                quiet=True), backend)
-                finally:
-                    backend.close()
-                assert (summary.embedded, summary.complete) == (embedded, True)
-        named, unnamed = (open_outputs(str(tmp_path / f"own-{r}")) for r in (own, 0))
-        assert named.ids == unnamed.ids
-        assert_same_rows(np.asarray(named["pooled"]), np.asarray(unnamed["pooled"]))
+
+        def job(folder: str, resolution: int, dense: bool):
+            spec = OutputSpec(pooled=True, patch_layers=(-1,), resolution=resolution,
+                              dense=dense)
+            backend = RemoteBackend([server.address], spec, quiet=True)
+            try:
+                return run_job(JobConfig([str(tmp_path / "data")], str(tmp_path / folder), spec,
+                                         quiet=True), backend)
+            finally:
+                backend.close()
+
+        for dense in (False, True):
+            for first, then in ((own, 0), (0, own)):
+                folder = f"own-{dense}-{first}"
+                assert (job(folder, first, dense).embedded, job(folder, then, dense).embedded) \
+                    == (5, 0)
+            named, unnamed = (open_outputs(str(tmp_path / f"own-{dense}-{r}")) for r in (own, 0))
+            assert named.ids == unnamed.ids
+            assert_same_rows(np.asarray(named["pooled"]), np.asarray(unnamed["pooled"]))
+        with pytest.raises(ValueError, match="refusing to mix"):  # square and dense: two jobs
+            job(f"own-False-{own}", own, True)
 
 
 def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
