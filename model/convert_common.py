@@ -24,6 +24,7 @@ from .config import ViTConfig
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
 # in a directory holding several weight files, the one read (an importer may name others)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")  # transformers' shard names
 
 
 SHARD_INDEX = "model.safetensors.index.json"  # transformers' sharded safetensors
@@ -104,6 +105,7 @@ class Sizes:
 
 
 MAX_JSON_BYTES = 16 << 20  # a config file or an index: kilobytes
+MAX_JSON_DEPTH = 64  # a config nests a few levels; past this, a hostile file
 
 
 def read_json(file: Path) -> object:
@@ -115,22 +117,45 @@ def read_json(file: Path) -> object:
     if size > MAX_JSON_BYTES:
         raise ConvertError(f"{file}: {size} bytes, over the {MAX_JSON_BYTES} a JSON file beside "
                            "the weights may hold")
+    too_deep = ConvertError(f"{file}: nested over {MAX_JSON_DEPTH} levels deep, far past any "
+                            "config's")
     try:
-        return json.loads(file.read_text())
+        data = json.loads(file.read_text())
     except ValueError as err:  # bad JSON, or bytes that are not UTF-8
         raise ConvertError(f"{file}: not valid JSON: {err}") from None
+    except RecursionError:  # [[[... past Python's stack
+        raise too_deep from None
+    if _depth(data) > MAX_JSON_DEPTH:  # every reader of it recurses
+        raise too_deep
+    return data
+
+
+def _depth(data: object) -> int:
+    """How deep lists and objects nest in ``data`` (without recursion: every reader of it
+    recurses)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[Path]:
-    """The weight file(s) at ``path``: a file, or a directory holding one (or a sharded index);
-    in a directory with several, the first of the ``preferred`` names present."""
+    """The weight file(s) at ``path``: a file, or a directory holding one (or a sharded index
+    where the importer reads one); in a directory with several, the first of the ``preferred``
+    names present."""
+    if (index := shard_index(path, preferred)) is not None:
+        return [index.parent / name for name in index_shards(index)]
     if path.is_file():
+        if _SHARD.fullmatch(path.name) and (path.parent / SHARD_INDEX).is_file():
+            raise ConvertError(f"{path}: one shard of the checkpoint its folder's {SHARD_INDEX} "
+                               "names: convert the folder")
         return [path]
     if not path.is_dir():
         raise ConvertError(f"{path}: not a regular file or a folder" if path.exists()
                            else f"{path}: no such file or directory")
-    if (index := shard_index(path, preferred)) is not None:
-        return [path / name for name in index_shards(index)]
     candidates = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     present = [path / name for name in preferred if (path / name) in candidates]
     if present or len(candidates) == 1:
@@ -163,12 +188,17 @@ def index_shards(index: Path) -> list[str]:
 
 
 def shard_index(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> Path | None:
-    """The shard index ``find_weights`` reads at ``path``: transformers' index, where the
-    importer reads ``model.safetensors`` and the folder holds no such single file (transformers'
-    own order)."""
+    """The shard index ``find_weights`` reads at ``path`` (the index itself, or a folder
+    holding one), where the importer's ``preferred`` files name it (transformers': after
+    ``model.safetensors``, before ``pytorch_model.bin``, as it reads them) and no file it
+    prefers to it is in the folder. timm's and big_vision's loaders read no index."""
+    if SHARD_INDEX not in preferred:
+        return None
+    if path.name == SHARD_INDEX and path.is_file():
+        return path
     index = path / SHARD_INDEX
-    if ("model.safetensors" in preferred and path.is_dir()
-            and not (path / "model.safetensors").is_file() and index.exists()):
+    first = preferred[:preferred.index(SHARD_INDEX)]
+    if path.is_dir() and index.exists() and not any((path / n).is_file() for n in first):
         return index
     return None
 
@@ -282,8 +312,9 @@ def read_tensors(files: list[Path], index: Path | None = None) -> dict[str, np.n
     if index is not None:  # a tensor the index names but no shard holds
         lost = sorted(k for k in index_map(index) if k not in where)
         if lost:  # would be read as absent (a bias, a head): another model, silently
-            raise ConvertError(f"{index}: names tensors no shard holds ({', '.join(lost[:5])}"
-                               f"{'...' if len(lost) > 5 else ''}): a shard of another save?")
+            shown = ", ".join(repr(k) if len(k) <= 80 else f"{k[:60]!r}..." for k in lost[:5])
+            raise ConvertError(f"{index}: names tensors no shard holds ({shown}"
+                               f"{', ...' if len(lost) > 5 else ''}): a shard of another save?")
     return tensors
 
 

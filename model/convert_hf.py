@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import ViTConfig
 from .convert_common import (
+    SHARD_INDEX,
     ConvertError,
     Hints,
     Sizes,
@@ -196,6 +197,8 @@ _TEXT_TOWER = re.compile(r"^(text_model\.|text_projection\.|logit_scale$|logit_b
 
 
 SIDE_FILES = ("config.json", "preprocessor_config.json")
+# transformers' order: its single file, its shard index, then the pickle
+WEIGHT_FILES = ("model.safetensors", SHARD_INDEX, "pytorch_model.bin")
 
 
 def side_files(path: Path) -> dict:

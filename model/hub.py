@@ -100,15 +100,15 @@ def offline() -> bool:
 
 
 def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]) -> Path:
-    """The snapshot folder holding ``side_files`` (where the repository has them) and one of
-    ``weights`` (in that order of preference, else transformers' sharded safetensors where the
-    importer reads them): from the cache,
-    else downloaded. The folder's name is the commit it holds."""
+    """The snapshot folder holding ``side_files`` (where the repository has them) and the
+    first of ``weights`` the repository holds (the importer's order; transformers' shard index
+    stands for the shards it names): from the cache, else downloaded. The folder's name is the
+    commit it holds."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = cache_dir()
-    patterns = [*side_files, *weights, *((SHARD_INDEX, SHARDS) if _sharded(weights) else ())]
+    patterns = [*side_files, *weights, *((SHARDS,) if _sharded(weights) else ())]
     try:
         folder = Path(
             snapshot_download(
@@ -149,7 +149,7 @@ def _named(model: HubModel) -> str:
 
 def _sharded(weights: tuple[str, ...]) -> bool:
     """Whether the importer reads transformers' sharded safetensors (its index names them)."""
-    return "model.safetensors" in weights
+    return SHARD_INDEX in weights
 
 
 def _missing(folder: Path, weights: tuple[str, ...]) -> list[str]:
@@ -158,7 +158,8 @@ def _missing(folder: Path, weights: tuple[str, ...]) -> list[str]:
     ``weights``, else ``weights`` themselves."""
     if (index := shard_index(folder, weights)) is not None:  # as the converter reads it
         return [name for name in index_shards(index) if not (folder / name).is_file()]
-    return [] if any((folder / name).is_file() for name in weights) else list(weights)
+    files = [name for name in weights if name != SHARD_INDEX]
+    return [] if any((folder / name).is_file() for name in files) else list(weights)
 
 
 def _size(sibling) -> int | None:
@@ -233,8 +234,8 @@ def _download(
 
     try:
         sizes = _files(model, endpoint)
-        chosen = [name for name in weights if name in sizes][:1]
-        if not chosen and _sharded(weights) and SHARD_INDEX in sizes:
+        chosen = [name for name in weights if name in sizes][:1]  # the converter's order
+        if chosen == [SHARD_INDEX]:
             # the index first: its shards alone are fetched (a repository may keep others)
             chosen = index_shards(download([*side_files, SHARD_INDEX]) / SHARD_INDEX)
             if absent := [name for name in chosen if name not in sizes]:

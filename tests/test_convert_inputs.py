@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ from vit22b.clients.cli import main
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.config import Preprocess
 from vit22b.model.convert import ConvertError, Hints, convert
-from vit22b.model.convert_common import unpacked_size
+from vit22b.model.convert_common import SHARD_INDEX, unpacked_size
 from vit22b.model.convert_preprocess import PreprocessFlags
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -390,13 +391,51 @@ def test_a_shard_index_must_name_files_in_its_own_folder(tmp_path):
     with safe_open(folder / "shard.safetensors", "np") as f:
         weight_map = dict.fromkeys(f.keys(), "shard.safetensors")
     index.write_text(json.dumps({"weight_map": {**weight_map, "a": "shard.safetensors"}}))
-    with pytest.raises(ConvertError, match=r"names tensors no shard holds \(a\)"):
+    with pytest.raises(ConvertError, match=r"names tensors no shard holds \('a'\)"):
         convert("hf", folder)
     index.write_text(json.dumps({"weight_map": weight_map}))
     assert convert("hf", folder).config.depth == 2
     (folder / "model.safetensors").write_bytes(b"not read")  # beside the index, it is read
     with pytest.raises(ConvertError, match="model.safetensors: cannot read weights"):
         convert("hf", folder)
+
+
+def test_a_shard_index_is_read_by_the_importers_that_read_one_and_whole(tmp_path):
+    """An outside tester's finds: timm's importer read a Hugging Face shard index beside a
+    timm checkpoint (timm's loader reads none: another model, silently); a shard passed alone
+    was "not a supported vision model", the index passed alone "unknown weight format";
+    an index nested 100,000 levels deep ended in a RecursionError."""
+    from safetensors import safe_open
+
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, **TIMM_SHAPE).eval()
+    folder = tmp_path / "timm"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    clip = _clip_folder(tmp_path / "hf")
+    (clip / "model.safetensors").rename(clip / "model-00001-of-00001.safetensors")
+    with safe_open(clip / "model-00001-of-00001.safetensors", "np") as f:
+        weight_map = dict.fromkeys(f.keys(), "model-00001-of-00001.safetensors")
+    (clip / SHARD_INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    for name in (SHARD_INDEX, "model-00001-of-00001.safetensors"):
+        (folder / name).write_bytes((clip / name).read_bytes())
+    want = convert("timm", folder / "pytorch_model.bin", Hints(heads=4)).params
+    got = convert("timm", folder, Hints(heads=4)).params  # the .bin, not the index
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+
+    whole = convert("hf", clip).params
+    alone = convert("hf", clip / SHARD_INDEX).params  # the index names its shards
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, alone, whole))
+    with pytest.raises(ConvertError, match="model-00001-of-00001.safetensors: one shard of the "
+                       f"checkpoint its folder's {re.escape(SHARD_INDEX)} names: convert the "
+                       "folder"):
+        convert("hf", clip / "model-00001-of-00001.safetensors")
+    deep = "[" * 100_000 + "]" * 100_000
+    (clip / SHARD_INDEX).write_text('{"weight_map": ' + deep + "}")
+    with pytest.raises(ConvertError, match="nested over 64 levels deep"):
+        convert("hf", clip)
+    (clip / "config.json").write_text("[" * 70 + "]" * 70)
+    with pytest.raises(ConvertError, match="config.json: nested over 64 levels deep"):
+        convert("hf", clip)
 
 
 def test_a_pipe_or_device_in_place_of_a_file_is_refused_not_waited_on(tmp_path):

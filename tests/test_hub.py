@@ -174,7 +174,8 @@ def test_a_model_neither_cached_nor_downloadable_names_the_repo_and_the_cache(hu
     cache_repo(hub_cache, "acme/config-only", saved)
     with pytest.raises(
         ConvertError,
-        match="its cached snapshot holds none of model.safetensors, pytorch_model.bin",
+        match="its cached snapshot holds none of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin",
     ):
         convert("hf", "acme/config-only")
 
@@ -382,6 +383,8 @@ def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_
     shards = sorted(set(named.values()))
     assert len(shards) > 2
     (repo / "model-00001-of-00009.safetensors").write_bytes(b"an earlier sharding's file")
+    # transformers reads the shards before a pickle beside them (the hub fetched the pickle)
+    (repo / "pytorch_model.bin").write_bytes(b"another format")
     cache, commit = tmp_path / "hub", "e" * 40
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -424,7 +427,7 @@ def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_
         index = json.loads((repo / SHARD_INDEX).read_text())
         for edit, message in (
             ({**named, "extra.weight": shards[0]},
-             r"names tensors no shard holds \(extra.weight\)"),
+             r"names tensors no shard holds \('extra.weight'\)"),
             ({**named, "x": "model-[1]-of-00007.safetensors"}, "weight_map names "
              r"'model-\[1\]-of-00007.safetensors', not a .safetensors file in its folder"),
             ({**named, "x": "config.json"}, "weight_map names 'config.json', not a .safetensors"),
