@@ -149,7 +149,8 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     if (index := shard_index(path, preferred)) is not None:
         return [index.parent / name for name in index_shards(index)]
     if path.is_file():
-        if _SHARD.fullmatch(path.name) and (path.parent / SHARD_INDEX).is_file():
+        if (SHARD_INDEX in preferred and _SHARD.fullmatch(path.name)
+                and (path.parent / SHARD_INDEX).is_file()):
             raise ConvertError(f"{path}: one shard of the checkpoint its folder's {SHARD_INDEX} "
                                "names: convert the folder")
         return [path]

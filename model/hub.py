@@ -1,8 +1,10 @@
 """Models named on the Hugging Face Hub: ``ORG/NAME`` (``--from hf``) or ``hf-hub:ORG/NAME``
 (any source, timm's spelling), optionally ``@REVISION``, read from the local hub cache
 (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``: the
-``models--ORG--NAME/{refs,snapshots}`` layout) and downloaded into it when it is not there and a
-hub is reachable (never with ``HF_HUB_OFFLINE=1``).
+``models--ORG--NAME/{refs,snapshots}`` layout). Where a hub is reachable it is asked which files
+the revision holds and what the cache lacks is downloaded into it, so the same files are read
+whatever an earlier tool left there; where it is not, a cached snapshot is read as it is
+(warned), and with ``HF_HUB_OFFLINE=1`` the cache alone.
 
 Only what an importer reads is fetched: its config files and the first weight file of its
 preference list that the repository holds (a repository often keeps the same weights in several
@@ -14,6 +16,7 @@ of them is downloaded. A snapshot cut short (an index and some of its shards) is
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -29,6 +32,8 @@ from .convert_common import (
     index_shards,
     shard_index,
 )
+
+log = logging.getLogger(__name__)
 
 PREFIX = "hf-hub:"
 SHARDS = "model-*-of-*.safetensors"
@@ -102,8 +107,11 @@ def offline() -> bool:
 def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]) -> Path:
     """The snapshot folder holding ``side_files`` (where the repository has them) and the
     first of ``weights`` the repository holds (the importer's order; transformers' shard index
-    stands for the shards it names): from the cache, else downloaded. The folder's name is the
-    commit it holds."""
+    stands for the shards it names). Online, the hub is asked which files it holds, and what
+    the cache lacks is downloaded (files it holds are not fetched again); where the hub cannot
+    be asked, a cached snapshot holding weights is converted as it is, with a warning, as the
+    sources' libraries do. Offline (``HF_HUB_OFFLINE``), the cache alone. The folder's name is
+    the commit it holds."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -125,7 +133,7 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
         snapshot = getattr(err, "snapshot_path", None)
         folder = Path(snapshot) if snapshot else None
     lacks = None if folder is None else _missing(folder, weights)
-    if lacks == []:
+    if offline() and lacks == []:
         return folder
     if offline():
         if lacks is None:
@@ -138,7 +146,22 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
             f"{_named(model)}{missing} ({model.folder(cache)}), and HF_HUB_OFFLINE forbids "
             "downloading it"
         )
-    return _download(model, cache, side_files, weights, folder)
+    try:  # online, the hub says which of its files the importer reads (as its library does)
+        return _download(model, cache, side_files, weights, folder)
+    except HubUnreachable as err:
+        if lacks != []:
+            raise
+        log.warning("%s: asking the hub failed (%s); converting the cached snapshot %s as it "
+                    "is", model.spec, err.reason, folder)
+        return folder
+
+
+class HubUnreachable(ConvertError):
+    """The hub could not be asked, or would not give a file (``reason``: its words)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _named(model: HubModel) -> str:
@@ -257,9 +280,9 @@ def _download(
     except Exception as err:  # no route, refused, unknown repository or revision, no access
         # whole (a 404's file is on its third line), in one line
         reason = f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"
-        raise ConvertError(
+        raise HubUnreachable(
             f"{_named(model)}revision {model.revision!r} is not in the Hugging Face cache "
-            f"({model.folder(cache)}), and downloading it failed: {reason}"
+            f"({model.folder(cache)}), and downloading it failed: {reason}", reason
         ) from err
     if missing := _missing(folder, weights):  # a hub that listed files it does not serve
         raise ConvertError(f"{_named(model)}revision {model.revision!r}: downloaded, but "

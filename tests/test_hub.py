@@ -21,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+import jax
+import numpy as np
 import pytest
 import torch
 from parity import check_parity
@@ -444,10 +446,13 @@ def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_
             convert("hf", "acme/sharded")
 
 
-def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch):
+def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch,
+                                                                         caplog):
     """Only the files the importer reads are fetched (config files and the preferred weights,
-    not the .bin beside them); the second conversion reads the cache, also with
-    HF_HUB_OFFLINE=1; an unknown repository and an unreachable hub are named."""
+    not the .bin beside them); the second conversion reads the cache (online, the hub is asked
+    which files it holds, nothing is fetched again); a cache holding another of its files is
+    completed with the preferred one; an unknown repository is named; with the hub gone, a
+    cached model converts with a warning, an uncached one is refused naming why."""
     cls_name, config_name, kw, outputs, normed, _ = HF_CASES["siglip"]
     model = _hf(cls_name, config_name, seed=65, **kw)
     model.save_pretrained(tmp_path / "repo")
@@ -472,9 +477,26 @@ def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_pat
         asked = len(hub.requests)
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         assert convert("hf", "acme/siglip-tiny").source == converted.source
+        assert len(hub.requests) == asked  # offline: the cache alone
         monkeypatch.delenv("HF_HUB_OFFLINE")
         assert convert("hf", "acme/siglip-tiny").source == converted.source
-        assert len(hub.requests) == asked  # both from the cache
+        assert hub.fetched() == ["config.json", "model.safetensors"]  # asked, nothing fetched
+
+        # a cache an earlier tool left with the .bin alone: online, the file the importer
+        # prefers is fetched and read (the cached .bin was read: another file than a fresh
+        # cache's, here not even a checkpoint); offline, the cache as it is
+        other = tmp_path / "other-cache"
+        left = tmp_path / "left"
+        left.mkdir()
+        for name in ("config.json", "pytorch_model.bin"):
+            (left / name).write_bytes((tmp_path / "repo" / name).read_bytes())
+        cache_repo(other, "acme/siglip-tiny", left, commit=commit)
+        monkeypatch.setenv("HF_HUB_CACHE", str(other))
+        again = convert("hf", "acme/siglip-tiny")
+        assert hub.fetched() == ["config.json", "model.safetensors", "model.safetensors"]
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again.params),
+                                                        jax.tree.leaves(converted.params)))
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
 
         with pytest.raises(
             ConvertError,
@@ -483,6 +505,11 @@ def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_pat
             r"and downloading it failed: RepositoryNotFoundError",
         ):
             convert("hf", "acme/absent")
+    # the hub has stopped: a cached snapshot holding weights is read as it is, with a warning
+    with caplog.at_level("WARNING", logger="vit22b.model.hub"):
+        assert convert("hf", "acme/siglip-tiny").source == converted.source
+    assert "asking the hub failed (ConnectError" in caplog.text
+
     with pytest.raises(
         ConvertError,
         match=r"hf-hub:timm/gone: revision 'main' is not in the "
