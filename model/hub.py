@@ -136,24 +136,42 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
     if offline() and lacks == []:
         return folder
     if offline():
-        if lacks is None:
-            missing = f"revision {model.revision!r} is not in the Hugging Face cache"
-        elif lacks == list(weights):
-            missing = f"its cached snapshot holds none of {', '.join(weights)}"
-        else:  # an index and some of its shards
-            missing = (f"its cached snapshot lacks {', '.join(lacks)} (a download cut short?)")
-        raise ConvertError(
-            f"{_named(model)}{missing} ({model.folder(cache)}), and HF_HUB_OFFLINE forbids "
-            "downloading it"
-        )
+        raise ConvertError(f"{_named(model)}{_lacking(model, lacks, weights)} "
+                           f"({model.folder(cache)}), and HF_HUB_OFFLINE forbids downloading it")
     try:  # online, the hub says which of its files the importer reads (as its library does)
         return _download(model, cache, side_files, weights, folder)
     except HubUnreachable as err:
-        if lacks != []:
+        if lacks is None:
             raise
+        if lacks:
+            raise ConvertError(f"{_named(model)}{_lacking(model, lacks, weights)} "
+                               f"({model.folder(cache)}), and downloading it failed: "
+                               f"{err.reason}") from err
+        _keep_ref(model, cache, folder.name)
         log.warning("%s: asking the hub failed (%s); converting the cached snapshot %s as it "
                     "is", model.spec, err.reason, folder)
         return folder
+
+
+def _lacking(model: HubModel, lacks: list[str] | None, weights: tuple[str, ...]) -> str:
+    """What the cache lacks of ``model``, for a refusal."""
+    if lacks is None:
+        return f"revision {model.revision!r} is not in the Hugging Face cache"
+    if lacks == list(weights):
+        return f"its cached snapshot holds none of {', '.join(weights)}"
+    return f"its cached snapshot lacks {', '.join(lacks)} (a download cut short?)"
+
+
+def _keep_ref(model: HubModel, cache: Path, commit: str) -> None:
+    """Point the revision's ref at the snapshot converted: huggingface_hub moves it to the
+    hub's newer commit before fetching its files, so a download that then failed left it
+    naming a snapshot without weights, and every later offline run refused the model."""
+    ref = model.folder(cache) / "refs" / model.revision
+    try:
+        if ref.is_file() and ref.read_text().strip() != commit:
+            ref.write_text(commit)
+    except OSError as err:  # a read-only cache: said, the conversion goes on
+        log.warning("%s: could not point %s back at %s: %s", model.spec, ref, commit, err)
 
 
 class HubUnreachable(ConvertError):

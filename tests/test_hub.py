@@ -33,7 +33,7 @@ from timm.models._hub import save_config_for_hf
 from vit22b.clients.cli import main
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.convert import ConvertError, convert
-from vit22b.model.convert_common import SHARD_INDEX, byte_size
+from vit22b.model.convert_common import SHARD_INDEX, byte_size, index_shards
 from vit22b.model.sharding import available_memory
 
 
@@ -367,6 +367,54 @@ def test_odd_file_metadata_and_cache_paths_are_named(tmp_path, monkeypatch):
     with pytest.raises(ConvertError, match="HF_HUB_CACHE='~no-such-user-vit22b/hub': "
                        "~no-such-user-vit22b names no user's home folder here"):
         convert("hf", "acme/odd")
+
+
+class FilesGone(LocalHub):
+    """A hub that lists its repositories but answers 404 for every file."""
+
+    def _answer(self, method: str, path: str, query: str = "") -> tuple[int, bytes, dict]:
+        if "/resolve/" in path:
+            self.requests.append((method, path))
+            return 404, b"", {"X-Error-Code": "EntryNotFound"}
+        return super()._answer(method, path, query)
+
+
+def test_a_hub_whose_files_fail_leaves_the_cache_as_it_was(tmp_path, monkeypatch, caplog):
+    """An outside tester's finds: the hub's `main` moved to a commit whose files then failed
+    to download; the cached commit converted (warned), but huggingface_hub had already moved
+    `refs/main` to the new commit, so every later offline run refused the model. The ref is
+    put back. A snapshot lacking a shard whose download failed was "not in the cache": the
+    refusal names the missing file."""
+    cls_name, config_name, kw, *_ = HF_CASES["siglip"]
+    folder = tmp_path / "v1"
+    _hf(cls_name, config_name, seed=68, **kw).save_pretrained(folder)
+    cache = tmp_path / "hub"
+    old = cache_repo(cache, "acme/moved", folder, commit="a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with FilesGone({"acme/moved": ("b" * 40, folder)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with caplog.at_level("WARNING", logger="vit22b.model.hub"):
+            assert convert("hf", "acme/moved").source == f"hf:acme/moved@{old}"
+        assert "asking the hub failed" in caplog.text
+    assert (cache / "models--acme--moved" / "refs" / "main").read_text() == old
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert convert("hf", "acme/moved").source == f"hf:acme/moved@{old}"
+
+    sharded = tmp_path / "sharded"
+    _hf(cls_name, config_name, seed=68, **kw).save_pretrained(sharded, max_shard_size="40KB")
+    shards = index_shards(sharded / SHARD_INDEX)
+    cut = tmp_path / "cut"  # cached without its last shard
+    shutil.copytree(sharded, cut)
+    (cut / shards[-1]).unlink()
+    commit = cache_repo(cache, "acme/cut", cut, commit="c" * 40)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with FilesGone({"acme/cut": (commit, sharded)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(ConvertError, match=f"acme/cut: no such local path, and its cached "
+                           f"snapshot lacks {shards[-1]} \\(a download cut short\\?\\) .*and "
+                           "downloading it failed: .*404"):
+            convert("hf", "acme/cut")
 
 
 def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_short_download(
