@@ -129,13 +129,13 @@ def _recorded_display(recorded: dict, now: dict, directory: str) -> tuple[dict, 
         return recorded, False
     if old != {k: v for k, v in new.items() if k != "display"}:
         return recorded, False
-    log.warning("%s: its manifest (an earlier vit22b's) was written before frames of non-square "
-                "pixels were resampled to square; its shards holding such videos are recomputed",
-                directory)
+    log.warning("%s: its manifest (an earlier vit22b's) was written before frames were shown "
+                "square and upright; its shards holding videos that rule shows otherwise are "
+                "recomputed", directory)
     return {**recorded, "video": new}, True
 
 
-def _other_display(recorded: dict, now: dict):
+def _other_display(recorded: dict, now: dict) -> str | None:
     """The manifest's rule for showing frames where it names one other than ``now``'s."""
     old, new = recorded.get("video"), now.get("video")
     if isinstance(old, dict) and isinstance(new, dict) and "display" in old:

@@ -24,10 +24,8 @@ from .config import ViTConfig
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
 # in a directory holding several weight files, the one read (an importer may name others)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")  # transformers' shard names
-
-
 SHARD_INDEX = "model.safetensors.index.json"  # transformers' sharded safetensors
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")  # the shard files it names
 
 
 class ConvertError(ValueError):
@@ -292,7 +290,6 @@ def read_tensors(files: list[Path], index: Path | None = None) -> dict[str, np.n
         ".bin": _torch_tensors,
     }
     tensors: dict[str, np.ndarray] = {}
-    where: dict[str, str] = {}  # tensor -> the file it came from
     for path in files:
         reader = readers.get(path.suffix)
         if reader is None:
@@ -309,9 +306,8 @@ def read_tensors(files: list[Path], index: Path | None = None) -> dict[str, np.n
         if clash:
             raise ConvertError(f"{path}: keys {clash[:5]} also appear in another shard")
         tensors.update(part)
-        where |= dict.fromkeys(part, path.name)
     if index is not None:  # a tensor the index names but no shard holds
-        lost = sorted(k for k in index_map(index) if k not in where)
+        lost = sorted(k for k in index_map(index) if k not in tensors)
         if lost:  # would be read as absent (a bias, a head): another model, silently
             shown = ", ".join(repr(k) if len(k) <= 80 else f"{k[:60]!r}..." for k in lost[:5])
             raise ConvertError(f"{index}: names tensors no shard holds ({shown}"

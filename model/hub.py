@@ -188,6 +188,10 @@ def _named(model: HubModel) -> str:
     return f"{model.spec}: {local}"
 
 
+def _revision(model: HubModel) -> str:
+    return f"{model.spec} (revision {model.revision!r})"
+
+
 def _sharded(weights: tuple[str, ...]) -> bool:
     """Whether the importer reads transformers' sharded safetensors (its index names them)."""
     return SHARD_INDEX in weights
@@ -231,7 +235,7 @@ def _check_room(model: HubModel, cache: Path, sizes: dict[str, int | None],
     """Refuse, before downloading, weight files ``names`` that the converter could not read
     whole here or the cache could not hold (those already in the cached snapshot ``cached``
     need no room)."""
-    what = f"{model.spec} (revision {model.revision!r})"
+    what = _revision(model)
     needed = sum(sizes.get(name) or 0 for name in names
                  if cached is None or not (cached / name).is_file())
     free = _free_disk(cache)
@@ -281,14 +285,14 @@ def _download(
             chosen = index_shards(download([*side_files, SHARD_INDEX]) / SHARD_INDEX)
             if absent := [name for name in chosen if name not in sizes]:
                 raise ConvertError(
-                    f"{model.spec} (revision {model.revision!r}): its {SHARD_INDEX} names "
+                    f"{_revision(model)}: its {SHARD_INDEX} names "
                     f"{', '.join(absent)}, which the repository does not hold; no weight file "
                     "was downloaded")
             chosen.append(SHARD_INDEX)
         if not chosen:
             held = ", ".join(sorted(sizes)) or "no files"
             raise ConvertError(
-                f"{model.spec} (revision {model.revision!r}) holds none of the weight files this "
+                f"{_revision(model)} holds none of the weight files this "
                 f"importer reads ({', '.join(weights)}); it has: {held}"
             )
         _check_room(model, cache, sizes, chosen, cached)

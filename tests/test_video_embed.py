@@ -360,7 +360,7 @@ def test_a_video_job_of_an_earlier_display_rule_recomputes_the_shards_it_showed_
     with caplog.at_level("WARNING", logger="vit22b.clients.embed_store"):
         again = embed_job(backend, data, out, k=3)
     assert (again.embedded, again.skipped, again.held) == (6, 4, 10)  # shards 1 and 2
-    assert "written before frames of non-square pixels were resampled" in caplog.text
+    assert "written before frames were shown square and upright" in caplog.text
     assert json.loads(manifest_path.read_text())["identity"]["video"]["display"] == DISPLAY
     after = open_outputs(str(out), verify=True)
     assert after.ids == first.ids
