@@ -949,15 +949,31 @@ def test_drain_finishes_accepted_calls_on_both_doors_then_refuses():
     wait_for(lambda: queued(srv) == 2)
     rpc = stub(srv.address).Embed.future(pb.EmbedRequest(images=[raw_image(GOOD)]), timeout=60)
     wait_for(lambda: queued(srv) == 3)
+    # the drained batch is held while the draining doors are asked: once it is done the port
+    # stays open only for the linger (0.5 s), too short for a loaded host's three calls
+    engine, hold, entered = srv.engine, threading.Event(), threading.Event()
+    original = engine.forward
+
+    def held(images, outputs):
+        entered.set()
+        hold.wait(30)
+        return original(images, outputs)
+
+    engine.forward = held
     outcome = {}
     stopper = threading.Thread(target=lambda: outcome.update(clean=srv.stop()))
-    stopper.start()
-    wait_for(lambda: httpx.get(url + "/ready").status_code == 503)
-    not_ready = httpx.get(url + "/ready")
-    assert not_ready.json() == {"status": "NOT_SERVING"} and not_ready.headers["retry-after"]
-    refused = httpx.post(url + "/v1/features", json={"images": pngs(random_images(1))})
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    assert "shutting down" in refused.json()["error"]["message"]
+    try:
+        stopper.start()
+        assert entered.wait(30)  # the drain runs the queued batch at once
+        wait_for(lambda: httpx.get(url + "/ready").status_code == 503)
+        not_ready = httpx.get(url + "/ready")
+        assert not_ready.json() == {"status": "NOT_SERVING"} and not_ready.headers["retry-after"]
+        refused = httpx.post(url + "/v1/features", json={"images": pngs(random_images(1))})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "shutting down" in refused.json()["error"]["message"]
+    finally:
+        hold.set()
+        del engine.forward
     thread.join(60)
     assert accepted[0].status_code == 200  # not cut: drained without waiting out the delay
     assert wire.from_tensor(rpc.result().pooled).shape == (1, 64)

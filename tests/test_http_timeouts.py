@@ -17,9 +17,13 @@ import httpx
 import pytest
 from serving import metric, metrics, png, random_images, start_server, wait_for
 
-T = 0.5  # the module server's header and body timeouts, seconds
+# the module server's header and body timeouts, seconds: long enough that the test's own
+# pauses under them (T / 2, 0.6 T, T / 3) keep their margins on a loaded host
+T = 1.5
 RATE = 2000  # its body rate floor, bytes/s
-EARLY = 0.05  # timer and clock granularity: a bound may not fire sooner than this before T
+# timer and clock granularity: a bound may not fire sooner than this before T (each clock is
+# started before the act that starts the server's, so a late test thread cannot shorten it)
+EARLY = 0.05
 SLACK = 3.0  # a loaded machine's scheduling; a missing bound waits past it and fails
 HEALTH = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
 OK = b"HTTP/1.1 200 "
@@ -100,8 +104,8 @@ def ended(srv, reason: str) -> float:
 
 def test_a_silent_connection_is_closed_after_the_header_timeout(server):
     before = ended(server, "silent")
+    start = time.monotonic()
     with connect(server) as sock:
-        start = time.monotonic()
         reply = until_closed(sock)
         elapsed = time.monotonic() - start
     assert reply == b""  # nothing was asked: nothing is answered
@@ -110,11 +114,11 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(server):
     still_serves(server)
 
 
-def trickle(sock: socket.socket, head: bytes) -> tuple[bytes, float, int]:
+def trickle(sock: socket.socket, head: bytes, start: float) -> tuple[bytes, float, int]:
     """Send ``head``, then one more header byte every 50 ms until the server answers or closes:
-    (its reply, seconds it took, bytes trickled)."""
+    (its reply, seconds since ``start`` it took, bytes trickled)."""
     sock.sendall(head)
-    start, reply, sent = time.monotonic(), b"", 0
+    reply, sent = b"", 0
     sock.settimeout(0.05)
     while time.monotonic() - start < T + SLACK:
         try:
@@ -133,8 +137,10 @@ def trickle(sock: socket.socket, head: bytes) -> tuple[bytes, float, int]:
 
 def test_a_slowloris_is_answered_408_although_it_keeps_sending(server):
     before = ended(server, "header_timeout")
+    start = time.monotonic()
     with connect(server) as sock:
-        reply, elapsed, sent = trickle(sock, b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+        reply, elapsed, sent = trickle(sock, b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: ",
+                                       start)
     error = refusal(reply, 408, "--http-header-timeout")
     assert error["code"] == "DEADLINE_EXCEEDED" and error["type"] == "RequestTimeout"
     assert T - EARLY <= elapsed < T + SLACK
@@ -151,16 +157,17 @@ def test_a_kept_alive_connection_is_served_in_time_and_bounded_after(server):
             time.sleep(T / 2)
         # uvicorn's keep-alive timer stops at the next request's first byte: the header clock,
         # running since the end of the last response, still bounds a trickle
+        start = time.monotonic()
         sock.sendall(HEALTH)
         assert response(sock).startswith(OK)
-        reply, elapsed, _ = trickle(sock, b"GET /health HTTP/1.1\r\n")
+        reply, elapsed, _ = trickle(sock, b"GET /health HTTP/1.1\r\n", start)
     refusal(reply, 408, "--http-header-timeout")
     assert T - EARLY <= elapsed < T + SLACK
     silent = ended(server, "silent")
     with connect(server) as sock:  # and an idle one is closed, without an answer
+        start = time.monotonic()
         sock.sendall(HEALTH)
         assert response(sock).startswith(OK)
-        start = time.monotonic()
         assert until_closed(sock) == b""
         assert T - EARLY <= time.monotonic() - start < T + SLACK
     assert ended(server, "silent") == silent  # an idle kept-alive close is not a bound's
@@ -175,8 +182,8 @@ def test_a_stalled_body_is_408_and_holds_no_place(server):
     route = {"method": "POST /v1/features", "code": "DEADLINE_EXCEEDED"}
     before = metric(metrics(server), "vit22b_requests_total", **route)
     with connect(server) as sock:
-        sock.sendall(features_request(1000) + b'{"images": [')
         start = time.monotonic()
+        sock.sendall(features_request(1000) + b'{"images": [')
         reply = until_closed(sock)
         elapsed = time.monotonic() - start
     error = refusal(reply, 408, "--http-body-timeout")
@@ -209,14 +216,15 @@ def test_a_slow_body_that_keeps_coming_is_served(server):
 
 def test_a_dripped_body_is_408_once_it_averages_under_the_floor(server):
     """Bytes every T / 3, never a stall: only the rate floor ends it, after its grace of T; a
-    body that sent 3,000 bytes at once earned 3000 / RATE seconds (an average, not each gap)."""
+    body that sent 6,000 bytes at once earned 6000 / RATE seconds (an average, not each gap)."""
     route = {"method": "POST /v1/features", "code": "DEADLINE_EXCEEDED"}
     before = metric(metrics(server), "vit22b_requests_total", **route)
-    for upfront, bound in ((0, T), (3000, 3000 / RATE)):
+    assert 6000 / RATE > T  # the second body's bound is its average's, not the grace
+    for upfront, bound in ((0, T), (6000, 6000 / RATE)):
         with connect(server) as sock:
             sock.settimeout(bound + SLACK)
-            sock.sendall(features_request(100_000) + b'{"images": [' + b" " * upfront)
             start = time.monotonic()
+            sock.sendall(features_request(100_000) + b'{"images": [' + b" " * upfront)
             while time.monotonic() - start < bound + SLACK:  # drip until the server answers
                 if select.select([sock], [], [], T / 3)[0]:
                     break
@@ -242,7 +250,9 @@ def test_headers_over_the_limit_are_431(server):
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n")
         time.sleep(0.05)  # the request has begun when the rest comes
         try:
-            for _ in range(20):  # 160 KB, never ended
+            # 480 KB, never ended: over the limit even where a late server's first read (up to
+            # 256 KiB, the chunk a request begins in, not counted) takes much of it
+            for _ in range(60):
                 sock.sendall(line)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused meanwhile
@@ -265,7 +275,9 @@ def pipelined(srv, reading, megabytes: int) -> tuple[int, int]:
 
 def test_a_client_that_does_not_read_its_responses_is_cut(server):
     def late(sock: socket.socket, count: int) -> bytes:
-        time.sleep(T + SLACK / 2)  # reads nothing for much longer than the body timeout
+        # reads nothing for four body timeouts: the server's first look may still see its
+        # writes moving, so the cut may come at its second
+        time.sleep(4 * T)
         return until_closed(sock)
 
     before = ended(server, "response_unread")
@@ -287,7 +299,7 @@ def test_a_client_that_reads_slowly_gets_every_response(server):
             seen += reply[max(0, len(reply) - len(chunk) - len(OK) + 1) :].count(OK)
             if len(reply) >= pause_at:  # so the server's writes wait on it all along
                 pause_at += BURST
-                time.sleep(T / 5)
+                time.sleep(0.1)  # well under the body timeout each time
         return reply
 
     asked, read = pipelined(server, slowly, 8)
