@@ -1,6 +1,7 @@
 """Orbax checkpoints: save on one mesh, restore on another, refuse every broken or foreign one."""
 
 import _thread
+import functools
 import json
 import logging
 import os
@@ -123,6 +124,9 @@ def test_writes_of_a_failed_save_that_land_late_are_removed_too(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt, "_write", failing_write)
+    # a settle far longer than the late write's 30 ms: a loaded host may start its thread late
+    monkeypatch.setattr(ckpt, "_remove_for_good",
+                        functools.partial(ckpt._remove_for_good, settle_s=1.0))
     with pytest.raises(OSError, match="No space left"):
         ckpt.save(tmp_path / "c", PARALLEL, random_params(PARALLEL, seed=1), "test")
     writers[0].join()  # it landed during the save's removal, not after this check

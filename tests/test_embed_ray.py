@@ -120,9 +120,12 @@ def test_both_kinds_equal_the_threads_runner_and_rerun_skips(cluster, server, da
 
 
 def test_a_killed_worker_is_retried_and_every_image_is_there_once(cluster, server, dataset,
-                                                                  tmp_path):
+                                                                  tmp_path, monkeypatch):
     data, good, bad = dataset
     seen, killed = [], []
+    # shards go out once both actors are up (Ray Data's default starts with the first one, and
+    # a loaded host can finish a shard before the second is there to be seen)
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "wait_for_min_actors_s", 120)
 
     def kill_one(shard: int) -> None:
         seen.append(actor_pids())

@@ -1052,8 +1052,8 @@ def test_keep_alive_requests_are_not_held_by_nagles_algorithm(server, http):
     every request on a kept-alive connection took 40 ms or more."""
     http.get("/health")
     times = []
-    for _ in range(5):
+    for _ in range(20):  # the fastest of many: a loaded host delays some, Nagle delays each
         start = time.perf_counter()
         assert http.get("/health").status_code == 200
         times.append(time.perf_counter() - start)
-    assert min(times) < 0.02, times
+    assert min(times) < 0.03, times  # the delayed ACK's wait is 40 ms at least
