@@ -37,6 +37,18 @@ from .handoff import hand_back
 from .metrics import Metrics
 from .settings import check_batch_wait
 
+# A call its transport ends this close to its deadline is counted as ended by the deadline: a
+# gRPC client's deadline comes before the server's by the request's transit and the rounding of
+# its timeout header, so its cancellation arrives a millisecond or more early, and the caller
+# itself sees DEADLINE_EXCEEDED. A call is never dropped before its deadline for it.
+DEADLINE_SLACK_S = 0.05
+
+
+def ended_by_deadline(deadline: float | None, now: float) -> bool:
+    """Whether a call that ended at ``now`` (``time.monotonic()``) counts as ended by its
+    ``deadline`` rather than by its caller (``DEADLINE_SLACK_S``)."""
+    return deadline is not None and now >= deadline - DEADLINE_SLACK_S
+
 log = logging.getLogger(__name__)
 
 
@@ -317,9 +329,10 @@ class Batcher:
         """Fail queued jobs whose caller has gone or whose deadline passed (lock held)."""
         now = time.monotonic()
         for job in list(self._queue):
-            expired = job.deadline is not None and now >= job.deadline
-            if not (expired or job.cancelled or job.future.cancelled()):
+            if not (job.cancelled or job.future.cancelled()
+                    or (job.deadline is not None and now >= job.deadline)):
                 continue
+            expired = ended_by_deadline(job.deadline, now)
             self._queue.remove(job)
             rows = job.size - job.next_row
             self._pending -= rows

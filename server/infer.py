@@ -46,7 +46,7 @@ from vit22b.model.pixels import (
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
-from .batcher import Batcher
+from .batcher import Batcher, ended_by_deadline
 from .engine import Engine
 from .handoff import Handoff
 from .metrics import Metrics
@@ -294,8 +294,7 @@ class Infer:
                 result.timings.queue_s, result.timings.compute_s = done.queue_s, done.compute_s
         except asyncio.CancelledError:  # gone (or out of time) while its images were decoded
             if admitted.held:
-                now = time.monotonic()
-                expired = call.deadline is not None and now >= call.deadline
+                expired = ended_by_deadline(call.deadline, time.monotonic())
                 self.metrics.images.labels("expired" if expired else "cancelled").inc(
                     admitted.held
                 )

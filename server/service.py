@@ -27,6 +27,7 @@ from vit22b.model.pixels import OWN_GEOMETRY, Geometry, check_pixel_shape
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
+from .batcher import DEADLINE_SLACK_S
 from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
 from .parsing import NoMessage, only_message
@@ -374,12 +375,13 @@ def check_response_size(
 
 def ended_by_grpc(context, err: Exception | None = None) -> tuple[grpc.StatusCode, str]:
     """The status gRPC itself gave a call that ended before its handler answered (the handler
-    is told only that it ended): DEADLINE_EXCEEDED once its deadline has passed;
+    is told only that it ended): DEADLINE_EXCEEDED once its deadline has passed (or nearly:
+    ``DEADLINE_SLACK_S``, the client's own deadline being the earlier);
     RESOURCE_EXHAUSTED when the handler read no message (``err``: ``NoMessage``), since gRPC
     refuses a message over the receive limit before the handler sees it (a client that
     cancels before it sends one reads the same); else CANCELLED, the client gone."""
     left = context.time_remaining()
-    if left is not None and left <= 0:
+    if left is not None and left <= DEADLINE_SLACK_S:
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
     if isinstance(err, NoMessage):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, (

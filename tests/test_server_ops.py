@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -129,6 +130,28 @@ def test_expired_deadline_in_the_queue_is_not_computed(slow):
     after = metrics(slow)
     for name in ("vit22b_batch_images_count", "vit22b_batch_images_sum"):
         assert metric(after, name) == metric(before, name)  # no batch ran
+    assert metric(after, "vit22b_queue_images") == 0
+
+
+def test_a_call_its_client_ends_at_its_deadline_counts_as_expired(slow):
+    """A gRPC client's deadline comes before the server's (the request's transit, the timeout
+    header's rounding), so its cancellation reaches the server a little early: counted as the
+    caller gone (CANCELLED) where the caller saw DEADLINE_EXCEEDED. Here the client ends the
+    call 20 ms before its deadline."""
+    s = stub(slow.address)
+    before = metrics(slow)
+    start = time.monotonic()
+    future = s.Embed.future(request(2, seed=4), timeout=2.0)
+    wait_for(lambda: queued(slow) == 2)
+    time.sleep(max(0.0, start + 2.0 - 0.02 - time.monotonic()))
+    future.cancel()
+    wait_for_images(slow, before, "expired", 2)
+    code = {"method": "Embed", "code": "DEADLINE_EXCEEDED"}
+    wait_for(lambda: metric(metrics(slow), "vit22b_requests_total", **code)
+             - metric(before, "vit22b_requests_total", **code) == 1)
+    after = metrics(slow)
+    assert metric(after, "vit22b_images_total", outcome="cancelled") == \
+        metric(before, "vit22b_images_total", outcome="cancelled")
     assert metric(after, "vit22b_queue_images") == 0
 
 
