@@ -7,12 +7,14 @@ subprocess (`python -m vit22b.clients.cli embed ...`) wherever it gets killed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,11 +31,8 @@ from xla_env import xla_flags
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def embed_cli(*args: str, nice: int = 0, **kw) -> subprocess.Popen:
-    """The job as a subprocess; ``nice``: its CPU priority (coreutils `nice`, which execs it:
-    the pid is the job's)."""
-    niced = ["nice", "-n", str(nice)] if nice else []
-    return subprocess.Popen([*niced, sys.executable, "-m", "vit22b.clients.cli", "embed", *args],
+def embed_cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "vit22b.clients.cli", "embed", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **kw)
 
@@ -45,12 +44,33 @@ def done_shards(out: Path) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def held_past(engine, out: Path, target: int):
+    """The server's forwards wait (until the block ends) once ``target`` shards of ``out`` are
+    done: a job cannot run past its kill. A loaded host once gave the job a whole slice of
+    CPU while this process waited for its turn to stop it, and the job finished."""
+    release, original = threading.Event(), engine.forward
+
+    def forward(images, outputs):
+        if done_shards(out) >= target:
+            release.wait(120)
+        return original(images, outputs)
+
+    engine.forward = forward
+    try:
+        yield
+    finally:
+        release.set()
+        del engine.forward
+
+
 def kill_mid_job(job: subprocess.Popen, out: Path, target: int, shards: int, rng) -> None:
     """SIGKILL ``job`` once ``target`` of its ``shards`` are done, somewhere inside the next.
 
     The job runs in short random slices between SIGSTOPs, and the manifest is read while it is
     stopped: the kill lands on the state just read, however late this process gets the CPU (a
-    sleep-then-kill let a loaded host finish the job first)."""
+    sleep-then-kill let a loaded host finish the job first); under ``held_past`` the job
+    cannot finish inside a slice either."""
     deadline = time.monotonic() + 120
     done = 0
     while done < target:
@@ -96,13 +116,11 @@ def test_sigkill_three_times_then_resume_is_bit_identical(server, dataset, tmp_p
 
     out = tmp_path / "killed"
     rng = np.random.default_rng(7)
-    # three shards or more left after the last target (each request takes >= 25 ms)
-    targets = sorted(rng.choice(np.arange(1, shards - 2), size=3, replace=False))
+    targets = sorted(rng.choice(np.arange(1, shards - 1), size=3, replace=False))
     for target in targets:
-        # the lowest priority: on a loaded host the job, not this test that stops it, waits for
-        # the CPU (a starved test once saw the job's last two shards finish inside one slice)
-        job = embed_cli(*args, "--output", str(out), "--quiet", nice=19)
-        kill_mid_job(job, out, target, shards, rng)
+        job = embed_cli(*args, "--output", str(out), "--quiet")
+        with held_past(server.engine, out, target):
+            kill_mid_job(job, out, target, shards, rng)
 
     resumed = embed_cli(*args, "--output", str(out), "--quiet")
     stdout, stderr = resumed.communicate(timeout=120)
