@@ -331,6 +331,21 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
     return data, extra
 
 
+# what the video probe reads: pooled features of each frame at the model's own resolution
+# (--shapes-world and --digits: refused by _video_data, which names the video sources)
+VIDEO_READS = frozenset({"kind", "moving_world", "data", "features", "frames", "world_seed",
+                         "server", "token", "tls", "model", "seed", "compile_cache", "steps",
+                         "out", "shapes_world", "digits"})
+
+
+def _unread(args, reads: frozenset) -> list[str]:
+    """The flags given (not at their defaults) that a probe reading ``reads`` would ignore."""
+    defaults = argparse.ArgumentParser()
+    _probe_arguments(defaults)
+    return ["--" + dest.replace("_", "-") for dest, value in vars(args).items()
+            if dest not in reads and value != defaults.get_default(dest)]
+
+
 def _video_data(args):
     """Per-frame features of labelled videos (probes/video.py)."""
     from .video import VideoFeatures
@@ -452,6 +467,9 @@ def _run_probe_command(args) -> int:
         if kind in (*DENSE, "video") or not (args.server or args.features):
             _use_compile_cache(args.compile_cache)
         if kind == "video":
+            if unread := _unread(args, VIDEO_READS):
+                raise DataError(f"{', '.join(unread)}: not read by the video probe (pooled "
+                                "features of each frame, at the model's own resolution)")
             if args.moving_world is not None and args.moving_world < 8:
                 raise DataError("--moving-world needs at least 8 videos")
             data, extra = _video_data(args), {}

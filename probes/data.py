@@ -13,6 +13,7 @@ is what the shape-bias probe reads, and "independent" draws them apart.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -250,35 +251,60 @@ def labels_from_folders(paths) -> tuple[np.ndarray, tuple[str, ...]]:
         raise DataError(f"{first}: in {Path(first).parent}, which also holds the class folder "
                         f"{inner.name!r}: a file's class is its folder's name (move it into a "
                         "class folder, or leave it out)")
+    named: dict[str, Path] = {}
+    for folder in sorted(folders):  # a class is a folder's name: two folders, one class
+        if named.setdefault(folder.name, folder) != folder:
+            raise DataError(f"{named[folder.name]} and {folder}: two folders named "
+                            f"{folder.name!r} would be one class (a file's class is the name of "
+                            "the folder holding it): give them other names, or leave one out")
     parents = [Path(p).parent.name for p in paths]
     names = tuple(sorted(set(parents)))
     index = {name: i for i, name in enumerate(names)}
     return np.asarray([index[p] for p in parents], np.int64), names
 
 
-def load_image_folder(root: str | Path) -> LabelledImages:
-    """A folder of class subfolders (``root/<class>/<image>``), classes in sorted order; hidden
-    folders and files are left out, as the batch job leaves them."""
+def _walk(folder: Path):
+    """Every file below ``folder`` that is not hidden nor in a hidden folder, its own files
+    first, by name; a folder that cannot be listed is refused (a glob skips it without a
+    word, and its files would be missing from the probe)."""
+    def refuse(err: OSError):
+        raise DataError(f"{err.filename}: cannot be listed ({err.strerror})")
+
+    for top, folders, files in os.walk(folder, onerror=refuse):
+        folders[:] = sorted(name for name in folders if not hidden(name))
+        yield from (Path(top) / name for name in sorted(files) if not hidden(name))
+
+
+def class_folder_files(root: str | Path, accept, what: str) -> list[Path]:
+    """The files ``accept`` takes (``what``: "image", "video") in ``root``'s class subfolders
+    (``root/<class>/<file>``), by class in sorted order; hidden folders and files are left out,
+    as the batch job leaves them, and such a file below its class folder is refused, not left
+    out (the probes read one level)."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not hidden(p.name))
     if not classes:
-        raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<image>)")
+        raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<{what}>)")
     paths = []
-    for name in classes:  # one walk a class: its images, and any deeper (refused, not left out)
+    for name in classes:  # one walk a class: its files, and any deeper (refused)
         folder = root / name
-        for path in sorted(folder.rglob("*")):
-            if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+        for path in _walk(folder):
+            if not accept(path) or not path.is_file():
                 continue
-            if any(hidden(part) for part in path.relative_to(folder).parts):
-                continue
-            if path.parent == folder:
-                paths.append(path)
-            else:
-                raise DataError(f"{path}: an image below the class folder {name!r}, in "
-                                f"{path.parent.relative_to(folder)}; a class's images go "
+            if path.parent != folder:
+                raise DataError(f"{path}: {'an' if what[0] in 'aeiou' else 'a'} {what} below "
+                                f"the class folder {name!r}, in "
+                                f"{path.parent.relative_to(folder)}; a class's {what}s go "
                                 f"directly in {folder} (the probe reads one level)")
+            paths.append(path)
+    return paths
+
+
+def load_image_folder(root: str | Path) -> LabelledImages:
+    """A folder of class subfolders (``root/<class>/<image>``), classes in sorted order
+    (``class_folder_files``)."""
+    paths = class_folder_files(root, lambda p: p.suffix.lower() in IMAGE_SUFFIXES, "image")
     if not paths:
         raise DataError(f"{root}: the class subfolders hold no images ({', '.join(SUFFIXES)})")
     return LabelledImages(paths, *labels_from_folders(paths))

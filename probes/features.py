@@ -8,6 +8,7 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
+import logging
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from vit22b.model.features import ARRAYS as _ARRAY_KEYS
 from vit22b.model.features import Features as FeatureArrays
 
 from .data import DataError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,14 +136,7 @@ def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:
     Reads the stored arrays (``pooled``, ``class_token``, ``patch_tokens.<layer>``) with the
     embed job's numpy-only loader; bfloat16 outputs are widened to float32.
     """
-    from vit22b.clients.outputs import OutputsError, open_outputs
-
-    try:
-        outputs = open_outputs(str(path))
-    except OutputsError as err:
-        raise DataError(str(err)) from None
-    if not len(outputs):
-        raise DataError(f"{path}: the embed output holds no embedded images yet")
+    outputs = open_embed_output(path, "images")
     if any(name.startswith("frames.") for name in outputs.names):
         raise DataError(f"{path}: per-frame features of videos (`vit22b embed --frames K`): "
                         "probe them with `vit22b probe video --features`")
@@ -152,8 +148,35 @@ def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:
             arrays["patch_tokens"][int(layer)] = value
         else:
             arrays[kind] = value
-    meta = {"source": str(path), **identity_meta(outputs.manifest.get("identity", {}))}
+    meta = {"source": str(path), **identity_meta(outputs.manifest.get("identity", {})),
+            "left_out": len(outputs.failed)}
     return features_from_outputs(arrays, meta), outputs.paths
+
+
+def open_embed_output(path: str | Path, what: str):
+    """A ``vit22b embed`` output folder of a finished job, opened for a probe (``what``:
+    "images", "videos"). One cut short is refused (its missing shards would leave examples, or
+    whole classes, out); the inputs the job could not read, which have no rows, are said
+    (warned, counted in the report's ``left_out``)."""
+    from vit22b.clients.outputs import OutputsError, open_outputs
+
+    try:
+        outputs = open_outputs(str(path))
+    except OutputsError as err:
+        raise DataError(str(err)) from None
+    if not outputs.complete:
+        raise DataError(f"{path}: its embed job has not finished ({len(outputs)} {what} "
+                        "embedded so far): run the same `vit22b embed` command again to finish "
+                        "it; a probe on part of the data would leave examples or classes out")
+    if not len(outputs):
+        raise DataError(f"{path}: the embed output holds no embedded {what} (errors.jsonl "
+                        "says why each failed)")
+    if failed := outputs.failed:
+        named = ", ".join(str(f.get("id")) for f in failed[:3])
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        log.warning("%s: the embed job could not read %d of its %s, left out of the probe "
+                    "(%s%s; errors.jsonl says why)", path, len(failed), what, named, more)
+    return outputs
 
 
 def identity_meta(identity) -> dict:

@@ -126,14 +126,10 @@ def load_video_folder(root: str | Path) -> LabelledVideos:
     """A folder of class subfolders of video files (``root/<class>/<video>``), classes sorted."""
     from vit22b.clients.video import is_video
 
-    from .data import labels_from_folders
+    from .data import class_folder_files, labels_from_folders
 
     root = Path(root)
-    if not root.is_dir():
-        raise DataError(f"{root}: not a folder")
-    # iterdir, not glob("*/*"): glob leaves out a class folder it cannot list, without a word
-    paths = sorted(p for folder in root.iterdir() if folder.is_dir()
-                   for p in folder.iterdir() if p.is_file() and is_video(p))
+    paths = class_folder_files(root, is_video, "video")
     if not paths:
         raise DataError(f"{root}: no videos in class subfolders (expected {root}/<class>/<video>"
                         " with .mp4, .webm, .mkv, .mov or .avi files)")
@@ -171,7 +167,8 @@ def video_features(
     for clip in clips:
         if isinstance(clip, VideoError):
             raise DataError(str(clip))
-    features = features_from_model(np.concatenate([c.frames for c in clips]), model=model,
+    # a list: clips of other sizes and shapes each go through the pixel contract
+    features = features_from_model([frame for c in clips for frame in c.frames], model=model,
                                    seed=seed)
     pooled = features.require("pooled").reshape(len(paths), frames, -1)
     return pooled, np.stack([c.timestamps for c in clips]), dict(features.meta)
@@ -181,19 +178,19 @@ def video_features_from_embed_folder(path) -> tuple[np.ndarray, np.ndarray, list
     """Per-frame pooled features [N, K, d], timestamps [N, K] and video paths of a
     ``vit22b embed --frames K`` output folder, with the job's model identity."""
     from vit22b.clients.embed_video import FRAMES, TIMESTAMPS
-    from vit22b.clients.outputs import OutputsError, open_outputs
 
-    try:
-        outputs = open_outputs(str(path))
-    except OutputsError as err:
-        raise DataError(str(err)) from None
+    from .features import open_embed_output
+
+    if Path(path).is_file():
+        raise DataError(f"{path}: a file; the video probe reads a `vit22b embed --frames K` "
+                        "output folder (a --save-features .npz holds image features)")
+    outputs = open_embed_output(path, "videos")
     name = FRAMES + "pooled"
     if name not in outputs.names:
         raise DataError(f"{path}: no {name!r} (its outputs: {outputs.names}); the video probe "
                         "reads a `vit22b embed --frames K` output with pooled features")
-    if not len(outputs):
-        raise DataError(f"{path}: the embed output holds no embedded videos yet")
     identity = outputs.manifest.get("identity", {})
-    meta = {"source": str(path), **identity_meta(identity), "video": identity.get("video")}
+    meta = {"source": str(path), **identity_meta(identity), "video": identity.get("video"),
+            "left_out": len(outputs.failed)}
     frames = np.asarray(outputs[name], np.float32)
     return frames, np.asarray(outputs[TIMESTAMPS]), outputs.paths, meta

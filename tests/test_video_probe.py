@@ -13,6 +13,7 @@ from vit22b.clients.cli import main as cli
 from vit22b.clients.embed import JobConfig, OutputSpec, run_job
 from vit22b.clients.embed_local import LocalBackend
 from vit22b.clients.video import Sampling, probe
+from vit22b.probes.data import DataError
 from vit22b.probes.video_data import DIRECTIONS, moving_world, write_moving_world
 
 pytest.importorskip("av")
@@ -137,7 +138,72 @@ def test_a_video_folder_lists_every_class_folder_in_path_order(tmp_path):
     if os.geteuid() != 0:  # root lists any folder
         (tmp_path / "b").chmod(0)
         try:
-            with pytest.raises(PermissionError):
+            with pytest.raises(DataError, match="cannot be listed"):
                 load_video_folder(tmp_path)
         finally:
             (tmp_path / "b").chmod(0o755)
+
+
+def _clips(root, sizes: dict[str, tuple[int, int]]) -> None:
+    from vit22b.clients.video import write_video
+
+    for i, (rel, (h, w)) in enumerate(sizes.items()):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(i)
+        write_video(root / rel, rng.integers(0, 255, (6, h, w, 3), dtype=np.uint8))
+
+
+def test_the_video_probe_takes_folders_as_the_image_probe_does(tmp_path, capsys):
+    """Hidden folders and files left out (a `.thumbnails` folder was a class); a video below
+    its class folder refused (left out without a word); clips of other sizes run in-process
+    (numpy's concatenate refused them); flags the video probe does not read refused (they
+    were ignored: --resolution 32 reported 64)."""
+    from vit22b.probes.video_data import load_video_folder
+
+    clips = {f"{c}/{i}.mp4": (32, 32) for c in "ab" for i in range(4)}
+    _clips(tmp_path / "d", {**clips, ".thumbnails/t.mp4": (32, 32), "a/wide.mp4": (24, 80)})
+    (tmp_path / "d" / "a" / "._0.mp4").write_bytes(b"\0\5\x16\7")  # macOS metadata
+    found = load_video_folder(tmp_path / "d")
+    assert found.class_names == ("a", "b") and len(found) == 9
+    out = tmp_path / "r"
+    assert cli(["probe", "video", "--data", str(tmp_path / "d"), "--frames", "3", "--steps",
+                "2", "--out", str(out)]) == 0, capsys.readouterr().err  # fmt: skip
+    assert json.loads((out / "video.json").read_text())["num_videos"] == 9
+    assert cli(["probe", "video", "--data", str(tmp_path / "d"), "--resolution", "32",
+                "--feature", "class_token", "--out", str(out)]) == 2  # fmt: skip
+    assert "--resolution, --feature: not read by the video probe" in capsys.readouterr().err
+    _clips(tmp_path / "d", {"b/more/x.mp4": (32, 32)})
+    with pytest.raises(DataError, match="a video below the class folder 'b', in more"):
+        load_video_folder(tmp_path / "d")
+
+
+def test_the_video_probe_on_an_embed_output_says_what_it_lacks(tmp_path, capsys, caplog):
+    """An unfinished job's output refused (a probe ran on part of it), the videos the job
+    could not read said and counted (they were dropped without a word), two class folders of
+    one name refused (cam1 under a and under b were one class)."""
+    clips = {f"{c}/{i}.mp4": (32, 32) for c in "ab" for i in range(4)}
+    _clips(tmp_path / "d", clips)
+    (tmp_path / "d" / "a" / "broken.mp4").write_bytes(b"not a video")
+    out = tmp_path / "e"
+    assert cli(["embed", str(tmp_path / "d"), "--output", str(out), "--frames", "3",
+                "--quiet"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli(["probe", "video", "--features", str(out), "--steps", "2", "--out",
+                str(tmp_path / "r")]) == 0  # fmt: skip
+    assert "the embed job could not read 1 of its videos, left out of the probe " \
+        "(a/broken.mp4;" in caplog.text  # a warning (on stderr from the CLI)
+    report = json.loads((tmp_path / "r" / "video.json").read_text())
+    assert report["num_videos"] == 8 and report["features"]["left_out"] == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    assert cli(["probe", "video", "--features", str(out), "--out", str(tmp_path / "r")]) == 2
+    assert "its embed job has not finished" in capsys.readouterr().err
+
+    _clips(tmp_path / "n", {f"{c}/{cam}/{i}.mp4": (32, 32) for c in "ab"
+                            for cam in ("cam1", "cam2") for i in range(2)})
+    assert cli(["embed", str(tmp_path / "n"), "--output", str(tmp_path / "en"), "--frames", "3",
+                "--quiet"]) == 0  # fmt: skip
+    assert cli(["probe", "video", "--features", str(tmp_path / "en"), "--out",
+                str(tmp_path / "r")]) == 2  # fmt: skip
+    assert "two folders named 'cam1' would be one class" in capsys.readouterr().err
+
