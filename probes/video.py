@@ -109,6 +109,18 @@ def _linear(x: np.ndarray, y: np.ndarray, train, test, names, seed: int) -> dict
     return {"top1": report["top1"], "best_C": report["best_C"]}
 
 
+def _check_split(labels: np.ndarray, train: np.ndarray, test: np.ndarray,
+                 class_names: tuple[str, ...]) -> None:
+    """Refuse a split that leaves a class out of training or testing: its scores would be of
+    the other classes alone, set against a chance that counts it."""
+    for cls in np.unique(labels):
+        if not ((labels[train] == cls).any() and (labels[test] == cls).any()):
+            name = class_names[cls] if cls < len(class_names) else str(cls)
+            count = int((labels == cls).sum())
+            raise DataError(f"class {name!r} has {count} video{'s' * (count != 1)}: too few "
+                             "for both the training and the test split (at least 3 a class)")
+
+
 def video_probe(
     frames: np.ndarray,
     labels: np.ndarray,
@@ -126,6 +138,7 @@ def video_probe(
     n, k, _ = frames.shape
     num_classes = num_classes_of(labels, names=class_names)
     train, test = split_indices(labels, (1 - test_fraction, test_fraction), seed)
+    _check_split(labels, train, test, class_names)
     x = _standardise(frames, train)
     module, params, losses = train_attention(x[train], labels[train], num_classes, attention,
                                              seed)

@@ -107,6 +107,9 @@ BAD_VIDEO_FEATURES = {  # (frames, labels, the words of the refusal)
                                  r"\[20, 0, 8\]"),
     "NaN": (np.where(_F > 2, np.nan, _F), _L, "features frames hold NaN or infinite values"),
     "one class": (_F, _L * 0, "the video probe needs images of 2 classes or more"),
+    # scored on the other class alone, against a chance that counted it
+    "a class of two videos": (_F, (np.arange(20) < 2).astype(int), "class 'b' has 2 videos: "
+                              "too few for both the training and the test split"),
 }
 
 
