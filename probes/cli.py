@@ -84,11 +84,25 @@ def _split_seed(text: str) -> int:
     return seed
 
 
+def _world_seed(text: str) -> int:
+    """The shapes world's seed, numpy's: 0 or more."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"expected a seed of 0 or more, got {text!r}")
+    return seed
+
+
 def _positive(parse):
     """``parse``, then every value > 0 (a 0-NN vote or a 0-shot probe means nothing)."""
 
     def checked(text: str):
-        values = parse(text)
+        try:
+            values = parse(text)
+        except ValueError:  # int("1e3"): argparse said "invalid checked value"
+            raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}") from None
         if not all(v > 0 and math.isfinite(v)  # an infinite temperature votes uniformly
                    for v in (values if isinstance(values, tuple) else (values,))):
             raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
@@ -149,7 +163,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="shape-bias on the shapes world: cue-conflict images (default N/3)",
     )
-    src.add_argument("--world-seed", type=int, default=0, help="seed of the shapes world")
+    src.add_argument("--world-seed", type=_world_seed, default=0, help="seed of the shapes world")
     src.add_argument(
         "--frames", type=_positive(int), metavar="K",
         help="video: frames sampled per video, at the centres of K equal segments (default 9)",

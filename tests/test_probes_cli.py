@@ -189,7 +189,8 @@ def test_bad_probe_commands_fail_with_the_reason(tmp_path, capsys, argv, message
                                   ["fewshot", "--shots", "5,-1"], ["calibration", "--bins", "0"],
                                   ["knn", "--temperature", "inf"], ["depth", "--steps", "-1"],
                                   ["linear", "--steps", "0"], ["linear", "--world-size", "0"],
-                                  ["video", "--frames", "0"]])
+                                  ["video", "--frames", "0"], ["video", "--frames", "1e3"],
+                                  ["video", "--frames", "abc"]])
 def test_counts_and_temperatures_must_be_positive(tmp_path, capsys, argv):
     """Each was taken before: a 0-NN "accuracy", a temperature of 0 replaced by 0.07, 0 bins
     by 15, an infinite temperature (uniform votes), -1 steps (an optimiser's error deep in
@@ -197,6 +198,16 @@ def test_counts_and_temperatures_must_be_positive(tmp_path, capsys, argv):
     with pytest.raises(SystemExit) as refused:
         main(["probe", *argv, "--digits", "--out", str(tmp_path)])
     assert refused.value.code == 2 and "expected positive values" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "x"])
+def test_the_world_seed_is_named_when_refused(tmp_path, capsys, value):
+    """numpy's "expected non-negative integer" reached the user without the flag's name."""
+    with pytest.raises(SystemExit) as refused:
+        main(["probe", "video", "--moving-world", "8", "--world-seed", value, "--out",
+              str(tmp_path)])  # fmt: skip
+    assert refused.value.code == 2
+    assert "argument --world-seed: expected a seed of 0 or more" in capsys.readouterr().err
 
 
 def test_image_files_are_decoded_by_the_pixel_contract_in_process(tmp_path, capsys):
