@@ -75,24 +75,21 @@ def _label_or_none(text: str) -> int | None:
     return label
 
 
-def _split_seed(text: str) -> int:
-    """The probe's seed: a weight seed that also seeds numpy's data split (0 or more)."""
-    seed = parse_seed(text)
-    if seed < 0:
-        raise argparse.ArgumentTypeError(f"the seed also seeds the data split: 0 or more, "
-                                         f"got {seed}")
-    return seed
+def _seed_from_zero(why: str):
+    """argparse type: a seed as ``parse_seed`` reads it, 0 or more (``why``: who needs that)."""
+
+    def parse(text: str) -> int:
+        seed = parse_seed(text)
+        if seed < 0:
+            raise argparse.ArgumentTypeError(f"{why}: 0 or more, got {seed}")
+        return seed
+
+    return parse
 
 
-def _world_seed(text: str) -> int:
-    """The shapes world's seed, numpy's: 0 or more."""
-    try:
-        seed = int(text)
-    except ValueError:
-        seed = -1
-    if seed < 0:
-        raise argparse.ArgumentTypeError(f"expected a seed of 0 or more, got {text!r}")
-    return seed
+# the probe's seed also seeds numpy's data split; the shapes world's is numpy's alone
+_split_seed = _seed_from_zero("the seed also seeds the data split")
+_world_seed = _seed_from_zero("the shapes world's seed is numpy's")
 
 
 def _positive(parse):

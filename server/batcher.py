@@ -39,7 +39,7 @@ from .settings import check_batch_wait
 
 # A call its transport ends this close to its deadline is counted as ended by the deadline: a
 # gRPC client's deadline comes before the server's by the request's transit and the rounding of
-# its timeout header, so its cancellation arrives a millisecond or more early, and the caller
+# its timeout header, so its cancellation arrives a little early, and the caller
 # itself sees DEADLINE_EXCEEDED. A call is never dropped before its deadline for it.
 DEADLINE_SLACK_S = 0.05
 

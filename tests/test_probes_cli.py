@@ -207,7 +207,9 @@ def test_the_world_seed_is_named_when_refused(tmp_path, capsys, value):
         main(["probe", "video", "--moving-world", "8", "--world-seed", value, "--out",
               str(tmp_path)])  # fmt: skip
     assert refused.value.code == 2
-    assert "argument --world-seed: expected a seed of 0 or more" in capsys.readouterr().err
+    words = {"-1": "the shapes world's seed is numpy's: 0 or more, got -1",
+             "x": "a seed is an integer, got 'x'"}[value]
+    assert f"argument --world-seed: {words}" in capsys.readouterr().err
 
 
 def test_image_files_are_decoded_by_the_pixel_contract_in_process(tmp_path, capsys):
