@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from vit22b.clients.files import hidden
+from vit22b.clients.files import hidden, regular
 from vit22b.model.pixels import REFUSED_SUFFIXES, SUFFIXES
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "bar", "star")
@@ -225,6 +226,26 @@ class LabelledImages:
         return len(self.images)
 
 
+def is_file(path: Path) -> bool:
+    """Whether ``path``, a name a loader takes by its suffix, is a file to read: a folder is
+    not; a link to nothing, a FIFO, device or socket is refused by name (left out, the probe
+    would score fewer images than the folder shows, without a word)."""
+    try:
+        info = path.stat()
+    except OSError as err:
+        dangling = path.is_symlink() and isinstance(err, FileNotFoundError)
+        reason = f"a link to nothing ({os.readlink(path)})" if dangling else \
+            f"cannot be read ({err.strerror or err})"
+        raise DataError(f"{path}: {reason}") from None
+    if stat.S_ISDIR(info.st_mode):
+        return False
+    try:
+        regular(info, str(path))
+    except OSError as err:
+        raise DataError(f"{path}: {err.strerror}") from None
+    return True
+
+
 def image_files(folder: str | Path) -> list[Path]:
     """The image files directly in ``folder`` (hidden ones left out), sorted by name."""
     folder = Path(folder)
@@ -232,7 +253,7 @@ def image_files(folder: str | Path) -> list[Path]:
         raise DataError(f"{folder}: not a folder")
     files = sorted(
         p for p in folder.iterdir()
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not hidden(p.name)
+        if p.suffix.lower() in IMAGE_SUFFIXES and not hidden(p.name) and is_file(p)
     )
     if not files:
         raise DataError(f"{folder}: no images ({', '.join(SUFFIXES)})")
@@ -283,14 +304,19 @@ def class_folder_files(root: str | Path, accept, what: str) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not hidden(p.name))
+    entries = [p for p in root.iterdir() if not hidden(p.name)]
+    for p in entries:  # a class folder on a drive that is gone would drop its class unsaid
+        if p.is_symlink() and not p.exists():
+            raise DataError(f"{p}: a link to nothing ({os.readlink(p)}), where a class folder "
+                            "or a file was expected")
+    classes = sorted(p.name for p in entries if p.is_dir())
     if not classes:
         raise DataError(f"{root}: no class subfolders (expected {root}/<class>/<{what}>)")
     paths = []
     for name in classes:  # one walk a class: its files, and any deeper (refused)
         folder = root / name
         for path in _walk(folder):
-            if not accept(path) or not path.is_file():
+            if not accept(path) or not is_file(path):
                 continue
             if path.parent != folder:
                 raise DataError(f"{path}: {'an' if what[0] in 'aeiou' else 'a'} {what} below "
@@ -400,7 +426,7 @@ class DenseSet:
 def _by_stem(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
     files = {}
     for path in sorted(folder.iterdir()):
-        if path.is_file() and path.suffix.lower() in suffixes:
+        if path.suffix.lower() in suffixes and not hidden(path.name) and is_file(path):
             if path.stem in files:
                 raise DataError(f"{path}: stem {path.stem!r} also names {files[path.stem]}")
             files[path.stem] = path

@@ -96,6 +96,41 @@ def test_images_below_a_class_folder_are_refused_not_left_out(tmp_path):
         load_image_folder(tmp_path)
 
 
+@pytest.mark.parametrize("odd", ["dangling link", "fifo", "link loop"])
+def test_an_image_name_that_is_no_file_is_refused_not_left_out(tmp_path, odd):
+    """A link to a photo on a drive that is gone, or a FIFO named as an image, was left out of
+    a class, an images folder or a masks folder without a word (the probe scored fewer images
+    than the folder showed); ``vit22b embed`` reports such a file as a failed input."""
+    import os
+
+    world = _dense_folders(tmp_path)
+    _png(tmp_path / "cls" / "cat" / "0.png", world.images[0])
+    _png(tmp_path / "cls" / "dog" / "1.png", world.images[1])
+    assert len(load_image_folder(tmp_path / "cls")) == 2
+    for folder, load in [
+        (tmp_path / "cls" / "dog", lambda: load_image_folder(tmp_path / "cls")),
+        (tmp_path / "images", lambda: image_files(tmp_path / "images")),
+        (tmp_path / "masks", lambda: load_dense_folder(tmp_path / "images",
+                                                       masks=tmp_path / "masks")),
+    ]:
+        bad = folder / "im9.png"
+        if odd == "dangling link":
+            bad.symlink_to(tmp_path / "gone" / "im9.png")
+            words = r"im9\.png: a link to nothing \(.*gone/im9\.png\)"
+        elif odd == "fifo":
+            os.mkfifo(bad)
+            words = r"im9\.png: not a regular file: a FIFO"
+        else:
+            bad.symlink_to(bad)
+            words = r"im9\.png: cannot be read \(Too many levels of symbolic links\)"
+        with pytest.raises(DataError, match=words):
+            load()
+        bad.unlink()
+    (tmp_path / "cls" / "bird").symlink_to(tmp_path / "gone")  # a class on a drive that is gone
+    with pytest.raises(DataError, match=r"bird: a link to nothing \(.*gone\), where a class"):
+        load_image_folder(tmp_path / "cls")
+
+
 def test_class_folder_errors_name_the_folder(tmp_path):
     with pytest.raises(DataError, match="not a folder"):
         load_image_folder(tmp_path / "missing")
