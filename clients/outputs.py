@@ -238,7 +238,9 @@ def verify_file(where: Location, entry: dict) -> None:
     if not where.exists(entry["file"]):
         raise OutputsError(f"{path} is listed in the manifest but missing")
     if sha256_of(where, entry["file"]) != entry["sha256"]:
-        raise OutputsError(f"{path} does not match the sha256 in the manifest")
+        raise OutputsError(f"{path} does not match the sha256 in the manifest: damaged or "
+                           "changed since its job wrote it (a damaged shard is recomputed by "
+                           "deleting its files and rerunning the job)")
 
 
 def open_outputs(directory: str, verify: bool = False, mmap: bool = True) -> Outputs:

@@ -156,12 +156,13 @@ def features_from_embed_folder(path: str | Path) -> tuple[Features, list[str]]:
 def open_embed_output(path: str | Path, what: str):
     """A ``vit22b embed`` output folder of a finished job, opened for a probe (``what``:
     "images", "videos"). One cut short is refused (its missing shards would leave examples, or
-    whole classes, out); the inputs the job could not read, which have no rows, are said
-    (warned, counted in the report's ``left_out``)."""
+    whole classes, out), as is one whose files differ from the manifest's sha256s (a flipped bit
+    in a feature reads as a plausible number); the inputs the job could not read, which have no
+    rows, are said (warned, counted in the report's ``left_out``)."""
     from vit22b.clients.outputs import OutputsError, open_outputs
 
     try:
-        outputs = open_outputs(str(path))
+        outputs = open_outputs(str(path), verify=True)
     except OutputsError as err:
         raise DataError(str(err)) from None
     if not outputs.complete:

@@ -442,6 +442,16 @@ def test_probes_read_an_embed_output_folder(server, tmp_path, capsys):
     linear = _report(tmp_path, "linear")
     assert linear["num_images"] == 40 and linear["num_classes"] == len(set(world.shape))
     assert linear["features"]["model"] == "vit-22b-tiny/16"
+    # a flipped bit in a stored feature reads as a plausible number: the checksums say so
+    pooled = next((embedded / "shards").glob("*pooled*"))
+    stored = bytearray(pooled.read_bytes())
+    stored[-1] ^= 1
+    pooled.write_bytes(bytes(stored))
+    capsys.readouterr()
+    assert main(["probe", "linear", "--features", str(embedded), "--out", str(tmp_path)]) == 2
+    assert f"{pooled} does not match the sha256 in the manifest" in capsys.readouterr().err
+    stored[-1] ^= 1
+    pooled.write_bytes(bytes(stored))
     with FeatureClient(server) as client:
         served = client.model_info().model  # the embed output's, as served
     assert {k: linear["features"][k] for k in KEY_NAMES} == dict(
