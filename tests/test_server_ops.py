@@ -137,15 +137,23 @@ def test_a_call_its_client_ends_at_its_deadline_counts_as_expired(slow):
     """A gRPC client's deadline comes before the server's (the request's transit, the timeout
     header's rounding), so its cancellation reaches the server a little early: counted as the
     caller gone (CANCELLED) where the caller saw DEADLINE_EXCEEDED. Here the client ends the
-    call 20 ms before its deadline."""
+    call 20 ms before its deadline (a try where the host overslept past the deadline would test
+    the server's own expiry instead: it is tried again)."""
     s = stub(slow.address)
-    before = metrics(slow)
-    start = time.monotonic()
-    future = s.Embed.future(request(2, seed=4), timeout=2.0)
-    wait_for(lambda: queued(slow) == 2)
-    time.sleep(max(0.0, start + 2.0 - 0.02 - time.monotonic()))
-    future.cancel()
-    wait_for_images(slow, before, "expired", 2)
+    for _ in range(3):
+        before = metrics(slow)
+        start = time.monotonic()
+        future = s.Embed.future(request(2, seed=4), timeout=2.0)
+        wait_for(lambda: queued(slow) == 2)
+        time.sleep(max(0.0, start + 2.0 - 0.02 - time.monotonic()))
+        lead = start + 2.0 - time.monotonic()  # the deadline's is later: it started after
+        future.cancel()
+        wait_for_images(slow, before, "expired", 2)
+        if lead > 0.005:
+            break
+        wait_for(lambda: metric(metrics(slow), "vit22b_queue_images") == 0)
+    else:
+        pytest.skip("the host overslept the client's cancel past its deadline three times")
     code = {"method": "Embed", "code": "DEADLINE_EXCEEDED"}
     wait_for(lambda: metric(metrics(slow), "vit22b_requests_total", **code)
              - metric(before, "vit22b_requests_total", **code) == 1)
