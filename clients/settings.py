@@ -28,14 +28,16 @@ def setting(
     factory: Callable[[], Any] | None = None,
     cli: bool = True,
     short: str | None = None,
+    shown: str | None = None,
 ) -> Any:
     """A dataclass field declaring one setting.
 
     ``parse``: text -> value (default: the field's type); ``check``: value -> an error message
     or None; ``flag``: when it differs from the field name; ``repeat``: a flag given several
-    times (its variable separates values with ``;``); ``cli=False``: a field with no flag."""
+    times (its variable separates values with ``;``); ``cli=False``: a field with no flag;
+    ``shown``: the default as the flag spells it, where the value's own text is not that."""
     meta = {"help": help, "parse": parse, "check": check, "flag": flag, "repeat": repeat,
-            "cli": cli, "short": short}
+            "cli": cli, "short": short, "shown": shown}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -184,7 +186,8 @@ def add_arguments(
         flag, env, parse = flag_of(field), env_of(field), _parser_of(field)
         flags = [flag] + ([field.metadata["short"]] if field.metadata.get("short") else [])
         default = _default(field)
-        shown = "" if default in (None, (), "") else f"; default {_show(default)}"
+        spelled = field.metadata.get("shown") or _show(default)
+        shown = "" if default in (None, (), "") else f"; default {spelled}"
         help_ = f"{field.metadata['help']} (${env}{shown})"
         if field.metadata["repeat"]:
             text = environ.get(env)

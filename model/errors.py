@@ -100,7 +100,8 @@ class Draining(Exception):
 
 
 class NotReady(Exception):
-    """The engine is still compiling; health is NOT_SERVING until it is done."""
+    """No batch can run: a serving group that lost a process (UNAVAILABLE / 503; readiness is
+    NOT_SERVING from then on)."""
 
 
 class Unauthenticated(Exception):

@@ -1,10 +1,11 @@
 """``vit22b probe KIND`` and ``vit22b explore``.
 
 Images (with their labels, depth maps or masks) come from one of ``--shapes-world N``,
-``--digits`` or ``--data DIR``; their features from a server (``--server ADDR``) or, without one,
-the backbone run in-process (``--model``, random weights from ``--seed``). ``--features PATH``
-reads features computed before (a .npz written with ``--save-features``, or a ``vit22b embed``
-output folder). Reports go to ``--out`` as ``<kind>.json`` plus a PNG where a picture helps.
+``--digits`` or ``--data DIR`` (videos, for ``video``: ``--moving-world N`` or ``--data DIR``);
+their features from a server (``--server ADDR``) or, without one, the backbone run in-process
+(``--model``, random weights from ``--seed``). ``--features PATH`` reads features computed
+before (a .npz written with ``--save-features``, or a ``vit22b embed`` output folder). Reports
+go to ``--out`` as ``<kind>.json`` plus a PNG where a picture helps.
 """
 
 from __future__ import annotations
@@ -349,12 +350,21 @@ VIDEO_READS = frozenset({"kind", "moving_world", "data", "features", "frames", "
                          "out", "shapes_world", "digits"})
 
 
-def _unread(args, reads: frozenset) -> list[str]:
-    """The flags given (not at their defaults) that a probe reading ``reads`` would ignore."""
+# what computes features: not read where --features holds features computed before
+COMPUTE_FLAGS = frozenset({"server", "token", "tls", "model", "resolution"})
+
+
+def _given(args, dests) -> list[str]:
+    """The flags of ``dests`` given (not at their defaults)."""
     defaults = argparse.ArgumentParser()
     _probe_arguments(defaults)
     return ["--" + dest.replace("_", "-") for dest, value in vars(args).items()
-            if dest not in reads and value != defaults.get_default(dest)]
+            if dest in dests and value != defaults.get_default(dest)]
+
+
+def _unread(args, reads: frozenset) -> list[str]:
+    """The flags given (not at their defaults) that a probe reading ``reads`` would ignore."""
+    return _given(args, set(vars(args)) - reads)
 
 
 def _video_data(args):
@@ -477,6 +487,9 @@ def _run_probe_command(args) -> int:
         _check_outputs(args)  # and where the results go
         if kind in (*DENSE, "video") or not (args.server or args.features):
             _use_compile_cache(args.compile_cache)
+        if args.features and (unread := _given(args, COMPUTE_FLAGS)):
+            raise DataError(f"{', '.join(unread)}: not read with --features, whose features "
+                            "were computed before (drop them, or compute features from --data)")
         if kind == "video":
             if unread := _unread(args, VIDEO_READS):
                 raise DataError(f"{', '.join(unread)}: not read by the video probe (pooled "

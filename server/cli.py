@@ -1,7 +1,8 @@
 """`vit22b serve`: the gRPC feature server.
 
 With no arguments it serves the embedded default (the tiny ViT-22B-recipe preset, weights from a
-fixed seed, labelled ``init:seed=0`` in GetModelInfo) on all local devices, on 127.0.0.1:50051.
+fixed seed, labelled ``init:seed=0`` in GetModelInfo) on 127.0.0.1:50051, every local device on
+the data axis (two on a single-process CPU host: ``server.plan.auto_data_devices``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The engine: parameters on a mesh, a cache of compiled forwards, and an executor that runs them.
 
 ``Plan`` (server/plan.py) decides buckets, placements and chunks; the engine holds the compiled
-forwards, one per (bucket, output set), and hands each batch to its executor: ``LocalExecutor``
-for one process, ``GroupExecutor`` (server/distributed.py) for a ``jax.distributed`` group.
+forwards, one per (bucket, output set, patch grid, pixel dtype), and hands each batch to its
+executor: ``LocalExecutor`` for one process, ``GroupExecutor`` (server/distributed.py) for a
+``jax.distributed`` group.
 
 Pixels. The serving path hands the engine uint8 levels (``LEVELS``), and the compiled forward
 normalises them by the pixel contract's table (``model.forward.from_levels``): a quarter of the

@@ -222,7 +222,7 @@ class ServeConfig:
     compile_cache: str = setting(default_compile_cache(), COMPILE_CACHE_HELP)
     warm_outputs: tuple[OutputRequest, ...] = setting(
         (POOLED,), "output set compiled before SERVING (repeatable), e.g. 'pooled' or "
-        "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True)
+        "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True, shown="pooled")
     drain_timeout_s: float = setting(60.0, "seconds accepted calls get to finish after SIGTERM",
                                      flag="--drain-timeout", check=at_most(DAY, "a day"))
     log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR or CRITICAL",

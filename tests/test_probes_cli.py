@@ -447,6 +447,11 @@ def test_probes_read_an_embed_output_folder(server, tmp_path, capsys):
     stored = bytearray(pooled.read_bytes())
     stored[-1] ^= 1
     pooled.write_bytes(bytes(stored))
+    # flags that compute features are not read with features computed before (were ignored)
+    assert main(["probe", "linear", "--features", str(embedded), "--server", server,
+                 "--resolution", "32", "--out", str(tmp_path)]) == 2  # fmt: skip
+    assert ("--server, --resolution: not read with --features, whose features were computed "
+            "before") in capsys.readouterr().err
     capsys.readouterr()
     assert main(["probe", "linear", "--features", str(embedded), "--out", str(tmp_path)]) == 2
     assert f"{pooled} does not match the sha256 in the manifest" in capsys.readouterr().err

@@ -197,6 +197,9 @@ def test_the_video_probe_on_an_embed_output_says_what_it_lacks(tmp_path, capsys,
         "(a/broken.mp4;" in caplog.text  # a warning (on stderr from the CLI)
     report = json.loads((tmp_path / "r" / "video.json").read_text())
     assert report["num_videos"] == 8 and report["features"]["left_out"] == 1
+    assert cli(["probe", "video", "--features", str(out), "--model", "vit-b/16", "--out",
+                str(tmp_path / "r")]) == 2  # fmt: skip
+    assert "--model: not read with --features" in capsys.readouterr().err
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
     assert cli(["probe", "video", "--features", str(out), "--out", str(tmp_path / "r")]) == 2
