@@ -31,6 +31,7 @@ from .parsing import ParsingRegistrar
 from .service import LIVENESS, READINESS, SERVICE_NAME, FeatureService
 from .settings import ServeConfig
 from .tracing import Tracing
+from .unread import Unread
 
 log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -206,7 +207,9 @@ class FeatureServer:
             self.engine, self.batcher, self.metrics, limits, config.preprocess_threads,
             self.tracing,
         )
-        self.service = FeatureService(self.infer, self.metrics)
+        self.service = FeatureService(
+            self.infer, self.metrics,
+            Unread(int(config.max_unread_mb * (1 << 20)), self.metrics.unread_bytes))
         interceptors = []
         tokens = self.tokens
         if tokens:

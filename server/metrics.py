@@ -65,6 +65,11 @@ class Metrics:
         self.queue_images = Gauge(
             "vit22b_queue_images", "Images admitted and not yet computed", registry=r
         )
+        self.unread_bytes = Gauge(
+            "vit22b_unread_response_bytes",
+            "Bytes of gRPC answers computed and not yet read by their clients "
+            "(bounded by --max-unread-mb)", registry=r,
+        )
         self.compilations = Gauge(
             "vit22b_on_demand_compilations", "Forwards compiled after warm-up", registry=r
         )

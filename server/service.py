@@ -32,6 +32,7 @@ from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limi
 from .metrics import Metrics
 from .parsing import NoMessage, only_message
 from .status import refuse, status_of
+from .unread import Unread
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,8 @@ def model_info(infer: Infer) -> pb.ModelInfo:
 
 
 class FeatureService:
-    def __init__(self, infer: Infer, metrics: Metrics):
-        self.infer, self.metrics = infer, metrics
+    def __init__(self, infer: Infer, metrics: Metrics, unread: Unread):
+        self.infer, self.metrics, self.unread = infer, metrics, unread
         self.info = model_info(infer)
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -243,12 +244,15 @@ class FeatureService:
 
     async def Embed(self, requests, context):
         async with self._call("Embed", context):
+            self.unread.check()  # before the body is read
             raw = await only_message(context, "Embed")
             call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
             self._check_size(call, outputs)
             result = await self.infer.run(await self.infer.admit(call, outputs))
-            return self._response(call, result)
+            response = self._response(call, result)
+            context.add_done_callback(self.unread.hold(response.ByteSize()))  # sent, or gone
+            return response
 
     async def EmbedStream(self, requests, context) -> AsyncIterator[pb.EmbedResponse]:
         async with self._call("EmbedStream", context):
@@ -261,7 +265,12 @@ class FeatureService:
                         break
                     if isinstance(item, Exception):
                         raise item
-                    yield await item
+                    response = await item
+                    release = self.unread.hold(response.ByteSize())
+                    try:
+                        yield response  # resumes once gRPC has sent it
+                    finally:
+                        release()
             finally:
                 reader.cancel()
                 _settle(reader)
@@ -298,6 +307,7 @@ class FeatureService:
                     waiting = False
                 if self.infer.draining.is_set():
                     raise Draining(DRAIN_RESEND)
+                self.unread.check()
                 call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits,
                                streamed=True)
                 outputs = self.infer.validate(call)
@@ -378,14 +388,16 @@ def ended_by_grpc(context, err: Exception | None = None) -> tuple[grpc.StatusCod
     is told only that it ended): DEADLINE_EXCEEDED once its deadline has passed (or nearly:
     ``DEADLINE_SLACK_S``, the client's own deadline being the earlier);
     RESOURCE_EXHAUSTED when the handler read no message (``err``: ``NoMessage``), since gRPC
-    refuses a message over the receive limit before the handler sees it (a client that
-    cancels before it sends one reads the same); else CANCELLED, the client gone."""
+    refuses a message over the receive limit before the handler sees it (a client that leaves
+    before its message is whole reads the same: the handler cannot tell the two apart, and
+    says both); else CANCELLED, the client gone."""
     left = context.time_remaining()
     if left is not None and left <= DEADLINE_SLACK_S:
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
     if isinstance(err, NoMessage):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, (
-            "the request message was over the message limit (--max-message-mb): refused by gRPC")
+            "the call ended before its request message arrived whole: over the message limit "
+            "(--max-message-mb, refused by gRPC), or the client left while sending it")
     return grpc.StatusCode.CANCELLED, "the client cancelled the call"
 
 

@@ -208,6 +208,12 @@ class ServeConfig:
     max_request_images: int = setting(256, "images in one request", check=positive)
     max_message_mb: float = setting(64.0, "largest request or response message, MiB",
                                     check=at_most(2047, "gRPC's sizes are 32-bit: under 2 GiB"))
+    # A client that never reads its answers holds them in the server's memory (gRPC's flow
+    # control) with no deadline: their total is bounded (server/unread.py).
+    max_unread_mb: float = setting(
+        1024.0, "MiB of gRPC answers computed and not yet read by their clients; beyond, new "
+        "calls get RESOURCE_EXHAUSTED (which the SDK retries) until answers are read or their "
+        "calls end", check=positive)
     max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS,
                                     "largest decoded image, in pixels (decompression bombs)",
                                     check=positive)

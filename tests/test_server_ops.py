@@ -175,6 +175,55 @@ def test_cancelled_call_is_not_computed(slow):
     assert metric(after, "vit22b_queue_images") == 0
 
 
+# ---- answers their clients do not read -----------------------------------------------------
+
+def _unreading_channel(address: str) -> grpc.Channel:
+    """A channel whose calls take 64 KiB of an answer until they are read (no BDP growth): a
+    call whose answer is never read keeps it in the server's memory."""
+    return grpc.insecure_channel(address, [
+        ("grpc.http2.lookahead_bytes", 1 << 16), ("grpc.http2.bdp_probe", 0),
+        ("grpc.max_receive_message_length", 64 << 20)])
+
+
+def _big_answer(n: int = 48) -> bytes:
+    """Patch tokens of every layer for ``n`` images: about 1 MB of answer for the tiny model."""
+    return pb.EmbedRequest(
+        images=request(n).images, outputs=[pb.OUTPUT_KIND_POOLED],
+        patch_layers=[0, 1, 2, 3]).SerializeToString()
+
+
+def test_answers_their_clients_do_not_read_are_bounded_and_released():
+    """A client that opens calls and never reads their answers held each in the server's
+    memory, with no bound and no deadline (an outside tester held 1.9 GB with 300 such calls).
+    Past --max-unread-mb new calls are refused RESOURCE_EXHAUSTED; an answer read, or its call
+    gone, is released (a unary call's answer and a stream's alike)."""
+    srv = start_server(max_unread_mb=0.5)
+    try:
+        unread = lambda: metric(metrics(srv), "vit22b_unread_response_bytes")  # noqa: E731
+        held = _unreading_channel(srv.address)
+        # the unary method, called as a stream so that its answer is read only when asked for
+        call = held.stream_stream(f"/{SERVICE}/Embed")(iter([_big_answer()]), timeout=60)
+        wait_for(lambda: unread() > 0.5 * 2**20)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(srv.address).Embed(request(1), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "not read, over --max-unread-mb (0.5)" in refused.value.details()
+        answer = pb.EmbedResponse.FromString(next(call))  # read at last: released
+        assert len(answer.patch_tokens) == 4 and answer.patch_tokens[3].shape[0] == 48
+        wait_for(lambda: unread() == 0)
+        assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
+        # a session's answers: held while unread, released when its client leaves
+        session = held.stream_stream(f"/{SERVICE}/EmbedStream")(
+            iter([_big_answer(), _big_answer()]), timeout=60)
+        wait_for(lambda: unread() > 0.5 * 2**20)
+        session.cancel()
+        wait_for(lambda: unread() == 0)
+        held.close()
+        assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
+    finally:
+        srv.stop()
+
+
 # ---- authentication and TLS ---------------------------------------------------------------
 
 TOKEN = "s3cret-token"

@@ -1,0 +1,49 @@
+"""Answers computed and not yet read: a bound on what clients that stop reading can hold.
+
+A gRPC answer handed to gRPC stays in the server's memory until the client's flow-control
+window takes it: a client that opens its calls and never reads their answers (a zero window)
+holds each one, about three times its size, for as long as it keeps the connection, with no
+deadline (an outside tester's sweep held 1.9 GB with 300 unread 2 MB answers). grpcio can
+neither time out a write nor end a call whose write is stuck, so the bound is on their total:
+past ``--max-unread-mb``, new calls are refused RESOURCE_EXHAUSTED (retried by the SDK) until
+answers are read or their calls end. A unary answer counts until its call ends; a stream's
+until its write completes (a stream holds at most its window of answers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vit22b.model.errors import QueueFull
+
+
+class UnreadFull(QueueFull):
+    """New calls refused: answers not yet read by their clients hold over ``--max-unread-mb``."""
+
+
+class Unread:
+    def __init__(self, limit_bytes: int, gauge) -> None:
+        self.limit, self.bytes, self._gauge = limit_bytes, 0, gauge
+
+    def check(self) -> None:
+        """Refuse a new call while the answers not yet read are over the bound."""
+        if self.bytes > self.limit:
+            raise UnreadFull(
+                f"the server holds {self.bytes / 2**20:.1f} MiB of answers their clients have "
+                f"not read, over --max-unread-mb ({self.limit / 2**20:g}); retry later")
+
+    def hold(self, size: int) -> Callable[[], None]:
+        """Count ``size`` bytes until the returned release is called (once)."""
+        self._add(size)
+        released = False
+
+        def release(*_) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._add(-size)
+        return release
+
+    def _add(self, size: int) -> None:
+        self.bytes += size
+        self._gauge.set(self.bytes)
