@@ -125,6 +125,11 @@ class BoundedConnection(HttpToolsProtocol):
         return type(cls.__name__, (cls,), {"limits": limits, "ended": ended,
                                            "respond": staticmethod(respond)})
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """An ``Upgrade`` header (h2c, websocket) is served as plain HTTP/1.1, as by any server
+        that upgrades to nothing; uvicorn logged two warnings for each such request, a log any
+        client could fill."""
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None

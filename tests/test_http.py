@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 import shutil
 import socket
@@ -292,6 +293,18 @@ def test_a_refusal_before_the_body_is_read_closes_the_connection(http):
     big = json.dumps({"images": ["A" * (300 << 10)]}).encode()
     response = http.post("/v1/features", content=big)
     assert response.status_code == 413 and response.headers["connection"] == "close"
+
+
+def test_an_upgrade_header_is_served_as_http_1_1_without_a_warning(http, caplog):
+    """An h2c or websocket Upgrade header is answered as plain HTTP/1.1; uvicorn logged two
+    warnings for each such request ("Unsupported upgrade request.", "No supported WebSocket
+    library detected"): a log any client could fill."""
+    with caplog.at_level(logging.INFO):
+        for upgrade in ("h2c", "websocket"):
+            response = http.get("/v1/models", headers={"Connection": "Upgrade",
+                                                      "Upgrade": upgrade})
+            assert response.status_code == 200 and response.json()["data"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 @pytest.mark.parametrize("accept, safetensors", [
