@@ -26,6 +26,7 @@ from .auth import TokenAuth, Tokens, check_tls_pair, read_tokens, server_credent
 from .batcher import Batcher
 from .engine import Engine, Executor, stored_config
 from .infer import Infer, Limits, new_event_loop
+from .logs import quiet_grpc_call_ends
 from .metrics import Metrics
 from .parsing import ParsingRegistrar
 from .service import LIVENESS, READINESS, SERVICE_NAME, FeatureService
@@ -229,6 +230,7 @@ class FeatureServer:
             # their next call, and idle ones stop holding the server's sockets.
             ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
         ]
+        quiet_grpc_call_ends()
         server = grpc.aio.server(interceptors=interceptors, options=options,
                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((self.service.handler(),))

@@ -139,6 +139,7 @@ class BoundedConnection(HttpToolsProtocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._unread_before = 0  # at the last look
         self._resumed = False  # the buffer drained below its low mark since the last look
+        self._cycles: list = []  # the requests parsed and not yet answered, pipelined ones too
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -152,6 +153,13 @@ class BoundedConnection(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self._header_timer = self._write_timer = None
+        # uvicorn marks only the last request parsed as gone: an earlier pipelined one still
+        # being answered wrote to the closed transport, which uvloop refuses (a traceback at
+        # ERROR per connection a client pipelines three requests on and closes)
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -177,6 +185,8 @@ class BoundedConnection(HttpToolsProtocol):
             self._header_timer.cancel()
             self._header_timer = None
         super().on_headers_complete()
+        if self.cycle is not None:
+            self._cycles = [c for c in self._cycles if not c.response_complete] + [self.cycle]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

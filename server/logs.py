@@ -73,3 +73,27 @@ def configure(level: str, fmt: str, process: int | None = None) -> None:
         handler.setFormatter(logging.Formatter(
             f"%(asctime)s %(levelname)s {member}%(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"  # grpcio's aio server's own handler code
+
+
+def call_gone_while_sending(record: logging.LogRecord) -> bool:
+    """grpcio's traceback for an answer whose call ended while it was being sent (its client
+    gone, or its flow control shut: an ``ExecuteBatchError`` in grpcio's own handler code,
+    eight lines at ERROR per call, a log any client can fill) as one INFO line naming the
+    method; under ``--log-level`` WARNING and above, nothing."""
+    error = record.exc_info[1] if record.exc_info else None
+    if type(error).__name__ != "ExecuteBatchError":
+        return True
+    method = record.getMessage().rpartition("[")[2].rstrip("]")
+    record.levelno, record.levelname = logging.INFO, "INFO"
+    record.msg, record.args = "%s: the call ended while its answer was being sent", (method,)
+    record.exc_info = record.exc_text = None
+    return logging.getLogger().isEnabledFor(logging.INFO)
+
+
+def quiet_grpc_call_ends() -> None:
+    """Install ``call_gone_while_sending`` (once: a filter is added once)."""
+    logging.getLogger(GRPC_CORE_LOGGER).addFilter(call_gone_while_sending)
+

@@ -246,6 +246,7 @@ class FeatureService:
         async with self._call("Embed", context):
             self.unread.check()  # before the body is read
             raw = await only_message(context, "Embed")
+            self.unread.check()  # and after: a call opened early sends its body at any time
             call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
             self._check_size(call, outputs)
@@ -258,6 +259,7 @@ class FeatureService:
         async with self._call("EmbedStream", context):
             order: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
             reader = asyncio.create_task(self._read_stream(requests, context, order))
+            item = None
             try:
                 while True:
                     item = await order.get()
@@ -265,20 +267,21 @@ class FeatureService:
                         break
                     if isinstance(item, Exception):
                         raise item
-                    response = await item
-                    release = self.unread.hold(response.ByteSize())
+                    response, release = await item
+                    item = None
                     try:
                         yield response  # resumes once gRPC has sent it
                     finally:
                         release()
             finally:
+                if isinstance(item, asyncio.Task):  # the stream ended as its answer came
+                    _discard(item)
                 reader.cancel()
                 _settle(reader)
                 while not order.empty():
                     item = order.get_nowait()
                     if isinstance(item, asyncio.Task):
-                        item.cancel()
-                        _settle(item)
+                        _discard(item)
 
     async def _read_stream(self, requests, context, order: asyncio.Queue) -> None:
         """Admit each request before reading the next; queue its task (responses in order).
@@ -317,8 +320,7 @@ class FeatureService:
                 try:
                     await order.put(task)
                 except asyncio.CancelledError:  # the stream ended while the window was full:
-                    task.cancel()  # nobody will await this answer
-                    _settle(task)
+                    _discard(task)  # nobody will await this answer
                     raise
         except asyncio.CancelledError as cancel:
             if cancel.args != (DRAIN_STOP,):
@@ -330,8 +332,11 @@ class FeatureService:
             drained.remove_done_callback(on_drain)
             drained.cancel()
 
-    async def _answer(self, call: EmbedCall, admitted) -> pb.EmbedResponse:
-        return self._response(call, await self.infer.run(admitted))
+    async def _answer(self, call: EmbedCall, admitted) -> tuple[pb.EmbedResponse, Callable]:
+        """A stream's answer, counted as unread from its making (it waits in the stream's
+        window while earlier ones are sent) until the release returned with it."""
+        response = self._response(call, await self.infer.run(admitted))
+        return response, self.unread.hold(response.ByteSize())
 
     # ---- translation ---------------------------------------------------------------------
     def _check_size(self, call: EmbedCall, outputs: OutputRequest) -> None:
@@ -399,6 +404,14 @@ def ended_by_grpc(context, err: Exception | None = None) -> tuple[grpc.StatusCod
             "the call ended before its request message arrived whole: over the message limit "
             "(--max-message-mb, refused by gRPC), or the client left while sending it")
     return grpc.StatusCode.CANCELLED, "the client cancelled the call"
+
+
+def _discard(task: asyncio.Task) -> None:
+    """A stream's answer task nobody will send: cancelled, or its answer released."""
+    task.cancel()
+    if task.done() and not task.cancelled() and task.exception() is None:
+        task.result()[1]()
+    _settle(task)
 
 
 def _settle(task: asyncio.Future) -> None:

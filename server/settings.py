@@ -211,9 +211,9 @@ class ServeConfig:
     # A client that never reads its answers holds them in the server's memory (gRPC's flow
     # control) with no deadline: their total is bounded (server/unread.py).
     max_unread_mb: float = setting(
-        1024.0, "MiB of gRPC answers computed and not yet read by their clients; beyond, new "
-        "calls get RESOURCE_EXHAUSTED (which the SDK retries) until answers are read or their "
-        "calls end", check=positive)
+        1024.0, "MiB of gRPC answers computed and not yet read by their clients (the process "
+        "holds about 3x that); beyond, new calls get RESOURCE_EXHAUSTED (which the SDK "
+        "retries) until answers are read or their calls end", check=positive)
     max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS,
                                     "largest decoded image, in pixels (decompression bombs)",
                                     check=positive)

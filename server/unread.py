@@ -6,8 +6,11 @@ holds each one, about three times its size, for as long as it keeps the connecti
 deadline (an outside tester's sweep held 1.9 GB with 300 unread 2 MB answers). grpcio can
 neither time out a write nor end a call whose write is stuck, so the bound is on their total:
 past ``--max-unread-mb``, new calls are refused RESOURCE_EXHAUSTED (retried by the SDK) until
-answers are read or their calls end. A unary answer counts until its call ends; a stream's
-until its write completes (a stream holds at most its window of answers).
+answers are read or their calls end; a call opened before is checked again when its body
+comes. A unary answer counts until its call ends; a stream's from its making (it waits in the
+stream's window while earlier ones are sent) until its write completes. The count is of
+serialized bytes: the process holds about three times as much (the message, its bytes, gRPC's
+copy).
 """
 
 from __future__ import annotations

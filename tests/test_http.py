@@ -307,6 +307,38 @@ def test_an_upgrade_header_is_served_as_http_1_1_without_a_warning(http, caplog)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def test_pipelined_requests_on_a_connection_closed_unread_log_no_error(caplog):
+    """Three requests pipelined on one connection, their 5 MB answers unread, and the
+    connection closed: uvicorn marked only the last one parsed as gone, so the one being
+    answered wrote to the closed transport, and uvloop's refusal was a 60-line traceback at
+    ERROR per connection."""
+    srv = start_server(http_port=0, max_message_mb=16)
+    body = json.dumps({"images": pngs(random_images(256, seed=29, size=(16, 16))),
+                       "outputs": ["pooled"], "layers": [0, 1, 2, 3]}).encode()
+    one = (b"POST /v1/features HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def requests() -> float:
+        return sum(value for (name, labels), value in metrics(srv).items()
+                   if name == "vit22b_requests_total" and ("method", "POST /v1/features")
+                   in labels)
+
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(2):
+                with socket.socket() as raw:
+                    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    raw.connect(("127.0.0.1", srv.server.http_port))
+                    before = requests()
+                    raw.sendall(one * 3)
+                    wait_for(lambda: requests() > before)  # noqa: B023 - the first, answering
+                    time.sleep(0.5)
+            time.sleep(1.0)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("accept, safetensors", [
     ("application/vnd.safetensors", True),
     ("application/json;q=0.5, application/vnd.safetensors", True),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import re
 import signal
@@ -192,15 +193,23 @@ def _big_answer(n: int = 48) -> bytes:
         patch_layers=[0, 1, 2, 3]).SerializeToString()
 
 
-def test_answers_their_clients_do_not_read_are_bounded_and_released():
+def test_answers_their_clients_do_not_read_are_bounded_and_released(caplog):
     """A client that opens calls and never reads their answers held each in the server's
     memory, with no bound and no deadline (an outside tester held 1.9 GB with 300 such calls).
-    Past --max-unread-mb new calls are refused RESOURCE_EXHAUSTED; an answer read, or its call
-    gone, is released (a unary call's answer and a stream's alike)."""
+    Past --max-unread-mb new calls are refused RESOURCE_EXHAUSTED, a call opened early too
+    when its body comes; an answer read, or its call gone, is released (a unary call's answer
+    and a stream's alike)."""
     srv = start_server(max_unread_mb=0.5)
     try:
         unread = lambda: metric(metrics(srv), "vit22b_unread_response_bytes")  # noqa: E731
         held = _unreading_channel(srv.address)
+        gate = threading.Event()
+
+        def late_body():
+            gate.wait(30)
+            yield request(1).SerializeToString()
+
+        early = held.stream_stream(f"/{SERVICE}/Embed")(late_body(), timeout=60)
         # the unary method, called as a stream so that its answer is read only when asked for
         call = held.stream_stream(f"/{SERVICE}/Embed")(iter([_big_answer()]), timeout=60)
         wait_for(lambda: unread() > 0.5 * 2**20)
@@ -208,20 +217,65 @@ def test_answers_their_clients_do_not_read_are_bounded_and_released():
             stub(srv.address).Embed(request(1), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "not read, over --max-unread-mb (0.5)" in refused.value.details()
+        gate.set()  # opened before the bound was reached, its body sent after
+        with pytest.raises(grpc.RpcError) as refused:
+            next(early)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         answer = pb.EmbedResponse.FromString(next(call))  # read at last: released
         assert len(answer.patch_tokens) == 4 and answer.patch_tokens[3].shape[0] == 48
         wait_for(lambda: unread() == 0)
         assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
-        # a session's answers: held while unread, released when its client leaves
-        session = held.stream_stream(f"/{SERVICE}/EmbedStream")(
-            iter([_big_answer(), _big_answer()]), timeout=60)
-        wait_for(lambda: unread() > 0.5 * 2**20)
-        session.cancel()
-        wait_for(lambda: unread() == 0)
         held.close()
-        assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
     finally:
         srv.stop()
+    # a session's answers count from their making (they wait in its window while one is sent)
+    # until sent; its client gone, they are released
+    srv = start_server(max_unread_mb=16)
+    try:
+        unread = lambda: metric(metrics(srv), "vit22b_unread_response_bytes")  # noqa: E731
+        held = _unreading_channel(srv.address)
+        with caplog.at_level(logging.INFO):
+            session = held.stream_stream(f"/{SERVICE}/EmbedStream")(
+                iter([_big_answer()] * 3), timeout=60)
+            wait_for(lambda: unread() > 2.5 * answer.ByteSize())
+            session.cancel()
+            wait_for(lambda: unread() == 0)
+            held.close()
+            assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        srv.stop()
+
+
+def test_grpcs_traceback_for_a_call_gone_while_sending_is_one_info_line():
+    """grpcio logs eight lines at ERROR for each call that ends while its answer is being sent
+    (its client gone): a log any client can fill."""
+    from grpc._cython.cygrpc import ExecuteBatchError
+    from vit22b.server.logs import call_gone_while_sending
+
+    def record() -> logging.LogRecord:
+        try:
+            raise ExecuteBatchError("Failed execute_batch")
+        except ExecuteBatchError:
+            return logging.LogRecord(
+                "grpc._cython.cygrpc", logging.ERROR, __file__, 1, "ExecuteBatchError raised in "
+                "core by servicer method [%s]", ("/vit22b.v1.FeatureService/Embed",),
+                sys.exc_info())
+
+    root = logging.getLogger()
+    level = root.level
+    try:
+        root.setLevel(logging.INFO)
+        assert call_gone_while_sending(line := record())
+        assert (line.levelname, line.exc_info) == ("INFO", None)
+        assert line.getMessage() == ("/vit22b.v1.FeatureService/Embed: the call ended while "
+                                     "its answer was being sent")
+        root.setLevel(logging.WARNING)
+        assert not call_gone_while_sending(record())  # an INFO line, under --log-level WARNING
+    finally:
+        root.setLevel(level)
+    other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 1, "x", (), None)
+    assert call_gone_while_sending(other) and other.levelname == "ERROR"
 
 
 # ---- authentication and TLS ---------------------------------------------------------------
