@@ -79,16 +79,18 @@ GRPC_CORE_LOGGER = "grpc._cython.cygrpc"  # grpcio's aio server's own handler co
 
 
 def call_gone_while_sending(record: logging.LogRecord) -> bool:
-    """grpcio's traceback for an answer whose call ended while it was being sent (its client
-    gone, or its flow control shut: an ``ExecuteBatchError`` in grpcio's own handler code,
-    eight lines at ERROR per call, a log any client can fill) as one INFO line naming the
-    method; under ``--log-level`` WARNING and above, nothing."""
+    """grpcio's traceback for a call that ended while grpcio was sending its answer or status
+    (its client gone, its deadline passed, its flow control shut: an ``ExecuteBatchError`` in
+    grpcio's own handler code, eight lines at ERROR per call, a log any client can fill) as one
+    INFO line naming the method; under ``--log-level`` WARNING and above, nothing."""
     error = record.exc_info[1] if record.exc_info else None
     if type(error).__name__ != "ExecuteBatchError":
         return True
     method = record.getMessage().rpartition("[")[2].rstrip("]")
     record.levelno, record.levelname = logging.INFO, "INFO"
-    record.msg, record.args = "%s: the call ended while its answer was being sent", (method,)
+    record.msg = ("%s: the call ended (its client gone, or its deadline passed) as grpcio "
+                  "finished it")
+    record.args = (method,)
     record.exc_info = record.exc_text = None
     return logging.getLogger().isEnabledFor(logging.INFO)
 

@@ -67,7 +67,7 @@ class Metrics:
         )
         self.unread_bytes = Gauge(
             "vit22b_unread_response_bytes",
-            "Bytes of gRPC answers computed and not yet read by their clients "
+            "Bytes of gRPC answers admitted and not yet read by their clients "
             "(bounded by --max-unread-mb)", registry=r,
         )
         self.compilations = Gauge(

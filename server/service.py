@@ -246,14 +246,12 @@ class FeatureService:
         async with self._call("Embed", context):
             self.unread.check()  # before the body is read
             raw = await only_message(context, "Embed")
-            self.unread.check()  # and after: a call opened early sends its body at any time
             call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
-            self._check_size(call, outputs)
+            # the answer counts from its admission until its call ends (sent, refused, gone)
+            context.add_done_callback(self.unread.reserve(self._check_size(call, outputs)))
             result = await self.infer.run(await self.infer.admit(call, outputs))
-            response = self._response(call, result)
-            context.add_done_callback(self.unread.hold(response.ByteSize()))  # sent, or gone
-            return response
+            return self._response(call, result)
 
     async def EmbedStream(self, requests, context) -> AsyncIterator[pb.EmbedResponse]:
         async with self._call("EmbedStream", context):
@@ -267,21 +265,22 @@ class FeatureService:
                         break
                     if isinstance(item, Exception):
                         raise item
-                    response, release = await item
+                    task, release = item
+                    response = await task
                     item = None
                     try:
                         yield response  # resumes once gRPC has sent it
                     finally:
                         release()
             finally:
-                if isinstance(item, asyncio.Task):  # the stream ended as its answer came
-                    _discard(item)
+                if isinstance(item, tuple):  # the stream ended as its answer came
+                    _discard(*item)
                 reader.cancel()
                 _settle(reader)
                 while not order.empty():
                     item = order.get_nowait()
-                    if isinstance(item, asyncio.Task):
-                        _discard(item)
+                    if isinstance(item, tuple):
+                        _discard(*item)
 
     async def _read_stream(self, requests, context, order: asyncio.Queue) -> None:
         """Admit each request before reading the next; queue its task (responses in order).
@@ -310,17 +309,22 @@ class FeatureService:
                     waiting = False
                 if self.infer.draining.is_set():
                     raise Draining(DRAIN_RESEND)
-                self.unread.check()
                 call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits,
                                streamed=True)
                 outputs = self.infer.validate(call)
-                self._check_size(call, outputs)
-                admitted = await self.infer.admit(call, outputs)
+                # its answer counts from here until sent or discarded (stream answers wait in
+                # the window while earlier ones are sent)
+                release = self.unread.reserve(self._check_size(call, outputs))
+                try:
+                    admitted = await self.infer.admit(call, outputs)
+                except BaseException:
+                    release()
+                    raise
                 task = asyncio.create_task(self._answer(call, admitted))
                 try:
-                    await order.put(task)
+                    await order.put((task, release))
                 except asyncio.CancelledError:  # the stream ended while the window was full:
-                    _discard(task)  # nobody will await this answer
+                    _discard(task, release)  # nobody will await this answer
                     raise
         except asyncio.CancelledError as cancel:
             if cancel.args != (DRAIN_STOP,):
@@ -332,15 +336,13 @@ class FeatureService:
             drained.remove_done_callback(on_drain)
             drained.cancel()
 
-    async def _answer(self, call: EmbedCall, admitted) -> tuple[pb.EmbedResponse, Callable]:
-        """A stream's answer, counted as unread from its making (it waits in the stream's
-        window while earlier ones are sent) until the release returned with it."""
-        response = self._response(call, await self.infer.run(admitted))
-        return response, self.unread.hold(response.ByteSize())
+    async def _answer(self, call: EmbedCall, admitted) -> pb.EmbedResponse:
+        return self._response(call, await self.infer.run(admitted))
 
     # ---- translation ---------------------------------------------------------------------
-    def _check_size(self, call: EmbedCall, outputs: OutputRequest) -> None:
-        check_response_size(self.info, call, outputs, self.infer.limits.max_message_bytes)
+    def _check_size(self, call: EmbedCall, outputs: OutputRequest) -> int:
+        return check_response_size(self.info, call, outputs,
+                                   self.infer.limits.max_message_bytes)
 
     def _response(self, call: EmbedCall, result: EmbedResult) -> pb.EmbedResponse:
         t = result.timings
@@ -369,8 +371,9 @@ class FeatureService:
 def check_response_size(
     info: pb.ModelInfo, call: EmbedCall, outputs: OutputRequest, limit: int,
     text_ratio: float = 1.0, id_bytes: Callable[[str], int] = wire.utf8_bytes,
-) -> None:
-    """``TooLarge`` when the call's response would not fit the message limit. ``text_ratio``:
+) -> int:
+    """The call's response's size in bytes (at most: every image answered), or ``TooLarge``
+    when it would not fit the message limit. ``text_ratio``:
     the bytes the response's encoding spends per tensor byte (1 for protobuf and safetensors;
     more for JSON, which carries tensors as base64 or numbers); ``id_bytes``: an id's bytes as
     the encoding writes it (JSON escapes)."""
@@ -386,6 +389,7 @@ def check_response_size(
             f"the message limit of {limit} bytes (--max-message-mb); send fewer images per "
             "request"
         )
+    return size
 
 
 def ended_by_grpc(context, err: Exception | None = None) -> tuple[grpc.StatusCode, str]:
@@ -406,12 +410,11 @@ def ended_by_grpc(context, err: Exception | None = None) -> tuple[grpc.StatusCod
     return grpc.StatusCode.CANCELLED, "the client cancelled the call"
 
 
-def _discard(task: asyncio.Task) -> None:
-    """A stream's answer task nobody will send: cancelled, or its answer released."""
+def _discard(task: asyncio.Task, release: Callable[[], None]) -> None:
+    """A stream's answer nobody will send: its task cancelled, its count released."""
     task.cancel()
-    if task.done() and not task.cancelled() and task.exception() is None:
-        task.result()[1]()
     _settle(task)
+    release()
 
 
 def _settle(task: asyncio.Future) -> None:

@@ -6,11 +6,11 @@ holds each one, about three times its size, for as long as it keeps the connecti
 deadline (an outside tester's sweep held 1.9 GB with 300 unread 2 MB answers). grpcio can
 neither time out a write nor end a call whose write is stuck, so the bound is on their total:
 past ``--max-unread-mb``, new calls are refused RESOURCE_EXHAUSTED (retried by the SDK) until
-answers are read or their calls end; a call opened before is checked again when its body
-comes. A unary answer counts until its call ends; a stream's from its making (it waits in the
-stream's window while earlier ones are sent) until its write completes. The count is of
-serialized bytes: the process holds about three times as much (the message, its bytes, gRPC's
-copy).
+answers are read or their calls end. An answer counts from its call's admission (at the size
+the message limit's check works out: every image answered), so answers still queued or
+computing count too, until its unary call ends or, in a stream, its write completes (answers
+wait in a stream's window while earlier ones are sent). The count is of serialized bytes: the
+process holds about three times as much (the message, its bytes, gRPC's copy).
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ class Unread:
             raise UnreadFull(
                 f"the server holds {self.bytes / 2**20:.1f} MiB of answers their clients have "
                 f"not read, over --max-unread-mb ({self.limit / 2**20:g}); retry later")
+
+    def reserve(self, size: int) -> Callable[[], None]:
+        """``check``, then ``hold`` an answer of ``size`` bytes from its admission: answers
+        still queued or computing count too, so calls admitted together cannot pass the bound
+        before any of their answers exists."""
+        self.check()
+        return self.hold(size)
 
     def hold(self, size: int) -> Callable[[], None]:
         """Count ``size`` bytes until the returned release is called (once)."""

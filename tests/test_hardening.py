@@ -630,12 +630,21 @@ def late_refusals(abort, max_calls: int, until_error: bool) -> tuple[int, list[s
             await server.stop(None)
         return made
 
+    from vit22b.server.logs import GRPC_CORE_LOGGER, call_gone_while_sending
+
+    # what grpcio itself logs: a server started earlier in this process installed its filter,
+    # which rewrites the traceback this counts
+    core = logging.getLogger(GRPC_CORE_LOGGER)
+    filtered = call_gone_while_sending in core.filters
+    core.removeFilter(call_gone_while_sending)
     logger = logging.getLogger("grpc")
     handler_ = Errors()
     logger.addHandler(handler_)
     try:
         return asyncio.run(calls()), errors
     finally:
+        if filtered:
+            core.addFilter(call_gone_while_sending)
         logger.removeHandler(handler_)
 
 
