@@ -26,7 +26,8 @@ class UnreadFull(QueueFull):
 
 class Unread:
     def __init__(self, limit_bytes: int, gauge) -> None:
-        self.limit, self.bytes, self._gauge = limit_bytes, 0, gauge
+        self.limit, self.bytes = limit_bytes, 0
+        gauge.set_function(lambda: self.bytes)  # read at a scrape: no lock taken per call
 
     def check(self) -> None:
         """Refuse a new call while the answers not yet read are over the bound."""
@@ -56,4 +57,3 @@ class Unread:
 
     def _add(self, size: int) -> None:
         self.bytes += size
-        self._gauge.set(self.bytes)
