@@ -106,6 +106,9 @@ def test_an_otlp_endpoint_that_cannot_be_a_collector_is_refused(endpoint, messag
     (["--drain-timeout", "1e12"], "--drain-timeout must be at most 86400"),
     (["--http-header-timeout", "1e9"], "--http-header-timeout must be at most 3600"),
     (["--http-body-timeout=-inf"], "--http-body-timeout must be a finite number"),
+    # its bytes overflowed an integer after the model was built: a traceback
+    (["--max-unread-mb", "1e308"], "--max-unread-mb must be at most 1e\\+09"),
+    (["--max-unread-mb", "0"], "--max-unread-mb must be positive"),
 ])
 def test_infinite_or_absurd_times_and_sizes_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -114,7 +117,8 @@ def test_infinite_or_absurd_times_and_sizes_are_refused(argv, message):
 
 def test_the_bounds_themselves_are_accepted():
     config = parse(["--max-delay-ms", "60000", "--max-message-mb", "2047", "--drain-timeout",
-                    "86400", "--http-header-timeout", "3600", "--max-delay-ms", "0"], {})
+                    "86400", "--http-header-timeout", "3600", "--max-delay-ms", "0",
+                    "--max-unread-mb", "1e9"], {})
     config.check()
     group = GroupSettings(init_timeout=86400, peer_timeout=3600.0)
     settings.check(group)
