@@ -165,6 +165,9 @@ def open_embed_output(path: str | Path, what: str):
         outputs = open_outputs(str(path), verify=True)
     except OutputsError as err:
         raise DataError(str(err)) from None
+    except OSError as err:  # a shard the checksum pass cannot read (permissions, I/O)
+        raise DataError(f"{err.filename or path}: cannot be read ({err.strerror or err})"
+                        ) from None
     if not outputs.complete:
         raise DataError(f"{path}: its embed job has not finished ({len(outputs)} {what} "
                         "embedded so far): run the same `vit22b embed` command again to finish "

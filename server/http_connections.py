@@ -128,7 +128,13 @@ class BoundedConnection(HttpToolsProtocol):
     def _unsupported_upgrade_warning(self) -> None:
         """An ``Upgrade`` header (h2c, websocket) is served as plain HTTP/1.1, as by any server
         that upgrades to nothing; uvicorn logged two warnings for each such request, a log any
-        client could fill."""
+        client could fill. The parser ends such a request at its headers, so a body is not
+        read: said in one line, as the door's other refusals are."""
+        sizes = [value for name, value in self.headers
+                 if name in (b"content-length", b"transfer-encoding")]
+        if any(value.strip() not in (b"0", b"") for value in sizes):
+            log.info("HTTP request from %s with an Upgrade header and a body: its body is not "
+                     "read (send it without 'Connection: Upgrade')", self.client)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -139,7 +145,7 @@ class BoundedConnection(HttpToolsProtocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._unread_before = 0  # at the last look
         self._resumed = False  # the buffer drained below its low mark since the last look
-        self._cycles: list = []  # the requests parsed and not yet answered, pipelined ones too
+        self._running = None  # the request being answered (uvicorn answers one at a time)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -155,11 +161,12 @@ class BoundedConnection(HttpToolsProtocol):
         self._header_timer = self._write_timer = None
         # uvicorn marks only the last request parsed as gone: an earlier pipelined one still
         # being answered wrote to the closed transport, which uvloop refuses (a traceback at
-        # ERROR per connection a client pipelines three requests on and closes)
-        for cycle in self._cycles:
-            if not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.message_event.set()
+        # ERROR per connection a client pipelines three requests on and closes); the queued
+        # ones never start once it is closed
+        running = self._running
+        if running is not None and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -185,11 +192,14 @@ class BoundedConnection(HttpToolsProtocol):
             self._header_timer.cancel()
             self._header_timer = None
         super().on_headers_complete()
-        if self.cycle is not None:
-            self._cycles = [c for c in self._cycles if not c.response_complete] + [self.cycle]
+        if not (self.pipeline and self.pipeline[0][0] is self.cycle):  # started, not queued
+            self._running = self.cycle
 
     def on_response_complete(self) -> None:
+        following = self.pipeline[-1][0] if self.pipeline else None  # what uvicorn starts next
         super().on_response_complete()
+        if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
+            self._running = following
         if self.transport.is_closing():
             self._watch_writes()
         elif self.cycle.response_complete:  # no request pending: not even a pipelined one

@@ -267,6 +267,14 @@ class Infer:
             await asyncio.sleep(pause)
             pause = min(pause * 2, _ADMIT_POLL_S[1])
 
+    def abandon(self, admitted: Admitted) -> None:
+        """Give back the room an admitted call still holds when its ``run`` never started
+        (cancelled first); after a ``run`` it holds none."""
+        if admitted.held:
+            self.metrics.images.labels("cancelled").inc(admitted.held)
+            self.batcher.release(admitted.held)
+            admitted.held = 0
+
     async def run(self, admitted: Admitted) -> EmbedResult:
         """Decode, batch, compute and finish an admitted call."""
         call, start = admitted.call, admitted.start

@@ -84,8 +84,9 @@ def call_gone_while_sending(record: logging.LogRecord) -> bool:
     grpcio's own handler code, eight lines at ERROR per call, a log any client can fill) as one
     INFO line naming the method; under ``--log-level`` WARNING and above, nothing."""
     error = record.exc_info[1] if record.exc_info else None
-    if type(error).__name__ != "ExecuteBatchError":
-        return True
+    if type(error).__name__ != "ExecuteBatchError" or not str(record.msg).startswith(
+            "ExecuteBatchError raised in core by servicer method"):
+        return True  # grpcio's other lines about a batch (its error status's) stay whole
     method = record.getMessage().rpartition("[")[2].rstrip("]")
     record.levelno, record.levelname = logging.INFO, "INFO"
     record.msg = ("%s: the call ended (its client gone, or its deadline passed) as grpcio "

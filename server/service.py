@@ -28,7 +28,7 @@ from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
 from .batcher import DEADLINE_SLACK_S
-from .infer import DRAIN_RESEND, EmbedCall, EmbedResult, ImageInput, Infer, Limits
+from .infer import DRAIN_RESEND, Admitted, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
 from .parsing import NoMessage, only_message
 from .status import refuse, status_of
@@ -320,7 +320,7 @@ class FeatureService:
                 except BaseException:
                     release()
                     raise
-                task = asyncio.create_task(self._answer(call, admitted))
+                task = self._answer_task(call, admitted)
                 try:
                     await order.put((task, release))
                 except asyncio.CancelledError:  # the stream ended while the window was full:
@@ -336,7 +336,15 @@ class FeatureService:
             drained.remove_done_callback(on_drain)
             drained.cancel()
 
-    async def _answer(self, call: EmbedCall, admitted) -> pb.EmbedResponse:
+    def _answer_task(self, call: EmbedCall, admitted: Admitted) -> asyncio.Task:
+        """A stream's answer as a task. One cancelled before its first step (the stream ended in
+        the loop's pass that queued it) never runs ``Infer.run``, whose ``finally`` gives the
+        call's room in the queue back: its done callback does."""
+        task = asyncio.create_task(self._answer(call, admitted))
+        task.add_done_callback(lambda _: self.infer.abandon(admitted))
+        return task
+
+    async def _answer(self, call: EmbedCall, admitted: Admitted) -> pb.EmbedResponse:
         return self._response(call, await self.infer.run(admitted))
 
     # ---- translation ---------------------------------------------------------------------

@@ -258,6 +258,36 @@ def test_answers_their_clients_do_not_read_are_bounded_and_released(caplog):
         srv.stop()
 
 
+def test_a_stream_answer_cancelled_before_it_ran_gives_its_room_back():
+    """A session's answer task cancelled before its first step (the stream ended in the loop's
+    pass that queued it) never ran ``Infer.run``, whose ``finally`` gives the call's room in the
+    queue back: the room was held for good, and the queue filled over time."""
+    from vit22b.server.service import to_call
+
+    class NoDeadline:  # what ``to_call`` reads of a gRPC context
+        def time_remaining(self):
+            return None
+
+    srv = start_server()
+    try:
+        service, infer = srv.server.service, srv.server.infer
+
+        async def admit_then_cancel() -> tuple[bool, int]:
+            call = to_call(request(2), NoDeadline(), infer.limits, streamed=True)
+            admitted = await infer.admit(call, infer.validate(call))
+            task = service._answer_task(call, admitted)
+            task.cancel()  # before its first step
+            await asyncio.sleep(0.1)
+            return task.cancelled(), admitted.held
+
+        cancelled, held = asyncio.run_coroutine_threadsafe(  # on the server's own loop
+            admit_then_cancel(), srv._loop).result(30)
+        assert cancelled and held == 0
+        assert metric(metrics(srv), "vit22b_queue_images") == 0
+    finally:
+        srv.stop()
+
+
 def test_grpcs_traceback_for_a_call_gone_while_sending_is_one_info_line():
     """grpcio logs eight lines at ERROR for each call that ends while its answer is being sent
     (its client gone): a log any client can fill."""
