@@ -99,4 +99,3 @@ def call_gone_while_sending(record: logging.LogRecord) -> bool:
 def quiet_grpc_call_ends() -> None:
     """Install ``call_gone_while_sending`` (once: a filter is added once)."""
     logging.getLogger(GRPC_CORE_LOGGER).addFilter(call_gone_while_sending)
-

@@ -211,7 +211,7 @@ class ServeConfig:
     # A client that never reads its answers holds them in the server's memory (gRPC's flow
     # control) with no deadline: their total is bounded (server/unread.py).
     max_unread_mb: float = setting(
-        1024.0, "MiB of gRPC answers computed and not yet read by their clients (the process "
+        1024.0, "MiB of gRPC answers admitted and not yet read by their clients (the process "
         "holds about 3x that); beyond, new calls get RESOURCE_EXHAUSTED (which the SDK "
         "retries) until answers are read or their calls end",
         check=at_most(1e9, "about a pebibyte: larger is no bound"))

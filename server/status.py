@@ -3,12 +3,12 @@
 TEI / Triton style: an exception takes the entry of its nearest class in the table (its own,
 else the closest base class); anything not in the table is a bug and becomes INTERNAL / 500.
 Each failure has its gRPC code and its HTTP status side by side, so the two doors cannot drift
-apart. HTTP choices: a full queue or a full
-compile cache is 429 (with ``Retry-After``); a body or response over the message limit is 413;
-non-finite outputs are 422 (the request was well formed, its result cannot be returned in the
-asked dtype); a caller that went away is 499 (nginx's "client closed request": nobody reads it);
-an HTTP client too slow with its headers or body is 408, one whose headers are over the limit 431,
-a body in a coding or media type the door does not read 415.
+apart. HTTP choices: a full queue or a full compile cache is 429 (with ``Retry-After``); a body
+or response over the message limit is 413; non-finite outputs are 422 (the request was well
+formed, its result cannot be returned in the asked dtype); a caller that went away is 499
+(nginx's "client closed request": nobody reads it); an HTTP client too slow with its headers or
+body is 408, one whose headers are over the limit 431, a body in a coding or media type the
+door does not read 415.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A gRPC answer handed to gRPC stays in the server's memory until the client's flow-control
 window takes it: a client that opens its calls and never reads their answers (a zero window)
 holds each one, about three times its size, for as long as it keeps the connection, with no
-deadline (an outside tester's sweep held 1.9 GB with 300 unread 2 MB answers). grpcio can
+deadline (``benchmarks/unread_memory.py`` measures it). grpcio can
 neither time out a write nor end a call whose write is stuck, so the bound is on their total:
 past ``--max-unread-mb``, new calls are refused RESOURCE_EXHAUSTED (retried by the SDK) until
 answers are read or their calls end. An answer counts from its call's admission (at the size
@@ -36,24 +36,18 @@ class Unread:
                 f"the server holds {self.bytes / 2**20:.1f} MiB of answers their clients have "
                 f"not read, over --max-unread-mb ({self.limit / 2**20:g}); retry later")
 
-    def reserve(self, size: int) -> Callable[[], None]:
-        """``check``, then ``hold`` an answer of ``size`` bytes from its admission: answers
-        still queued or computing count too, so calls admitted together cannot pass the bound
-        before any of their answers exists."""
+    def reserve(self, size: int) -> Callable[..., None]:
+        """``check``, then count an answer of ``size`` bytes from its admission (answers still
+        queued or computing count too, so calls admitted together cannot pass the bound before
+        any of their answers exists) until the returned release is called (once; it takes and
+        ignores a done callback's argument)."""
         self.check()
-        return self.hold(size)
-
-    def hold(self, size: int) -> Callable[[], None]:
-        """Count ``size`` bytes until the returned release is called (once)."""
-        self._add(size)
+        self.bytes += size
         released = False
 
         def release(*_) -> None:
             nonlocal released
             if not released:
                 released = True
-                self._add(-size)
+                self.bytes -= size
         return release
-
-    def _add(self, size: int) -> None:
-        self.bytes += size
