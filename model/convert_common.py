@@ -24,8 +24,11 @@ from .config import ViTConfig
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
 # in a directory holding several weight files, the one read (an importer may name others)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-SHARD_INDEX = "model.safetensors.index.json"  # transformers' sharded safetensors
-_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")  # the shard files it names
+# transformers' sharded checkpoints: each index, and the names its saves give the shards
+SHARD_INDEX = "model.safetensors.index.json"
+BIN_SHARD_INDEX = "pytorch_model.bin.index.json"  # an older save's (save_pretrained, pickles)
+SHARD_INDEXES = {SHARD_INDEX: "model-*-of-*.safetensors",
+                 BIN_SHARD_INDEX: "pytorch_model-*-of-*.bin"}
 
 
 class ConvertError(ValueError):
@@ -147,10 +150,10 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
     if (index := shard_index(path, preferred)) is not None:
         return [index.parent / name for name in index_shards(index)]
     if path.is_file():
-        if (SHARD_INDEX in preferred and _SHARD.fullmatch(path.name)
-                and (path.parent / SHARD_INDEX).is_file()):
-            raise ConvertError(f"{path}: one shard of the checkpoint its folder's {SHARD_INDEX} "
-                               "names: convert the folder")
+        for name, shards in SHARD_INDEXES.items():
+            if name in preferred and path.match(shards) and (path.parent / name).is_file():
+                raise ConvertError(f"{path}: one shard of the checkpoint its folder's {name} "
+                                   "names: convert the folder")
         return [path]
     if not path.is_dir():
         raise ConvertError(f"{path}: not a regular file or a folder" if path.exists()
@@ -166,8 +169,10 @@ def find_weights(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> list[
 
 
 def index_map(index: Path) -> dict[str, str]:
-    """transformers' shard index: tensor name -> shard file, each a plain ``.safetensors`` name
-    beside it (no folder, no glob character: the hub fetches by pattern)."""
+    """transformers' shard index: tensor name -> shard file, each a plain name beside it of the
+    index's kind (``.safetensors``, or ``.bin`` for ``pytorch_model.bin.index.json``; no folder,
+    no glob character: the hub fetches by pattern)."""
+    suffix = Path(SHARD_INDEXES.get(index.name, SHARD_INDEX)).suffix
     data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -175,9 +180,9 @@ def index_map(index: Path) -> dict[str, str]:
                            "files")
     for name in weight_map.values():
         if (not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")
-                or not name.endswith(".safetensors") or any(c in name for c in "*?[]")):
-            raise ConvertError(f"{index}: weight_map names {name!r}, not a .safetensors file in "
-                               "its folder")
+                or not name.endswith(suffix) or any(c in name for c in "*?[]")):
+            raise ConvertError(f"{index}: weight_map names {name!r}, not a {suffix} file in its "
+                               "folder")
     return weight_map
 
 
@@ -188,17 +193,16 @@ def index_shards(index: Path) -> list[str]:
 
 def shard_index(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> Path | None:
     """The shard index ``find_weights`` reads at ``path`` (the index itself, or a folder
-    holding one), where the importer's ``preferred`` files name it (transformers': after
-    ``model.safetensors``, before ``pytorch_model.bin``, as it reads them) and no file it
-    prefers to it is in the folder. timm's and big_vision's loaders read no index."""
-    if SHARD_INDEX not in preferred:
-        return None
-    if path.name == SHARD_INDEX and path.is_file():
+    holding one), where the importer's ``preferred`` files name it and no file it prefers to
+    it is in the folder (transformers' order: ``model.safetensors``, its index,
+    ``pytorch_model.bin``, its index). timm's and big_vision's loaders read no index."""
+    if path.name in SHARD_INDEXES and path.name in preferred and path.is_file():
         return path
-    index = path / SHARD_INDEX
-    first = preferred[:preferred.index(SHARD_INDEX)]
-    if path.is_dir() and index.exists() and not any((path / n).is_file() for n in first):
-        return index
+    if not path.is_dir():
+        return None
+    for name in preferred:  # an index that is no regular file is read, to be refused by name
+        if (path / name).is_file() or (name in SHARD_INDEXES and (path / name).exists()):
+            return path / name if name in SHARD_INDEXES else None
     return None
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import ViTConfig
 from .convert_common import (
+    BIN_SHARD_INDEX,
     SHARD_INDEX,
     ConvertError,
     Hints,
@@ -197,8 +198,8 @@ _TEXT_TOWER = re.compile(r"^(text_model\.|text_projection\.|logit_scale$|logit_b
 
 
 SIDE_FILES = ("config.json", "preprocessor_config.json")
-# transformers' order: its single file, its shard index, then the pickle
-WEIGHT_FILES = ("model.safetensors", SHARD_INDEX, "pytorch_model.bin")
+# transformers' order: its single file, its shard index, then the pickle and its shard index
+WEIGHT_FILES = ("model.safetensors", SHARD_INDEX, "pytorch_model.bin", BIN_SHARD_INDEX)
 
 
 def side_files(path: Path) -> dict:

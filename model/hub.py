@@ -8,10 +8,11 @@ whatever an earlier tool left there; where it is not, a cached snapshot is read 
 
 Only what an importer reads is fetched: its config files and the first weight file of its
 preference list that the repository holds (a repository often keeps the same weights in several
-formats), or, for transformers' sharded safetensors, the index and then the shards it names.
-The weights' sizes are asked first (the hub's file metadata): weights larger than the memory
-available (the converter reads them whole) or than the cache's free disk are refused before any
-of them is downloaded. A snapshot cut short (an index and some of its shards) is completed.
+formats), or, for transformers' sharded checkpoints (safetensors, or an older save's pickles),
+the index and then the shards it names. The weights' sizes are asked first (the hub's file
+metadata): weights larger than the memory available (the converter reads them whole) or than the
+cache's free disk are refused before any of them is downloaded. A snapshot cut short (an index
+and some of its shards) is completed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .convert_common import (
-    SHARD_INDEX,
+    SHARD_INDEXES,
     ConvertError,
     byte_size,
     check_memory,
@@ -36,7 +37,6 @@ from .convert_common import (
 log = logging.getLogger(__name__)
 
 PREFIX = "hf-hub:"
-SHARDS = "model-*-of-*.safetensors"
 _REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
 # a branch, tag or commit ("main", "v1.0", "refs/pr/1", a hash): huggingface_hub reads
 # refs/REVISION as a file, so "../" would read any file's first line as a commit
@@ -116,7 +116,8 @@ def fetch(model: HubModel, side_files: tuple[str, ...], weights: tuple[str, ...]
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = cache_dir()
-    patterns = [*side_files, *weights, *((SHARDS,) if _sharded(weights) else ())]
+    shards = [SHARD_INDEXES[name] for name in weights if name in SHARD_INDEXES]
+    patterns = [*side_files, *weights, *shards]
     try:
         folder = Path(
             snapshot_download(
@@ -192,18 +193,13 @@ def _revision(model: HubModel) -> str:
     return f"{model.spec} (revision {model.revision!r})"
 
 
-def _sharded(weights: tuple[str, ...]) -> bool:
-    """Whether the importer reads transformers' sharded safetensors (its index names them)."""
-    return SHARD_INDEX in weights
-
-
 def _missing(folder: Path, weights: tuple[str, ...]) -> list[str]:
     """The weight files ``folder`` lacks for the converter: the shards an index names that it
     lacks (a download cut short keeps the index and some), none when it holds one of
     ``weights``, else ``weights`` themselves."""
     if (index := shard_index(folder, weights)) is not None:  # as the converter reads it
         return [name for name in index_shards(index) if not (folder / name).is_file()]
-    files = [name for name in weights if name != SHARD_INDEX]
+    files = [name for name in weights if name not in SHARD_INDEXES]
     return [] if any((folder / name).is_file() for name in files) else list(weights)
 
 
@@ -280,15 +276,15 @@ def _download(
     try:
         sizes = _files(model, endpoint)
         chosen = [name for name in weights if name in sizes][:1]  # the converter's order
-        if chosen == [SHARD_INDEX]:
+        if chosen and (index := chosen[0]) in SHARD_INDEXES:
             # the index first: its shards alone are fetched (a repository may keep others)
-            chosen = index_shards(download([*side_files, SHARD_INDEX]) / SHARD_INDEX)
+            chosen = index_shards(download([*side_files, index]) / index)
             if absent := [name for name in chosen if name not in sizes]:
                 raise ConvertError(
-                    f"{_revision(model)}: its {SHARD_INDEX} names "
+                    f"{_revision(model)}: its {index} names "
                     f"{', '.join(absent)}, which the repository does not hold; no weight file "
                     "was downloaded")
-            chosen.append(SHARD_INDEX)
+            chosen.append(index)
         if not chosen:
             held = ", ".join(sorted(sizes)) or "no files"
             raise ConvertError(

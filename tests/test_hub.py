@@ -33,7 +33,7 @@ from timm.models._hub import save_config_for_hf
 from vit22b.clients.cli import main
 from vit22b.model import checkpoint as ckpt
 from vit22b.model.convert import ConvertError, convert
-from vit22b.model.convert_common import SHARD_INDEX, byte_size, index_shards
+from vit22b.model.convert_common import BIN_SHARD_INDEX, SHARD_INDEX, byte_size, index_shards
 from vit22b.model.sharding import available_memory
 
 
@@ -492,6 +492,75 @@ def test_a_sharded_model_fetches_the_shards_its_index_names_and_completes_a_cut_
         with pytest.raises(ConvertError, match=f"its {SHARD_INDEX} names {shards[0]}, which the "
                            "repository does not hold; no weight file was downloaded"):
             convert("hf", "acme/sharded")
+
+
+def save_sharded_pickles(model, folder: Path, max_shard_size: str = "40KB") -> list[str]:
+    """``model`` as transformers before 4.35 saved a large one (``save_pretrained`` of pickles:
+    ``pytorch_model-0000k-of-0000n.bin`` and their ``pytorch_model.bin.index.json``), which
+    current transformers still reads and no longer writes. Returns the shards' names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state = model.state_dict()
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="pytorch_model{suffix}.bin", max_shard_size=max_shard_size)
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(folder)
+    for name, keys in split.filename_to_tensors.items():
+        torch.save({key: state[key].contiguous() for key in keys}, folder / name)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    (folder / BIN_SHARD_INDEX).write_text(json.dumps(index))
+    return sorted(split.filename_to_tensors)
+
+
+def test_a_model_sharded_in_pickles_converts_locally_and_by_name(tmp_path, monkeypatch):
+    """transformers' older sharded saves (``pytorch_model.bin.index.json`` and ``.bin`` shards,
+    as large models on the hub still are) were "expected one weight file, found: ..." locally
+    and "holds none of the weight files this importer reads" by name. Read now in transformers'
+    order (after model.safetensors, its index and pytorch_model.bin), equal to the peer's own
+    load of the same folder; by name, the index and the shards it names are all that is
+    fetched."""
+    import transformers
+
+    cls_name, config_name, kw, outputs, normed, _ = HF_CASES["dinov2-registers"]
+    repo = tmp_path / "repo"
+    shards = save_sharded_pickles(_hf(cls_name, config_name, seed=69, **kw), repo)
+    assert len(shards) > 2
+    pixels = _pixels()
+    peer = getattr(transformers, cls_name).from_pretrained(repo).eval()  # its reader, its files
+    with torch.no_grad():
+        want = {k: v.numpy() for k, v in outputs(peer, pixels).items()}
+    check_parity("bin-shards-local", f"hf {cls_name}", convert("hf", repo), pixels.numpy(),
+                 want, normed)
+    alone = convert("hf", repo / BIN_SHARD_INDEX).params  # the index names its shards
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, alone,
+                                                         convert("hf", repo).params))
+    with pytest.raises(ConvertError, match=f"{shards[0]}: one shard of the checkpoint its "
+                       f"folder's {re.escape(BIN_SHARD_INDEX)} names: convert the folder"):
+        convert("hf", repo / shards[0])
+
+    (repo / "pytorch_model-00001-of-00009.bin").write_bytes(b"an earlier sharding's file")
+    cache, commit = tmp_path / "hub", "f" * 40
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with LocalHub({"acme/pickled": (commit, repo)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        converted = convert("hf", "acme/pickled")
+        assert hub.fetched() == sorted(["config.json", BIN_SHARD_INDEX, *shards])
+        check_parity("bin-shards-hub", f"hf {cls_name}", converted, pixels.numpy(), want, normed)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache alone, and complete
+    assert convert("hf", "acme/pickled").source == converted.source
+
+    index = json.loads((repo / BIN_SHARD_INDEX).read_text())
+    named = index["weight_map"]
+    (repo / BIN_SHARD_INDEX).write_text(json.dumps(
+        {**index, "weight_map": {**named, "x": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ConvertError, match="weight_map names 'model-00001-of-00001.safetensors', "
+                       r"not a \.bin file in its folder"):
+        convert("hf", repo)
+    (repo / BIN_SHARD_INDEX).write_text(json.dumps(index))
+    (repo / "pytorch_model.bin").write_bytes(b"not read")  # a single file beside it wins
+    with pytest.raises(ConvertError, match="pytorch_model.bin: "):
+        convert("hf", repo)
 
 
 def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch,
