@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -156,13 +157,8 @@ def output_spec(options: EmbedSettings) -> OutputSpec:
         raise ValueError(f"unknown output {sorted(unknown)[0]!r}; choose from {OUTPUT_CHOICES}")
     if options.dense and (options.frames or options.stride_seconds):
         raise ValueError("--dense is for images: a video job stores frames of one grid")
-    if options.max_image_pixels and options.server:
-        raise ValueError("--max-image-pixels is the local job's bound (a server states its own)")
-    if options.compile_cache and options.server:
-        raise ValueError("--compile-cache is the local engine's (a server keeps its own)")
-    if options.max_dense_patches and (options.server or not options.dense):
-        raise ValueError("--max-dense-patches is the local --dense bound (a server states its "
-                         "own)")
+    if options.max_dense_patches and not options.dense:
+        raise ValueError("--max-dense-patches is the local --dense bound")
     asked = OutputRequest.of(kinds, options.layers or (), options.normalize_patches)
     return OutputSpec(
         pooled=asked.pooled,
@@ -188,9 +184,32 @@ def video_sampling(options: EmbedSettings) -> Sampling | None:
     return sampling
 
 
+# the in-process engine's settings. `vit22b serve` reads the same variables (VIT22B_MODEL,
+# VIT22B_COMPILE_CACHE, ...), so a job against servers leaves their values unread
+LOCAL_ONLY = ("local", "model", "checkpoint", "mesh", "seed", "compute_dtype",
+              "max_dense_patches", "max_image_pixels", "compile_cache")
+
+
+def choose_backend(options: EmbedSettings, args: argparse.Namespace) -> EmbedSettings:
+    """``options`` for the backend chosen: servers (``--server``), or the in-process engine.
+    A flag wins over a variable: the engine's flags beside ``$VIT22B_SERVER`` run it in
+    process; beside a typed ``--server`` they are refused. Against servers, the engine's
+    settings keep their defaults."""
+    fields = [f for f in dataclasses.fields(EmbedSettings) if f.name in LOCAL_ONLY]
+    typed = [settings.flag_of(f) for f in fields if settings.typed(args, f.name)]
+    if not options.server:
+        return options
+    if typed and settings.typed(args, "server"):
+        raise ValueError(f"--server and {', '.join(typed)} exclude each other (the in-process "
+                         "engine's; a server has its own)")
+    if typed:  # the engine's flags over $VIT22B_SERVER
+        return replace(options, server=())
+    if options.local:  # both from variables
+        raise ValueError("$VIT22B_SERVER and $VIT22B_LOCAL exclude each other")
+    return replace(options, **{f.name: settings.default_of(f) for f in fields})
+
+
 def make_backend(args: EmbedSettings, spec: OutputSpec):
-    if args.server and (args.local or args.checkpoint or args.model):
-        raise ValueError("--server and --local/--model/--checkpoint exclude each other")
     if args.runner == "ray":
         return ray_runner(args)
     if args.server:
@@ -270,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        options = settings.from_args(EmbedSettings, args)
+        options = choose_backend(settings.from_args(EmbedSettings, args), args)
         settings.check(options)
         spec = output_spec(options)
         sampling = video_sampling(options)

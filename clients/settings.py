@@ -170,7 +170,7 @@ def spell_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
     return spelled
 
 
-def _default(field: dataclasses.Field):
+def default_of(field: dataclasses.Field):
     if field.default is not dataclasses.MISSING:
         return field.default
     return field.default_factory()  # type: ignore[misc]
@@ -185,7 +185,7 @@ def add_arguments(
             continue
         flag, env, parse = flag_of(field), env_of(field), _parser_of(field)
         flags = [flag] + ([field.metadata["short"]] if field.metadata.get("short") else [])
-        default = _default(field)
+        default = default_of(field)
         spelled = field.metadata.get("shown") or _show(default)
         shown = "" if default in (None, (), "") else f"; default {spelled}"
         help_ = f"{field.metadata['help']} (${env}{shown})"
@@ -197,12 +197,27 @@ def add_arguments(
         elif _is_bool(field):  # ``--flag`` alone means true
             text = environ.get(env)
             parser.add_argument(*flags, dest=field.name, type=parse, nargs="?", const=True,
-                                default=default if text is None else text, help=help_)
+                                action=_Store, default=default if text is None else text,
+                                help=help_)
         else:
             # argparse converts a string default with ``type`` and reports a bad one as a flag
             # error, which is what a bad variable should get too
-            parser.add_argument(*flags, dest=field.name, type=parse,
+            parser.add_argument(*flags, dest=field.name, type=parse, action=_Store,
                                 default=environ.get(env, default), help=help_)
+
+
+def typed(args: argparse.Namespace, name: str) -> bool:
+    """Whether setting ``name`` was given on the command line (its variable's value, like its
+    default, was not)."""
+    return getattr(args, f"_given_{name}", False)
+
+
+class _Store(argparse.Action):
+    """argparse's ``store``, noting that the flag was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, f"_given_{self.dest}", True)
+        setattr(namespace, self.dest, values)
 
 
 class _Repeat(argparse.Action):
@@ -229,7 +244,7 @@ def from_args(cls: type, args: argparse.Namespace, **extra):
         if field.metadata.get("cli", False) and hasattr(args, field.name):
             value = getattr(args, field.name)
             if field.metadata["repeat"]:
-                value = tuple(value) if value else _default(field)
+                value = tuple(value) if value else default_of(field)
             values[field.name] = value
     return cls(**values, **extra)
 
@@ -246,7 +261,7 @@ def check(settings) -> None:
 def describe(cls: type) -> list[tuple[str, str, str, str]]:
     """(flag, variable, default, help) of every setting: the table the docs show."""
     return [
-        (flag_of(f), env_of(f), _show(_default(f)), f.metadata["help"])
+        (flag_of(f), env_of(f), _show(default_of(f)), f.metadata["help"])
         for f in dataclasses.fields(cls)
         if f.metadata.get("cli", False)
     ]

@@ -211,7 +211,7 @@ def test_a_local_job_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, m
     done = vit22b("embed", str(data), "-o", str(tmp_path / "o2"), "--server", "127.0.0.1:1",
                   "--compile-cache", str(given))
     assert done.returncode == 2
-    assert "--compile-cache is the local engine's (a server keeps its own)" in done.stderr
+    assert "--server and --compile-cache exclude each other (the in-process engine's" in done.stderr
 
 
 def test_a_probe_keeps_its_compiles_in_the_servers_compile_cache(tmp_path, monkeypatch):

@@ -704,6 +704,51 @@ def test_a_job_resumed_on_a_damaged_manifest_is_refused_naming_the_key(engine, t
             local_job(engine, data, out)
         assert json.loads((out / "manifest.json").read_text()) == changed
 
+def test_the_servers_variables_are_not_a_remote_jobs_and_a_flag_wins_over_a_variable(
+        tmp_path, capsys, monkeypatch):
+    """`vit22b serve` and the in-process engine read the same variables (VIT22B_MODEL, ...):
+    an outside tester's shell with the server's VIT22B_MODEL set had `embed --server` refused
+    ("--server and --local/--model/--checkpoint exclude each other"), and with its
+    VIT22B_MAX_IMAGE_PIXELS, VIT22B_COMPILE_CACHE or VIT22B_MAX_DENSE_PATCHES refused naming a
+    flag nobody typed. Against servers the engine's variables are left unread now; the
+    engine's typed flags beside $VIT22B_SERVER run it in process (a flag wins over a
+    variable), beside a typed --server are refused (--seed, --mesh were ignored there)."""
+    from vit22b.clients.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (20, 20), (10, 20, 30)).save(data / "a.png")
+    server_env = {"VIT22B_MODEL": "vit-b/16", "VIT22B_MAX_IMAGE_PIXELS": "5",
+                  "VIT22B_COMPILE_CACHE": str(tmp_path / "cache"),
+                  "VIT22B_MAX_DENSE_PATCHES": "3", "VIT22B_SEED": "4", "VIT22B_MESH": "data=8"}
+    for name, value in server_env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    # no server listens there: the job tried it (exit 1, resumable), nothing refused
+    assert main(["embed", str(data), "-o", str(tmp_path / "remote"), "--server",
+                 "127.0.0.1:1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "127.0.0.1:1" in err and "exclude" not in err, err
+    assert not (tmp_path / "cache").exists()
+
+    for typed, flag in ((["--seed", "3"], "--seed"), (["--mesh", "data=2"], "--mesh"),
+                        (["--local"], "--local"), (["--model", "vit-22b-tiny/16"], "--model")):
+        assert main(["embed", str(data), "-o", str(tmp_path / "x"), "--server",
+                     "127.0.0.1:1", *typed]) == 2
+        assert (f"--server and {flag} exclude each other (the in-process engine's"
+                in capsys.readouterr().err)
+
+    for name in server_env:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VIT22B_SERVER", "127.0.0.1:1")
+    assert main(["embed", str(data), "-o", str(tmp_path / "local"), "--local", "--mesh",
+                 "data=2", "--quiet"]) == 0, capsys.readouterr().err
+    assert open_outputs(str(tmp_path / "local")).ids == ["a.png"]
+    monkeypatch.setenv("VIT22B_LOCAL", "1")
+    assert main(["embed", str(data), "-o", str(tmp_path / "y")]) == 2
+    assert "$VIT22B_SERVER and $VIT22B_LOCAL exclude each other" in capsys.readouterr().err
+
+
 def test_the_local_jobs_decoded_size_guard_is_its_own_setting(tmp_path, capsys):
     """A local job's --max-image-pixels (a server states its own): images over it fail by
     name, the others are embedded; with --server the option is refused."""
@@ -725,7 +770,7 @@ def test_the_local_jobs_decoded_size_guard_is_its_own_setting(tmp_path, capsys):
     capsys.readouterr()
     assert main(["embed", str(data), "--output", str(tmp_path / "o2"), "--server",
                  "127.0.0.1:1", "--max-image-pixels", "1000"]) == 2
-    assert "--max-image-pixels is the local job's bound" in capsys.readouterr().err
+    assert "--server and --max-image-pixels exclude each other" in capsys.readouterr().err
 
 
 def test_a_local_jobs_resolution_is_bounded_by_its_engines_patch_budget(tmp_path, capsys):

@@ -350,7 +350,7 @@ def test_a_dense_job_stores_each_images_grid_and_padded_tokens(tmp_path, capsys)
     table = pq.read_table(next((out / "shards").glob("*.parquet")))
     assert table.column(GRID).to_pylist()[:2] == [list(grids[i]) for i in ids[:2]]
     for flags, message in ((["--server", "127.0.0.1:1", "--max-dense-patches", "8"],
-                            "the local --dense bound"),
+                            "--server and --max-dense-patches exclude each other"),
                            (["--frames", "2"], "--dense is for images")):
         rc = main(["embed", data, "--output", str(tmp_path / "x"), "--dense", *flags])
         assert rc == 2 and message in capsys.readouterr().err
