@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from vit22b.model.compile_cache import use_compile_cache
 from vit22b.model.config import ViTConfig
+from vit22b.model.errors import InvalidRequest
 from vit22b.v1 import features_pb2 as pb
 
 from .auth import TokenAuth, Tokens, check_tls_pair, read_tokens, server_credentials
@@ -118,6 +119,11 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
     )
     log.info("%s", engine.plan.table())
     check_geometries(config, engine)
+    for outputs in config.warm_outputs:  # before any compile: named as the flag's
+        try:
+            engine.resolve(outputs)
+        except InvalidRequest as err:
+            raise ValueError(f"--warm-outputs: {err}") from None
     grids = [engine.grid] + [
         (size // engine.cfg.patch,) * 2 for size in config.warm_resolutions
         if size != engine.cfg.image_size

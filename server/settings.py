@@ -28,20 +28,21 @@ from .tracing import check_otlp_endpoint
 
 
 def parse_outputs(spec: str) -> OutputRequest:
-    """``pooled``, ``pooled+class_token``, ``patch:-1,-4+pooled`` ... -> an OutputRequest."""
-    fields: dict = {"pooled": False}
+    """``pooled``, ``pooled+class_token``, ``patch:-1,-4+pooled``, ``register_tokens`` ... -> an
+    OutputRequest: any output kind, ``patch:LAYERS``, and ``norm_patches``."""
+    kinds, layers, norm = [], [], False
     for part in filter(None, spec.split("+")):
         if part.startswith("patch:"):
             try:
-                fields["patch_layers"] = tuple(int(v) for v in part[len("patch:") :].split(","))
+                layers += [int(v) for v in part[len("patch:") :].split(",")]
             except ValueError:
                 raise argparse.ArgumentTypeError(f"bad layer list in {part!r}") from None
-        elif part in ("pooled", "class_token", "attention_stats", "logits", "norm_patches"):
-            fields[part] = True
+        elif part == "norm_patches":
+            norm = True
         else:
-            raise argparse.ArgumentTypeError(f"unknown output {part!r} in {spec!r}")
+            kinds.append(part)
     try:
-        return OutputRequest(**fields)
+        return OutputRequest.of(kinds, layers, norm)
     except InvalidRequest as err:
         raise argparse.ArgumentTypeError(f"{spec!r}: {err}") from None
 
@@ -228,8 +229,10 @@ class ServeConfig:
         "refused while all are in recent use", check=positive)
     compile_cache: str = setting(default_compile_cache(), COMPILE_CACHE_HELP)
     warm_outputs: tuple[OutputRequest, ...] = setting(
-        (POOLED,), "output set compiled before SERVING (repeatable), e.g. 'pooled' or "
-        "'pooled+patch:-1,-4'", parse=parse_outputs, repeat=True, shown="pooled")
+        (POOLED,), "output set compiled before SERVING (repeatable): output kinds joined by "
+        "'+', patch:LAYERS for patch tokens, norm_patches, e.g. 'pooled', "
+        "'pooled+patch:-1,-4', 'pooled+register_tokens'", parse=parse_outputs, repeat=True,
+        shown="pooled")
     drain_timeout_s: float = setting(60.0, "seconds accepted calls get to finish after SIGTERM",
                                      flag="--drain-timeout", check=at_most(DAY, "a day"))
     log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR or CRITICAL",

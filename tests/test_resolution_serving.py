@@ -212,6 +212,14 @@ def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
         check_geometries(ServeConfig(resolutions=(512,)), engine())
     with pytest.raises(ValueError, match="not among --resolutions"):
         ServeConfig(resolutions=(64,), warm_resolutions=(96,)).check()
+    # an output set the model lacks, named as the flag's before any compile
+    from vit22b.server.settings import parse_outputs
+
+    config = ServeConfig(mesh=MESH, warm_outputs=(parse_outputs("pooled+register_tokens"),),
+                         compile_cache="off")
+    with pytest.raises(ValueError, match="^--warm-outputs: model vit-22b-tiny/16 has no "
+                       "register tokens"):
+        build_engine(config)
 
 
 def test_a_resolution_of_part_patches_is_refused_before_the_weights_load(tmp_path):

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 from vit22b.clients import settings
+from vit22b.model.outputs import OutputRequest
 from vit22b.server.distributed_cli import GroupSettings
 from vit22b.server.settings import ServeConfig
 
@@ -39,6 +40,13 @@ def test_variables_set_defaults_and_flags_win():
     assert [o.patch_layers for o in config.warm_outputs] == [(), (-1, -2)]
     config = parse(["--max-batch-images", "8", "--warm-outputs", "class_token"], env)
     assert config.max_batch_images == 8 and len(config.warm_outputs) == 1
+    # every output kind, spelled as a request spells it (register_tokens, pre_projection and
+    # patch_tokens were "unknown output": DINOv3's or CLIP's sets could not be warmed)
+    config = parse(["--warm-outputs", "pooled+register_tokens+pre_projection",
+                    "--warm-outputs", "patch_tokens+norm_patches"], {})
+    assert config.warm_outputs == (
+        OutputRequest.of(["pooled", "register_tokens", "pre_projection"]),
+        OutputRequest.of(["patch_tokens"], norm_patches=True))
     assert parse([], {}).max_batch_images == 32  # the declared default
 
 
