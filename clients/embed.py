@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from vit22b.model.features import Features
 from vit22b.model.identity import ModelIdentity
 from vit22b.model.outputs import OutputRequest
 from vit22b.model.pixels import (
@@ -40,7 +41,7 @@ from vit22b.model.pixels import (
 )
 
 from .embed_formats import FORMATS
-from .embed_formats import exact as to_stored  # noqa: F401 - the backends' features, in the dtype
+from .embed_formats import exact as to_stored  # the backends' features, in the stored dtype
 from .embed_inputs import InputItem, enumerate_inputs, ids_digest, places_digest, shard_slices
 from .embed_store import OutputStore, ShardWriter
 from .files import MAX_IMAGE_BYTES, READ_FAILURE, os_reason
@@ -50,7 +51,6 @@ from .video import DISPLAY, Sampling
 
 OUTPUT_CHOICES = ("pooled", "class_token", "patch_tokens")
 GRID = "grid"  # a dense job's array of each image's patch grid (rows, cols)
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 FORMAT_CHOICES = tuple(FORMATS)
 STOP_POLL_S = 0.1  # how often the job's thread looks at JobConfig.stop while batches run
 
@@ -86,9 +86,23 @@ class OutputSpec:
         """Requested layers as sorted unique non-negative block indices."""
         return self.request.layers(depth)
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The output kinds asked for besides patch tokens."""
+        return tuple(n for n, on in (("pooled", self.pooled), ("class_token", self.class_token))
+                     if on)
+
     def names(self, depth: int) -> list[str]:
-        names = [n for n, on in (("pooled", self.pooled), ("class_token", self.class_token)) if on]
-        return names + [array_name("patch_tokens", layer) for layer in self.layers(depth)]
+        return [*self.kinds, *(array_name("patch_tokens", layer) for layer in self.layers(depth))]
+
+
+def stored_arrays(features: Features, spec: OutputSpec) -> dict[str, np.ndarray]:
+    """A backend's features (the engine's, or a server's answer) -> stored array name -> array
+    in the output dtype."""
+    arrays = {name: to_stored(value, spec.dtype) for name, value in features.arrays()}
+    for layer, tokens in features.patch_tokens.items():
+        arrays[array_name("patch_tokens", int(layer))] = to_stored(tokens, spec.dtype)
+    return arrays
 
 
 def dense_bound(cfg, spec: OutputSpec) -> int:

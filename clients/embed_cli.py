@@ -28,11 +28,11 @@ from vit22b.model.compile_cache import (
 )
 from vit22b.model.config import parse_seed
 from vit22b.model.outputs import OutputRequest
+from vit22b.v1 import wire
 
 from . import settings
 from .cli import needed_by
 from .embed import (
-    DTYPE_CHOICES,
     FORMAT_CHOICES,
     OUTPUT_CHOICES,
     JobConfig,
@@ -49,6 +49,7 @@ from .settings import (
     COMPUTE_DTYPE_HELP,
     compute_dtype,
     non_negative,
+    one_of,
     parse_tls,
     positive,
     setting,
@@ -66,10 +67,6 @@ def _layers(text: str) -> tuple[int, ...]:
         return tuple(int(v) for v in _csv(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"want integers like -1,6; got {text!r}") from None
-
-
-def _one_of(choices: tuple[str, ...]):
-    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
 
 
 @dataclass
@@ -93,13 +90,13 @@ class EmbedSettings:
     layers: tuple[int, ...] | None = setting(
         None, "patch-token layers, e.g. --layers -1,6 (implies patch_tokens; default -1)",
         parse=_layers)
-    dtype: str = setting("float32", f"stored dtype: {', '.join(DTYPE_CHOICES)}",
-                         check=_one_of(DTYPE_CHOICES))
+    dtype: str = setting("float32", f"stored dtype: {', '.join(wire.OUTPUT_DTYPES)}",
+                         check=one_of(wire.OUTPUT_DTYPES))
     l2_normalize: bool = setting(False, "L2-normalise pooled features")
     normalize_patches: bool = setting(False, "apply the encoder's final norm to patch tokens")
     format: str = setting(
         "npy", "npy (a file per output and shard; bfloat16 as float32), parquet (a table per "
-        "shard) or safetensors (a file per shard, bfloat16 native)", check=_one_of(FORMAT_CHOICES))
+        "shard) or safetensors (a file per shard, bfloat16 native)", check=one_of(FORMAT_CHOICES))
     resolution: int = setting(
         0, "square input size, one the server allows (default: the model's own); recorded in "
         "the manifest: a resumed job refuses another", check=non_negative)
@@ -122,7 +119,7 @@ class EmbedSettings:
         2, "requests in flight per server (local: worker threads; --runner ray: actors in all)",
         check=positive)
     runner: str = setting("threads", "threads of this process, or ray: a Ray Data pipeline "
-                          "(pip install 'vit22b[ray]')", check=_one_of(("threads", "ray")))
+                          "(pip install 'vit22b[ray]')", check=one_of(("threads", "ray")))
     ray_address: str | None = setting(
         None, "Ray cluster to join (default: RAY_ADDRESS, or a new local instance)")
     ray_max_retries: int = setting(

@@ -25,7 +25,7 @@ from vit22b.model.compile_cache import use_compile_cache  # noqa: E402
 from vit22b.model.config import ViTConfig  # noqa: E402
 from vit22b.model.errors import InvalidImage, InvalidRequest  # noqa: E402
 from vit22b.model.features import Features  # noqa: E402
-from vit22b.model.identity import ModelIdentity, seeded_source  # noqa: E402
+from vit22b.model.identity import ModelIdentity  # noqa: E402
 from vit22b.model.outputs import OutputRequest  # noqa: E402
 from vit22b.model.pixels import (  # noqa: E402
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -42,18 +42,16 @@ from vit22b.server.engine import (  # noqa: E402
 )
 from vit22b.server.infer import ImageInput, LocalInfer  # noqa: E402
 
-from .embed import BatchResult, OutputSpec, dense_bound, dense_rows, embed_files, to_stored  # noqa: E402
+from .embed import (  # noqa: E402
+    BatchResult,
+    OutputSpec,
+    dense_bound,
+    dense_rows,
+    embed_files,
+    stored_arrays,
+)
 from .embed_inputs import InputItem  # noqa: E402
 from .inputs import with_ids  # noqa: E402
-from .outputs import array_name  # noqa: E402
-
-
-def stored_arrays(features: Features, spec: OutputSpec) -> dict[str, np.ndarray]:
-    """Features -> stored array name -> array in the output dtype."""
-    arrays = {name: to_stored(value, spec.dtype) for name, value in features.arrays()}
-    for layer, tokens in features.patch_tokens.items():
-        arrays[array_name("patch_tokens", int(layer))] = to_stored(tokens, spec.dtype)
-    return arrays
 
 
 class LocalWorker:
@@ -201,14 +199,8 @@ def in_process_config(cfg: ViTConfig) -> ViTConfig:
 @functools.lru_cache(maxsize=4)
 def seeded_engine(cfg: ViTConfig, seed: int, batch_size: int) -> Engine:
     """A preset or config with seeded weights on the auto mesh (kept: probes ask again)."""
-    from vit22b.model import checkpoint
-    from vit22b.model.sharding import init_sharded
-
-    mesh = auto_mesh(cfg)
-    params = init_sharded(cfg, mesh, seed)
-    return Engine(cfg, params, mesh, fingerprint=checkpoint.fingerprint(params),
-                  source=seeded_source(seed), max_batch_images=batch_size,
-                  max_batch_patches=in_process_patch_budget(cfg, batch_size))
+    return Engine.seeded(cfg, auto_mesh(cfg), seed, max_batch_images=batch_size,
+                         max_batch_patches=in_process_patch_budget(cfg, batch_size))
 
 
 IN_PROCESS_CHUNK = 1024  # images read and decoded at a time: a folder's files are not all held

@@ -31,10 +31,9 @@ from .embed import (
     WorkerLost,
     dense_rows,
     embed_files,
-    to_stored,
+    stored_arrays,
 )
 from .embed_inputs import InputItem
-from .outputs import array_name
 
 # A server answering with these after the SDK's retries is gone (or hopeless): move off it.
 LOST = (
@@ -63,9 +62,8 @@ class _Server:
 class RemoteWorker:
     def __init__(self, server: _Server, spec: OutputSpec, layers: tuple[int, ...], name: str):
         self.server, self.spec, self.layers, self.name = server, spec, layers, name
-        kinds = [k for k, on in (("pooled", spec.pooled), ("class_token", spec.class_token)) if on]
         self.options = dict(
-            outputs=tuple(kinds),
+            outputs=spec.kinds,
             layers=layers,
             dtype=spec.dtype,
             l2_normalize=spec.l2_normalize,
@@ -116,15 +114,7 @@ class RemoteWorker:
         rows = [positions[i] for i in result.indices]
         if not rows:
             return BatchResult([], {}, sorted(failed))
-        arrays = {}
-        if self.spec.pooled:
-            arrays["pooled"] = to_stored(result.pooled, self.spec.dtype)
-        if self.spec.class_token:
-            arrays["class_token"] = to_stored(result.class_token, self.spec.dtype)
-        for layer in self.layers:
-            arrays[array_name("patch_tokens", layer)] = to_stored(
-                result.patch_tokens[layer], self.spec.dtype
-            )
+        arrays = stored_arrays(result, self.spec)
         if self.spec.dense:
             arrays = dense_rows(arrays, result.grid, server.model.num_patches)
         return BatchResult(rows, arrays, sorted(failed))

@@ -69,6 +69,12 @@ def _infinite(value) -> str | None:
     return None
 
 
+def one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    """A check: the value is one of ``choices``."""
+    return lambda value: None if value in choices else (
+        f"must be one of {', '.join(choices)}, got {value!r}")
+
+
 def at_most(limit: float, why: str, rule: Callable[[Any], str | None] = positive
             ) -> Callable[[Any], str | None]:
     """``rule``, and at most ``limit`` (``why``: what larger values would break or mean)."""
@@ -99,9 +105,14 @@ def compute_dtype(text: str) -> str | None:
     return text
 
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def parse_tls(text: str) -> bool | str:
-    """``--tls`` alone (the system's roots), a PEM of trusted roots, or true/false."""
-    return {"true": True, "1": True, "false": False, "0": False}.get(text.lower(), text)
+    """``--tls`` alone (the system's roots), a PEM of trusted roots, or a word of true or false
+    (as every flag of this kind reads them: ``VIT22B_TLS=on`` is not a file named ``on``)."""
+    word = text.strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else text
 
 
 def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
@@ -118,9 +129,6 @@ def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
 def _is_bool(field: dataclasses.Field) -> bool:
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
     return kind.startswith("bool")
-
-
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _bool(text: str) -> bool:

@@ -344,10 +344,10 @@ def _probe_data(args, kind: str) -> tuple[ProbeData, dict]:
 
 
 # what the video probe reads: pooled features of each frame at the model's own resolution
-# (--shapes-world and --digits: refused by _video_data, which names the video sources)
+# (--shapes-world, --digits and --save-features: refused by _video_data, which says why)
 VIDEO_READS = frozenset({"kind", "moving_world", "data", "features", "frames", "world_seed",
                          "server", "token", "tls", "model", "seed", "compile_cache", "steps",
-                         "out", "shapes_world", "digits"})
+                         "out", "shapes_world", "digits", "save_features"})
 
 
 # what computes features: not read where --features holds features computed before

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from .data import IGNORE_INDEX
-from .features import Features
+from .features import Features, standardised
 
 
 @dataclass
@@ -44,13 +44,8 @@ def dense_inputs(
     features: Features, layers: tuple[int, ...], use_pooled: bool, train_index: np.ndarray
 ) -> DenseInputs:
     """Token grids of ``layers`` (and the pooled feature), standardised with training statistics."""
-
-    def standardise(x: np.ndarray) -> np.ndarray:
-        ref = x[train_index].reshape(-1, x.shape[-1])
-        return ((x - ref.mean(0)) / (ref.std(0) + 1e-6)).astype(np.float32)
-
-    grids = tuple(standardise(features.patch_grid(layer)) for layer in layers)
-    pooled = standardise(features.require("pooled")) if use_pooled else None
+    grids = tuple(standardised(features.patch_grid(layer), train_index) for layer in layers)
+    pooled = standardised(features.require("pooled"), train_index) if use_pooled else None
     return DenseInputs(grids, pooled)
 
 
@@ -284,9 +279,9 @@ def depth_probe(
     # Channel 0 the standardised depth (0 where none), channel 1 the share of measured pixels
     # behind it: the loss weighs each training pixel by it.
     weight = valid[train_index].astype(np.float64)
-    standardised = np.where(valid[train_index], (depth[train_index] - mean) / std, 0.0)
+    scaled = np.where(valid[train_index], (depth[train_index] - mean) / std, 0.0)
     block_weight = downsample_depth(weight, train_stride)
-    block_depth = downsample_depth(standardised, train_stride) / np.maximum(block_weight, 1e-12)
+    block_depth = downsample_depth(scaled, train_stride) / np.maximum(block_weight, 1e-12)
     target = np.stack([block_depth, block_weight], axis=-1).astype(np.float32)
     size = depth.shape[1:3]
     per_pixel = np.where(valid[train_index], depth[train_index], 0.0).sum(0)

@@ -81,6 +81,13 @@ def real_array(value, name: str) -> np.ndarray:
         return array.astype(np.float32, copy=False)
 
 
+def standardised(x: np.ndarray, train: np.ndarray) -> np.ndarray:
+    """``x`` centred and scaled by the statistics of its ``train`` rows (each channel, over
+    every other axis), float32: a trained head's inputs, with no test statistic in them."""
+    ref = x[train].reshape(-1, x.shape[-1])
+    return ((x - ref.mean(0)) / (ref.std(0) + 1e-6)).astype(np.float32)
+
+
 def save_features(path: str | Path, features: Features) -> None:
     """One .npz (numpy alone opens it): the arrays, patch tokens as ``patch_tokens/<layer>``."""
     write_npz(path, feature_arrays(features))

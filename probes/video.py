@@ -25,7 +25,7 @@ import optax
 
 from . import linear
 from .data import DataError
-from .features import check_finite, real_array
+from .features import check_finite, real_array, standardised
 from .metrics import (
     check_class_indices,
     check_class_names,
@@ -67,11 +67,6 @@ class AttentionConfig:
     steps: int = 400
     learning_rate: float = 3e-3
     weight_decay: float = 1e-2
-
-
-def _standardise(x: np.ndarray, train: np.ndarray) -> np.ndarray:
-    ref = x[train].reshape(-1, x.shape[-1])
-    return ((x - ref.mean(0)) / (ref.std(0) + 1e-6)).astype(np.float32)
 
 
 def train_attention(
@@ -139,7 +134,7 @@ def video_probe(
     num_classes = num_classes_of(labels, names=class_names)
     train, test = split_indices(labels, (1 - test_fraction, test_fraction), seed)
     _check_split(labels, train, test, class_names)
-    x = _standardise(frames, train)
+    x = standardised(frames, train)
     module, params, losses = train_attention(x[train], labels[train], num_classes, attention,
                                              seed)
     logits = np.asarray(jax.jit(module.apply)(params, jnp.asarray(x[test])))

@@ -188,7 +188,6 @@ class FeatureServer:
         self.http = None  # the HTTP door, with --http-port
         self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._stopped = asyncio.Event()
 
     async def start(self) -> None:
         config = self.config
@@ -224,7 +223,7 @@ class FeatureServer:
             interceptors.append(
                 TokenAuth(
                     tokens,
-                    lambda method: reject(method.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc(),
+                    lambda method, code: reject(method.rsplit("/", 1)[-1], code.name).inc(),
                 )
             )
         options = [
@@ -295,11 +294,7 @@ class FeatureServer:
         self.metrics.stop()
         self.tracing.shutdown()
         gc.unfreeze()  # what this server held may be collected again (tests run many in turn)
-        self._stopped.set()
         return clean
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
     @property
     def address(self) -> str:

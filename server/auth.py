@@ -20,9 +20,10 @@ import stat
 from pathlib import Path
 
 import grpc
+from vit22b.model.errors import Unauthenticated
 
 from .parsing import METHOD_HANDLERS
-from .status import refuse
+from .status import refuse_with, status_of
 
 log = logging.getLogger(__name__)
 # gRPC refuses metadata over 16 KiB in all (value length 20007 vs. 16384): a longer token could
@@ -113,7 +114,7 @@ class Tokens:
 class TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: Tokens, on_reject=None):
         self._tokens = tokens
-        self._on_reject = on_reject  # called with the method name (metrics)
+        self._on_reject = on_reject  # called with the method name and the code (metrics)
 
     def _allowed(self, metadata) -> bool:
         values = [v.encode() if isinstance(v, str) else b"" for k, v in metadata or ()
@@ -126,9 +127,10 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return handler
         if self._allowed(details.invocation_metadata):
             return handler
-        log.info("%s refused: UNAUTHENTICATED (missing or wrong bearer token)", details.method)
+        code = status_of(Unauthenticated()).grpc
+        log.info("%s refused: %s (missing or wrong bearer token)", details.method, code.name)
         if self._on_reject is not None:
-            self._on_reject(details.method)
+            self._on_reject(details.method, code)
         return _rejecting(handler)
 
 
@@ -136,10 +138,10 @@ def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     message = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
 
     async def unary(requests, context):  # the server's handlers all take their requests
-        await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)  # as a stream (unread)
+        await refuse_with(context, Unauthenticated(message))  # as a stream (unread)
 
     async def streaming(requests, context):
-        await refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
+        await refuse_with(context, Unauthenticated(message))
         yield  # pragma: no cover - makes this an async generator like the real handler
 
     make = METHOD_HANDLERS[(handler.request_streaming, handler.response_streaming)][1]

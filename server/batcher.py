@@ -35,7 +35,7 @@ from vit22b.model.outputs import OutputRequest
 from .engine import LEVELS, MAX_PENDING_COMPILES, CompileLimit, Engine
 from .handoff import hand_back
 from .metrics import Metrics
-from .settings import check_batch_wait
+from .settings import ServeConfig, check_batch_wait
 
 # A call its transport ends this close to its deadline is counted as ended by the deadline: a
 # gRPC client's deadline comes before the server's by the request's transit and the rounding of
@@ -107,9 +107,9 @@ class Batcher:
         metrics: Metrics,
         *,
         max_batch_images: int | None = None,
-        max_delay_s: float = 0.005,
-        max_queue_images: int = 1024,
-        batch_wait: str = "decoding",
+        max_delay_s: float = ServeConfig.max_delay_ms / 1e3,
+        max_queue_images: int = ServeConfig.max_queue_images,
+        batch_wait: str = ServeConfig.batch_wait,
     ):
         if error := check_batch_wait(batch_wait):
             raise ValueError(f"batch wait {error}")

@@ -38,7 +38,6 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import NoReturn
 
 import jax
@@ -51,6 +50,7 @@ from vit22b.model.outputs import POOLED, OutputRequest
 from . import logs
 from .app import FeatureServer, build_engine, preflight, serve_started
 from .cpu_devices import cpu_flags
+from .distributed_cli import BEAT_S, STATUS_FD_ENV, Group
 from .engine import Engine, pixel_dtype
 from .infer import run_loop
 from .plan import cpu_bf16
@@ -59,28 +59,7 @@ from .settings import ServeConfig
 
 log = logging.getLogger(__name__)
 
-BEAT_S = 0.5  # a worker's heartbeat period; process 0 polls at the same pace
-STATUS_FD_ENV = "VIT22B_STATUS_FD"  # where the JAX process reports its phases to its supervisor
 _KEY = "vit22b/{}/{}"  # coordination-service keys: vit22b/<what>/<process>
-
-
-@dataclass(frozen=True)
-class Group:
-    """Where this process stands in the group and how long it waits for the others."""
-
-    coordinator: str  # HOST:PORT of process 0's coordination service
-    num_processes: int
-    process_id: int
-    init_timeout_s: int = 300  # every process must have joined by then (else the runtime aborts)
-    peer_timeout_s: float = 5.0  # a worker silent this long is gone
-
-    @property
-    def leader(self) -> bool:
-        return self.process_id == 0
-
-    @property
-    def workers(self) -> range:
-        return range(1, self.num_processes)
 
 
 class GroupLost(NotReady):
@@ -555,10 +534,6 @@ async def _lead(
 # ------------------------------------------------------------------------------------------
 # the JAX process of `vit22b serve --coordinator ...` (started by distributed_cli)
 # ------------------------------------------------------------------------------------------
-
-
-def encode_spec(config: ServeConfig, group: Group) -> str:
-    return json.dumps({"config": dataclasses.asdict(config), "group": dataclasses.asdict(group)})
 
 
 def decode_spec(text: str) -> tuple[ServeConfig, Group]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import errno
+import json
 import os
 import re
 import signal
@@ -24,6 +26,34 @@ from vit22b.clients import settings
 from vit22b.clients.settings import at_most, setting
 
 from .settings import DAY, HOUR, ServeConfig
+
+BEAT_S = 0.5  # a worker's heartbeat period; process 0 polls at the same pace
+STATUS_FD_ENV = "VIT22B_STATUS_FD"  # where the JAX process reports its phases to its supervisor
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where this process stands in the group and how long it waits for the others (jax-free:
+    the supervisor holds it; the JAX process gets it with its settings, ``encode_spec``)."""
+
+    coordinator: str  # HOST:PORT of process 0's coordination service
+    num_processes: int
+    process_id: int
+    init_timeout_s: int  # every process must have joined by then (else the runtime aborts)
+    peer_timeout_s: float  # a worker silent this long is gone
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def workers(self) -> range:
+        return range(1, self.num_processes)
+
+
+def encode_spec(config: ServeConfig, group: Group) -> str:
+    """The JAX process's settings and place, as its one argument (``distributed.decode_spec``)."""
+    return json.dumps({"config": dataclasses.asdict(config), "group": dataclasses.asdict(group)})
 
 
 @dataclass
@@ -51,8 +81,6 @@ def add_group_arguments(parser: argparse.ArgumentParser) -> None:
 
 def group_from_args(args: argparse.Namespace):
     """The Group of these flags, or None for a single-process server."""
-    from .distributed import BEAT_S, Group  # jax: only for a group
-
     given = [args.coordinator, args.num_processes, args.process_id]
     if all(v is None for v in given):
         return None
@@ -115,10 +143,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def supervise(config: ServeConfig, group) -> int:
+def supervise(config: ServeConfig, group: Group) -> int:
     """Run the JAX process of this member of the group; its exit status, explained when needed."""
-    from .distributed import STATUS_FD_ENV, encode_spec
-
     read_fd, write_fd = os.pipe()
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, encode_spec(config, group)],
@@ -140,7 +166,7 @@ def supervise(config: ServeConfig, group) -> int:
     return code if code >= 0 else 128 - code
 
 
-def explain(code: int, phase: str, group) -> str | None:
+def explain(code: int, phase: str, group: Group) -> str | None:
     """Why the JAX process ended: None for a clean stop, '' when it already said why."""
     me = f"process {group.process_id} of {group.num_processes}"
     if code == 0 or (phase == "stopped" and group.process_id):

@@ -270,11 +270,17 @@ class Engine:
                                                    verify=verify)
             return cls(with_dtype(cfg), params, mesh, fingerprint=meta.fingerprint,
                        source=meta.source, **kwargs)
-        cfg = with_dtype(stored)
+        return cls.seeded(with_dtype(stored), mesh, seed, **kwargs)
+
+    @classmethod
+    def seeded(cls, cfg: ViTConfig, mesh: Mesh, seed: int, **kwargs) -> Engine:
+        """``cfg`` with random weights from ``seed``: the same weights, and fingerprint, in
+        every process and run."""
+        from vit22b.model import checkpoint
+
         params = init_sharded(cfg, mesh, seed)
-        fingerprint = checkpoint.fingerprint(params)
-        return cls(cfg, params, mesh, fingerprint=fingerprint, source=seeded_source(seed),
-                   **kwargs)
+        return cls(cfg, params, mesh, fingerprint=checkpoint.fingerprint(params),
+                   source=seeded_source(seed), **kwargs)
 
     @property
     def mesh_spec(self) -> str:

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 from PIL.Image import Image as PILImage
 from vit22b.model.errors import (
@@ -50,13 +49,9 @@ from .batcher import Batcher, ended_by_deadline
 from .engine import Engine
 from .handoff import Handoff
 from .metrics import Metrics
+from .settings import ServeConfig
 from .tracing import Tracing
 
-OUTPUT_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float16": np.dtype(np.float16),
-}
 _ADMIT_POLL_S = (0.001, 0.05)  # a waiting stream retries admission with this backoff range
 # Finishing (L2, the cast, the finiteness check) runs on the event loop below this size and in
 # the preprocessing pool above it: measured here, 1 MiB takes ~0.3 ms and 16 MiB ~8 ms, which
@@ -73,9 +68,10 @@ DRAIN_RESEND = "server is shutting down; resend the requests not answered"  # to
 
 @dataclass(frozen=True)
 class Limits:
-    max_request_images: int = 256
-    max_message_bytes: int = 64 << 20
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # defaults: `vit22b serve`'s (an in-process facade's, and tests')
+    max_request_images: int = ServeConfig.max_request_images
+    max_message_bytes: int = int(ServeConfig.max_message_mb * (1 << 20))
+    max_image_pixels: int = ServeConfig.max_image_pixels
     resolutions: tuple[int, ...] = ()  # square sizes served (empty: the model's own)
     max_dense_patches: int = 0  # dense requests' patch bound (0: dense mode off)
 
@@ -202,10 +198,9 @@ class Infer:
         """Request-level checks, before any image is decoded; the resolved outputs."""
         self.engine.executor.check()
         self.limits.check_images(len(call.images))
-        if call.dtype not in OUTPUT_DTYPES:
-            raise InvalidRequest(
-                f"unknown output dtype {quoted(call.dtype)}; known: {', '.join(OUTPUT_DTYPES)}"
-            )
+        if call.dtype not in wire.OUTPUT_DTYPES:
+            raise InvalidRequest(f"unknown output dtype {quoted(call.dtype)}; known: "
+                                 f"{', '.join(wire.OUTPUT_DTYPES)}")
         self.preprocessor(call.geometry)  # the geometry must be one this server serves
         outputs = self.engine.resolve(call.outputs)
         if call.l2_normalize and not outputs.pooled:
@@ -457,7 +452,7 @@ class Infer:
         """L2, the output dtype, and refusal of rows that are not finite in it."""
         if not result.indices:
             return
-        dtype = OUTPUT_DTYPES[call.dtype]
+        dtype = wire.numpy_dtype(call.dtype)
         features = result.features.finish(call.l2_normalize)
         features = features if dtype == np.float32 else features.astype(dtype)
         bad = features.non_finite_rows()

@@ -23,11 +23,6 @@ def parse_log_level(text: str) -> str:
     return level
 
 
-def check_log_format(value: str) -> str | None:
-    return None if value in LOG_FORMATS else (
-        f"must be one of {', '.join(LOG_FORMATS)}, got {value!r}")
-
-
 class JsonLines(logging.Formatter):
     """``{"time", "level", "logger", "message"}``, plus ``"process"`` (a group's member) and
     ``"exception"`` (its traceback) when there is one: every record on one line, whatever

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import grpc
 from vit22b.model.errors import InvalidRequest
 
-from .status import refuse
+from .status import refuse_with
 
 # (request streaming, response streaming) -> the handler's behaviour attribute and its factory
 METHOD_HANDLERS = {
@@ -84,8 +84,8 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
         try:
             return deserialize(raw)
         except Exception as err:  # noqa: BLE001 - any decode failure is the client's body
-            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"request body of {method} does not parse: {err}")
+            await refuse_with(context, InvalidRequest(
+                f"request body of {method} does not parse: {err}"))
 
     async def parsed(raw_requests, context):
         async for raw in raw_requests:
@@ -97,7 +97,7 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
         try:
             raw = await only_message(context, method)
         except InvalidRequest as err:
-            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await refuse_with(context, err)
         return await parse(raw, context)
 
     if handler.response_streaming and inspect.isasyncgenfunction(behaviour):

@@ -14,6 +14,7 @@ from vit22b.clients.settings import (
     check,
     compute_dtype,
     non_negative,
+    one_of,
     positive,
     setting,
 )
@@ -23,7 +24,7 @@ from vit22b.model.errors import InvalidRequest
 from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
 
-from .logs import check_log_format, parse_log_level
+from .logs import LOG_FORMATS, parse_log_level
 from .tracing import check_otlp_endpoint
 
 
@@ -55,10 +56,7 @@ HOLD = "an hour: what a client may hold a connection for"
 BATCH_WAITS = ("decoding", "delay")  # the batcher's wait policies (server/batcher.py)
 
 
-def check_batch_wait(value: str) -> str | None:
-    """What is wrong with a batch wait policy, or None (the setting's check and the batcher's)."""
-    return None if value in BATCH_WAITS else (
-        f"must be one of {', '.join(BATCH_WAITS)}, got {value!r}")
+check_batch_wait = one_of(BATCH_WAITS)  # the setting's check and the batcher's
 
 
 def _port_or_off(text: str) -> int | None:
@@ -239,7 +237,7 @@ class ServeConfig:
                              parse=parse_log_level)
     log_format: str = setting(
         "text", "log lines as text, or json: one object per line (time, level, logger, message, "
-        "exception) for log pipelines", check=check_log_format)
+        "exception) for log pipelines", check=one_of(LOG_FORMATS))
     # After the drain, keep answering UNAVAILABLE this long before closing the port: callers
     # that were already on their way get a status they retry elsewhere, not a cut connection.
     drain_linger_s: float = setting(0.5, cli=False)

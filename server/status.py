@@ -87,6 +87,11 @@ def status_of(err: BaseException) -> Status:
     return INTERNAL
 
 
+async def refuse_with(context: grpc.aio.ServicerContext, err: BaseException) -> NoReturn:
+    """End a gRPC call with ``err``'s entry in the table and its message."""
+    await refuse(context, status_of(err).grpc, str(err))
+
+
 async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
                  message: str, trailing: tuple = ()) -> NoReturn:
     """End a gRPC call with ``code`` (``context.abort``), also one that ended meanwhile.

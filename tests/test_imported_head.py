@@ -6,7 +6,6 @@ cue-conflict sample. The head on served features must reproduce timm's own logit
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +16,11 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from peers import import_timm, perturb  # noqa: E402
 from vit22b.clients import FeatureClient  # noqa: E402
 from vit22b.clients.cli import main  # noqa: E402
+from vit22b.clients.demo import SAMPLE  # noqa: E402
 from vit22b.model.checkpoint import read_metadata  # noqa: E402
 from vit22b.model.pixels import Preprocessor  # noqa: E402
 from vit22b.probes.heads import load_head  # noqa: E402
 from vit22b.server.app import BackgroundServer, ServeConfig  # noqa: E402
-
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cue-conflict-sample"
 
 
 @pytest.fixture(scope="module")

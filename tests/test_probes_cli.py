@@ -11,13 +11,12 @@ from PIL import Image
 from serving import capped_cli, self_signed, start_server
 from vit22b.clients import FeatureClient
 from vit22b.clients.cli import main
+from vit22b.clients.demo import SAMPLE
 from vit22b.model.identity import KEY_NAMES
 from vit22b.probes.data import shapes_world
 from vit22b.probes.features import features_from_model, features_from_server
 from vit22b.probes.heads import LinearHead, save_head
 from vit22b.probes.shape_bias import CATEGORIES
-
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cue-conflict-sample"
 
 
 def test_the_probes_on_features_never_import_jax():

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from vit22b.clients.demo import SAMPLE
 from vit22b.probes.data import (
     DataError,
     dense_targets,
@@ -19,8 +20,6 @@ from vit22b.probes.data import (
 from vit22b.probes.features import Features, features_from_outputs, load_features, save_features
 from vit22b.probes.runner import ProbeData, load_probe_data, save_probe_data
 from vit22b.probes.shape_bias import CATEGORIES
-
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cue-conflict-sample"
 
 
 def _png(path: Path, array: np.ndarray, mode: str | None = None) -> Path:

@@ -184,6 +184,10 @@ def test_embed_options_are_declared_settings_too():
     assert spec.pooled and spec.patch_layers == (-1, 2)
     with pytest.raises(ValueError, match="--batch-size must be positive"):
         settings.check(settings.from_args(EmbedSettings, parser.parse_args(["--batch-size", "0"])))
+    # --tls reads the words every boolean reads (VIT22B_TLS=on was the path of a PEM file "on")
+    for word, value in (("on", True), ("Yes", True), ("off", False), ("NO", False),
+                        ("roots.pem", "roots.pem")):
+        assert settings.parse_tls(word) == value
 
 
 def test_a_bare_boolean_flag_leaves_the_argument_after_it_alone():

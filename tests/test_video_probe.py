@@ -175,6 +175,10 @@ def test_the_video_probe_takes_folders_as_the_image_probe_does(tmp_path, capsys)
     assert cli(["probe", "video", "--data", str(tmp_path / "d"), "--resolution", "32",
                 "--feature", "class_token", "--out", str(out)]) == 2  # fmt: skip
     assert "--resolution, --feature: not read by the video probe" in capsys.readouterr().err
+    assert cli(["probe", "video", "--data", str(tmp_path / "d"), "--save-features",
+                str(tmp_path / "f.npz"), "--out", str(out)]) == 2  # fmt: skip
+    assert ("--save-features is for image probes; a video embed output folder (`vit22b embed "
+            "--frames K`) keeps video features" in capsys.readouterr().err)
     _clips(tmp_path / "d", {"b/more/x.mp4": (32, 32)})
     with pytest.raises(DataError, match="a video below the class folder 'b', in more"):
         load_video_folder(tmp_path / "d")

@@ -74,6 +74,11 @@ def dtype_name(code: int) -> str:
     raise WireError(f"unknown dtype code {code}")
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a wire dtype's name (``bfloat16``: ml_dtypes')."""
+    return _NUMPY[dtype_code(name)]
+
+
 def output_dtype(code: int) -> str:
     """The output dtype a request asks for (unspecified means float32)."""
     name = "float32" if code == pb.DTYPE_UNSPECIFIED else dtype_name(code)
@@ -101,7 +106,7 @@ def kind_name(code: int) -> str:
 def to_tensor(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
     """A numpy array as a Tensor message, cast to ``dtype`` (name) first if given."""
     array = np.asarray(array)
-    target = _NUMPY[dtype_code(dtype)] if dtype else array.dtype
+    target = numpy_dtype(dtype) if dtype else array.dtype
     if target not in _NUMPY.values():
         raise WireError(f"arrays of dtype {array.dtype} cannot travel; use one of {list(DTYPES)}")
     array = np.ascontiguousarray(array, dtype=target)
@@ -165,7 +170,7 @@ def empty_outputs(
 ) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
     """Each output a request asks for with no rows (every image refused), and its patch
     tokens by layer as spelled: a caller reads the same keys and row shapes either way."""
-    numpy = _NUMPY[dtype_code(dtype)]
+    numpy = numpy_dtype(dtype)
     arrays = {name: np.zeros((0, *shape), numpy)
               for name, shape in row_shapes(info, kinds, layers, num_patches).items()}
     return arrays, {layer: arrays.pop(f"patch_tokens[{layer}]") for layer in layers}
@@ -186,7 +191,7 @@ def row_bytes(
     num_patches: int = 0,
 ) -> int:
     """Bytes of one image's outputs in a response (tensor payload only)."""
-    itemsize = _NUMPY[dtype_code(dtype)].itemsize
+    itemsize = numpy_dtype(dtype).itemsize
     shapes = row_shapes(info, kinds, layers, num_patches)
     return sum(math.prod(s) for s in shapes.values()) * itemsize
 
