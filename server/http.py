@@ -835,7 +835,8 @@ class _Guard:
                 err = self._slow(first, size) if floor < stall else RequestTimeout(
                     f"no request body bytes for {self.body_timeout_s:g} s (--http-body-timeout)")
                 return await self.door.refuse(route, err)(scope, receive, send)
-            if message["type"] == "http.disconnect":
+            if message["type"] == "http.disconnect":  # counted, as gRPC's door counts it
+                self.door.refuse(route, CallerGone("the client left while sending its body"))
                 return None
             last = time.monotonic()
             if not chunks:

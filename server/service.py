@@ -226,7 +226,9 @@ class FeatureService:
                 await self._abort(method, context, err)
             try:
                 yield
-            except asyncio.CancelledError:
+            # gRPC ended the call: cancelled in an await, or (a session suspended at its
+            # ``yield`` while its answer was sent) closed there
+            except (asyncio.CancelledError, GeneratorExit):
                 code, _ = ended_by_grpc(context)
                 self.metrics.requests.labels(method, code.name).inc()
                 raise

@@ -192,8 +192,11 @@ def test_a_stalled_body_is_408_and_holds_no_place(server):
     samples = metrics(server)
     assert metric(samples, "vit22b_requests_total", **route) == before + 1
     assert metric(samples, "vit22b_queue_images") == 0  # read before admission: nothing held
-    with connect(server) as sock:  # a client that goes away mid-body: nothing to answer
-        sock.sendall(features_request(1000) + b'{"images": [')
+    gone = {"method": "POST /v1/features", "code": "CANCELLED"}
+    left = metric(samples, "vit22b_requests_total", **gone)
+    with connect(server) as sock:  # a client that goes away mid-body: nothing to answer,
+        sock.sendall(features_request(1000) + b'{"images": [')  # counted (it was not)
+    wait_for(lambda: metric(metrics(server), "vit22b_requests_total", **gone) == left + 1)
     still_serves(server)
 
 

@@ -258,6 +258,61 @@ def test_answers_their_clients_do_not_read_are_bounded_and_released(caplog):
         srv.stop()
 
 
+def test_every_stream_is_counted_once_as_it_ended():
+    """An outside tester's soak: a session whose client left while its answer was being sent
+    was never counted (the handler, suspended at ``yield``, is closed with GeneratorExit): it is
+    CANCELLED now. A session its client cancels once every request is answered counts once,
+    OK or CANCELLED (its request stream ends and the reset comes with it: grpcio's context
+    says not cancelled whenever the end is seen first); one its client closes is OK."""
+    srv = start_server()
+    try:
+        def count(code: str) -> float:
+            return metric(metrics(srv), "vit22b_requests_total", method="EmbedStream", code=code)
+
+        def counted() -> float:
+            return count("OK") + count("CANCELLED")
+
+        def then_wait(message: bytes, gate: threading.Event):
+            yield message
+            gate.wait(30)
+
+        before = {code: count(code) for code in ("OK", "CANCELLED")}
+        held = _unreading_channel(srv.address)  # answers waiting in an unread window
+        for _ in range(4):
+            gate = threading.Event()
+            session = held.stream_stream(f"/{SERVICE}/EmbedStream")(
+                then_wait(_big_answer(), gate), timeout=60)
+            wait_for(lambda: metric(metrics(srv), "vit22b_unread_response_bytes") > 0)
+            time.sleep(0.3)  # the answer in its write
+            session.cancel()
+            gate.set()
+            wait_for(lambda: metric(metrics(srv), "vit22b_unread_response_bytes") == 0)
+        wait_for(lambda: count("CANCELLED") - before["CANCELLED"] == 4)
+        assert count("OK") == before["OK"]
+
+        channel = grpc.insecure_channel(srv.address)
+        open_stream = channel.stream_stream(f"/{SERVICE}/EmbedStream")
+        start = counted()
+        for i in range(8):  # an answer read, then the client cancels (the stream left open)
+            gate = threading.Event()
+            session = open_stream(then_wait(request(1, seed=i).SerializeToString(), gate),
+                                  timeout=30)
+            next(session)
+            session.cancel()
+            gate.set()
+        wait_for(lambda: counted() - start == 8)
+        ok = count("OK")
+        closed = list(open_stream(iter([request(1).SerializeToString()] * 2), timeout=30))
+        assert len(closed) == 2
+        wait_for(lambda: count("OK") - ok == 1)
+        time.sleep(0.5)  # nothing else comes
+        assert counted() - start == 9
+        channel.close()
+        held.close()
+    finally:
+        srv.stop()
+
+
 def test_a_stream_answer_cancelled_before_it_ran_gives_its_room_back():
     """A session's answer task cancelled before its first step (the stream ended in the loop's
     pass that queued it) never ran ``Infer.run``, whose ``finally`` gives the call's room in the
