@@ -369,10 +369,7 @@ class AsyncEmbedSession:
         self._stream: _AsyncStream | None = None
         _LIVE.add(self)
 
-    def _after_fork(self) -> None:
-        _INHERITED.append(self.__dict__.copy())
-        self._per_process()
-
+    _after_fork = EmbedSession._after_fork
     __getstate__ = EmbedSession.__getstate__
     __setstate__ = EmbedSession.__setstate__
 
