@@ -1,15 +1,17 @@
 """What answers their clients do not read cost the server, under ``--max-unread-mb``.
 
     python benchmarks/unread_memory.py [--calls 100] [--bound-mb 200] [--images 256]
+                                       [--connections 4]
 
 Starts `vit22b serve` (the embedded tiny model) with ``--max-unread-mb BOUND``, measures one
 answer (``--images`` 16x16 images, pooled features and patch tokens at four layers, float32)
-on a channel that reads it, then opens ``--calls`` such calls on a channel whose calls take
-64 KiB of an answer until it is read (no BDP growth) and reads none: each computed answer stays
-in the server. Once the server's CPU time stops growing, reports the calls refused by the
+on a channel that reads it, then opens ``--calls`` such calls, in turn on ``--connections``
+channels (a connection each: one holds at most half the bound) whose calls take 64 KiB of an
+answer until it is read (no BDP growth) and read none: each computed answer stays in the
+server. Once the server's CPU time stops growing, reports the calls refused by the
 bound, those ended otherwise (a full queue), the answers held (the others) and their bytes,
 and the server's resident memory (VmRSS, VmHWM from /proc) against its start: the bytes the
-process holds per answer byte counted. Then closes that channel and reports the memory after
+process holds per answer byte counted. Then closes those channels and reports the memory after
 and whether a normal call is served. Ends with one JSON line.
 """
 
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--bound-mb", type=float, default=200.0)
     parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--connections", type=int, default=4)
     args = parser.parse_args(argv)
     body = request(args.images)
     proc, address = serve_process(["--max-unread-mb", str(args.bound_mb)])
@@ -71,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         settle(proc.pid)
         start = memory_mb(proc.pid)
         log(f"started: {start}; one answer {len(answer)} bytes")
-        held = grpc.insecure_channel(address, [
-            *big, ("grpc.http2.lookahead_bytes", 1 << 16), ("grpc.http2.bdp_probe", 0)])
+        held = [grpc.insecure_channel(address, [
+            *big, ("grpc.http2.lookahead_bytes", 1 << 16), ("grpc.http2.bdp_probe", 0),
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(args.connections)]
         calls = []
-        for _ in range(args.calls):  # paced: the queue's room is not what is measured
-            calls.append(held.stream_stream(EMBED)(iter([body]), timeout=600))
+        for i in range(args.calls):  # paced: the queue's room is not what is measured
+            channel = held[i % len(held)]
+            calls.append(channel.stream_stream(EMBED)(iter([body]), timeout=600))
             time.sleep(0.05)
         settle(proc.pid)
         ended = [c for c in calls if c.done()]
@@ -86,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         during = memory_mb(proc.pid)
         held_mb = holding * len(answer) / 2**20
         grown = during["VmHWM"] - start["VmRSS"]
-        result = {"calls": args.calls, "refused_by_bound": refused, "ended_otherwise": other,
+        result = {"calls": args.calls, "connections": args.connections,
+                  "refused_by_bound": refused, "ended_otherwise": other,
                   "answers_held": holding, "answer_bytes": len(answer),
                   "held_mib": round(held_mb, 1), "bound_mib": args.bound_mb,
                   "start": start, "during": during,
                   "process_mb_per_held_mb": round(grown / held_mb, 2) if held_mb else None}
         log(str(result))
-        held.close()
+        for channel in held:
+            channel.close()
         settle(proc.pid)
         with grpc.insecure_channel(address, big) as reading:
             served = len(pb.EmbedResponse.FromString(

@@ -246,12 +246,13 @@ class FeatureService:
 
     async def Embed(self, requests, context):
         async with self._call("Embed", context):
-            self.unread.check()  # before the body is read
+            peer = context.peer()
+            self.unread.check(peer)  # before the body is read
             raw = await only_message(context, "Embed")
             call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
             # the answer counts from its admission until its call ends (sent, refused, gone)
-            context.add_done_callback(self.unread.reserve(self._check_size(call, outputs)))
+            context.add_done_callback(self.unread.reserve(self._check_size(call, outputs), peer))
             result = await self.infer.run(await self.infer.admit(call, outputs))
             return self._response(call, result)
 
@@ -289,7 +290,7 @@ class FeatureService:
 
         Draining ends the stream where it waits for a client's next message: the drain event
         cancels this reader only there (one callback per stream, not a wait per message)."""
-        reader = asyncio.current_task()
+        reader, peer = asyncio.current_task(), context.peer()
         waiting = False
 
         def on_drain(_) -> None:
@@ -316,7 +317,7 @@ class FeatureService:
                 outputs = self.infer.validate(call)
                 # its answer counts from here until sent or discarded (stream answers wait in
                 # the window while earlier ones are sent)
-                release = self.unread.reserve(self._check_size(call, outputs))
+                release = self.unread.reserve(self._check_size(call, outputs), peer)
                 try:
                     admitted = await self.infer.admit(call, outputs)
                 except BaseException:

@@ -11,6 +11,10 @@ the message limit's check works out: every image answered), so answers still que
 computing count too, until its unary call ends or, in a stream, its write completes (answers
 wait in a stream's window while earlier ones are sent). The count is of serialized bytes: the
 process holds about three times as much (the message, its bytes, gRPC's copy).
+
+One connection may hold at most half the bound (``SHARE``): a client that stopped reading (a
+stuck reader, a zero window) is refused before it takes the whole bound, and the other clients
+go on. A connection is what gRPC names a peer; a client with several can still fill the bound.
 """
 
 from __future__ import annotations
@@ -24,25 +28,37 @@ class UnreadFull(QueueFull):
     """New calls refused: answers not yet read by their clients hold over ``--max-unread-mb``."""
 
 
+SHARE = 2  # one connection holds at most 1/SHARE of the bound
+
+
 class Unread:
     def __init__(self, limit_bytes: int, gauge) -> None:
         self.limit, self.bytes = limit_bytes, 0
+        self._held: dict[str, int] = {}  # by connection (gRPC's peer), while it holds any
         gauge.set_function(lambda: self.bytes)  # read at a scrape: no lock taken per call
 
-    def check(self) -> None:
-        """Refuse a new call while the answers not yet read are over the bound."""
+    def check(self, peer: str) -> None:
+        """Refuse a new call while the answers not yet read are over the bound, or those of
+        its connection over its share."""
         if self.bytes > self.limit:
             raise UnreadFull(
                 f"the server holds {self.bytes / 2**20:.1f} MiB of answers their clients have "
                 f"not read, over --max-unread-mb ({self.limit / 2**20:g}); retry later")
+        held = self._held.get(peer, 0)
+        if held > self.limit / SHARE:
+            raise UnreadFull(
+                f"this connection holds {held / 2**20:.1f} MiB of answers it has not read, over "
+                f"1/{SHARE} of --max-unread-mb ({self.limit / 2**20:g}); read them, or retry "
+                "later")
 
-    def reserve(self, size: int) -> Callable[..., None]:
-        """``check``, then count an answer of ``size`` bytes from its admission (answers still
-        queued or computing count too, so calls admitted together cannot pass the bound before
-        any of their answers exists) until the returned release is called (once; it takes and
-        ignores a done callback's argument)."""
-        self.check()
+    def reserve(self, size: int, peer: str) -> Callable[..., None]:
+        """``check``, then count an answer of ``size`` bytes for connection ``peer`` from its
+        admission (answers still queued or computing count too, so calls admitted together
+        cannot pass the bound before any of their answers exists) until the returned release
+        is called (once; it takes and ignores a done callback's argument)."""
+        self.check(peer)
         self.bytes += size
+        self._held[peer] = self._held.get(peer, 0) + size
         released = False
 
         def release(*_) -> None:
@@ -50,4 +66,7 @@ class Unread:
             if not released:
                 released = True
                 self.bytes -= size
+                left = self._held.pop(peer) - size
+                if left:
+                    self._held[peer] = left
         return release

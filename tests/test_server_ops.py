@@ -258,6 +258,33 @@ def test_answers_their_clients_do_not_read_are_bounded_and_released(caplog):
         srv.stop()
 
 
+def test_one_connection_that_stops_reading_takes_half_the_unread_bound_at_most():
+    """The bound was shared: one client whose reader stuck (a zero window) filled it, and every
+    other client was refused. A connection holds at most half of it now; the others go on."""
+    srv = start_server(max_unread_mb=2.5)
+    try:
+        unread = lambda: metric(metrics(srv), "vit22b_unread_response_bytes")  # noqa: E731
+        held = _unreading_channel(srv.address)
+        # two answers of about 1 MB: the second admitted under the share (1.25 MiB), and past it
+        calls = [held.stream_stream(f"/{SERVICE}/Embed")(iter([_big_answer()]), timeout=60)
+                 for _ in range(2)]
+        wait_for(lambda: unread() > 1.25 * 2**20)
+        third = held.stream_stream(f"/{SERVICE}/Embed")(iter([_big_answer()]), timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(third)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "this connection holds" in refused.value.details()
+        assert "over 1/2 of --max-unread-mb (2.5)" in refused.value.details()
+        assert unread() < 2.5 * 2**20  # under the bound: the other clients are served
+        assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
+        for call in calls:
+            call.cancel()
+        wait_for(lambda: unread() == 0)
+        held.close()
+    finally:
+        srv.stop()
+
+
 def test_every_stream_is_counted_once_as_it_ended():
     """An outside tester's soak: a session whose client left while its answer was being sent
     was never counted (the handler, suspended at ``yield``, is closed with GeneratorExit): it is
