@@ -187,23 +187,29 @@ LOCAL_ONLY = ("local", "model", "checkpoint", "mesh", "seed", "compute_dtype",
               "max_dense_patches", "max_image_pixels", "compile_cache")
 
 
-def choose_backend(options: EmbedSettings, args: argparse.Namespace) -> EmbedSettings:
-    """``options`` for the backend chosen: servers (``--server``), or the in-process engine.
-    A flag wins over a variable: the engine's flags beside ``$VIT22B_SERVER`` run it in
-    process; beside a typed ``--server`` they are refused. Against servers, the engine's
-    settings keep their defaults."""
-    fields = [f for f in dataclasses.fields(EmbedSettings) if f.name in LOCAL_ONLY]
-    typed = [settings.flag_of(f) for f in fields if settings.typed(args, f.name)]
-    if not options.server:
-        return options
-    if typed and settings.typed(args, "server"):
-        raise ValueError(f"--server and {', '.join(typed)} exclude each other (the in-process "
+def job_settings(args: argparse.Namespace) -> EmbedSettings:
+    """The job's settings, for the backend chosen: servers (``--server``), or the in-process
+    engine. A flag wins over a variable: the engine's flags (``--local``, ``--model``, ...)
+    beside ``$VIT22B_SERVER`` run it in process; beside a typed ``--server`` they are refused.
+    Against servers the engine's variables are not read (they may be a server's own), nor is
+    ``$VIT22B_MAX_DENSE_PATCHES`` without ``--dense``."""
+    fields = {f.name: f for f in dataclasses.fields(EmbedSettings)}
+    asked = [settings.flag_of(fields[name]) for name in LOCAL_ONLY if settings.typed(args, name)
+             and (name != "local" or args.local is True)]  # --local=false asks for nothing
+    remote = settings.from_args(EmbedSettings, args, unread=frozenset(LOCAL_ONLY))
+    if remote.server and not asked:
+        local = args.local  # a variable's, unless typed
+        if isinstance(local, settings.Variable) and not settings.typed(args, "server") \
+                and local.value(fields["local"]):
+            raise ValueError("$VIT22B_SERVER and $VIT22B_LOCAL exclude each other")
+        return remote
+    if remote.server and settings.typed(args, "server"):
+        raise ValueError(f"--server and {', '.join(asked)} exclude each other (the in-process "
                          "engine's; a server has its own)")
-    if typed:  # the engine's flags over $VIT22B_SERVER
-        return replace(options, server=())
-    if options.local:  # both from variables
-        raise ValueError("$VIT22B_SERVER and $VIT22B_LOCAL exclude each other")
-    return replace(options, **{f.name: settings.default_of(f) for f in fields})
+    options = replace(settings.from_args(EmbedSettings, args), server=())  # in process
+    if not options.dense and not settings.typed(args, "max_dense_patches"):
+        options = replace(options, max_dense_patches=0)
+    return options
 
 
 def make_backend(args: EmbedSettings, spec: OutputSpec):
@@ -286,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        options = choose_backend(settings.from_args(EmbedSettings, args), args)
+        options = job_settings(args)
         settings.check(options)
         spec = output_spec(options)
         sampling = video_sampling(options)

@@ -187,7 +187,9 @@ def default_of(field: dataclasses.Field):
 def add_arguments(
     parser: argparse.ArgumentParser, cls: type, environ: Mapping[str, str] = os.environ
 ) -> None:
-    """One flag per declared setting of ``cls``, its default from the environment."""
+    """One flag per declared setting of ``cls``, its default from the environment (parsed by
+    ``from_args``, so that a bad variable is the command's refusal naming it, not a failure
+    of ``--help``)."""
     for field in dataclasses.fields(cls):
         if not field.metadata.get("cli", False):
             continue
@@ -197,21 +199,35 @@ def add_arguments(
         spelled = field.metadata.get("shown") or _show(default)
         shown = "" if default in (None, (), "") else f"; default {spelled}"
         help_ = f"{field.metadata['help']} (${env}{shown})"
+        text = environ.get(env)
+        if text is not None:
+            default = Variable(env, text)
         if field.metadata["repeat"]:
-            text = environ.get(env)
             parser.add_argument(*flags, dest=field.name, type=parse, action=_Repeat, help=help_,
-                                default=None if text is None else
-                                [parse(v) for v in text.split(";") if v.strip()])
+                                default=None if text is None else default)
         elif _is_bool(field):  # ``--flag`` alone means true
-            text = environ.get(env)
             parser.add_argument(*flags, dest=field.name, type=parse, nargs="?", const=True,
-                                action=_Store, default=default if text is None else text,
-                                help=help_)
+                                action=_Store, default=default, help=help_)
         else:
-            # argparse converts a string default with ``type`` and reports a bad one as a flag
-            # error, which is what a bad variable should get too
             parser.add_argument(*flags, dest=field.name, type=parse, action=_Store,
-                                default=environ.get(env, default), help=help_)
+                                default=default, help=help_)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """A setting's value as its environment variable holds it, parsed by ``from_args``."""
+
+    name: str
+    text: str
+
+    def value(self, field: dataclasses.Field):
+        parse = _parser_of(field)
+        try:
+            if field.metadata["repeat"]:
+                return [parse(v) for v in self.text.split(";") if v.strip()]
+            return parse(self.text)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
+            raise ValueError(f"${self.name}={self.text!r}: {err}") from None
 
 
 def typed(args: argparse.Namespace, name: str) -> bool:
@@ -245,12 +261,17 @@ def _show(value) -> str:
     return str(value)
 
 
-def from_args(cls: type, args: argparse.Namespace, **extra):
-    """The settings object from parsed flags (fields without a flag keep their defaults)."""
+def from_args(cls: type, args: argparse.Namespace, unread: frozenset[str] = frozenset(),
+              **extra):
+    """The settings object from parsed flags (fields without a flag keep their defaults). A
+    value from a variable is parsed here (ValueError naming the variable); the variables of the
+    settings ``unread`` are not read (their defaults stand, unless their flags were typed)."""
     values = {}
     for field in dataclasses.fields(cls):
         if field.metadata.get("cli", False) and hasattr(args, field.name):
             value = getattr(args, field.name)
+            if isinstance(value, Variable):
+                value = default_of(field) if field.name in unread else value.value(field)
             if field.metadata["repeat"]:
                 value = tuple(value) if value else default_of(field)
             values[field.name] = value

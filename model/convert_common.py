@@ -201,7 +201,8 @@ def shard_index(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> Path |
     if not path.is_dir():
         return None
     for name in preferred:  # an index that is no regular file is read, to be refused by name
-        if (path / name).is_file() or (name in SHARD_INDEXES and (path / name).exists()):
+        index = path / name
+        if index.is_file() or (name in SHARD_INDEXES and (index.exists() or index.is_symlink())):
             return path / name if name in SHARD_INDEXES else None
     return None
 

@@ -79,33 +79,34 @@ def add_group_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(group, GroupSettings)
 
 
-def group_from_args(args: argparse.Namespace):
+def group_from_args(args: argparse.Namespace) -> Group | None:
     """The Group of these flags, or None for a single-process server."""
-    given = [args.coordinator, args.num_processes, args.process_id]
+    flags = settings.from_args(GroupSettings, args)
+    given = [flags.coordinator, flags.num_processes, flags.process_id]
     if all(v is None for v in given):
         return None
     if any(v is None for v in given):
         raise ValueError("--coordinator, --num-processes and --process-id go together")
-    if not re.fullmatch(r"\S+:\d+", args.coordinator):
-        raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
-    if args.num_processes < 2:  # one process: its plan and buckets are a single server's
-        raise ValueError(f"--num-processes must be at least 2, got {args.num_processes} (one "
+    if not re.fullmatch(r"\S+:\d+", flags.coordinator):
+        raise ValueError(f"--coordinator must be HOST:PORT, got {flags.coordinator!r}")
+    if flags.num_processes < 2:  # one process: its plan and buckets are a single server's
+        raise ValueError(f"--num-processes must be at least 2, got {flags.num_processes} (one "
                          "process serves without --coordinator, --num-processes and "
                          "--process-id)")
-    if not 0 <= args.process_id < args.num_processes:
-        raise ValueError(f"--process-id must be in 0..{args.num_processes - 1}, got "
-                         f"{args.process_id}")
-    settings.check(settings.from_args(GroupSettings, args))
-    if args.peer_timeout < 2 * BEAT_S:  # else a live worker between two beats counts as gone
+    if not 0 <= flags.process_id < flags.num_processes:
+        raise ValueError(f"--process-id must be in 0..{flags.num_processes - 1}, got "
+                         f"{flags.process_id}")
+    settings.check(flags)
+    if flags.peer_timeout < 2 * BEAT_S:  # else a live worker between two beats counts as gone
         raise ValueError(f"--peer-timeout must be at least {2 * BEAT_S:g}s (two of a worker's "
-                         f"heartbeats, every {BEAT_S:g}s), got {args.peer_timeout:g}")
-    _check_coordinator(args.coordinator, args.process_id == 0)
+                         f"heartbeats, every {BEAT_S:g}s), got {flags.peer_timeout:g}")
+    _check_coordinator(flags.coordinator, flags.process_id == 0)
     return Group(
-        args.coordinator,
-        args.num_processes,
-        args.process_id,
-        init_timeout_s=args.init_timeout,
-        peer_timeout_s=args.peer_timeout,
+        flags.coordinator,
+        flags.num_processes,
+        flags.process_id,
+        init_timeout_s=flags.init_timeout,
+        peer_timeout_s=flags.peer_timeout,
     )
 
 

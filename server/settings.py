@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 
 from vit22b.clients.settings import (
@@ -32,12 +33,14 @@ def parse_outputs(spec: str) -> OutputRequest:
     """``pooled``, ``pooled+class_token``, ``patch:-1,-4+pooled``, ``register_tokens`` ... -> an
     OutputRequest: any output kind, ``patch:LAYERS``, and ``norm_patches``."""
     kinds, layers, norm = [], [], False
-    for part in filter(None, spec.split("+")):
+    for part in spec.split("+"):
+        if not part:  # "", "a++b": a typo, not the default set
+            raise argparse.ArgumentTypeError(f"an empty output in {spec!r}")
         if part.startswith("patch:"):
-            try:
-                layers += [int(v) for v in part[len("patch:") :].split(",")]
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"bad layer list in {part!r}") from None
+            numbers = part[len("patch:") :].split(",")
+            if not all(re.fullmatch(r"-?[0-9]+", v) for v in numbers):  # not int's "1_0", "１"
+                raise argparse.ArgumentTypeError(f"bad layer list in {part!r}")
+            layers += [int(v) for v in numbers]
         elif part == "norm_patches":
             norm = True
         else:

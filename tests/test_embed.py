@@ -712,7 +712,10 @@ def test_the_servers_variables_are_not_a_remote_jobs_and_a_flag_wins_over_a_vari
     VIT22B_MAX_IMAGE_PIXELS, VIT22B_COMPILE_CACHE or VIT22B_MAX_DENSE_PATCHES refused naming a
     flag nobody typed. Against servers the engine's variables are left unread now; the
     engine's typed flags beside $VIT22B_SERVER run it in process (a flag wins over a
-    variable), beside a typed --server are refused (--seed, --mesh were ignored there)."""
+    variable), beside a typed --server are refused (--seed, --mesh were ignored there). A
+    second tester: the unread variables were still parsed (a bad $VIT22B_SEED refused naming
+    --seed), --local=false ran in process, a typed --server lost to $VIT22B_LOCAL, and the
+    server's $VIT22B_MAX_DENSE_PATCHES refused a local job without --dense."""
     from vit22b.clients.cli import main
 
     data = tmp_path / "data"
@@ -724,12 +727,26 @@ def test_the_servers_variables_are_not_a_remote_jobs_and_a_flag_wins_over_a_vari
     for name, value in server_env.items():
         monkeypatch.setenv(name, value)
     capsys.readouterr()
-    # no server listens there: the job tried it (exit 1, resumable), nothing refused
-    assert main(["embed", str(data), "-o", str(tmp_path / "remote"), "--server",
-                 "127.0.0.1:1", "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "127.0.0.1:1" in err and "exclude" not in err, err
+
+    def against_servers(*flags: str) -> None:
+        """No server listens there: the job tried it (exit 1, resumable), nothing refused."""
+        assert main(["embed", str(data), "-o", str(tmp_path / "remote"), *flags,
+                     "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert "127.0.0.1:1" in err and "exclude" not in err, err
+
+    against_servers("--server", "127.0.0.1:1")
     assert not (tmp_path / "cache").exists()
+    # nor are they parsed (a bad one was "argument --seed: ..."); a typed --server wins over
+    # $VIT22B_LOCAL, and --local=false asks for no engine
+    monkeypatch.setenv("VIT22B_SEED", "not a number")
+    monkeypatch.setenv("VIT22B_LOCAL", "1")
+    against_servers("--server", "127.0.0.1:1")
+    monkeypatch.delenv("VIT22B_LOCAL")
+    monkeypatch.setenv("VIT22B_SERVER", "127.0.0.1:1")
+    against_servers("--local=false")
+    monkeypatch.delenv("VIT22B_SERVER")
+    monkeypatch.setenv("VIT22B_SEED", "4")
 
     for typed, flag in ((["--seed", "3"], "--seed"), (["--mesh", "data=2"], "--mesh"),
                         (["--local"], "--local"), (["--model", "vit-22b-tiny/16"], "--model")):
@@ -739,7 +756,8 @@ def test_the_servers_variables_are_not_a_remote_jobs_and_a_flag_wins_over_a_vari
                 in capsys.readouterr().err)
 
     for name in server_env:
-        monkeypatch.delenv(name)
+        if name != "VIT22B_MAX_DENSE_PATCHES":  # the server's dense bound: no --dense here
+            monkeypatch.delenv(name)
     monkeypatch.setenv("VIT22B_SERVER", "127.0.0.1:1")
     assert main(["embed", str(data), "-o", str(tmp_path / "local"), "--local", "--mesh",
                  "data=2", "--quiet"]) == 0, capsys.readouterr().err

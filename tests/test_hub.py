@@ -561,6 +561,11 @@ def test_a_model_sharded_in_pickles_converts_locally_and_by_name(tmp_path, monke
     (repo / "pytorch_model.bin").write_bytes(b"not read")  # a single file beside it wins
     with pytest.raises(ConvertError, match="pytorch_model.bin: "):
         convert("hf", repo)
+    (repo / "pytorch_model.bin").unlink()  # an index that is a link to nothing, named
+    (repo / BIN_SHARD_INDEX).unlink()
+    (repo / BIN_SHARD_INDEX).symlink_to(tmp_path / "gone.json")
+    with pytest.raises(ConvertError, match=f"{re.escape(BIN_SHARD_INDEX)}: not a regular file"):
+        convert("hf", repo)
 
 
 def test_a_model_not_in_the_cache_is_downloaded_where_a_hub_is_reachable(tmp_path, monkeypatch,

@@ -55,8 +55,22 @@ def test_bad_values_are_refused_naming_the_flag():
         parse(["--max-queue-images", "0"], {}).check()
     with pytest.raises(ValueError, match="--chunk-images must be >= 0"):
         parse([], {"VIT22B_CHUNK_IMAGES": "-3"}).check()
-    with pytest.raises(argparse.ArgumentError):
+    # a bad variable is refused naming it (it was a flag's error, or, for a repeatable
+    # setting, a traceback while the parser was built: `vit22b serve --help` included)
+    with pytest.raises(ValueError, match=r"^\$VIT22B_COMPUTE_DTYPE='float8': --compute-dtype "):
         parse([], {"VIT22B_COMPUTE_DTYPE": "float8"})
+    with pytest.raises(ValueError, match=r"^\$VIT22B_WARM_OUTPUTS='patch:;pooled': bad layer"):
+        parse([], {"VIT22B_WARM_OUTPUTS": "patch:;pooled"})
+    with pytest.raises(ValueError, match=r"^\$VIT22B_HTTP_CORS_ALLOW_ORIGIN='not-an-origin'"):
+        parse([], {"VIT22B_HTTP_CORS_ALLOW_ORIGIN": "not-an-origin"})
+    assert parse(["--warm-outputs", "pooled"], {"VIT22B_WARM_OUTPUTS": "patch:"}).warm_outputs
+    for spec, message in (("", "an empty output in ''"), ("pooled++patch:1", "an empty output"),
+                          ("patch:1_0", "bad layer list"), ("patch:\uff11", "bad layer list")):
+        with pytest.raises(argparse.ArgumentError, match=message):  # were pooled, layers 10, 1
+            parse(["--warm-outputs", spec], {})
+    with pytest.raises(SystemExit) as shown:
+        parse(["--help"], {"VIT22B_WARM_OUTPUTS": "patch:", "VIT22B_SEED": "x"})
+    assert shown.value.code == 0
     with pytest.raises(argparse.ArgumentError, match="normalize_patches applies to patch"):
         parse(["--warm-outputs", "pooled+norm_patches"], {})  # a warm forward of no use
     with pytest.raises(ValueError, match="--port must be 0..65535, got 99999"):
