@@ -365,7 +365,8 @@ class Location:
 
     def remove(self, rel: str) -> None:
         if self.remote:
-            self.fs.rm_file(self._inner(rel))
+            with _reasons(self.path(rel)):
+                self.fs.rm_file(self._inner(rel))
         else:
             os.remove(os.path.join(self.root, rel))
 
@@ -373,7 +374,7 @@ class Location:
         """Write file ``rel`` whole (see the module's note on atomicity); returns its sha256."""
         if not self.remote:
             return atomic_write(os.path.join(self.root, rel), write)
-        with self.fs.open(self._inner(rel), "wb") as f:
+        with _reasons(self.path(rel)), self.fs.open(self._inner(rel), "wb") as f:
             writer = HashingWriter(f)
             write(writer)  # type: ignore[arg-type]
         return writer.digest.hexdigest()
@@ -383,7 +384,8 @@ class Location:
         call within the store's deadline; returns its sha256."""
         if not self.remote:
             return self.write(rel, lambda f: f.write(blob))
-        self.fs.pipe_file(self._inner(rel), blob)
+        with _reasons(self.path(rel)):  # a store's refusal names no object
+            self.fs.pipe_file(self._inner(rel), blob)
         return hashlib.sha256(blob).hexdigest()
 
     def remove_temp_files(self, *folders: str) -> None:

@@ -566,3 +566,47 @@ def test_a_deadlined_filesystem_pickles_and_copies(s3):
     memory, path = filesystem("memory://pickled/b.bin")
     memory.pipe_file(path, b"def")
     assert pickle.loads(pickle.dumps(memory)).cat_file(path) == b"def"
+
+
+def test_a_write_the_store_refuses_names_the_object(tmp_path, capsys):
+    """An outside tester's read-only bucket: s3fs's PermissionError names no object, and the
+    job said "vit22b embed: Access Denied" alone. Each write and removal of an output names its
+    object now. The store here refuses every write as a read-only bucket does (its own
+    protocol: the failure is the store's, the naming is what is tested)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+    from vit22b.clients.cli import main
+    from vit22b.clients.storage import Location
+
+    class ReadOnly(MemoryFileSystem):
+        protocol = "readonly"
+        store: dict = {}  # its own: MemoryFileSystem's is shared
+        pseudo_dirs = [""]
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "r" not in mode:
+                raise PermissionError("Access Denied")
+            return super()._open(path, mode, **kwargs)
+
+        def pipe_file(self, path, value, **kwargs):
+            raise PermissionError("Access Denied")
+
+        def rm_file(self, path):
+            raise PermissionError("Access Denied")
+
+    fsspec.register_implementation("readonly", ReadOnly, clobber=True)
+    where = Location("readonly://bucket/emb")
+    for rel, action in (("manifest.json", lambda: where.write_bytes("manifest.json", b"{}")),
+                        ("shards/0.npy", lambda: where.write("shards/0.npy", print)),
+                        ("x", lambda: where.remove("x"))):
+        with pytest.raises(PermissionError) as refused:
+            action()
+        assert refused.value.filename == f"readonly://bucket/emb/{rel}"
+        assert refused.value.strerror == "Permission denied"
+    folder = tmp_path / "in"
+    write_images(folder, 2)
+    capsys.readouterr()
+    assert main(["embed", str(folder), "-o", "readonly://bucket/emb", "--mesh", "data=2",
+                 "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vit22b embed: readonly://bucket/emb/"), err
+    assert ": Permission denied; completed shards are kept" in err
