@@ -70,7 +70,7 @@ def _layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"want integers like -1,6; got {text!r}") from None
 
 
-MAX_CONCURRENCY = 1024  # 2,000,000 took 5.5 GB and 220 s for 28 images
+MAX_CONCURRENCY = 1024  # an outside tester's --concurrency 2000000: 5.5 GB for 28 images
 
 
 @dataclass
@@ -120,7 +120,8 @@ class EmbedSettings:
     batch_size: int = setting(32, "images per request", check=positive)
     shard_size: int = setting(1024, "images per shard", check=positive)
     concurrency: int = setting(
-        2, "requests in flight per server (local: worker threads; --runner ray: actors in all)",
+        2, f"requests in flight per server (local: worker threads; --runner ray: actors in "
+        f"all), at most {MAX_CONCURRENCY}",
         check=at_most(MAX_CONCURRENCY, "each one a thread and its batch in memory"))
     runner: str = setting("threads", "threads of this process, or ray: a Ray Data pipeline "
                           "(pip install 'vit22b[ray]')", check=one_of(("threads", "ray")))
@@ -210,10 +211,9 @@ def job_settings(args: argparse.Namespace) -> EmbedSettings:
     if remote.server and settings.typed(args, "server"):
         raise ValueError(f"--server and {', '.join(asked)} exclude each other (the in-process "
                          "engine's; a server has its own)")
-    options = replace(settings.from_args(EmbedSettings, args), server=())  # in process
-    if not options.dense and not settings.typed(args, "max_dense_patches"):
-        options = replace(options, max_dense_patches=0)
-    return options
+    unread = frozenset() if remote.dense or settings.typed(args, "max_dense_patches") else \
+        frozenset({"max_dense_patches"})  # the server's dense bound: not a square job's
+    return replace(settings.from_args(EmbedSettings, args, unread), server=())  # in process
 
 
 def make_backend(args: EmbedSettings, spec: OutputSpec):

@@ -200,11 +200,14 @@ def shard_index(path: Path, preferred: tuple[str, ...] = WEIGHT_FILES) -> Path |
         return path
     if not path.is_dir():
         return None
+    dangling = None
     for name in preferred:  # an index that is no regular file is read, to be refused by name
         index = path / name
-        if index.is_file() or (name in SHARD_INDEXES and (index.exists() or index.is_symlink())):
-            return path / name if name in SHARD_INDEXES else None
-    return None
+        if index.is_file() or (name in SHARD_INDEXES and index.exists()):
+            return index if name in SHARD_INDEXES else None
+        if name in SHARD_INDEXES and index.is_symlink():  # refused, if nothing else is there
+            dangling = dangling or index
+    return dangling
 
 
 def _head(path: Path, size: int = 262) -> bytes:

@@ -215,7 +215,8 @@ class ServeConfig:
     max_unread_mb: float = setting(
         1024.0, "MiB of gRPC answers admitted and not yet read by their clients (the process "
         "holds about 3x that); beyond, new calls get RESOURCE_EXHAUSTED (which the SDK "
-        "retries) until answers are read or their calls end",
+        "retries) until answers are read or their calls end; one connection holds at most "
+        "half of it",
         check=at_most(1e9, "about a pebibyte: larger is no bound"))
     max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS,
                                     "largest decoded image, in pixels (decompression bombs)",

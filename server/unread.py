@@ -12,9 +12,10 @@ computing count too, until its unary call ends or, in a stream, its write comple
 wait in a stream's window while earlier ones are sent). The count is of serialized bytes: the
 process holds about three times as much (the message, its bytes, gRPC's copy).
 
-One connection may hold at most half the bound (``SHARE``): a client that stopped reading (a
-stuck reader, a zero window) is refused before it takes the whole bound, and the other clients
-go on. A connection is what gRPC names a peer; a client with several can still fill the bound.
+One connection holds at most half the bound (``SHARE``; or one answer, where one is larger): a
+client that stopped reading (a stuck reader, a zero window) is refused before it takes the
+whole bound, and the other clients go on. A connection is what gRPC names a peer; a client
+with several can still fill the bound.
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ class Unread:
         cannot pass the bound before any of their answers exists) until the returned release
         is called (once; it takes and ignores a done callback's argument)."""
         self.check(peer)
+        held = self._held.get(peer, 0)
+        if held and held + size > self.limit / SHARE:  # one answer alone is always taken
+            raise UnreadFull(
+                f"this connection holds {held / 2**20:.1f} MiB of answers it has not read, and "
+                f"this one's {size / 2**20:.1f} MiB would take it over 1/{SHARE} of "
+                f"--max-unread-mb ({self.limit / 2**20:g}); read them, or retry later")
         self.bytes += size
-        self._held[peer] = self._held.get(peer, 0) + size
+        self._held[peer] = held + size
         released = False
 
         def release(*_) -> None:

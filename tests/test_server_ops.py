@@ -260,26 +260,36 @@ def test_answers_their_clients_do_not_read_are_bounded_and_released(caplog):
 
 def test_one_connection_that_stops_reading_takes_half_the_unread_bound_at_most():
     """The bound was shared: one client whose reader stuck (a zero window) filled it, and every
-    other client was refused. A connection holds at most half of it now; the others go on."""
+    other client was refused. A connection holds at most half of it now (or one answer, where
+    one is larger), the answer being admitted counted; the others go on."""
     srv = start_server(max_unread_mb=2.5)
     try:
         unread = lambda: metric(metrics(srv), "vit22b_unread_response_bytes")  # noqa: E731
         held = _unreading_channel(srv.address)
-        # two answers of about 1 MB: the second admitted under the share (1.25 MiB), and past it
-        calls = [held.stream_stream(f"/{SERVICE}/Embed")(iter([_big_answer()]), timeout=60)
-                 for _ in range(2)]
-        wait_for(lambda: unread() > 1.25 * 2**20)
-        third = held.stream_stream(f"/{SERVICE}/Embed")(iter([_big_answer()]), timeout=60)
+        embed = held.stream_stream(f"/{SERVICE}/Embed")
+        first = embed(iter([_big_answer()]), timeout=60)  # about 0.8 MiB: under the half
+        wait_for(lambda: unread() > 0.5 * 2**20)
+        second = embed(iter([_big_answer()]), timeout=60)  # 1.6 MiB would be over 1.25
         with pytest.raises(grpc.RpcError) as refused:
-            next(third)
+            next(second)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "this connection holds" in refused.value.details()
+        assert re.search(r"this connection holds 0\.\d MiB .* and this one's 0\.\d MiB would",
+                         refused.value.details())
         assert "over 1/2 of --max-unread-mb (2.5)" in refused.value.details()
-        assert unread() < 2.5 * 2**20  # under the bound: the other clients are served
+        assert unread() < 1.25 * 2**20
         assert len(stub(srv.address).Embed(request(1), timeout=30).ids) == 1
-        for call in calls:
-            call.cancel()
+        first.cancel()
         wait_for(lambda: unread() == 0)
+        held.close()
+    finally:
+        srv.stop()
+    srv = start_server(max_unread_mb=1.5)  # an answer over the half: taken when it is alone
+    try:
+        held = _unreading_channel(srv.address)
+        first = held.stream_stream(f"/{SERVICE}/Embed")(
+            iter([_big_answer(128)]), timeout=60)  # about 2.1 MiB
+        wait_for(lambda: metric(metrics(srv), "vit22b_unread_response_bytes") > 1.5 * 2**20)
+        first.cancel()
         held.close()
     finally:
         srv.stop()
