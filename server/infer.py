@@ -263,10 +263,12 @@ class Infer:
             pause = min(pause * 2, _ADMIT_POLL_S[1])
 
     def abandon(self, admitted: Admitted) -> None:
-        """Give back the room an admitted call still holds when its ``run`` never started
-        (cancelled first); after a ``run`` it holds none."""
+        """Give back the room an admitted call still holds, its images counted as dropped
+        (expired, or cancelled): a call gone while its images were decoded, or before its
+        ``run`` started; after a ``run`` it holds none."""
         if admitted.held:
-            self.metrics.images.labels("cancelled").inc(admitted.held)
+            expired = ended_by_deadline(admitted.call.deadline, time.monotonic())
+            self.metrics.images.labels("expired" if expired else "cancelled").inc(admitted.held)
             self.batcher.release(admitted.held)
             admitted.held = 0
 
@@ -296,11 +298,7 @@ class Infer:
                 result.features = done.features
                 result.timings.queue_s, result.timings.compute_s = done.queue_s, done.compute_s
         except asyncio.CancelledError:  # gone (or out of time) while its images were decoded
-            if admitted.held:
-                expired = ended_by_deadline(call.deadline, time.monotonic())
-                self.metrics.images.labels("expired" if expired else "cancelled").inc(
-                    admitted.held
-                )
+            self.abandon(admitted)
             raise
         finally:
             if admitted.held:

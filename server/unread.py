@@ -38,34 +38,30 @@ class Unread:
         self._held: dict[str, int] = {}  # by connection (gRPC's peer), while it holds any
         gauge.set_function(lambda: self.bytes)  # read at a scrape: no lock taken per call
 
-    def check(self, peer: str) -> None:
-        """Refuse a new call while the answers not yet read are over the bound, or those of
-        its connection over its share."""
+    def check(self, peer: str, size: int = 0) -> None:
+        """Refuse a new call (its answer of ``size`` bytes, where known) while the answers not
+        yet read are over the bound, or its connection's would be over its share (one answer
+        alone is always taken: a large one could never be served otherwise)."""
         if self.bytes > self.limit:
             raise UnreadFull(
                 f"the server holds {self.bytes / 2**20:.1f} MiB of answers their clients have "
                 f"not read, over --max-unread-mb ({self.limit / 2**20:g}); retry later")
         held = self._held.get(peer, 0)
-        if held > self.limit / SHARE:
+        if held and held + size > self.limit / SHARE:
+            more = f" ({size / 2**20:.1f} MiB more with this one)" if size else ""
             raise UnreadFull(
-                f"this connection holds {held / 2**20:.1f} MiB of answers it has not read, over "
-                f"1/{SHARE} of --max-unread-mb ({self.limit / 2**20:g}); read them, or retry "
-                "later")
+                f"this connection holds {held / 2**20:.1f} MiB of answers it has not read"
+                f"{more}, over 1/{SHARE} of --max-unread-mb ({self.limit / 2**20:g}); read "
+                "them, or retry later")
 
     def reserve(self, size: int, peer: str) -> Callable[..., None]:
         """``check``, then count an answer of ``size`` bytes for connection ``peer`` from its
         admission (answers still queued or computing count too, so calls admitted together
         cannot pass the bound before any of their answers exists) until the returned release
         is called (once; it takes and ignores a done callback's argument)."""
-        self.check(peer)
-        held = self._held.get(peer, 0)
-        if held and held + size > self.limit / SHARE:  # one answer alone is always taken
-            raise UnreadFull(
-                f"this connection holds {held / 2**20:.1f} MiB of answers it has not read, and "
-                f"this one's {size / 2**20:.1f} MiB would take it over 1/{SHARE} of "
-                f"--max-unread-mb ({self.limit / 2**20:g}); read them, or retry later")
+        self.check(peer, size)
+        self._held[peer] = self._held.get(peer, 0) + size
         self.bytes += size
-        self._held[peer] = held + size
         released = False
 
         def release(*_) -> None:
