@@ -29,7 +29,7 @@ from .engine import Engine, Executor, stored_config
 from .infer import Infer, Limits, new_event_loop
 from .logs import quiet_grpc_call_ends
 from .metrics import Metrics
-from .parsing import ParsingRegistrar
+from .parsing import MessageWaits, ParsingRegistrar
 from .service import LIVENESS, READINESS, SERVICE_NAME, FeatureService
 from .settings import ServeConfig
 from .tracing import Tracing
@@ -213,9 +213,10 @@ class FeatureServer:
             self.engine, self.batcher, self.metrics, limits, config.preprocess_threads,
             self.tracing,
         )
+        waits = MessageWaits(config.grpc_message_timeout_s)  # of every service's handlers
         self.service = FeatureService(
             self.infer, self.metrics,
-            Unread(int(config.max_unread_mb * (1 << 20)), self.metrics.unread_bytes))
+            Unread(int(config.max_unread_mb * (1 << 20)), self.metrics.unread_bytes), waits)
         interceptors = []
         tokens = self.tokens
         if tokens:
@@ -240,7 +241,8 @@ class FeatureServer:
                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = health.aio.HealthServicer()
-        library = ParsingRegistrar(server)  # their bodies parsed by their handlers
+        # their bodies parsed by their handlers, each wait for one bounded
+        library = ParsingRegistrar(server, waits)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, library)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
         _add_reflection(reflection.aio.ReflectionServicer(names, pool=_reflection_pool()),

@@ -8,22 +8,33 @@ raw bytes, and a body that does not parse is INVALID_ARGUMENT naming the method,
 more.
 
 Every unary method, ours and theirs, is registered as request-streaming and reads its one message
-itself (``only_message``): grpcio's aio server answers a unary call that the client half-closes
-with no message only when its deadline passes (never, without one), each such call holding one of
-``--max-concurrent-rpcs``' places. Read as a stream, the closed side ends the call at once with
-INVALID_ARGUMENT. gRPC's framing does not say how many messages a method takes, so clients see
-no difference; a message after the first is ignored, as grpcio's unary handlers ignore it.
+itself (``MessageWaits.only_message``): grpcio's aio server answers a unary call that the client
+half-closes with no message only when its deadline passes (never, without one), each such call
+holding one of ``--max-concurrent-rpcs``' places. Read as a stream, the closed side ends the call
+at once with INVALID_ARGUMENT. gRPC's framing does not say how many messages a method takes, so
+clients see no difference; a message after the first is ignored, as grpcio's unary handlers
+ignore it.
+
+Reading them also bounds the wait for them (``--grpc-message-timeout``): a call whose message
+never comes, or never comes whole, would hold its handler and a ``--max-concurrent-rpcs`` place
+for ever. gRPC shows a handler no progress within a message, so the bound is on the whole wait:
+a unary call's message then ends the call DEADLINE_EXCEEDED, a request stream's next message
+ends its requests (the service answers what it holds, as when its client closes them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from vit22b.model.errors import InvalidRequest
 
-from .status import refuse_with
+from .status import MessageTimeout, refuse_with
+
+log = logging.getLogger(__name__)
 
 # (request streaming, response streaming) -> the handler's behaviour attribute and its factory
 METHOD_HANDLERS = {
@@ -40,12 +51,66 @@ class NoMessage(InvalidRequest):
     RESOURCE_EXHAUSTED, and this refusal finds the call ended."""
 
 
-async def only_message(context: grpc.aio.ServicerContext, method: str) -> bytes:
-    """The request message of a unary method registered as request-streaming."""
-    raw = await context.read()
-    if raw is grpc.aio.EOF:
-        raise NoMessage(f"{method} takes one request message; the call was closed with none")
-    return raw
+_LATE = "no request message in time"  # the cancel message of a wait past its bound
+
+
+class MessageWaits:
+    """The server's waits for request messages, each bounded by ``timeout_s``: a sweep every
+    ``period_s`` (a second, or a quarter of the bound) cancels those past it, so a wait ends
+    within one period after its bound. A timer per wait (``asyncio.timeout``) cost about 5 us a
+    message, 1% of a small model's call; an entry in a dict costs a tenth of that."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.period_s = min(1.0, timeout_s / 4)
+        self._due: dict[asyncio.Task, float] = {}
+        self._sweep_handle: asyncio.TimerHandle | None = None
+
+    async def wait(self, awaitable):
+        """``awaitable``'s result; TimeoutError once it has waited ``timeout_s``."""
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        self._due[task] = loop.time() + self.timeout_s
+        if self._sweep_handle is None:
+            self._sweep_handle = loop.call_later(self.period_s, self._sweep, loop)
+        try:
+            return await awaitable
+        except asyncio.CancelledError as cancel:
+            if cancel.args != (_LATE,):  # another cancel (the call ended, a drain): theirs
+                raise
+            task.uncancel()
+            raise TimeoutError from None
+        finally:
+            self._due.pop(task, None)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        for task, due in list(self._due.items()):
+            if due <= now:
+                del self._due[task]
+                task.cancel(_LATE)
+        self._sweep_handle = (loop.call_later(self.period_s, self._sweep, loop) if self._due
+                              else None)
+
+    async def only_message(self, context: grpc.aio.ServicerContext, method: str) -> bytes:
+        """The request message of a unary method registered as request-streaming."""
+        try:
+            raw = await self.wait(context.read())
+        except TimeoutError:
+            raise MessageTimeout(f"{method}: its request message did not come within "
+                                 f"{self.timeout_s:g} s (--grpc-message-timeout)") from None
+        if raw is grpc.aio.EOF:
+            raise NoMessage(f"{method} takes one request message; the call was closed with none")
+        return raw
+
+    async def next_message(self, messages: AsyncIterator[bytes]) -> bytes | None:
+        """A request stream's next message, None at its end; TimeoutError if none came whole
+        in time."""
+        return await self.wait(anext(messages, None))
+
+    def ended(self, method: str, peer: str) -> None:
+        """Log a stream whose requests were ended for a message that did not come in time."""
+        log.info("%s from %s: no request message for %g s (--grpc-message-timeout): its "
+                 "requests are ended", method, peer, self.timeout_s)
 
 
 class ParsingRegistrar:
@@ -53,29 +118,32 @@ class ParsingRegistrar:
     the handlers it registers reach the server parsing their own bodies. Only those services'
     calls pass through this; the feature service's do not."""
 
-    def __init__(self, server: grpc.aio.Server):
-        self._server = server
+    def __init__(self, server: grpc.aio.Server, waits: MessageWaits):
+        self._server, self._waits = server, waits
 
     def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        self._server.add_registered_method_handlers(
-            service, {name: _parsing(h, f"/{service}/{name}") for name, h in handlers.items()})
+        self._server.add_registered_method_handlers(service, {
+            name: _parsing(h, f"/{service}/{name}", self._waits)
+            for name, h in handlers.items()})
 
     def add_generic_rpc_handlers(self, generic_handlers) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_Parsing(g) for g in generic_handlers))
+        self._server.add_generic_rpc_handlers(
+            tuple(_Parsing(g, self._waits) for g in generic_handlers))
 
 
 class _Parsing(grpc.GenericRpcHandler):
-    def __init__(self, inner: grpc.GenericRpcHandler):
-        self._inner = inner
+    def __init__(self, inner: grpc.GenericRpcHandler, waits: MessageWaits):
+        self._inner, self._waits = inner, waits
 
     def service(self, details):
         handler = self._inner.service(details)
-        return None if handler is None else _parsing(handler, details.method)
+        return None if handler is None else _parsing(handler, details.method, self._waits)
 
 
-def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _parsing(handler: grpc.RpcMethodHandler, method: str,
+             waits: MessageWaits) -> grpc.RpcMethodHandler:
     """``handler`` taking raw bytes, request-streaming: each body parsed by ``parse``, a unary
-    method's one body read by ``only_message``."""
+    method's one body read by ``waits.only_message``, each wait for a body bounded by ``waits``."""
     deserialize = handler.request_deserializer or (lambda raw: raw)
     kind = (handler.request_streaming, handler.response_streaming)
     behaviour = getattr(handler, METHOD_HANDLERS[kind][0])
@@ -88,15 +156,19 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
                 f"request body of {method} does not parse: {err}"))
 
     async def parsed(raw_requests, context):
-        async for raw in raw_requests:
-            yield await parse(raw, context)
+        messages = aiter(raw_requests)
+        try:
+            while (raw := await waits.next_message(messages)) is not None:
+                yield await parse(raw, context)
+        except TimeoutError:
+            waits.ended(method, context.peer())
 
     async def request_of(raw_requests, context):
         if handler.request_streaming:
             return parsed(raw_requests, context)
         try:
-            raw = await only_message(context, method)
-        except InvalidRequest as err:
+            raw = await waits.only_message(context, method)
+        except (InvalidRequest, MessageTimeout) as err:
             await refuse_with(context, err)
         return await parse(raw, context)
 

@@ -30,7 +30,7 @@ from vit22b.v1 import wire
 from .batcher import DEADLINE_SLACK_S
 from .infer import DRAIN_RESEND, Admitted, EmbedCall, EmbedResult, ImageInput, Infer, Limits
 from .metrics import Metrics
-from .parsing import NoMessage, only_message
+from .parsing import MessageWaits, NoMessage
 from .status import refuse, status_of
 from .unread import Unread
 
@@ -165,13 +165,13 @@ def model_info(infer: Infer) -> pb.ModelInfo:
 
 
 class FeatureService:
-    def __init__(self, infer: Infer, metrics: Metrics, unread: Unread):
-        self.infer, self.metrics, self.unread = infer, metrics, unread
+    def __init__(self, infer: Infer, metrics: Metrics, unread: Unread, waits: MessageWaits):
+        self.infer, self.metrics, self.unread, self.waits = infer, metrics, unread, waits
         self.info = model_info(infer)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods, taking raw request bytes (parsed in the handlers); the unary
-        ones read their message themselves (``parsing.only_message``)."""
+        ones read their message themselves (``MessageWaits.only_message``)."""
         serialize = {
             "Embed": pb.EmbedResponse.SerializeToString,
             "EmbedStream": pb.EmbedResponse.SerializeToString,
@@ -241,14 +241,14 @@ class FeatureService:
     # ---- handlers ------------------------------------------------------------------------
     async def GetModelInfo(self, requests, context):
         async with self._call("GetModelInfo", context):
-            parse(await only_message(context, "GetModelInfo"), pb.GetModelInfoRequest)
+            parse(await self.waits.only_message(context, "GetModelInfo"), pb.GetModelInfoRequest)
             return self.info
 
     async def Embed(self, requests, context):
         async with self._call("Embed", context):
             peer = context.peer()
             self.unread.check(peer)  # before the body is read
-            raw = await only_message(context, "Embed")
+            raw = await self.waits.only_message(context, "Embed")
             call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits)
             outputs = self.infer.validate(call)
             # the answer counts from its admission until its call ends (sent, refused, gone)
@@ -300,16 +300,19 @@ class FeatureService:
         drained = asyncio.ensure_future(self.infer.draining.wait())
         drained.add_done_callback(on_drain)
         try:
-            messages = requests.__aiter__()
+            messages = aiter(requests)
             while True:
                 waiting = True
                 try:
-                    raw = await messages.__anext__()
-                except StopAsyncIteration:
-                    await order.put(None)
-                    return
+                    raw = await self.waits.next_message(messages)
+                except TimeoutError:  # ended as if its client had closed its requests
+                    self.waits.ended("EmbedStream", peer)
+                    raw = None
                 finally:
                     waiting = False
+                if raw is None:
+                    await order.put(None)
+                    return
                 if self.infer.draining.is_set():
                     raise Draining(DRAIN_RESEND)
                 call = to_call(parse(raw, pb.EmbedRequest), context, self.infer.limits,

@@ -175,6 +175,16 @@ class ServeConfig:
         256, "gRPC calls open at once on one connection (HTTP/2 MAX_CONCURRENT_STREAMS): the "
         "client's further calls wait for a free stream, so no one connection takes every "
         "--max-concurrent-rpcs place", check=positive)
+    # A handler reads its call's request messages itself (server/parsing.py); a call whose
+    # message never comes, or never comes whole, held its handler and a --max-concurrent-rpcs
+    # place for ever. gRPC shows no progress within a message, so the bound is on the wait:
+    # 300 s is a --max-message-mb message at 220 KB/s, and an idle session costs the SDK one
+    # new stream (grpc's own idle bound on connections is also 5 minutes: app.py).
+    grpc_message_timeout_s: float = setting(
+        300.0, "seconds a gRPC call waits for a request message: a unary call's (then "
+        "DEADLINE_EXCEEDED), a stream's next (then its requests are ended: it is answered and "
+        "closed, as if its client had closed it; the SDK's sessions open another stream when "
+        "next used)", flag="--grpc-message-timeout", check=at_most(HOUR, HOLD))
     otlp_endpoint: str | None = setting(
         None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317 (https:// for "
         "TLS): a trace span per call with its admission, preprocessing, queueing and compute "

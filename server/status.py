@@ -7,8 +7,8 @@ apart. HTTP choices: a full queue or a full compile cache is 429 (with ``Retry-A
 or response over the message limit is 413; non-finite outputs are 422 (the request was well
 formed, its result cannot be returned in the asked dtype); a caller that went away is 499
 (nginx's "client closed request": nobody reads it); an HTTP client too slow with its headers or
-body is 408, one whose headers are over the limit 431, a body in a coding or media type the
-door does not read 415.
+body is 408 (a gRPC call's message that did not come in time: DEADLINE_EXCEEDED), one whose
+headers are over the limit 431, a body in a coding or media type the door does not read 415.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class ConnectionRefusal(Exception):
 
 class RequestTimeout(ConnectionRefusal):
     """Headers or a body that did not come in time (``--http-header-timeout`` / ``-body-``)."""
+
+
+class MessageTimeout(Exception):
+    """A gRPC call's request message that did not come within ``--grpc-message-timeout``."""
 
 
 class HeadersTooLarge(ConnectionRefusal):
@@ -73,6 +77,7 @@ STATUSES: dict[type[BaseException], Status] = {
     NonFiniteOutput: Status(_C.OUT_OF_RANGE, 422),  # e.g. float16 overflow: ask another dtype
     # HTTP's connection layer only (gRPC has its own transport bounds)
     RequestTimeout: Status(_C.DEADLINE_EXCEEDED, 408),
+    MessageTimeout: Status(_C.DEADLINE_EXCEEDED, 408),  # gRPC's door only
     HeadersTooLarge: Status(_C.INVALID_ARGUMENT, 431),
     TooManyConnections: Status(_C.UNAVAILABLE, 503),
 }

@@ -4,6 +4,7 @@ non-finite outputs, log floods, and random or mutated bytes on every method."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving import MESH, metric, metrics, png, random_images, start_server, stub, wait_for
 from tiny_models import random_params
+from vit22b.clients import AsyncFeatureClient, FeatureClient
 from vit22b.model import get_config
 from vit22b.model.sharding import make_mesh, shard_params
 from vit22b.server import engine as engine_module
@@ -112,16 +114,24 @@ UNARY_REQUEST_METHODS = (SERVICE + "Embed", SERVICE + "GetModelInfo",
                          "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
 
-def closed_with_no_message(address: str, method: str, token: str | None = None):
+def closed_with_no_message(address: str, method: str, token: str | None = None,
+                           closed: bool = True):
     """A call of ``method`` whose client half-closes without sending a message (what a unary
-    stub never does, a hand-made or fuzzing client can); (status code, details)."""
+    stub never does, a hand-made or fuzzing client can), or with ``closed=False`` keeps its
+    request side open and sends nothing; (status code, details)."""
     with grpc.insecure_channel(address) as channel:
         metadata = [("authorization", f"Bearer {token}")] if token else None
+        nothing: queue.Queue = queue.Queue()
+        if closed:
+            nothing.put(None)
         try:
-            list(channel.stream_stream(method)(iter([]), timeout=20, metadata=metadata))
+            list(channel.stream_stream(method)(iter(nothing.get, None), timeout=20,
+                                               metadata=metadata))
             return grpc.StatusCode.OK, ""
         except grpc.RpcError as err:
             return err.code(), err.details()
+        finally:
+            nothing.put(None)
 
 
 def test_a_unary_call_closed_with_no_message_is_refused_not_held(server):
@@ -140,6 +150,123 @@ def test_a_unary_call_closed_with_no_message_is_refused_not_held(server):
                             code="INVALID_ARGUMENT"))
         assert counted == 1, method
     assert stub(server.address).Embed(embed_request(1), timeout=30).indices == [0]  # still up
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big")
+            + payload)
+
+
+def unfinished_body(address: str, method: str, within: float) -> tuple[str, float]:
+    """Open a call of ``method`` by hand-made HTTP/2 frames and send the first 10 bytes of a
+    1000-byte message, no more (what no gRPC library can be made to do); the frame that ended
+    the call ("rst" or "trailers") and after how many seconds, or ("held", within)."""
+    def literal(name: str, value: str) -> bytes:  # HPACK: a literal, not indexed, new name
+        return b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+    host, port = address.rsplit(":", 1)
+    headers = b"".join(literal(k, v) for k, v in (
+        (":method", "POST"), (":scheme", "http"), (":path", method), (":authority", address),
+        ("content-type", "application/grpc"), ("te", "trailers")))
+    with socket.create_connection((host, int(port)), timeout=within) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0)
+                     + _h2_frame(1, 4, 1, headers)  # HEADERS, END_HEADERS, stream 1
+                     + _h2_frame(0, 0, 1, b"\x00" + (1000).to_bytes(4, "big") + b"\x0a" * 10))
+        start, data = time.monotonic(), b""
+        while time.monotonic() - start < within:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                return "closed", time.monotonic() - start
+            data += chunk
+            while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+                size, kind, flags = int.from_bytes(data[:3], "big"), data[3], data[4]
+                stream = int.from_bytes(data[5:9], "big") & 0x7FFFFFFF
+                data = data[9 + size:]
+                if kind == 4 and not flags & 1:  # the server's SETTINGS: acknowledged
+                    sock.sendall(_h2_frame(4, 1, 0))
+                if stream == 1 and kind == 3:
+                    return "rst", time.monotonic() - start
+                if stream == 1 and kind == 1 and flags & 1:  # HEADERS with END_STREAM
+                    return "trailers", time.monotonic() - start
+    return "held", within
+
+
+def test_a_request_message_that_never_comes_whole_ends_its_call_at_the_timeout(caplog):
+    """A call whose message never comes, or stops part way, held its handler and a
+    --max-concurrent-rpcs place for ever (the client may keep its connection open): each wait
+    for a request message is bounded (--grpc-message-timeout), on every unary method of every
+    service the server hosts."""
+    caplog.set_level(logging.INFO)
+    timeout = 1.0
+    srv = start_server(grpc_message_timeout_s=timeout)
+    try:
+        for method in UNARY_REQUEST_METHODS:  # a client that opens the call and sends nothing
+            started = time.monotonic()
+            code, details = closed_with_no_message(srv.address, method, closed=False)
+            took = time.monotonic() - started
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (method, code, details)
+            assert method.rsplit("/", 1)[-1] in details and details.endswith(
+                ": its request message did not come within 1 s (--grpc-message-timeout)"), details
+            assert timeout * 0.9 <= took < 15, (method, took)
+        before = metrics(srv)
+        for method in ("Embed", "GetModelInfo"):  # ... or stops part way through its message
+            ended, took = unfinished_body(srv.address, SERVICE + method, within=15)
+            assert ended in ("rst", "trailers") and timeout * 0.9 <= took < 15, (method, ended)
+        after = metrics(srv)
+        for method in ("Embed", "GetModelInfo"):
+            counted = (metric(after, "vit22b_requests_total", method=method,
+                              code="DEADLINE_EXCEEDED")
+                       - metric(before, "vit22b_requests_total", method=method,
+                                code="DEADLINE_EXCEEDED"))
+            assert counted == 1, method
+        assert stub(srv.address).Embed(embed_request(1), timeout=30).indices == [0]
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    finally:
+        srv.stop()
+
+
+def test_a_stream_with_no_new_request_is_answered_and_ended_and_sessions_go_on(caplog):
+    """A stream whose client sends nothing more (or never finishes its next message) is ended
+    after --grpc-message-timeout as if its client had closed its requests: what it sent is
+    answered, the call ends OK; the SDK's sessions, sync and async, open a new stream when next
+    used; the hosted reflection stream ends the same way."""
+    caplog.set_level(logging.INFO)
+    timeout = 1.0
+    srv = start_server(grpc_message_timeout_s=timeout)
+    images = [png(p) for p in random_images(1, 5)]  # one: its batch the same both times
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stream = _OpenStream(channel)  # one request answered, then nothing
+            assert list(stream.answers) == [] and stream.answers.code() == grpc.StatusCode.OK
+            stream.close()
+            requests: queue.Queue = queue.Queue()
+            requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter(requests.get, None), timeout=20)
+            assert len(list(info)) == 1 and info.code() == grpc.StatusCode.OK
+            requests.put(None)
+        with FeatureClient(srv.address) as client, client.session() as session:
+            first = session.embed(images)
+            time.sleep(timeout * 2.5)  # the server ends the idle stream meanwhile
+            again = session.embed(images)
+        np.testing.assert_array_equal(again.pooled, first.pooled)
+
+        async def idle_async_session():
+            async with AsyncFeatureClient(srv.address) as client, client.session() as session:
+                first = await session.embed(images)
+                await asyncio.sleep(timeout * 2.5)
+                return first, await session.embed(images)
+
+        first, again = asyncio.run(idle_async_session())
+        np.testing.assert_array_equal(again.pooled, first.pooled)
+        wait_for(lambda: sum("(--grpc-message-timeout): its requests are ended" in r.getMessage()
+                             for r in caplog.records) >= 4, timeout=10)
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    finally:
+        srv.stop()
 
 
 def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):
