@@ -56,13 +56,14 @@ _LATE = "no request message in time"  # the cancel message of a wait past its bo
 
 class MessageWaits:
     """The server's waits for request messages, each bounded by ``timeout_s``: a sweep every
-    ``period_s`` (a second, or a quarter of the bound) cancels those past it, so a wait ends
-    within one period after its bound. A timer per wait (``asyncio.timeout``) cost about 5 us a
-    message, 1% of a small model's call; an entry in a dict costs a tenth of that."""
+    ``period_s`` (a quarter of the bound, from 50 ms to a second) cancels those past it, so a
+    wait ends within one period after its bound. A timer per wait (``asyncio.timeout``) cost
+    about 5 us a message, 1% of a small model's call; an entry in a dict costs a third of that
+    (``python benchmarks/serve_against.py``: no difference the runs' spread shows)."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self.period_s = min(1.0, timeout_s / 4)
+        self.period_s = min(1.0, max(0.05, timeout_s / 4))
         self._due: dict[asyncio.Task, float] = {}
         self._sweep_handle: asyncio.TimerHandle | None = None
 
