@@ -13,7 +13,10 @@ Calls may overlap (threads or tasks sharing a session): their requests are pipel
 stream, ``window`` in flight, answers matched in order. The server ends a stream at the first
 request it refuses; the session then fails that call alone (or retries it, under the client's
 ``Retry`` policy, when the code is retryable) and resends every later request on a new stream,
-to the next address: nothing is lost and no other call sees the error. A stream that ends in
+to the next address: nothing is lost and no other call sees the error. A stream ended
+UNAVAILABLE (the server draining, or its bound on a stream with no new request) or cleanly
+with requests unanswered refused none of them: the first is sent again at once too, once,
+before the policy counts it. A stream that ends in
 INTERNAL may carry neither the server's status nor its last answers: grpc.aio puts its own
 "Internal error from Core" in their place when a write was in flight as the server ended the
 stream (grpc/grpc#36066). So the first unanswered request is then asked once more by itself,
@@ -67,6 +70,7 @@ class _Entry:
     local_errors: list[ImageError]  # inputs of the chunk that could not be read here
     answer: Any  # concurrent.futures.Future or asyncio.Future of the EmbedResponse
     attempt: int = 0
+    resent: bool = False  # sent again once, at once, after its stream ended UNAVAILABLE
 
     @property
     def first(self) -> int:  # the chunk's first index, for error messages
@@ -115,6 +119,12 @@ def failover(entries: list[_Entry], err: grpc.RpcError, client) -> _Failover:
         return _Failover(rest)
     if err.code() == grpc.StatusCode.INTERNAL:  # a server bug, or a status grpc.aio lost
         return _Failover(rest, head, alone=True)
+    if err.code() == grpc.StatusCode.UNAVAILABLE and not head.resent:
+        # the stream ended before the server read it (a drain, the server's bound on a
+        # stream's wait for its next request, a lost connection): not a refusal of it, so
+        # sent again once at once, as the later ones, before the retry policy counts it
+        head.resent = True
+        return _Failover([head, *rest])
     try:
         delay = client._backoff(err, head.attempt, head.first, head.count)
     except FeatureError as refused:

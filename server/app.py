@@ -213,10 +213,10 @@ class FeatureServer:
             self.engine, self.batcher, self.metrics, limits, config.preprocess_threads,
             self.tracing,
         )
-        waits = MessageWaits(config.grpc_message_timeout_s)  # of every service's handlers
+        self.waits = MessageWaits(config.grpc_message_timeout_s)  # of every service's handlers
         self.service = FeatureService(
             self.infer, self.metrics,
-            Unread(int(config.max_unread_mb * (1 << 20)), self.metrics.unread_bytes), waits)
+            Unread(int(config.max_unread_mb * (1 << 20)), self.metrics.unread_bytes), self.waits)
         interceptors = []
         tokens = self.tokens
         if tokens:
@@ -242,7 +242,7 @@ class FeatureServer:
         server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = health.aio.HealthServicer()
         # their bodies parsed by their handlers, each wait for one bounded
-        library = ParsingRegistrar(server, waits)
+        library = ParsingRegistrar(server, self.waits)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, library)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
         _add_reflection(reflection.aio.ReflectionServicer(names, pool=_reflection_pool()),
@@ -285,6 +285,7 @@ class FeatureServer:
         # its drain short
         for name in READINESS:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.waits.drain()  # calls waiting for a message end now, not at their bound
         clean = await self.infer.drain(timeout)
         if not clean:
             log.warning("drain timed out after %.0fs; stopping with calls in flight", timeout)

@@ -18,23 +18,24 @@ ignore it.
 Reading them also bounds the wait for them (``--grpc-message-timeout``): a call whose message
 never comes, or never comes whole, would hold its handler and a ``--max-concurrent-rpcs`` place
 for ever. gRPC shows a handler no progress within a message, so the bound is on the whole wait:
-a unary call's message then ends the call DEADLINE_EXCEEDED, a request stream's next message
-ends its requests (the service answers what it holds, as when its client closes them).
+a unary call's message then ends the call DEADLINE_EXCEEDED; a request stream with no new
+message that long, once it owes no answer, ends UNAVAILABLE (retryable: a request its client
+sent as it ended was not read, and is to be sent again, as after a drain). A drain ends every
+such wait at once (UNAVAILABLE), so none holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
+import math
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from vit22b.model.errors import InvalidRequest
+from vit22b.model.errors import Draining, InvalidRequest
 
-from .status import MessageTimeout, refuse_with
-
-log = logging.getLogger(__name__)
+from .infer import DRAIN_RESEND
+from .status import MessageTimeout, StreamIdle, refuse_with
 
 # (request streaming, response streaming) -> the handler's behaviour attribute and its factory
 METHOD_HANDLERS = {
@@ -52,41 +53,65 @@ class NoMessage(InvalidRequest):
 
 
 _LATE = "no request message in time"  # the cancel message of a wait past its bound
+_DRAIN = "draining"  # ... of a wait the server's drain ended
 
 
 class MessageWaits:
-    """The server's waits for request messages, each bounded by ``timeout_s``: a sweep every
-    ``period_s`` (a quarter of the bound, from 50 ms to a second) cancels those past it, so a
-    wait ends within one period after its bound. A timer per wait (``asyncio.timeout``) cost
-    about 5 us a message, 1% of a small model's call; an entry in a dict costs a third of that
-    (``python benchmarks/serve_against.py``: no difference the runs' spread shows)."""
+    """The server's waits for request messages, each bounded by ``timeout_s`` and ended by a
+    drain. A sweep every ``period_s`` (a quarter of the bound, from 50 ms to a second) cancels
+    the waits past their bound, so a wait ends within one period after it. A timer per wait
+    (``asyncio.timeout``) cost about 5 us a message, 1% of a small model's call; an entry in a
+    dict costs a third of that (``python benchmarks/serve_against.py``: no difference the runs'
+    spread shows)."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.period_s = min(1.0, max(0.05, timeout_s / 4))
-        self._due: dict[asyncio.Task, float] = {}
+        self._due: dict[asyncio.Task, float] = {}  # the waiting tasks, and when each is late
         self._sweep_handle: asyncio.TimerHandle | None = None
+        self._draining = False
 
-    async def wait(self, awaitable):
-        """``awaitable``'s result; TimeoutError once it has waited ``timeout_s``."""
+    async def wait(self, awaitable, held: bool = False):
+        """``awaitable``'s result; TimeoutError once it has waited ``timeout_s`` (not while
+        ``held``: until ``restart``), Draining once the server drains."""
+        if self._draining:
+            awaitable.close()
+            raise Draining(DRAIN_RESEND)
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
-        self._due[task] = loop.time() + self.timeout_s
+        self._due[task] = math.inf if held else loop.time() + self.timeout_s
         if self._sweep_handle is None:
             self._sweep_handle = loop.call_later(self.period_s, self._sweep, loop)
         try:
             return await awaitable
         except asyncio.CancelledError as cancel:
-            if cancel.args != (_LATE,):  # another cancel (the call ended, a drain): theirs
+            if cancel.args not in ((_LATE,), (_DRAIN,)):  # another's (the call ended): theirs
                 raise
             task.uncancel()
+            if cancel.args == (_DRAIN,):
+                raise Draining(DRAIN_RESEND) from None
             raise TimeoutError from None
         finally:
             self._due.pop(task, None)
 
+    def restart(self, task: asyncio.Task) -> None:
+        """Time ``task``'s wait from now (a stream whose last owed answer was just sent)."""
+        if task in self._due:
+            self._due[task] = asyncio.get_running_loop().time() + self.timeout_s
+
+    def drain(self) -> None:
+        """End every wait now, and each later one at once, with Draining: a call waiting for its
+        message would hold the drain until its bound."""
+        self._draining = True
+        for task in list(self._due):
+            task.cancel(_DRAIN)
+        self._due.clear()
+
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
         for task, due in list(self._due.items()):
-            if due <= now:
+            # a task whose awaited result came is about to resume with it: a cancel now would
+            # drop a message already read
+            if due <= now and not _resuming(task):
                 del self._due[task]
                 task.cancel(_LATE)
         self._sweep_handle = (loop.call_later(self.period_s, self._sweep, loop) if self._due
@@ -103,15 +128,24 @@ class MessageWaits:
             raise NoMessage(f"{method} takes one request message; the call was closed with none")
         return raw
 
-    async def next_message(self, messages: AsyncIterator[bytes]) -> bytes | None:
-        """A request stream's next message, None at its end; TimeoutError if none came whole
-        in time."""
-        return await self.wait(anext(messages, None))
+    async def next_message(self, messages: AsyncIterator[bytes], method: str,
+                           held: bool = False) -> bytes | None:
+        """A request stream's next message, None at its end; StreamIdle if none came whole in
+        time (not counting the time it is ``held``)."""
+        try:
+            return await self.wait(anext(messages, None), held)
+        except TimeoutError:
+            raise StreamIdle(
+                f"{method}: no request message for {self.timeout_s:g} s "
+                "(--grpc-message-timeout): the stream is ended; send any request not answered "
+                "again, on a new stream") from None
 
-    def ended(self, method: str, peer: str) -> None:
-        """Log a stream whose requests were ended for a message that did not come in time."""
-        log.info("%s from %s: no request message for %g s (--grpc-message-timeout): its "
-                 "requests are ended", method, peer, self.timeout_s)
+
+def _resuming(task: asyncio.Task) -> bool:
+    """Whether ``task`` is scheduled to run: the future it awaited (``_fut_waiter``, which
+    asyncio's tasks expose) is done, or it awaits none."""
+    waiter = getattr(task, "_fut_waiter", None)
+    return waiter is None or waiter.done()
 
 
 class ParsingRegistrar:
@@ -158,18 +192,21 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str,
 
     async def parsed(raw_requests, context):
         messages = aiter(raw_requests)
-        try:
-            while (raw := await waits.next_message(messages)) is not None:
-                yield await parse(raw, context)
-        except TimeoutError:
-            waits.ended(method, context.peer())
+        while True:
+            try:
+                raw = await waits.next_message(messages, method)
+            except (StreamIdle, Draining) as err:
+                await refuse_with(context, err)
+            if raw is None:
+                return
+            yield await parse(raw, context)
 
     async def request_of(raw_requests, context):
         if handler.request_streaming:
             return parsed(raw_requests, context)
         try:
             raw = await waits.only_message(context, method)
-        except (InvalidRequest, MessageTimeout) as err:
+        except (InvalidRequest, MessageTimeout, Draining) as err:
             await refuse_with(context, err)
         return await parse(raw, context)
 

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
@@ -43,7 +44,6 @@ SERVICE_NAME = "vit22b.v1.FeatureService"
 READINESS = ("", SERVICE_NAME)
 LIVENESS = "liveness"
 STREAM_WINDOW = 8  # requests of one stream admitted and not yet answered
-DRAIN_STOP = "draining"  # the cancel message that ends a stream's reader on drain
 
 
 def server_version() -> str:
@@ -164,6 +164,14 @@ def model_info(infer: Infer) -> pb.ModelInfo:
     )
 
 
+@dataclass
+class _Owed:
+    """A stream's answers admitted and not yet sent: while any is, its client may be waiting
+    for them before it sends more, so the wait for its next request is not timed."""
+
+    count: int = 0
+
+
 class FeatureService:
     def __init__(self, infer: Infer, metrics: Metrics, unread: Unread, waits: MessageWaits):
         self.infer, self.metrics, self.unread, self.waits = infer, metrics, unread, waits
@@ -259,7 +267,8 @@ class FeatureService:
     async def EmbedStream(self, requests, context) -> AsyncIterator[pb.EmbedResponse]:
         async with self._call("EmbedStream", context):
             order: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
-            reader = asyncio.create_task(self._read_stream(requests, context, order))
+            owed = _Owed()
+            reader = asyncio.create_task(self._read_stream(requests, context, order, owed))
             item = None
             try:
                 while True:
@@ -275,6 +284,9 @@ class FeatureService:
                         yield response  # resumes once gRPC has sent it
                     finally:
                         release()
+                    owed.count -= 1
+                    if not owed.count:  # the client may have waited for it: time its next
+                        self.waits.restart(reader)
             finally:
                 if isinstance(item, tuple):  # the stream ended as its answer came
                     _discard(*item)
@@ -285,31 +297,15 @@ class FeatureService:
                     if isinstance(item, tuple):
                         _discard(*item)
 
-    async def _read_stream(self, requests, context, order: asyncio.Queue) -> None:
+    async def _read_stream(self, requests, context, order: asyncio.Queue, owed: _Owed) -> None:
         """Admit each request before reading the next; queue its task (responses in order).
-
-        Draining ends the stream where it waits for a client's next message: the drain event
-        cancels this reader only there (one callback per stream, not a wait per message)."""
-        reader, peer = asyncio.current_task(), context.peer()
-        waiting = False
-
-        def on_drain(_) -> None:
-            if waiting:
-                reader.cancel(DRAIN_STOP)
-
-        drained = asyncio.ensure_future(self.infer.draining.wait())
-        drained.add_done_callback(on_drain)
+        The wait for a next request is bounded (``MessageWaits``) once no answer is owed, and
+        ended by a drain."""
+        peer = context.peer()
         try:
             messages = aiter(requests)
             while True:
-                waiting = True
-                try:
-                    raw = await self.waits.next_message(messages)
-                except TimeoutError:  # ended as if its client had closed its requests
-                    self.waits.ended("EmbedStream", peer)
-                    raw = None
-                finally:
-                    waiting = False
+                raw = await self.waits.next_message(messages, "EmbedStream", held=owed.count > 0)
                 if raw is None:
                     await order.put(None)
                     return
@@ -327,20 +323,14 @@ class FeatureService:
                     release()
                     raise
                 task = self._answer_task(call, admitted)
+                owed.count += 1
                 try:
                     await order.put((task, release))
                 except asyncio.CancelledError:  # the stream ended while the window was full:
                     _discard(task, release)  # nobody will await this answer
                     raise
-        except asyncio.CancelledError as cancel:
-            if cancel.args != (DRAIN_STOP,):
-                raise
-            await order.put(Draining(DRAIN_RESEND))
         except Exception as err:  # noqa: BLE001 - a refused request or transport error ends it
             await order.put(err)
-        finally:
-            drained.remove_done_callback(on_drain)
-            drained.cancel()
 
     def _answer_task(self, call: EmbedCall, admitted: Admitted) -> asyncio.Task:
         """A stream's answer as a task. One cancelled before its first step (the stream ended in

@@ -181,10 +181,11 @@ class ServeConfig:
     # 300 s is a --max-message-mb message at 220 KB/s, and an idle session costs the SDK one
     # new stream (grpc's own idle bound on connections is also 5 minutes: app.py).
     grpc_message_timeout_s: float = setting(
-        300.0, "seconds a gRPC call waits for a request message: a unary call's (then "
-        "DEADLINE_EXCEEDED), a stream's next (then its requests are ended: it is answered and "
-        "closed, as if its client had closed it; the SDK's sessions open another stream when "
-        "next used)", flag="--grpc-message-timeout", check=at_most(HOUR, HOLD))
+        300.0, "seconds a gRPC call waits for a request message (checked every quarter of it, "
+        "50 ms to 1 s): a unary call's, then DEADLINE_EXCEEDED; a stream's next, once it owes "
+        "no answer, then UNAVAILABLE (a request sent as it ended is to be sent again: the SDK's "
+        "sessions do, on a new stream)", flag="--grpc-message-timeout",
+        check=at_most(HOUR, HOLD))
     otlp_endpoint: str | None = setting(
         None, "OpenTelemetry collector (OTLP/gRPC), e.g. http://127.0.0.1:4317 (https:// for "
         "TLS): a trace span per call with its admission, preprocessing, queueing and compute "

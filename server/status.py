@@ -41,7 +41,12 @@ class RequestTimeout(ConnectionRefusal):
 
 
 class MessageTimeout(Exception):
-    """A gRPC call's request message that did not come within ``--grpc-message-timeout``."""
+    """A unary gRPC call's request message that did not come within ``--grpc-message-timeout``."""
+
+
+class StreamIdle(Exception):
+    """A request stream with no new message within ``--grpc-message-timeout``, its answers all
+    sent: ended, its requests not answered (sent as it ended) to be sent again."""
 
 
 class HeadersTooLarge(ConnectionRefusal):
@@ -78,6 +83,7 @@ STATUSES: dict[type[BaseException], Status] = {
     # HTTP's connection layer only (gRPC has its own transport bounds)
     RequestTimeout: Status(_C.DEADLINE_EXCEEDED, 408),
     MessageTimeout: Status(_C.DEADLINE_EXCEEDED, 408),  # gRPC's door only
+    StreamIdle: Status(_C.UNAVAILABLE, 408),  # gRPC's door only: retryable, as a drain's end
     HeadersTooLarge: Status(_C.INVALID_ARGUMENT, 431),
     TooManyConnections: Status(_C.UNAVAILABLE, 503),
 }

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving import MESH, metric, metrics, png, random_images, start_server, stub, wait_for
 from tiny_models import random_params
-from vit22b.clients import AsyncFeatureClient, FeatureClient
+from vit22b.clients import AsyncFeatureClient, FeatureClient, Retry
 from vit22b.model import get_config
 from vit22b.model.sharding import make_mesh, shard_params
 from vit22b.server import engine as engine_module
@@ -228,45 +228,118 @@ def test_a_request_message_that_never_comes_whole_ends_its_call_at_the_timeout(c
         srv.stop()
 
 
-def test_a_stream_with_no_new_request_is_answered_and_ended_and_sessions_go_on(caplog):
+IDLE_END = ("no request message for 1 s (--grpc-message-timeout): the stream is ended; send any "
+            "request not answered again, on a new stream")
+
+
+def _stream(channel: grpc.Channel, requests: queue.Queue):
+    """An ``EmbedStream`` call whose requests are put in ``requests`` (None ends them)."""
+    call = channel.stream_stream(SERVICE + "EmbedStream",
+                                 request_serializer=pb.EmbedRequest.SerializeToString,
+                                 response_deserializer=pb.EmbedResponse.FromString)
+    return call(iter(requests.get, None), timeout=60)
+
+
+def test_a_stream_with_no_new_request_is_answered_then_ended_and_sessions_go_on(caplog):
     """A stream whose client sends nothing more (or never finishes its next message) is ended
-    after --grpc-message-timeout as if its client had closed its requests: what it sent is
-    answered, the call ends OK; the SDK's sessions, sync and async, open a new stream when next
-    used; the hosted reflection stream ends the same way."""
+    after --grpc-message-timeout: what it sent is answered, then UNAVAILABLE (retryable: a
+    request sent as it ended was not read); the SDK's sessions, sync and async, go on over a
+    new stream; the hosted reflection stream ends the same way."""
     caplog.set_level(logging.INFO)
     timeout = 1.0
     srv = start_server(grpc_message_timeout_s=timeout)
     images = [png(p) for p in random_images(1, 5)]  # one: its batch the same both times
+    before = metrics(srv)
     try:
         with grpc.insecure_channel(srv.address) as channel:
-            stream = _OpenStream(channel)  # one request answered, then nothing
-            assert list(stream.answers) == [] and stream.answers.code() == grpc.StatusCode.OK
-            stream.close()
             requests: queue.Queue = queue.Queue()
+            requests.put(embed_request())
+            answers = _stream(channel, requests)
+            assert next(answers).ids == ["0"]
+            with pytest.raises(grpc.RpcError) as ended:
+                next(answers)  # one request answered, then nothing sent
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert ended.value.details() == "EmbedStream: " + IDLE_END
+            requests.put(None)
             requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
             info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 iter(requests.get, None), timeout=20)
-            assert len(list(info)) == 1 and info.code() == grpc.StatusCode.OK
+            assert next(info).list_services_response.service
+            with pytest.raises(grpc.RpcError) as ended:
+                next(info)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert ended.value.details() == (
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo: " + IDLE_END)
             requests.put(None)
-        with FeatureClient(srv.address) as client, client.session() as session:
+        with FeatureClient(srv.address, retry=Retry(attempts=1)) as client, \
+                client.session() as session:
             first = session.embed(images)
             time.sleep(timeout * 2.5)  # the server ends the idle stream meanwhile
             again = session.embed(images)
         np.testing.assert_array_equal(again.pooled, first.pooled)
 
         async def idle_async_session():
-            async with AsyncFeatureClient(srv.address) as client, client.session() as session:
+            async with AsyncFeatureClient(srv.address, retry=Retry(attempts=1)) as client, \
+                    client.session() as session:
                 first = await session.embed(images)
                 await asyncio.sleep(timeout * 2.5)
                 return first, await session.embed(images)
 
         first, again = asyncio.run(idle_async_session())
         np.testing.assert_array_equal(again.pooled, first.pooled)
-        wait_for(lambda: sum("(--grpc-message-timeout): its requests are ended" in r.getMessage()
-                             for r in caplog.records) >= 4, timeout=10)
+        # each session's first stream ended so, the last ones by their clients (OK)
+        wait_for(lambda: metric(metrics(srv), "vit22b_requests_total", method="EmbedStream",
+                                code="UNAVAILABLE") - metric(before, "vit22b_requests_total",
+                                method="EmbedStream", code="UNAVAILABLE") == 3, timeout=10)
         assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     finally:
         srv.stop()
+
+
+def test_a_stream_that_waits_for_an_answer_longer_than_the_bound_is_not_ended():
+    """The wait for a stream's next request is timed from when it owes no answer: a client may
+    wait for its answers before it sends more, and one that takes longer than the bound (a
+    full queue, a slow model) must not end the stream under the client's next request."""
+    srv = start_server(grpc_message_timeout_s=1.0, batch_wait="delay", max_delay_ms=2500)
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            requests: queue.Queue = queue.Queue()
+            requests.put(embed_request())
+            answers = _stream(channel, requests)
+            time.sleep(1.6)  # past the bound, its first answer still owed (2.5 s)
+            requests.put(embed_request(2))
+            requests.put(None)
+            assert [list(a.ids) for a in answers] == [["0"], ["0", "1"]]
+            assert answers.code() == grpc.StatusCode.OK
+    finally:
+        srv.stop()
+
+
+def test_a_drain_ends_the_calls_waiting_for_their_message_at_once():
+    """A call waiting for its request message (a unary one that has sent none, a stream
+    between requests) would hold the drain until --grpc-message-timeout (300 s): the drain
+    ends them at once, UNAVAILABLE, and finishes clean."""
+    srv = start_server()  # the default bound, far past the drain's
+    ended: queue.Queue = queue.Queue()
+    callers = [threading.Thread(target=lambda: ended.put(closed_with_no_message(
+        srv.address, SERVICE + "Embed", closed=False))) for _ in range(3)]
+    with grpc.insecure_channel(srv.address) as channel:
+        requests: queue.Queue = queue.Queue()
+        requests.put(embed_request())
+        answers = _stream(channel, requests)
+        assert next(answers).ids == ["0"]
+        for caller in callers:
+            caller.start()
+        wait_for(lambda: srv.server.infer._inflight == 4)  # the stream and the 3 calls
+        assert srv.stop(timeout=30)  # clean: nothing held it to its timeout
+        with pytest.raises(grpc.RpcError) as stream_end:
+            next(answers)
+        requests.put(None)
+    assert stream_end.value.code() == grpc.StatusCode.UNAVAILABLE
+    for caller in callers:
+        caller.join(30)
+    for code, details in (ended.get(timeout=1) for _ in callers):
+        assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, details
 
 
 def test_token_is_checked_before_the_body_and_reflection_stays_open(tmp_path):

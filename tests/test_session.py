@@ -23,7 +23,7 @@ from serving import (
     wait_for,
 )
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
-from vit22b.clients.session import _Entry, _expire, _Expired, failover
+from vit22b.clients.session import _EndedEarly, _Entry, _expire, _Expired, failover
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,37 @@ def test_a_status_lost_under_a_write_in_flight_is_asked_again_alone(server):
                       code="INVALID_ARGUMENT") - asked_alone
         if lost >= 2:  # the path ran: no need for more rounds
             break
+
+
+def test_failover_sends_a_request_its_stream_ended_unread_again_once_before_the_policy():
+    """A stream the server ends UNAVAILABLE (its drain, its bound on a stream's wait for the
+    next request) or cleanly with requests unanswered did not refuse them: the first is sent
+    again at once, before the retry policy counts it; a second such end goes to the policy."""
+    asked = []
+
+    def backoff(err, attempt, first, count):
+        asked.append((err.code(), attempt))
+        raise FeatureError(err.code(), "no retries left", first, count)
+
+    client = SimpleNamespace(closed=False, _backoff=backoff)
+    for ended in (_EndedEarly(), _Unavailable()):
+        head, later = (_Entry(None, [i], [], Future()) for i in range(2))
+        plan = failover([head, later], ended, client)
+        assert plan.resend == [head, later] and plan.retry is None and plan.delay_s == 0
+        assert not asked and not head.answer.done()
+        plan = failover([head, later], ended, client)  # its new stream ended so too
+        assert asked == [(grpc.StatusCode.UNAVAILABLE, 0)] and plan.resend == [later]
+        with pytest.raises(FeatureError, match="no retries left"):
+            head.answer.result()
+        asked.clear()
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "EmbedStream: no request message for 300 s (--grpc-message-timeout)"
 
 
 def test_failover_asks_an_internal_error_again_alone():
