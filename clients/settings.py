@@ -229,6 +229,13 @@ class Variable:
         except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
             raise ValueError(f"${self.name}={self.text!r}: {err}") from None
 
+    def check(self, field: dataclasses.Field, value) -> None:
+        """The setting's declared check of ``value``, read from this variable: a refusal names
+        the variable, which the user set, beside the flag, which they may never have typed."""
+        problem = _problem(field, value)
+        if problem:
+            raise ValueError(f"${self.name}={self.text!r}: {flag_of(field)} {problem}")
+
 
 def typed(args: argparse.Namespace, name: str) -> bool:
     """Whether setting ``name`` was given on the command line (its variable's value, like its
@@ -270,19 +277,26 @@ def from_args(cls: type, args: argparse.Namespace, unread: frozenset[str] = froz
     for field in dataclasses.fields(cls):
         if field.metadata.get("cli", False) and hasattr(args, field.name):
             value = getattr(args, field.name)
+            variable = value if isinstance(value, Variable) and field.name not in unread else None
             if isinstance(value, Variable):
-                value = default_of(field) if field.name in unread else value.value(field)
+                value = default_of(field) if variable is None else variable.value(field)
             if field.metadata["repeat"]:
                 value = tuple(value) if value else default_of(field)
+            if variable is not None:
+                variable.check(field, value)
             values[field.name] = value
     return cls(**values, **extra)
+
+
+def _problem(field: dataclasses.Field, value) -> str | None:
+    rule = field.metadata.get("check")
+    return rule(value) if rule else None
 
 
 def check(settings) -> None:
     """Each declared check; ValueError naming the flag and the problem."""
     for field in dataclasses.fields(settings):
-        rule = field.metadata.get("check")
-        problem = rule(getattr(settings, field.name)) if rule else None
+        problem = _problem(field, getattr(settings, field.name))
         if problem:
             raise ValueError(f"{flag_of(field)} {problem}")
 

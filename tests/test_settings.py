@@ -53,8 +53,14 @@ def test_variables_set_defaults_and_flags_win():
 def test_bad_values_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--max-queue-images must be positive"):
         parse(["--max-queue-images", "0"], {}).check()
-    with pytest.raises(ValueError, match="--chunk-images must be >= 0"):
-        parse([], {"VIT22B_CHUNK_IMAGES": "-3"}).check()
+    # a variable's value out of range names the variable the user set, and its flag
+    with pytest.raises(ValueError,
+                       match=r"^\$VIT22B_CHUNK_IMAGES='-3': --chunk-images must be >= 0"):
+        parse([], {"VIT22B_CHUNK_IMAGES": "-3"})
+    with pytest.raises(ValueError, match=r"^\$VIT22B_GRPC_MESSAGE_TIMEOUT='0': "
+                       "--grpc-message-timeout must be positive, got 0.0"):
+        parse([], {"VIT22B_GRPC_MESSAGE_TIMEOUT": "0"})
+    assert parse([], {"VIT22B_GRPC_MESSAGE_TIMEOUT": "2.5"}).grpc_message_timeout_s == 2.5
     # a bad variable is refused naming it (it was a flag's error, or, for a repeatable
     # setting, a traceback while the parser was built: `vit22b serve --help` included)
     with pytest.raises(ValueError, match=r"^\$VIT22B_COMPUTE_DTYPE='float8': --compute-dtype "):
@@ -76,11 +82,11 @@ def test_bad_values_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--port must be 0..65535, got 99999"):
         parse(["--port", "99999"], {}).check()
     with pytest.raises(ValueError, match="--http-port must be 0..65535, got 70000"):
-        parse([], {"VIT22B_HTTP_PORT": "70000"}).check()
+        parse([], {"VIT22B_HTTP_PORT": "70000"})
     with pytest.raises(ValueError, match="--http-header-timeout must be positive, got 0.0"):
         parse(["--http-header-timeout", "0"], {}).check()
     with pytest.raises(ValueError, match="--http-max-connections must be positive, got -1"):
-        parse([], {"VIT22B_HTTP_MAX_CONNECTIONS": "-1"}).check()
+        parse([], {"VIT22B_HTTP_MAX_CONNECTIONS": "-1"})
 
 
 
