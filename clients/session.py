@@ -262,8 +262,11 @@ class EmbedSession:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the session is closed")
-            while self._stream is None or not self._stream.send(entry):
-                self._stream = _SyncStream(self._client, self._failed)
+            if self._stream is None or not self._stream.send(entry):
+                # a new stream holds the entry from its start: one that dies at once (no
+                # server) fails it over through the policy, where a loop would open stream
+                # after stream until one lived long enough to take it
+                self._stream = _SyncStream(self._client, self._failed, entry)
                 _end_when_dropped(self)
 
     def _failed(self, plan: _Failover) -> None:
@@ -308,10 +311,11 @@ class _SyncStream:
     session its user dropped unclosed, and the stream with it, for ever (a thread, a socket
     and about 150 KB each); the session's finalizer ends the stream instead."""
 
-    def __init__(self, client, on_failure: Callable[[_Failover], None]):
+    def __init__(self, client, on_failure: Callable[[_Failover], None], first: _Entry):
         self._client, self._on_failure = client, weakref.WeakMethod(on_failure)
         self._outbox: queue.Queue = queue.Queue()
-        self._pending: deque[_Entry] = deque()
+        self._pending: deque[_Entry] = deque([first])
+        self._outbox.put(first.request)
         self._lock = threading.Lock()
         self.dead = False
         call = client._pick("EmbedStream")

@@ -64,6 +64,7 @@ INLINE_FINISH_BYTES = 1 << 20
 SMALL_DECODE_PIXELS = 128 * 128
 SMALL_DECODE_BYTES = 64 << 10
 DRAIN_RESEND = "server is shutting down; resend the requests not answered"  # to a stream
+DRAIN_RETRY = "server is shutting down; retry on another replica"  # to a call
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class Infer:
     def enter(self) -> None:
         """A call starts; refused while draining."""
         if self.draining.is_set():
-            raise Draining("server is shutting down; retry on another replica")
+            raise Draining(DRAIN_RETRY)
         self._inflight += 1
         self._idle.clear()
 

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from vit22b.model.errors import Draining, InvalidRequest
 
-from .infer import DRAIN_RESEND
+from .infer import DRAIN_RESEND, DRAIN_RETRY
 from .status import MessageTimeout, StreamIdle, refuse_with
 
 # (request streaming, response streaming) -> the handler's behaviour attribute and its factory
@@ -124,6 +124,8 @@ class MessageWaits:
         except TimeoutError:
             raise MessageTimeout(f"{method}: its request message did not come within "
                                  f"{self.timeout_s:g} s (--grpc-message-timeout)") from None
+        except Draining:  # as a call refused at its start while draining is told
+            raise Draining(DRAIN_RETRY) from None
         if raw is grpc.aio.EOF:
             raise NoMessage(f"{method} takes one request message; the call was closed with none")
         return raw

@@ -23,6 +23,7 @@ from serving import (
     wait_for,
 )
 from vit22b.clients import AsyncFeatureClient, FeatureClient, FeatureError, Retry
+from vit22b.clients import session as session_module
 from vit22b.clients.session import _EndedEarly, _Entry, _expire, _Expired, failover
 
 
@@ -295,6 +296,34 @@ def test_a_draining_server_ends_an_idle_stream_and_the_session_moves_on():
         assert stream_calls(first, "OK") == 1
     finally:
         first.stop()
+
+
+def test_a_session_whose_server_is_gone_opens_a_stream_per_attempt_not_a_loop(monkeypatch):
+    """A stream to a stopped server dies before a request reaches it: the sync session opened
+    stream after stream (and a reader thread each) until one lived long enough to take the
+    request, thousands in a second. A new stream holds its first request from its start, so
+    each attempt of the retry policy is one stream."""
+    srv = start_server()
+    opened = []
+    made = session_module._SyncStream.__init__
+
+    def counted(self, *args):
+        opened.append(self)
+        made(self, *args)
+
+    monkeypatch.setattr(session_module._SyncStream, "__init__", counted)
+    retry = Retry(attempts=3, initial_s=0.01, max_s=0.05)
+    with FeatureClient(srv.address, retry=retry) as client, client.session() as session:
+        images = random_images(1, seed=64, size=(64, 64))
+        session.embed(images)
+        srv.stop()
+        for _ in range(3):
+            del opened[:]
+            with pytest.raises(FeatureError) as failed:
+                session.embed(images)
+            assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+            # the dead stream's one free resend, then the policy's three attempts
+            assert len(opened) <= 4, len(opened)
 
 
 def test_a_client_closed_under_its_calls_ends_each_with_one_clear_error(server):
