@@ -232,9 +232,9 @@ class Variable:
     def check(self, field: dataclasses.Field, value) -> None:
         """The setting's declared check of ``value``, read from this variable: a refusal names
         the variable, which the user set, beside the flag, which they may never have typed."""
-        problem = _problem(field, value)
-        if problem:
-            raise ValueError(f"${self.name}={self.text!r}: {flag_of(field)} {problem}")
+        refusal = _refusal(field, value)
+        if refusal:
+            raise ValueError(f"${self.name}={self.text!r}: {refusal}")
 
 
 def typed(args: argparse.Namespace, name: str) -> bool:
@@ -288,17 +288,19 @@ def from_args(cls: type, args: argparse.Namespace, unread: frozenset[str] = froz
     return cls(**values, **extra)
 
 
-def _problem(field: dataclasses.Field, value) -> str | None:
+def _refusal(field: dataclasses.Field, value) -> str | None:
+    """The flag and the problem, where the setting's declared check refuses ``value``."""
     rule = field.metadata.get("check")
-    return rule(value) if rule else None
+    problem = rule(value) if rule else None
+    return f"{flag_of(field)} {problem}" if problem else None
 
 
 def check(settings) -> None:
     """Each declared check; ValueError naming the flag and the problem."""
     for field in dataclasses.fields(settings):
-        problem = _problem(field, getattr(settings, field.name))
-        if problem:
-            raise ValueError(f"{flag_of(field)} {problem}")
+        refusal = _refusal(field, getattr(settings, field.name))
+        if refusal:
+            raise ValueError(refusal)
 
 
 def describe(cls: type) -> list[tuple[str, str, str, str]]:

@@ -213,7 +213,8 @@ class FeatureServer:
             self.engine, self.batcher, self.metrics, limits, config.preprocess_threads,
             self.tracing,
         )
-        self.waits = MessageWaits(config.grpc_message_timeout_s)  # of every service's handlers
+        # the feature service's waits for messages (the drain ends them)
+        self.waits = MessageWaits(config.grpc_message_timeout_s, self.infer.draining)
         self.service = FeatureService(
             self.infer, self.metrics,
             Unread(int(config.max_unread_mb * (1 << 20)), self.metrics.unread_bytes), self.waits)
@@ -241,8 +242,9 @@ class FeatureServer:
                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = health.aio.HealthServicer()
-        # their bodies parsed by their handlers, each wait for one bounded
-        library = ParsingRegistrar(server, self.waits)
+        # their bodies parsed by their handlers, each wait for one bounded; never drained: a
+        # liveness probe must be answered through a drain
+        library = ParsingRegistrar(server, MessageWaits(config.grpc_message_timeout_s))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, library)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
         _add_reflection(reflection.aio.ReflectionServicer(names, pool=_reflection_pool()),

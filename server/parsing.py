@@ -20,8 +20,9 @@ never comes, or never comes whole, would hold its handler and a ``--max-concurre
 for ever. gRPC shows a handler no progress within a message, so the bound is on the whole wait:
 a unary call's message then ends the call DEADLINE_EXCEEDED; a request stream with no new
 message that long, once it owes no answer, ends UNAVAILABLE (retryable: a request its client
-sent as it ended was not read, and is to be sent again, as after a drain). A drain ends every
-such wait at once (UNAVAILABLE), so none holds it.
+sent as it ended was not read, and is to be sent again, as after a drain). A drain ends the
+feature service's waits at once (UNAVAILABLE), so none holds it; the hosted services' are not
+drained (a liveness probe is answered through a drain).
 """
 
 from __future__ import annotations
@@ -57,51 +58,52 @@ _DRAIN = "draining"  # ... of a wait the server's drain ended
 
 
 class MessageWaits:
-    """The server's waits for request messages, each bounded by ``timeout_s`` and ended by a
-    drain. A sweep every ``period_s`` (a quarter of the bound, from 50 ms to a second) cancels
-    the waits past their bound, so a wait ends within one period after it. A timer per wait
-    (``asyncio.timeout``) cost about 5 us a message, 1% of a small model's call; an entry in a
-    dict costs a third of that (``python benchmarks/serve_against.py``: no difference the runs'
-    spread shows)."""
+    """The server's waits for request messages, each bounded by ``timeout_s``, and (given the
+    server's ``draining`` event) ended by its drain. A sweep every ``period_s`` (a quarter of
+    the bound, from 50 ms to a second) cancels the waits past their bound, so a wait ends within
+    one period after it. A timer per wait (``asyncio.timeout``) cost about 5 us a message, 1% of
+    a small model's call; an entry in a dict costs a third of that (``python
+    benchmarks/serve_against.py``: no difference the runs' spread shows)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, draining: asyncio.Event | None = None):
         self.timeout_s = timeout_s
         self.period_s = min(1.0, max(0.05, timeout_s / 4))
+        self._draining = draining  # None: never drained (the hosted health and reflection)
         self._due: dict[asyncio.Task, float] = {}  # the waiting tasks, and when each is late
         self._sweep_handle: asyncio.TimerHandle | None = None
-        self._draining = False
 
-    async def wait(self, awaitable, held: bool = False):
+    async def wait(self, awaitable, held: bool = False, drained: str = DRAIN_RESEND):
         """``awaitable``'s result; TimeoutError once it has waited ``timeout_s`` (not while
-        ``held``: until ``restart``), Draining once the server drains."""
-        if self._draining:
+        ``held``: until ``start_clock``); Draining(``drained``) once the server drains."""
+        if self._draining is not None and self._draining.is_set():
             awaitable.close()
-            raise Draining(DRAIN_RESEND)
+            raise Draining(drained)
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         self._due[task] = math.inf if held else loop.time() + self.timeout_s
         if self._sweep_handle is None:
             self._sweep_handle = loop.call_later(self.period_s, self._sweep, loop)
+        cancels = task.cancelling()
         try:
             return await awaitable
         except asyncio.CancelledError as cancel:
-            if cancel.args not in ((_LATE,), (_DRAIN,)):  # another's (the call ended): theirs
+            # ours, unless another cancel came too (the call ended): then it goes on as theirs
+            if cancel.args not in ((_LATE,), (_DRAIN,)) or task.uncancel() > cancels:
                 raise
-            task.uncancel()
             if cancel.args == (_DRAIN,):
-                raise Draining(DRAIN_RESEND) from None
+                raise Draining(drained) from None
             raise TimeoutError from None
         finally:
             self._due.pop(task, None)
 
-    def restart(self, task: asyncio.Task) -> None:
-        """Time ``task``'s wait from now (a stream whose last owed answer was just sent)."""
+    def start_clock(self, task: asyncio.Task) -> None:
+        """Time ``task``'s wait from now (a held one: a stream whose last owed answer was just
+        sent)."""
         if task in self._due:
             self._due[task] = asyncio.get_running_loop().time() + self.timeout_s
 
     def drain(self) -> None:
-        """End every wait now, and each later one at once, with Draining: a call waiting for its
-        message would hold the drain until its bound."""
-        self._draining = True
+        """End every wait now with Draining (the later ones end so at once, the server's
+        ``draining`` set): a call waiting for its message would hold the drain to its bound."""
         for task in list(self._due):
             task.cancel(_DRAIN)
         self._due.clear()
@@ -119,13 +121,11 @@ class MessageWaits:
 
     async def only_message(self, context: grpc.aio.ServicerContext, method: str) -> bytes:
         """The request message of a unary method registered as request-streaming."""
-        try:
-            raw = await self.wait(context.read())
+        try:  # a drain tells it as it tells a call refused at its start
+            raw = await self.wait(context.read(), drained=DRAIN_RETRY)
         except TimeoutError:
             raise MessageTimeout(f"{method}: its request message did not come within "
                                  f"{self.timeout_s:g} s (--grpc-message-timeout)") from None
-        except Draining:  # as a call refused at its start while draining is told
-            raise Draining(DRAIN_RETRY) from None
         if raw is grpc.aio.EOF:
             raise NoMessage(f"{method} takes one request message; the call was closed with none")
         return raw
@@ -145,9 +145,13 @@ class MessageWaits:
 
 def _resuming(task: asyncio.Task) -> bool:
     """Whether ``task`` is scheduled to run: the future it awaited (``_fut_waiter``, which
-    asyncio's tasks expose) is done, or it awaits none."""
-    waiter = getattr(task, "_fut_waiter", None)
-    return waiter is None or waiter.done()
+    asyncio's tasks expose) is done, or it awaits none. A task without the attribute counts as
+    waiting: the bound holds, only this guard is lost."""
+    waiter = getattr(task, "_fut_waiter", _NO_WAITER)
+    return waiter is not _NO_WAITER and (waiter is None or waiter.done())
+
+
+_NO_WAITER = object()
 
 
 class ParsingRegistrar:

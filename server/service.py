@@ -286,7 +286,7 @@ class FeatureService:
                         release()
                     owed.count -= 1
                     if not owed.count:  # the client may have waited for it: time its next
-                        self.waits.restart(reader)
+                        self.waits.start_clock(reader)
             finally:
                 if isinstance(item, tuple):  # the stream ended as its answer came
                     _discard(*item)
@@ -299,6 +299,7 @@ class FeatureService:
 
     async def _read_stream(self, requests, context, order: asyncio.Queue, owed: _Owed) -> None:
         """Admit each request before reading the next; queue its task (responses in order).
+
         The wait for a next request is bounded (``MessageWaits``) once no answer is owed, and
         ended by a drain."""
         peer = context.peer()

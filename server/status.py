@@ -82,10 +82,11 @@ STATUSES: dict[type[BaseException], Status] = {
     NonFiniteOutput: Status(_C.OUT_OF_RANGE, 422),  # e.g. float16 overflow: ask another dtype
     # HTTP's connection layer only (gRPC has its own transport bounds)
     RequestTimeout: Status(_C.DEADLINE_EXCEEDED, 408),
-    MessageTimeout: Status(_C.DEADLINE_EXCEEDED, 408),  # gRPC's door only
-    StreamIdle: Status(_C.UNAVAILABLE, 408),  # gRPC's door only: retryable, as a drain's end
     HeadersTooLarge: Status(_C.INVALID_ARGUMENT, 431),
     TooManyConnections: Status(_C.UNAVAILABLE, 503),
+    # gRPC's door only: its bound on each wait for a request message (server/parsing.py)
+    MessageTimeout: Status(_C.DEADLINE_EXCEEDED, 408),
+    StreamIdle: Status(_C.UNAVAILABLE, 408),  # retryable, as a drain's end of a stream
 }
 INTERNAL = Status(_C.INTERNAL, 500)
 RETRY_AFTER_S = 1  # HTTP 429 / 503 ``Retry-After``: the queue drains within batches

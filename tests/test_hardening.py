@@ -16,7 +16,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving import MESH, metric, metrics, png, random_images, start_server, stub, wait_for
 from tiny_models import random_params
@@ -216,13 +216,14 @@ def test_a_request_message_that_never_comes_whole_ends_its_call_at_the_timeout(c
         for method in ("Embed", "GetModelInfo"):  # ... or stops part way through its message
             ended, took = unfinished_body(srv.address, SERVICE + method, within=15)
             assert ended in ("rst", "trailers") and timeout * 0.9 <= took < 15, (method, ended)
-        after = metrics(srv)
-        for method in ("Embed", "GetModelInfo"):
-            counted = (metric(after, "vit22b_requests_total", method=method,
-                              code="DEADLINE_EXCEEDED")
-                       - metric(before, "vit22b_requests_total", method=method,
-                                code="DEADLINE_EXCEEDED"))
-            assert counted == 1, method
+
+        def counted() -> list[float]:  # the server counts a call just after its status is sent
+            after = metrics(srv)
+            return [metric(after, "vit22b_requests_total", method=m, code="DEADLINE_EXCEEDED")
+                    - metric(before, "vit22b_requests_total", method=m, code="DEADLINE_EXCEEDED")
+                    for m in ("Embed", "GetModelInfo")]
+
+        wait_for(lambda: counted() == [1, 1], timeout=10)
         assert stub(srv.address).Embed(embed_request(1), timeout=30).indices == [0]
         assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     finally:
@@ -262,16 +263,17 @@ def test_a_stream_with_no_new_request_is_answered_then_ended_and_sessions_go_on(
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
             assert ended.value.details() == "EmbedStream: " + IDLE_END
             requests.put(None)
-            requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            asks: queue.Queue = queue.Queue()
+            asks.put(reflection_pb2.ServerReflectionRequest(list_services=""))
             info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter(requests.get, None), timeout=20)
+                iter(asks.get, None), timeout=20)
             assert next(info).list_services_response.service
             with pytest.raises(grpc.RpcError) as ended:
                 next(info)
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
             assert ended.value.details() == (
                 "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo: " + IDLE_END)
-            requests.put(None)
+            asks.put(None)
         with FeatureClient(srv.address, retry=Retry(attempts=1)) as client, \
                 client.session() as session:
             first = session.embed(images)
@@ -316,14 +318,17 @@ def test_a_stream_that_waits_for_an_answer_longer_than_the_bound_is_not_ended():
         srv.stop()
 
 
-def test_a_drain_ends_the_calls_waiting_for_their_message_at_once():
+def test_a_drain_ends_the_calls_waiting_for_their_message_at_once_and_health_answers():
     """A call waiting for its request message (a unary one that has sent none, a stream
     between requests) would hold the drain until --grpc-message-timeout (300 s): the drain
-    ends them at once, UNAVAILABLE, and finishes clean."""
-    srv = start_server()  # the default bound, far past the drain's
+    ends them at once, UNAVAILABLE, and finishes clean. The hosted health service still reads
+    its messages through it: liveness SERVING, readiness NOT_SERVING."""
+    srv = start_server(drain_linger_s=3.0)  # the default bound, far past the drain's
     ended: queue.Queue = queue.Queue()
     callers = [threading.Thread(target=lambda: ended.put(closed_with_no_message(
         srv.address, SERVICE + "Embed", closed=False))) for _ in range(3)]
+    outcome: dict = {}
+    stopper = threading.Thread(target=lambda: outcome.update(clean=srv.stop(timeout=30)))
     with grpc.insecure_channel(srv.address) as channel:
         requests: queue.Queue = queue.Queue()
         requests.put(embed_request())
@@ -332,13 +337,19 @@ def test_a_drain_ends_the_calls_waiting_for_their_message_at_once():
         for caller in callers:
             caller.start()
         wait_for(lambda: srv.server.infer._inflight == 4)  # the stream and the 3 calls
-        assert srv.stop(timeout=30)  # clean: nothing held it to its timeout
+        stopper.start()
         with pytest.raises(grpc.RpcError) as stream_end:
             next(answers)
         requests.put(None)
+        for caller in callers:
+            caller.join(30)
+        health = health_pb2_grpc.HealthStub(channel)  # the server lingers 3 s after its drain
+        for name, status in (("liveness", "SERVING"), ("", "NOT_SERVING")):
+            got = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
+            assert got.status == health_pb2.HealthCheckResponse.ServingStatus.Value(status)
+        stopper.join(60)
+    assert outcome["clean"]  # nothing held the drain to its timeout
     assert stream_end.value.code() == grpc.StatusCode.UNAVAILABLE
-    for caller in callers:
-        caller.join(30)
     for code, details in (ended.get(timeout=1) for _ in callers):
         assert code == grpc.StatusCode.UNAVAILABLE and details == DRAIN_RETRY, details
 

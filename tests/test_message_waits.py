@@ -43,24 +43,23 @@ def test_a_message_that_came_as_its_bound_passed_is_kept():
     assert asyncio.run(main()) == b"request"
 
 
-def test_a_wait_past_its_bound_times_out_and_a_held_one_only_after_its_restart():
+def test_a_wait_past_its_bound_times_out_and_a_held_one_only_once_its_clock_starts():
     async def main():
         loop = asyncio.get_running_loop()
         waits = MessageWaits(0.2)  # swept every 50 ms
-        late, _ = await _waiting(waits)
+        late, late_message = await _waiting(waits)
         held, message = await _waiting(waits, held=True)
         started = loop.time()
         with pytest.raises(TimeoutError):
-            await late
-        assert loop.time() - started >= 0.2
+            await asyncio.wait_for(late, 5)
+        assert loop.time() - started >= 0.2 and late_message.cancelled()
         await asyncio.sleep(0.3)
         assert not held.done()  # not timed while held (a stream owing an answer)
-        waits.restart(held)  # timed from now
+        waits.start_clock(held)  # timed from now
         started = loop.time()
         with pytest.raises(TimeoutError):
-            await held
-        assert loop.time() - started >= 0.2
-        assert not message.done() or message.cancelled()
+            await asyncio.wait_for(held, 5)
+        assert loop.time() - started >= 0.2 and message.cancelled()
         assert not waits._due  # nothing left to sweep: the sweep stopped
         await asyncio.sleep(0.1)
         assert waits._sweep_handle is None
@@ -70,9 +69,11 @@ def test_a_wait_past_its_bound_times_out_and_a_held_one_only_after_its_restart()
 
 def test_a_drain_ends_every_wait_now_and_each_later_one_at_once():
     async def main():
-        waits = MessageWaits(300.0)
+        draining = asyncio.Event()
+        waits = MessageWaits(300.0, draining)
         tasks = [(await _waiting(waits, held=held))[0] for held in (False, True)]
         waits.drain()
+        draining.set()
         for task in tasks:
             with pytest.raises(Draining):
                 await task
@@ -93,5 +94,26 @@ def test_another_cancel_of_a_waiting_task_is_not_taken_for_the_bound():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert not waits._due
+
+    asyncio.run(main())
+
+
+def test_the_bound_and_the_calls_end_in_one_pass_end_it_as_cancelled():
+    """The sweep's cancel and grpc's own (the call ended) in one loop pass: the handler must
+    see the cancellation, not a timeout it would go on to answer."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        waits = MessageWaits(4.0)
+        task, _ = await _waiting(waits)
+        waits._sweep_handle.cancel()
+        waits._due[task] = loop.time() - 0.001
+
+        def one_pass():
+            waits._sweep(loop)
+            task.cancel()  # grpc ends the call
+
+        loop.call_soon(one_pass)
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())
