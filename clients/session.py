@@ -13,13 +13,13 @@ Calls may overlap (threads or tasks sharing a session): their requests are pipel
 stream, ``window`` in flight, answers matched in order. The server ends a stream at the first
 request it refuses; the session then fails that call alone (or retries it, under the client's
 ``Retry`` policy, when the code is retryable) and resends every later request on a new stream,
-to the next address: nothing is lost and no other call sees the error. A stream ended
+to the next address: nothing is lost and no other call sees the error. A stream that ended
 UNAVAILABLE (the server draining or not ready, its bound on a stream with no new request, a
-lost connection) or cleanly with requests unanswered did not refuse the first of them for
-what it is: it is sent again at once too, once, before the policy counts it. A stream that ends in
-INTERNAL may carry neither the server's status nor its last answers: grpc.aio puts its own
-"Internal error from Core" in their place when a write was in flight as the server ended the
-stream (grpc/grpc#36066). So the first unanswered request is then asked once more by itself,
+lost connection) or cleanly with requests unanswered ended for no fault of its first unanswered
+request: that one is sent again at once too, once, before the policy counts it. A stream that
+ends in INTERNAL may carry neither the server's status nor its last answers: grpc.aio puts its
+own "Internal error from Core" in their place when a write was in flight as the server ended
+the stream (grpc/grpc#36066). So the first unanswered request is then asked once more by itself,
 as a unary ``Embed``, whose answer or status is the call's. ``timeout`` bounds each
 call's wait (a stream has no per-message deadline): a call that times out raises
 DEADLINE_EXCEEDED and its late answer is dropped. Unlike a unary call, a request on a stream is
