@@ -509,7 +509,8 @@ def _image_index(err: grpc.RpcError) -> int | None:
     images left out (skip_invalid) gets no refusal for one image, but errors in its answer."""
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
     for key, value in trailing or ():
-        if key == wire.IMAGE_INDEX and isinstance(value, str) and value.isdigit():
+        if (key == wire.IMAGE_INDEX and isinstance(value, str) and value.isascii()
+                and value.isdigit()):  # not "\u00b2", a digit int() refuses
             return int(value)
     return None
 

@@ -28,6 +28,7 @@ from vit22b.model.compile_cache import (
 )
 from vit22b.model.config import parse_seed
 from vit22b.model.outputs import OutputRequest
+from vit22b.model.schema import whole_number
 from vit22b.v1 import wire
 
 from . import settings
@@ -65,7 +66,7 @@ def _csv(text: str) -> list[str]:
 
 def _layers(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(v) for v in _csv(text))
+        return tuple(whole_number(v) for v in _csv(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"want integers like -1,6; got {text!r}") from None
 

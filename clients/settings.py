@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vit22b.model.schema import real_number, whole_number
+
 PREFIX = "VIT22B_"
 
 
@@ -120,7 +122,7 @@ def _parser_of(field: dataclasses.Field) -> Callable[[str], Any]:
     if parse is not None:
         return parse
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
-    for name, fn in (("bool", _bool), ("int", int), ("float", float)):
+    for name, fn in (("bool", _bool), ("int", whole_number), ("float", real_number)):
         if kind.startswith(name):
             return fn
     return str

@@ -18,6 +18,7 @@ import sys
 
 from .compile_cache import COMPILE_CACHE_DEFAULT_HELP, COMPILE_CACHE_HELP, default_compile_cache
 from .config import DEFAULT_MODEL, INTERPOLATIONS, SOURCES, ConfigError, get_config, parse_seed
+from .schema import real_number, whole_number
 
 
 def _summary(out: str, meta, **extra) -> str:
@@ -172,7 +173,8 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
         "--model", help="preset the checkpoint must match (default: inferred from the weights)"
     )
     parser.add_argument(
-        "--heads", type=int, help="attention heads, when neither weights nor config.json tell"
+        "--heads", type=whole_number,
+        help="attention heads, when neither weights nor config.json tell"
     )
     parser.add_argument(
         "--mlp",
@@ -182,13 +184,13 @@ def add_arguments(command: str, parser: argparse.ArgumentParser):
     group = parser.add_argument_group(
         "preprocessing", "each replaces what the source's files say (or supplies it)"
     )
-    channels = dict(nargs=3, type=float, metavar=("R", "G", "B"))
+    channels = dict(nargs=3, type=real_number, metavar=("R", "G", "B"))
     group.add_argument("--mean", **channels, help="per-channel mean of pixels scaled to [0, 1]")
     group.add_argument("--std", **channels, help="per-channel std (positive)")
-    group.add_argument("--resize", type=int, help="the shorter side is resized to this")
+    group.add_argument("--resize", type=whole_number, help="the shorter side is resized to this")
     group.add_argument(
-        "--crop", type=int, help="centre crop: the served input size (a learned position table "
-        "of another size is resampled as its source does)"
+        "--crop", type=whole_number, help="centre crop: the served input size (a learned "
+        "position table of another size is resampled as its source does)"
     )
     group.add_argument("--interpolation", choices=INTERPOLATIONS, help="resampling of the resize")
     return _guarded(_convert)

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .schema import FLAG, NUMBER, TEXT, WHOLE, list_of
+from .schema import FLAG, NUMBER, TEXT, WHOLE, list_of, whole_number
 
 BlockType = Literal["parallel", "sequential"]
 NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
@@ -489,7 +489,7 @@ def parse_seed(text: str) -> int:
     """A weight seed as a flag spells it: an integer of the 64 signed bits jax's random keys
     take (a larger one ended in an OverflowError deep in the initialisation)."""
     try:
-        seed = int(text)
+        seed = whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a seed is an integer, got {text!r}") from None
     if not -(2**63) <= seed < 2**63:

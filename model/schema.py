@@ -1,4 +1,5 @@
-"""Kinds of JSON values, and a check of a parsed file against the keys its reader uses.
+"""Kinds of JSON values, and a check of a parsed file against the keys its reader uses; and
+numbers as a flag, a variable or a header spells them.
 
 One definition for every JSON file read from outside the process: the config files beside a
 checkpoint's weights (``convert_side``) and an embed job's manifest and shard ids
@@ -10,14 +11,16 @@ does not list are not checked. jax-free.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import numbers
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
 
-from .errors import is_number
+from .errors import is_number, quoted
 
 
 @dataclass(frozen=True)
@@ -124,3 +127,30 @@ def check(data: object, node: Node, file: str, error: type[Exception],
 def _short(value: object, limit: int = 60) -> str:
     text = json.dumps(value)  # as the file has it: true, "four", [1, 2]
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class NotANumber(argparse.ArgumentTypeError, ValueError):
+    """A text that is not a number as the user means one (argparse shows the message as is)."""
+
+
+# Digits as a person writes them: Python's int() and float() also read "1_0" as 10 and
+# non-ASCII digits ("\uff11" as 1), which a typo or a pasted value should not become.
+_WHOLE_TEXT = re.compile(r"[+-]?[0-9]+")
+_REAL_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_NON_FINITE = ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity", "nan")
+
+
+def whole_number(text: str) -> int:
+    """An integer in plain digits (surrounding spaces allowed)."""
+    if not _WHOLE_TEXT.fullmatch(text.strip()):
+        raise NotANumber(f"expected a whole number (plain digits), got {quoted(text)}")
+    return int(text)
+
+
+def real_number(text: str) -> float:
+    """A decimal number in plain digits (``1.5``, ``2e-3``). ``inf`` and ``nan`` are read, so
+    that the setting's own check refuses them by its rule."""
+    word = text.strip()
+    if not (_REAL_TEXT.fullmatch(word) or word.lower() in _NON_FINITE):
+        raise NotANumber(f"expected a number (plain digits, as 1.5 or 2e-3), got {quoted(text)}")
+    return float(word)

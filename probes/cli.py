@@ -24,6 +24,7 @@ from vit22b.model.compile_cache import (
     default_compile_cache,
 )
 from vit22b.model.config import parse_seed
+from vit22b.model.schema import real_number, whole_number
 
 from .data import (
     IGNORE_INDEX,
@@ -61,14 +62,14 @@ def _number_list(cast, what: str):
     return parse
 
 
-_ints, _floats = _number_list(int, "integers"), _number_list(float, "numbers")
+_ints, _floats = _number_list(whole_number, "integers"), _number_list(real_number, "numbers")
 
 
 def _label_or_none(text: str) -> int | None:
     if text.lower() == "none":
         return None
     try:
-        label = int(text)
+        label = whole_number(text)
     except ValueError:
         label = -1
     if label < 0:
@@ -115,7 +116,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     one = src.add_mutually_exclusive_group(required=True)
     one.add_argument(
         "--shapes-world",
-        type=int,
+        type=whole_number,
         metavar="N",
         help="generate N shapes-world images (shape-bias: N cue-agreeing images to "
         "train on, plus --conflict cue-conflict images to test)",
@@ -123,7 +124,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     one.add_argument("--digits", action="store_true", help="scikit-learn's bundled digits")
     one.add_argument(
         "--moving-world",
-        type=int,
+        type=whole_number,
         metavar="N",
         help="video: N moving-shapes videos (approaching or receding), written as MP4 files "
         "under --out",
@@ -157,17 +158,17 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     src.add_argument(
         "--conflict",
-        type=int,
+        type=whole_number,
         metavar="N",
         help="shape-bias on the shapes world: cue-conflict images (default N/3)",
     )
     src.add_argument("--world-seed", type=_world_seed, default=0, help="seed of the shapes world")
     src.add_argument(
-        "--frames", type=_positive(int), metavar="K",
+        "--frames", type=_positive(whole_number), metavar="K",
         help="video: frames sampled per video, at the centres of K equal segments (default 9)",
     )
-    src.add_argument("--world-size", type=_positive(int), help="shapes-world image side in pixels "
-                     "(default: --resolution, else 64)")
+    src.add_argument("--world-size", type=_positive(whole_number),
+                     help="shapes-world image side in pixels (default: --resolution, else 64)")
 
     feat = parser.add_argument_group("features of the images")
     feat.add_argument("--server", metavar="ADDR", help="a running `vit22b serve` (host:port)")
@@ -175,7 +176,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     feat.add_argument("--tls", nargs="?", const=True, default=False, type=parse_tls,
                       metavar="PEM", help="TLS to the server (alone: the system's roots; or a "
                       "PEM file of trusted roots)")
-    feat.add_argument("--resolution", type=int, default=0,
+    feat.add_argument("--resolution", type=whole_number, default=0,
                       help="square input size of the features (one the server allows; default: "
                       "the model's own): depth and segmentation at resolution")
     feat.add_argument(
@@ -221,15 +222,15 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     opt = parser.add_argument_group("probe options")
-    opt.add_argument("--steps", type=_positive(int),
+    opt.add_argument("--steps", type=_positive(whole_number),
                      help="decoder training steps (depth, segmentation, video)")
     opt.add_argument("--decoders", default="linear,dpt", help="depth decoders (linear, dpt)")
     opt.add_argument("--shots", type=_positive(_ints),
                      help="few-shot: shots per class (1,5,10,25)")
     opt.add_argument("--ks", type=_positive(_ints), help="kNN: neighbour counts (10,20,100,200)")
-    opt.add_argument("--temperature", type=_positive(float),
+    opt.add_argument("--temperature", type=_positive(real_number),
                      help="kNN: vote temperature (0.07)")
-    opt.add_argument("--bins", type=_positive(int), help="calibration: bins (15)")
+    opt.add_argument("--bins", type=_positive(whole_number), help="calibration: bins (15)")
     opt.add_argument("--ignore-index", type=_label_or_none, default=IGNORE_INDEX,
                      metavar="N|none",
                      help="segmentation: the mask label of pixels that are no class, left out "
@@ -528,8 +529,8 @@ def _explore_arguments(parser: argparse.ArgumentParser) -> None:
         type=_floats,
         help="query/key weight scales (comma-separated; default: 0.25 to 32, by factors of 2)",
     )
-    parser.add_argument("--tokens", type=int, default=8, help="sequence length")
-    parser.add_argument("--width", type=int, default=32, help="model width (one head)")
+    parser.add_argument("--tokens", type=whole_number, default=8, help="sequence length")
+    parser.add_argument("--width", type=whole_number, default=32, help="model width (one head)")
     parser.add_argument("--seed", type=parse_seed, default=0)
     parser.add_argument(
         "--out",

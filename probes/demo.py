@@ -27,6 +27,7 @@ from PIL import Image
 from vit22b.clients import FeatureClient
 from vit22b.clients.demo import DEVICES, LAYER, MESH, SAMPLE, sample_images, served, summary
 from vit22b.model.config import parse_seed
+from vit22b.model.schema import whole_number
 
 from .data import ShapesWorld, shapes_world
 from .features import features_from_embed_folder
@@ -67,9 +68,10 @@ def probe_data(world: ShapesWorld, embeddings: Path) -> ProbeData:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vit22b.probes.demo", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="output folder")
-    parser.add_argument("--train", type=int, default=960, help="shapes-world images (cues agree)")
-    parser.add_argument("--conflict", type=int, default=320, help="cue-conflict images")
-    parser.add_argument("--videos", type=int, default=200, help="moving-shapes videos")
+    parser.add_argument("--train", type=whole_number, default=960,
+                        help="shapes-world images (cues agree)")
+    parser.add_argument("--conflict", type=whole_number, default=320, help="cue-conflict images")
+    parser.add_argument("--videos", type=whole_number, default=200, help="moving-shapes videos")
     parser.add_argument("--seed", type=parse_seed, default=0)
     args = parser.parse_args(argv)
     out: Path = args.out

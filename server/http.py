@@ -63,6 +63,7 @@ from vit22b.model.errors import (
 from vit22b.model.features import ARRAYS
 from vit22b.model.outputs import KINDS, MAX_SPELLED, POOLED, OutputRequest
 from vit22b.model.pixels import Geometry
+from vit22b.model.schema import real_number
 from vit22b.v1 import features_pb2 as pb
 from vit22b.v1 import wire
 
@@ -376,7 +377,7 @@ def _deadline(request: Request) -> float | None:
     if text is None:
         return None
     try:
-        seconds = float(text)
+        seconds = real_number(text)
     except ValueError:
         seconds = math.nan
     if not seconds > 0 or math.isinf(seconds):

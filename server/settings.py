@@ -24,6 +24,7 @@ from vit22b.model.config import parse_seed
 from vit22b.model.errors import InvalidRequest
 from vit22b.model.outputs import POOLED, OutputRequest
 from vit22b.model.pixels import DEFAULT_MAX_IMAGE_PIXELS
+from vit22b.model.schema import whole_number
 
 from .logs import LOG_FORMATS, parse_log_level
 from .tracing import check_otlp_endpoint
@@ -63,7 +64,7 @@ check_batch_wait = one_of(BATCH_WAITS)  # the setting's check and the batcher's
 
 
 def _port_or_off(text: str) -> int | None:
-    port = int(text)
+    port = whole_number(text)
     return None if port < 0 else port
 
 
@@ -85,13 +86,13 @@ def parse_origin(text: str) -> str:
 
 
 def _optional_int(text: str) -> int | None:
-    return None if text in ("", "none", "None") else int(text)
+    return None if text in ("", "none", "None") else whole_number(text)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
     """``224,448,518`` -> (224, 448, 518); empty: none."""
     try:
-        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+        sizes = tuple(whole_number(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad list of sizes {text!r} (e.g. 224,448)") from None
     if any(v <= 0 for v in sizes):

@@ -90,6 +90,46 @@ def test_bad_values_are_refused_naming_the_flag():
 
 
 
+def test_numbers_are_read_as_a_person_writes_them(capsys):
+    """Python's int() and float() read "1_0" as 10 and a full-width "\uff11" as 1: a typo or a
+    pasted value became a setting nobody meant. Every number of every command is plain digits."""
+    from vit22b.clients.cli import main
+    from vit22b.model.schema import real_number, whole_number
+
+    for text, value in (("16", 16), (" 16 ", 16), ("+3", 3), ("-1", -1)):
+        assert whole_number(text) == value
+    for text, value in (("2.5", 2.5), ("2e1", 20.0), (".5", 0.5), ("3.", 3.0), ("-1E-3", -1e-3)):
+        assert real_number(text) == value
+    for text in ("1_0", "\uff11", "\u00b2", "0x10", "1.5", "", "ten"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number"):
+            whole_number(text)
+    for text in ("1_0.5", "\uff11", "1,5", "0x1p3", "", "e3", "1e"):
+        with pytest.raises(ValueError, match="expected a number"):
+            real_number(text)
+    assert real_number("inf") == float("inf")  # read, then refused by the setting's own rule
+    with pytest.raises(argparse.ArgumentError, match="expected a whole number .*'1_0'"):
+        parse(["--max-batch-images", "1_0"], {})
+    with pytest.raises(argparse.ArgumentError, match="expected a number .*'\uff11'"):
+        parse(["--max-delay-ms", "\uff11"], {})
+    with pytest.raises(ValueError, match=r"^\$VIT22B_PORT='8_000': expected a whole number"):
+        parse([], {"VIT22B_PORT": "8_000"})
+    with pytest.raises(argparse.ArgumentError, match="bad list of sizes"):
+        parse(["--resolutions", "2_24"], {})
+    with pytest.raises(ValueError, match="must be a finite number"):
+        parse(["--drain-timeout", "inf"], {}).check()
+    # the other commands' own numbers: a job's layers, a probe's counts, the converter's sizes
+    for argv, message in ((["embed", "x", "-o", "y", "--layers", "1_0"], "want integers"),
+                          (["probe", "linear", "--shapes-world", "1_0"], "expected a whole"),
+                          (["probe", "linear", "--digits", "--temperature", "1_0"],
+                           "expected positive values"),
+                          (["convert", "x", "--from", "timm", "-o", "y", "--crop", "2_24"],
+                           "expected a whole number")):
+        with pytest.raises(SystemExit) as ended:
+            main(argv)
+        assert ended.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
 def test_cors_origins_are_origins_or_refused():
     """An origin with a path or a trailing slash never equals a browser's Origin header: the
     page's every call would fail in the browser, with nothing in the server's log."""
