@@ -26,7 +26,7 @@ from vit22b.v1 import features_pb2 as pb
 from .auth import TokenAuth, Tokens, check_tls_pair, read_tokens, server_credentials
 from .batcher import Batcher
 from .engine import Engine, Executor, stored_config
-from .infer import Infer, Limits, new_event_loop
+from .infer import Infer, Limits, new_event_loop, served_resolutions
 from .logs import quiet_grpc_call_ends
 from .metrics import Metrics
 from .parsing import MessageWaits, ParsingRegistrar
@@ -134,10 +134,16 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
 
 
 def check_sizes(config: ServeConfig, cfg: ViTConfig) -> None:
-    """Every allowed resolution is whole patches of the model (checked before it loads)."""
-    for size in config.resolutions or (cfg.image_size,):
+    """Every allowed resolution is whole patches of the model, and every warmed one allowed
+    (checked before it loads)."""
+    served = served_resolutions(config.resolutions, cfg.image_size)
+    for size in served:
         if size % cfg.patch:
             raise ValueError(f"--resolutions: {size} is not a multiple of the patch ({cfg.patch})")
+    unserved = sorted(set(config.warm_resolutions) - set(served))
+    if unserved:
+        raise ValueError(f"--warm-resolutions {unserved} are not served: --resolutions "
+                         f"{', '.join(map(str, served))} (the model's own size included)")
 
 
 def check_geometries(config: ServeConfig, engine: Engine) -> None:
@@ -145,7 +151,7 @@ def check_geometries(config: ServeConfig, engine: Engine) -> None:
     budget (its activations are what the budget bounds; docs/architecture.md)."""
     cfg = engine.cfg
     check_sizes(config, cfg)
-    for size in config.resolutions or (cfg.image_size,):
+    for size in served_resolutions(config.resolutions, cfg.image_size):
         if not engine.max_images((size // cfg.patch,) * 2):
             raise ValueError(
                 f"--resolutions: {size} ({(size // cfg.patch) ** 2} patches) does not fit "

@@ -67,13 +67,20 @@ DRAIN_RESEND = "server is shutting down; resend the requests not answered"  # to
 DRAIN_RETRY = "server is shutting down; retry on another replica"  # to a call
 
 
+def served_resolutions(listed: tuple[int, ...], own: int) -> tuple[int, ...]:
+    """The square sizes served: those ``--resolutions`` lists and the model's own, always (the
+    geometry of every request that names none, compiled at start-up and described by
+    ``GetModelInfo``), in ascending order."""
+    return tuple(sorted({own, *listed}))
+
+
 @dataclass(frozen=True)
 class Limits:
     # defaults: `vit22b serve`'s (an in-process facade's, and tests')
     max_request_images: int = ServeConfig.max_request_images
     max_message_bytes: int = int(ServeConfig.max_message_mb * (1 << 20))
     max_image_pixels: int = ServeConfig.max_image_pixels
-    resolutions: tuple[int, ...] = ()  # square sizes served (empty: the model's own)
+    resolutions: tuple[int, ...] = ()  # square sizes served besides the model's own
     max_dense_patches: int = 0  # dense requests' patch bound (0: dense mode off)
 
     def check_images(self, count: int) -> None:
@@ -213,7 +220,7 @@ class Infer:
 
     @property
     def resolutions(self) -> tuple[int, ...]:
-        return self.limits.resolutions or (self.engine.cfg.image_size,)
+        return served_resolutions(self.limits.resolutions, self.engine.cfg.image_size)
 
     def preprocessor(self, geometry: Geometry) -> Preprocessor:
         """The pixel contract at an allowed geometry; InvalidRequest naming what is allowed."""

@@ -201,8 +201,8 @@ class ServeConfig:
         0, "largest batch in patches, padding included (TEI's --max-batch-tokens): images of "
         "larger grids run in smaller batches; 0: --max-batch-images alone", check=non_negative)
     resolutions: tuple[int, ...] = setting(
-        (), "square input sizes requests may choose, e.g. 224,448,518 (default: the model's "
-        "own); each must be a multiple of the patch and fit --max-batch-patches",
+        (), "square input sizes requests may choose besides the model's own (always served), "
+        "e.g. 224,448,518; each must be a multiple of the patch and fit --max-batch-patches",
         parse=parse_sizes)
     max_dense_patches: int = setting(
         0, "patches of one dense-mode image (aspect ratio kept, no crop); 0: dense mode off",
@@ -262,11 +262,6 @@ class ServeConfig:
         check(self)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
-        unserved = sorted(set(self.warm_resolutions) - set(self.resolutions))
-        if unserved and self.resolutions:
-            raise ValueError(
-                f"--warm-resolutions {unserved} are not among --resolutions {self.resolutions}"
-            )
         if self.max_request_images > self.max_queue_images:
             raise ValueError(
                 f"--max-request-images ({self.max_request_images}) cannot exceed "

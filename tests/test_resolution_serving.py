@@ -104,6 +104,31 @@ def test_unallowed_geometries_are_refused_naming_what_is_allowed():
         assert "different patch grids (image 0: 2x9, image 1: 9x2)" in err.value.details()
 
 
+def test_the_models_own_size_is_served_whatever_resolutions_lists():
+    """`vit22b serve --resolutions 128` on a 64-pixel model compiled the own grid, then exited 2:
+    "resolution 64 is not served" (GetModelInfo describes the own geometry, and every request
+    naming no resolution gets it). The own size is always served; the list adds to it."""
+    from vit22b.server.app import check_sizes
+
+    images = random_images(2, seed=12)
+    want = in_process(engine(), images, OUTPUTS, geometry=Geometry(64))
+    with _server(resolutions=(128, 96), max_dense_patches=0) as server:
+        stub = make_stub(server.address)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert list(info.limits.resolutions) == [64, 96, 128]
+        own = stub.Embed(_request(images))
+        assert (own.grid_rows, own.grid_cols) == (4, 4)
+        assert_same_rows(wire.from_tensor(own.pooled), want.pooled)
+        assert stub.Embed(_request(images, resolution=128)).grid_rows == 8
+        with pytest.raises(grpc.RpcError, match="resolution 80 is not served; allowed: 64, 96"):
+            stub.Embed(_request(images, resolution=80))
+    cfg = engine().cfg
+    check_sizes(ServeConfig(resolutions=(128,), warm_resolutions=(64, 128)), cfg)
+    with pytest.raises(ValueError, match=r"--warm-resolutions \[80\] are not served: "
+                       "--resolutions 64, 128 .the model's own size included"):
+        check_sizes(ServeConfig(resolutions=(128,), warm_resolutions=(80,)), cfg)
+
+
 def test_a_mixed_stream_is_batched_by_grid_within_the_patch_budget():
     sizes = [64, 128, 96, 64, 128, 96, 128, 128]
     images = random_images(len(sizes) * 2, seed=10)
@@ -210,8 +235,8 @@ def test_warm_resolutions_compile_before_serving_and_bad_limits_are_refused():
         check_geometries(ServeConfig(resolutions=(64, 72)), engine())
     with pytest.raises(ValueError, match="512 .1024 patches. does not fit --max-batch-patches 256"):
         check_geometries(ServeConfig(resolutions=(512,)), engine())
-    with pytest.raises(ValueError, match="not among --resolutions"):
-        ServeConfig(resolutions=(64,), warm_resolutions=(96,)).check()
+    with pytest.raises(ValueError, match=r"--warm-resolutions \[96\] are not served"):
+        check_geometries(ServeConfig(resolutions=(64,), warm_resolutions=(96,)), engine())
     # an output set the model lacks, named as the flag's before any compile
     from vit22b.server.settings import parse_outputs
 
