@@ -10,6 +10,8 @@ activation, and the pooled output (timm's default for these models averages the 
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import convert_hf
 from .config import ViTConfig
 from .convert_common import ConvertError, Hints, SourceTensors
@@ -27,6 +29,9 @@ _BLOCK_KEYS = (  # timm name -> transformers name, within a block
     ("attn.q_bias", "attention.q_proj.bias"),
     ("attn.v_bias", "attention.v_proj.bias"),
     ("attn.proj.", "attention.o_proj."),
+    ("attn.q_proj.", "attention.q_proj."),  # qkv_fused=False: transformers' own three
+    ("attn.k_proj.", "attention.k_proj."),
+    ("attn.v_proj.", "attention.v_proj."),
     ("gamma_1", "layer_scale1.lambda1"),
     ("gamma_2", "layer_scale2.lambda1"),
     ("mlp.fc1_g.", "mlp.gate_proj."),
@@ -53,13 +58,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     ``build_params`` is then ``convert_hf``'s)."""
     args = side.get("model_args") or {}
     _refuse(t, args)
-    for key, what in (
-        ("blocks.0.attn.norm.weight", "a norm inside attention (timm scale_attn_inner)"),
-        ("blocks.0.mlp.norm.weight", "a norm inside the MLP (timm scale_mlp)"),
-        ("fc_norm.weight", "a norm after pooling (timm use_fc_norm)"),
-        ("pos_embed", "an absolute position table beside the rotary embedding"),
-    ):
-        t.refuse(key, what)
     swiglu = "blocks.0.mlp.fc1_g.weight" in t
     act = "silu" if swiglu else _ACTS.get(args.get("act_layer"))
     if act is None:
@@ -99,18 +97,63 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     return convert_hf.build_params(t, cfg)
 
 
+# timm's Eva arguments as a hub config.json records them (the caller's own). Each is read
+# here, shown by the weights, or without effect at inference; any other, or another value of
+# one that must keep DINOv3's, is refused by name (one such left unread converted a model whose
+# features differed by up to 63%: use_post_norm).
+_DINOV3_VALUES = {  # the value DINOv3 uses; another changes the forward, not the weights' names
+    "rope_type": "dinov3", "rope_rotate_half": True, "use_rot_pos_emb": True,
+    "use_abs_pos_emb": False, "rope_grid_offset": 0.0, "rope_grid_indexing": "ij",
+    "use_post_norm": False, "rope_mrope_section": None, "ref_feat_shape": None,
+    "num_kv_heads": None, "in_chans": 3,
+}
+_READ_ELSEWHERE = frozenset((  # read below, by convert_hf from the weights, or no-ops here
+    "img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "num_classes",
+    "global_pool", "act_layer", "rope_temperature", "qkv_bias", "qkv_fused", "qk_norm",
+    "swiglu_mlp", "swiglu_align_to", "scale_mlp", "scale_attn_inner", "init_values",
+    "attn_only_layer_scale", "class_token", "num_reg_tokens", "no_embed_class",
+    "use_pre_transformer_norm", "use_post_transformer_norm", "use_fc_norm",
+    "attn_pool_num_heads", "attn_pool_mlp_ratio", "dynamic_img_size", "dynamic_img_pad",
+    "attn_type", "head_init_scale",
+    # training only: dropout, stochastic depth, and DINOv3's augmentation of rotary coordinates
+    "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate",
+    "drop_path_rate", "rope_shift_coords", "rope_jitter_coords", "rope_rescale_coords",
+))
+_WEIGHTS_SAY = (  # a timm option the weights show, named as the user set it
+    ("blocks.0.attn.q_norm.weight", "a norm of queries and keys (timm qk_norm=True)"),
+    ("norm_pre.weight", "a norm before the blocks (timm use_pre_transformer_norm=True)"),
+    ("blocks.0.attn.norm.weight", "a norm inside attention (timm scale_attn_inner)"),
+    ("blocks.0.mlp.norm.weight", "a norm inside the MLP (timm scale_mlp)"),
+    ("fc_norm.weight", "a norm after pooling (timm use_fc_norm)"),
+    ("pos_embed", "an absolute position table beside the rotary embedding"),
+)
+
+
 def _refuse(t: SourceTensors, args: dict) -> None:
-    """What timm's config changes in the numbers and the weights do not show."""
-    rope = args.get("rope_type", "dinov3")
-    if rope != "dinov3":
-        raise ConvertError(f"{t.source} checkpoint: rope_type={rope!r} is not supported (only "
-                           "DINOv3's, 'dinov3')")
-    if args.get("rope_rotate_half") is False:
-        raise ConvertError(f"{t.source} checkpoint: rope_rotate_half=False (interleaved rotary "
-                           "pairs) is not supported: DINOv3 rotates halves")
-    if args.get("use_abs_pos_emb"):
-        raise ConvertError(f"{t.source} checkpoint: use_abs_pos_emb=True (a position table "
-                           "beside the rotary embedding) is not supported")
+    """What timm's config changes in the numbers and the weights do not show, and the options
+    the weights do show, named as timm's."""
+    for key, value in args.items():
+        if key in _DINOV3_VALUES:
+            want = _DINOV3_VALUES[key]
+            same = value == want and type(value) is type(want) or (
+                isinstance(want, float) and isinstance(value, int | float)
+                and not isinstance(value, bool) and float(value) == want)
+            if not same:
+                raise ConvertError(f"{t.source} checkpoint: config.json model_args.{key}="
+                                   f"{value!r} is not supported (DINOv3's is {want!r})")
+        elif key not in _READ_ELSEWHERE:
+            raise ConvertError(f"{t.source} checkpoint: config.json model_args.{key}={value!r} "
+                               "is not an option this converter reads for timm's DINOv3 port; "
+                               "refusing to convert rather than ignore it")
+    for key, what in _WEIGHTS_SAY:
+        t.refuse(key, what)
+    if "cls_token" not in t:
+        raise ConvertError(f"{t.source} checkpoint: no class token (timm class_token=False); "
+                           "DINOv3's models have one, and this converter reads only those")
+    if "norm.weight" not in t:
+        raise ConvertError(f"{t.source} checkpoint: no final norm (timm "
+                           "use_post_transformer_norm=False or norm_layer=None); DINOv3's "
+                           "features are normed, and this converter reads only those")
 
 
 def _registered_heads(side: dict) -> int | None:
@@ -123,6 +166,8 @@ def _registered_heads(side: dict) -> int | None:
 def _renamed(t: SourceTensors) -> dict:
     """``t``'s tensors under transformers' DINOv3 names; the fused qkv split in three."""
     out = {}
+    if "reg_token" not in t:  # timm keeps no tensor for num_reg_tokens=0; transformers an empty one
+        out["embeddings.register_tokens"] = np.zeros((1, 0, t.shape("cls_token")[-1]), np.float32)
     for key, value in t.tensors.items():
         out[_rename(key)] = value
         if key.startswith("blocks.") and key.endswith(".attn.qkv.weight"):

@@ -361,6 +361,12 @@ TIMM_CASES = {
     ),
     # SwiGLU with its gate and value apart (fc1_g, fc1_x)
     "dinov3-swiglu": ("vit_small_plus_patch16_dinov3", {"posemb": "rope", "mlp": "swiglu"}),
+    # no registers (timm keeps no tensor for them: was "missing key 'embeddings.register_tokens'")
+    # and q, k, v apart (qkv_fused=False: was refused by its key)
+    "dinov3-noreg-unfused": (
+        "vit_base_patch16_dinov3", {"posemb": "rope", "num_registers": 0},
+        dict(num_reg_tokens=0, qkv_fused=False),
+    ),
 }
 # flexible-size models are served at pretrained_cfg's input size, whatever size they were built at
 TIMM_SERVED_SIZE = {"dinov3": 256}
@@ -440,20 +446,47 @@ def test_timm_options_the_model_cannot_express_are_refused_by_name(kwargs, messa
 
 @pytest.mark.parametrize("kwargs, message", [
     # rotary pairs interleaved, not halves: the weights look the same
-    (dict(rope_rotate_half=False), r"rope_rotate_half=False \(interleaved rotary pairs\)"),
-    (dict(rope_type="cat"), r"rope_type='cat' is not supported \(only DINOv3's"),
-    (dict(use_abs_pos_emb=True), r"use_abs_pos_emb=True \(a position table beside"),
+    (dict(rope_rotate_half=False), r"rope_rotate_half=False is not supported \(DINOv3's is "
+                                   "True"),
+    (dict(rope_type="cat"), r"rope_type='cat' is not supported \(DINOv3's is 'dinov3'"),
+    (dict(use_abs_pos_emb=True), r"use_abs_pos_emb=True is not supported"),
     (dict(use_fc_norm=True), r"a norm after pooling \(timm use_fc_norm\)"),
     (dict(scale_attn_inner=True), r"a norm inside attention \(timm scale_attn_inner\)"),
     (dict(scale_mlp=True), r"a norm inside the MLP \(timm scale_mlp\)"),
     (dict(global_pool="max"), r"global_pool='max' is not supported"),
     (dict(pretrained_cfg_overlay=dict(input_size=(3, 256, 320))),
      r"pretrained_cfg.input_size=\[3, 256, 320\], a non-square input"),
+    # options the weights do not show, each converted without a word before: features off by
+    # up to 63% (use_post_norm), 0.4% (rope_grid_indexing='xy'), 0.16% (rope_grid_offset)
+    (dict(use_post_norm=True), r"model_args.use_post_norm=True is not supported \(DINOv3's is "
+                               "False"),
+    (dict(rope_grid_indexing="xy"), r"model_args.rope_grid_indexing='xy' is not supported"),
+    (dict(rope_grid_offset=0.5), r"model_args.rope_grid_offset=0.5 is not supported"),
+    # options the weights show, named as timm's (were bare key lists in transformers' names)
+    (dict(class_token=False), r"no class token \(timm class_token=False\)"),
+    (dict(qk_norm=True), r"a norm of queries and keys \(timm qk_norm=True\)"),
+    (dict(use_pre_transformer_norm=True), r"timm use_pre_transformer_norm=True"),
+    (dict(use_post_transformer_norm=False), r"no final norm \(timm use_post_transformer_norm"),
 ])
 def test_timm_dinov3_options_the_model_cannot_express_are_refused_by_name(kwargs, message,
                                                                           tmp_path):
     with pytest.raises(ConvertError, match=message):
         timm_converted("vit_base_patch16_dinov3", tmp_path / "m", 3, num_classes=0, **kwargs)
+
+
+def test_a_timm_dinov3_option_this_converter_does_not_know_is_refused_by_name(tmp_path):
+    """A model_args key the converter reads nowhere (a newer timm's option) is refused, not
+    ignored: an unread option is how use_post_norm converted to wrong features."""
+    model = timm.create_model("vit_base_patch16_dinov3", pretrained=False, img_size=32,
+                              patch_size=8, embed_dim=48, depth=1, num_classes=0).eval()
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    save_config_for_hf(model, str(tmp_path / "config.json"))
+    side = json.loads((tmp_path / "config.json").read_text())
+    side["model_args"]["rope_future_option"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(side))
+    with pytest.raises(ConvertError, match=r"model_args.rope_future_option=2 is not an option "
+                                           "this converter reads for timm's DINOv3 port"):
+        convert("timm", tmp_path)
 
 
 def test_timm_dinov3_heads_come_from_the_architecture_when_its_config_has_no_model_args(tmp_path):
