@@ -301,6 +301,21 @@ _EVA_PREFIXES = ("eva02_", "eva_giant_", "vit_pe_")
 _EVA_MARKS = ("_rope_", "_dinov3", "_lingbot", "_sapiens2")
 
 
+# VisionTransformer's arguments (timm 1.0.x), each read below, shown by the weights, or without
+# effect at inference; a key outside them (a newer timm's option) is refused, not ignored: an
+# option left unread converts to other features without a word.
+_VIT_ARGS = frozenset((
+    "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth",
+    "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "scale_attn_norm", "scale_mlp_norm",
+    "proj_bias", "init_values", "class_token", "pos_embed", "no_embed_class", "reg_tokens",
+    "pre_norm", "final_norm", "fc_norm", "pool_include_prefix", "dynamic_img_size",
+    "dynamic_img_pad", "embed_layer", "embed_norm_layer", "norm_layer", "act_layer", "block_fn",
+    "mlp_layer",
+    "attn_layer", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
+    "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init",
+))
+
+
 def _refuse_architecture(t: SourceTensors, side: dict) -> None:
     """timm models whose weights can look like a VisionTransformer's but compute otherwise:
     post-norm residual blocks (ResPostBlock, the *_rpn_* models) and rotary position embeddings
@@ -317,6 +332,14 @@ def _refuse_architecture(t: SourceTensors, side: dict) -> None:
         why = "timm's Eva models (rotary position embeddings, their own blocks)"
     if why:
         raise ConvertError(f"{t.source} checkpoint: not supported: {why}")
+    for key, value in args.items():
+        if key not in _VIT_ARGS:
+            raise ConvertError(f"{t.source} checkpoint: config.json model_args.{key}={value!r} "
+                               "is not an option this converter reads for timm's "
+                               "VisionTransformer; refusing to convert rather than ignore it")
+    if args.get("embed_layer") not in (None, "PatchEmbed"):
+        raise ConvertError(f"{t.source} checkpoint: config.json model_args.embed_layer="
+                           f"{args['embed_layer']!r} is not supported (only PatchEmbed)")
 
 
 def _square_count(n: int) -> bool:

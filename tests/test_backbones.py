@@ -474,18 +474,21 @@ def test_timm_dinov3_options_the_model_cannot_express_are_refused_by_name(kwargs
         timm_converted("vit_base_patch16_dinov3", tmp_path / "m", 3, num_classes=0, **kwargs)
 
 
-def test_a_timm_dinov3_option_this_converter_does_not_know_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("name, family", [("vit_base_patch16_dinov3", "DINOv3 port"),
+                                          ("vit_base_patch16_224", "VisionTransformer")])
+def test_a_timm_option_this_converter_does_not_know_is_refused_by_name(name, family, tmp_path):
     """A model_args key the converter reads nowhere (a newer timm's option) is refused, not
     ignored: an unread option is how use_post_norm converted to wrong features."""
-    model = timm.create_model("vit_base_patch16_dinov3", pretrained=False, img_size=32,
-                              patch_size=8, embed_dim=48, depth=1, num_classes=0).eval()
+    model = timm.create_model(name, pretrained=False, img_size=32, patch_size=8, embed_dim=48,
+                              depth=1, num_heads=4, num_classes=0).eval()
     save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
     save_config_for_hf(model, str(tmp_path / "config.json"))
+    convert("timm", tmp_path)  # as saved: every key known
     side = json.loads((tmp_path / "config.json").read_text())
-    side["model_args"]["rope_future_option"] = 2
+    side["model_args"]["future_option"] = 2
     (tmp_path / "config.json").write_text(json.dumps(side))
-    with pytest.raises(ConvertError, match=r"model_args.rope_future_option=2 is not an option "
-                                           "this converter reads for timm's DINOv3 port"):
+    with pytest.raises(ConvertError, match=r"model_args.future_option=2 is not an option "
+                                           f"this converter reads for timm's {family}"):
         convert("timm", tmp_path)
 
 
