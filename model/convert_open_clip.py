@@ -32,7 +32,7 @@ from .convert_common import (
     torch_norm,
 )
 from .convert_preprocess import SourcePreprocess, unservable
-from .convert_side import OPEN_CLIP_CONFIG, read_side
+from .convert_side import OPEN_CLIP_CONFIG, OPEN_CLIP_MODEL, read_side
 
 WEIGHT_FILES = (
     "open_clip_model.safetensors",
@@ -49,8 +49,18 @@ SIDE_FILES = ("open_clip_config.json",)
 
 
 def side_files(path: Path) -> dict:
-    """open_clip_config.json: model_cfg (vision_cfg, quick_gelu) and preprocess_cfg."""
-    return read_side(path, "open_clip_config.json", OPEN_CLIP_CONFIG)
+    """open_clip_config.json: model_cfg (vision_cfg, quick_gelu) and preprocess_cfg. A file in
+    the layout of open_clip's own ``model_configs/*.json`` (those keys at the top, no model_cfg:
+    what ``open_clip.get_model_config`` reads) is read as its model_cfg, not as no file."""
+    side = read_side(path, "open_clip_config.json", OPEN_CLIP_CONFIG)
+    top = {key: side.pop(key) for key in OPEN_CLIP_MODEL if key in side}
+    if top and "model_cfg" in side:
+        raise ConvertError(f"open_clip_config.json beside {path} has both a model_cfg and "
+                           f"{', '.join(sorted(top))} outside it: which describes the model is "
+                           "unclear; keep one")
+    if top:
+        side["model_cfg"] = top
+    return side
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
@@ -97,7 +107,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             "('tok') is supported"
         )
     if not vision:  # a bare tower: what is code, not weights, is assumed and said
-        t.notes.append("no open_clip_config.json: pooling read as the class token (pool_type "
+        t.notes.append("no vision_cfg (no open_clip_config.json, or none in it): pooling read "
+                       "as the class token (pool_type "
                        "'tok'), LayerNorm epsilon 1e-5 and the exact GELU (norm_kwargs and "
                        "act_kwargs unset)")
     width, channels, patch = patch_conv(t, "conv1.weight")
@@ -116,7 +127,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     else:
         raise ConvertError(
             "open_clip checkpoint: the weights do not say whether the MLP is GELU or QuickGELU "
-            "(OpenAI's); put its open_clip_config.json beside them or pass --mlp gelu|quick_gelu"
+            "(OpenAI's), and no open_clip_config.json beside them gives quick_gelu: put its "
+            "config there or pass --mlp gelu|quick_gelu"
         )
     norm_eps, gelu_exact = _kwargs(vision, mlp)
     if vision.get("final_ln_after_pool"):  # ln_post on the pooled token alone: the same pooled

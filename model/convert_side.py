@@ -105,24 +105,26 @@ HF_PREPROCESSOR: Schema = {
     "image_std": either(NUMBER, list_of(NUMBER)),
 }
 
-OPEN_CLIP_CONFIG: Schema = {
-    "model_cfg": {
-        "embed_dim": SIZE,
-        "quick_gelu": FLAG,
-        "vision_cfg": {
-            "image_size": SQUARE,
-            "layers": either(SIZE, list_of(SIZE)),  # a list: a ResNet tower (refused by its keys)
-            "width": SIZE,
-            "patch_size": SIZE,
-            "head_width": SIZE,
-            "mlp_ratio": POSITIVE,
-            "pool_type": TEXT,
-            "attentional_pool": FLAG,
-            "final_ln_after_pool": FLAG,
-            "norm_kwargs": {"eps": POSITIVE},
-            "act_kwargs": {"approximate": TEXT},
-        },
+OPEN_CLIP_MODEL: Schema = {  # the hub file's model_cfg; open_clip's model_configs/*.json whole
+    "embed_dim": SIZE,
+    "quick_gelu": FLAG,
+    "vision_cfg": {
+        "image_size": SQUARE,
+        "layers": either(SIZE, list_of(SIZE)),  # a list: a ResNet tower (refused by its keys)
+        "width": SIZE,
+        "patch_size": SIZE,
+        "head_width": SIZE,
+        "mlp_ratio": POSITIVE,
+        "pool_type": TEXT,
+        "attentional_pool": FLAG,
+        "final_ln_after_pool": FLAG,
+        "norm_kwargs": {"eps": POSITIVE},
+        "act_kwargs": {"approximate": TEXT},
     },
+}
+OPEN_CLIP_CONFIG: Schema = {
+    "model_cfg": OPEN_CLIP_MODEL,
+    **OPEN_CLIP_MODEL,  # the model_configs layout: no model_cfg wrapper (convert_open_clip)
     "preprocess_cfg": {
         "size": either(SIZE, list_of(SIZE)),
         "resize_mode": TEXT,

@@ -639,14 +639,19 @@ def _open_clip_folder(folder, model_cfg: dict, preprocess: dict | None = None, s
     return open_clip.create_model(f"local-dir:{folder}").eval()
 
 
-def test_open_clip_norm_and_activation_arguments_are_the_configs(tmp_path):
+@pytest.mark.parametrize("layout", ["hub", "model_configs"])
+def test_open_clip_norm_and_activation_arguments_are_the_configs(layout, tmp_path):
     """vision_cfg's norm_kwargs (eps) and act_kwargs (GELU's tanh form) are read, not assumed;
     a preprocessing size other than the tower's keeps the tower's table (resampled when
-    served)."""
+    served). A config in the layout of open_clip's own model_configs/*.json (no model_cfg
+    around it) was read as no file: eps 1e-5 and the exact GELU, features off by 7%."""
     vision = {**OPEN_CLIP_CFG["vision_cfg"], "norm_kwargs": {"eps": 1e-2},
               "act_kwargs": {"approximate": "tanh"}}
     model_cfg = {**OPEN_CLIP_CFG, "quick_gelu": False, "vision_cfg": vision}
     peer_model = _open_clip_folder(tmp_path / "oc", model_cfg, {"size": 24}, seed=7)
+    if layout == "model_configs":
+        side = tmp_path / "oc" / "open_clip_config.json"
+        side.write_text(json.dumps({**model_cfg, "preprocess_cfg": {"size": 24}}))
     converted = convert("open_clip", tmp_path / "oc")
     cfg = converted.config
     assert (cfg.norm_eps, cfg.gelu_exact, cfg.image_size, cfg.table_grid) == \
@@ -688,8 +693,17 @@ def test_open_clip_without_its_config_needs_the_activation(tmp_path):
         "open_clip", tmp_path / "visual.safetensors", Hints(heads=4, mlp="quick_gelu")
     )
     assert converted.config.mlp == "quick_gelu"
-    assert any("no open_clip_config.json: pooling read as the class token" in note
+    assert any("no vision_cfg (no open_clip_config.json, or none in it): pooling read as the "
+               "class token" in note
                for note in converted.notes)  # what a bare tower's code could have said
+
+
+def test_an_open_clip_config_in_both_layouts_at_once_is_refused(tmp_path):
+    _open_clip_folder(tmp_path / "oc", OPEN_CLIP_CFG)
+    side = tmp_path / "oc" / "open_clip_config.json"
+    side.write_text(json.dumps({"model_cfg": OPEN_CLIP_CFG, "quick_gelu": False}))
+    with pytest.raises(ConvertError, match="has both a model_cfg and quick_gelu outside it"):
+        convert("open_clip", tmp_path / "oc")
 
 
 def test_open_clip_head_counts_sizes_and_towers_as_open_clip_reads_them(tmp_path):
