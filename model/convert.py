@@ -133,7 +133,7 @@ def convert(
     preferred = getattr(importer, "WEIGHT_FILES", WEIGHT_FILES)
     files = find_weights(path, preferred)
     check_memory(str(path), sum(unpacked_size(f) for f in files if f.is_file()))
-    tensors = importer.canonical(read_tensors(files, shard_index(path, preferred)), notes)
+    tensors = importer.canonical(read_tensors(files, shard_index(path, preferred), notes), notes)
     name = f"{source}:{hub_name or _source_name(path, side)}"
     t = SourceTensors(tensors, source)
     try:

@@ -7,6 +7,7 @@ heads inside each); big_vision keeps heads explicit ([d, H, hd]).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -21,7 +22,7 @@ import numpy as np
 from .checkpoint import format_problems
 from .config import ViTConfig
 
-WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz", ".tar")  # .tar: .pth.tar
 # in a directory holding several weight files, the one read (an importer may name others)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # transformers' sharded checkpoints: each index, and the names its saves give the shards
@@ -227,7 +228,39 @@ def unpacked_size(path: Path) -> int:
         return size
 
 
-def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
+# Where a training checkpoint keeps its weights, in the order timm's load_checkpoint looks
+# (the EMA weights first, as it loads them by default), then open_clip's and others' wrappers.
+_TRAINED_WEIGHTS = ("state_dict_ema", "model_ema", "state_dict", "model", "module")
+
+
+def _weights_of(obj: object, path: Path, notes: list[str]) -> object:
+    """The state dict inside a training checkpoint (timm's checkpoint-N.pth.tar, open_clip's
+    epoch_N.pt: the weights beside the epoch, the run's arguments, the optimizer), its keys
+    without DistributedDataParallel's ``module.``; any other object as it is."""
+    if not isinstance(obj, dict) or not obj:
+        return obj
+    found = [key for key in _TRAINED_WEIGHTS if isinstance(obj.get(key), dict) and obj[key]]
+    if found and not all(_is_tensor(v) for v in obj.values()):
+        key, others = found[0], found[1:]
+        if len(obj) > 1:
+            notes.append(f"{path.name}: a training checkpoint: its {key!r} read (as timm's "
+                         "load_checkpoint reads it)"
+                         f"{f'; it also holds {others}' if others else ''}; its other entries "
+                         "(epoch, arguments, optimizer) left unread")
+        obj = obj[key]
+    if isinstance(obj, dict) and obj and all(str(k).startswith("module.") for k in obj):
+        obj = {str(k).removeprefix("module."): v for k, v in obj.items()}
+    return obj
+
+
+def _is_tensor(value: object) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _torch_tensors(path: Path, notes: list[str]) -> dict[str, np.ndarray]:
+    import argparse
     import pickle
 
     import torch
@@ -242,8 +275,10 @@ def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
         raise ConvertError(f"{path}: not a PyTorch checkpoint (neither a zip archive nor a "
                            "pickle): damaged, or another format under this name?")
 
-    try:  # tensors and plain containers only: a pickle's other objects could run code
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # tensors and plain containers only: a pickle's other objects could run code (a
+        # Namespace, timm's saved run arguments, only sets attributes)
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL (\S+)", str(err))  # what torch's loader refused
         raise ConvertError(
@@ -251,9 +286,7 @@ def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
             f"{f' ({found[1]})' if found else ''}, which are never loaded (they could run code): "
             "save the model's state dict alone, or as safetensors, where the file is trusted"
         ) from None
-    for wrapper in ("state_dict", "model", "module"):
-        if isinstance(obj, dict) and set(obj) == {wrapper}:
-            obj = obj[wrapper]
+    obj = _weights_of(obj, path, notes)
     if not isinstance(obj, dict):
         raise ConvertError(f"{path}: expected a state dict, found {type(obj).__name__}")
     tensors = {}
@@ -287,15 +320,19 @@ def _safetensors(path: Path) -> dict[str, np.ndarray]:
         return {key: f.get_tensor(key) for key in f.keys()}
 
 
-def read_tensors(files: list[Path], index: Path | None = None) -> dict[str, np.ndarray]:
+def read_tensors(files: list[Path], index: Path | None = None,
+                 notes: list[str] | None = None) -> dict[str, np.ndarray]:
     """Every tensor of ``files``; with the shard ``index`` they come from, each tensor it names
-    must be in one of them."""
+    must be in one of them. What a reader chose (a training checkpoint's weights) goes to
+    ``notes``."""
+    torch_file = functools.partial(_torch_tensors, notes=[] if notes is None else notes)
     readers: dict[str, Callable[[Path], dict]] = {
         ".safetensors": _safetensors,
         ".npz": _npz_tensors,
-        ".pth": _torch_tensors,
-        ".pt": _torch_tensors,
-        ".bin": _torch_tensors,
+        ".pth": torch_file,
+        ".pt": torch_file,
+        ".bin": torch_file,
+        ".tar": torch_file,  # timm's training checkpoints, checkpoint-N.pth.tar: a zip, not a tar
     }
     tensors: dict[str, np.ndarray] = {}
     for path in files:

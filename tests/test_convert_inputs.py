@@ -479,6 +479,58 @@ def test_weights_that_are_integers_or_pickled_objects_are_refused(tmp_path):
         convert("timm", tmp_path / "pickled.pth", Hints(heads=4))
 
 
+def test_training_checkpoints_are_read_as_timm_and_open_clip_read_them(tmp_path):
+    """timm's train.py (checkpoint-N.pth.tar: the weights under 'state_dict', the EMA's under
+    'state_dict_ema', beside the run's argparse Namespace, the epoch and the optimizer) and
+    open_clip's training (epoch_N.pt: 'state_dict' with DistributedDataParallel's 'module.'
+    keys) were refused: '.tar' an unknown format, 'epoch' not a tensor. Their weights are read
+    as those libraries' own loaders read them, the EMA's first, with a note."""
+    import argparse
+
+    def params(path, source, hints=None):
+        converted = convert(source, path, hints or Hints(heads=4))
+        return jax.tree.leaves(converted.params), converted.notes
+
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, **TIMM_SHAPE).eval()
+    plain = {k: v.contiguous() for k, v in model.state_dict().items()}
+    perturb(model, seed=5)
+    ema = {k: v.contiguous() for k, v in model.state_dict().items()}
+    optimizer = {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1,
+                                                                              "params": [0]}]}
+    run = {"epoch": 3, "arch": "vit_base_patch16_224", "version": 2, "metric": 71.5,
+           "args": argparse.Namespace(lr=0.1, model="vit_base_patch16_224"),
+           "optimizer": optimizer}
+    torch.save(plain, tmp_path / "plain.pth")
+    torch.save(ema, tmp_path / "ema.pth")
+    torch.save({**run, "state_dict": plain}, tmp_path / "checkpoint-3.pth.tar")
+    torch.save({**run, "state_dict": plain, "state_dict_ema": ema}, tmp_path / "both.pth.tar")
+    want, _ = params(tmp_path / "plain.pth", "timm")
+    want_ema, _ = params(tmp_path / "ema.pth", "timm")
+    got, notes = params(tmp_path / "checkpoint-3.pth.tar", "timm")
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert any("checkpoint-3.pth.tar: a training checkpoint: its 'state_dict' read" in note
+               for note in notes)
+    got, notes = params(tmp_path / "both.pth.tar", "timm")
+    assert all(np.array_equal(a, b) for a, b in zip(got, want_ema, strict=True))
+    assert any("its 'state_dict_ema' read (as timm's load_checkpoint reads it); it also holds "
+               "['state_dict']" in note for note in notes)
+
+    open_clip = import_open_clip()
+    clip = open_clip.model.CLIP(**OPEN_CLIP_CFG).eval()
+    perturb(clip, seed=6)
+    state = {k: v.contiguous() for k, v in clip.state_dict().items()}
+    torch.save(state, tmp_path / "clip.pt")
+    torch.save({"epoch": 2, "name": "run", "optimizer": optimizer,
+                "state_dict": {"module." + k: v for k, v in state.items()}},
+               tmp_path / "epoch_2.pt")
+    hints = Hints(heads=4, mlp="quick_gelu")
+    want, _ = params(tmp_path / "clip.pt", "open_clip", hints)
+    got, notes = params(tmp_path / "epoch_2.pt", "open_clip", hints)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert any("epoch_2.pt: a training checkpoint: its 'state_dict' read" in note
+               for note in notes)
+
+
 def test_files_that_are_no_checkpoint_are_named_so_and_no_unsafe_load_is_advised(tmp_path):
     """Zeros or text under a weight file's name: torch took zeros for its legacy tar format and
     advised `weights_only=False` ("arbitrary code execution"), text was said to hold pickled
