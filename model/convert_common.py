@@ -235,8 +235,8 @@ _TRAINED_WEIGHTS = ("state_dict_ema", "model_ema", "state_dict", "model", "modul
 
 def _weights_of(obj: object, path: Path, notes: list[str]) -> object:
     """The state dict inside a training checkpoint (timm's checkpoint-N.pth.tar, open_clip's
-    epoch_N.pt: the weights beside the epoch, the run's arguments, the optimizer), its keys
-    without DistributedDataParallel's ``module.``; any other object as it is."""
+    epoch_N.pt: the weights beside the epoch, the run's arguments, the optimizer); any other
+    object as it is."""
     if not isinstance(obj, dict) or not obj:
         return obj
     found = [key for key in _TRAINED_WEIGHTS if isinstance(obj.get(key), dict) and obj[key]]
@@ -248,8 +248,6 @@ def _weights_of(obj: object, path: Path, notes: list[str]) -> object:
                          f"{f'; it also holds {others}' if others else ''}; its other entries "
                          "(epoch, arguments, optimizer) left unread")
         obj = obj[key]
-    if isinstance(obj, dict) and obj and all(str(k).startswith("module.") for k in obj):
-        obj = {str(k).removeprefix("module."): v for k, v in obj.items()}
     return obj
 
 
@@ -357,6 +355,10 @@ def read_tensors(files: list[Path], index: Path | None = None,
             shown = ", ".join(repr(k) if len(k) <= 80 else f"{k[:60]!r}..." for k in lost[:5])
             raise ConvertError(f"{index}: names tensors no shard holds ({shown}"
                                f"{', ...' if len(lost) > 5 else ''}): a shard of another save?")
+    if tensors and all(key.startswith("module.") for key in tensors):  # saved from DDP
+        if notes is not None:
+            notes.append("stripped the 'module.' prefix (a DistributedDataParallel state dict)")
+        return {key.removeprefix("module."): value for key, value in tensors.items()}
     return tensors
 
 

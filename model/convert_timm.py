@@ -78,10 +78,7 @@ def _own_args(architecture: str) -> dict:
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
-    if tensors and all(key.startswith("module.") for key in tensors):  # saved from DDP
-        notes.append("stripped the 'module.' prefix (a DistributedDataParallel state dict)")
-        return {key.removeprefix("module."): value for key, value in tensors.items()}
-    return tensors
+    return tensors  # timm's names are the ones read (a DDP prefix is read_tensors')
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:

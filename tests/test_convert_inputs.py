@@ -529,6 +529,7 @@ def test_training_checkpoints_are_read_as_timm_and_open_clip_read_them(tmp_path)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     assert any("epoch_2.pt: a training checkpoint: its 'state_dict' read" in note
                for note in notes)
+    assert "stripped the 'module.' prefix (a DistributedDataParallel state dict)" in notes
 
 
 def test_files_that_are_no_checkpoint_are_named_so_and_no_unsafe_load_is_advised(tmp_path):
