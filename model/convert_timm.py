@@ -8,6 +8,7 @@ timm's parallel block fuses its input projection as mlp|q|k|v; it is regrouped p
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,33 @@ def _own_args(architecture: str) -> dict:
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
-    return tensors  # timm's names are the ones read (a DDP prefix is read_tensors')
+    """timm's names (a DDP prefix is read_tensors'); facebookresearch/dinov2's own release
+    (its torch.hub files, dinov2_vitb14_pretrain.pth ...) renamed as timm's loader renames it."""
+    if "mask_token" in tensors and "patch_embed.proj.weight" in tensors:
+        return _from_dinov2_release(tensors, notes)
+    return tensors
+
+
+def _from_dinov2_release(tensors: dict[str, np.ndarray], notes: list[str]) -> dict:
+    """DINOv2's release layout -> timm's ``vit_*_dinov2`` (timm's ``_convert_dinov2``): the
+    mask token is training's alone; registers are timm's ``reg_token``, and with them the class
+    token's row of the position table moves into the class token (timm's register models give
+    the table to the patches alone: the same sums at every grid); the giant's packed SwiGLU
+    ``w12`` / ``w3`` are ``fc1`` / ``fc2``."""
+    out = {key: value for key, value in tensors.items() if key != "mask_token"}
+    said = ["its mask token dropped (training's alone)"]
+    if "register_tokens" in out:
+        table = out.pop("pos_embed")
+        out["reg_token"] = out.pop("register_tokens")
+        out["cls_token"] = out["cls_token"] + table[:, :1]
+        out["pos_embed"] = table[:, 1:]
+        said.append("registers read as timm's reg_token, the class token's position row added "
+                    "to the class token")
+    for key in [k for k in out if re.fullmatch(r"blocks\.\d+\.mlp\.w(12|3)\.(weight|bias)", k)]:
+        out[key.replace(".w12.", ".fc1.").replace(".w3.", ".fc2.")] = out.pop(key)
+    notes.append(f"facebookresearch/dinov2's release layout, read as timm reads it: "
+                 f"{'; '.join(said)}")
+    return out
 
 
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:

@@ -413,6 +413,34 @@ def test_timm_parity(case, tmp_path):
     check_parity(f"timm-{case}", f"timm {name}", converted, pixels.numpy(), peer, True)
 
 
+@pytest.mark.parametrize("name", ["vit_base_patch14_dinov2", "vit_base_patch14_reg4_dinov2",
+                                  "vit_giant_patch14_dinov2"])
+def test_dinov2_release_files_are_read_as_timm_reads_them(name, tmp_path):
+    """facebookresearch/dinov2's own torch.hub files (dinov2_vitb14_pretrain.pth, ...): timm's
+    names but a mask token, 'register_tokens' with the class token's row in the position table,
+    and the giant's SwiGLU as w12 / w3. Refused before ("unexpected key 'mask_token'"); now
+    renamed as timm's loader renames them, served as timm computes the model."""
+    model = timm.create_model(name, pretrained=False, num_classes=0, **TIMM_SHAPE).eval()
+    perturb(model, seed=17)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    release = {"mask_token": torch.zeros(1, 48)}
+    for key, value in state.items():  # the giant's SwiGLU: w12 (gate | value) and w3
+        packed = "giant" in name
+        release[key.replace("mlp.fc1.", "mlp.w12.").replace("mlp.fc2.", "mlp.w3.") if packed
+                else key] = value
+    if "reg_token" in state:  # the release's class token has its own row of the table
+        row = torch.randn(1, 1, 48) * 0.1
+        release["register_tokens"] = release.pop("reg_token")
+        release["cls_token"] = state["cls_token"] - row
+        release["pos_embed"] = torch.cat([row, state["pos_embed"]], dim=1)
+    torch.save(release, tmp_path / "release.pth")
+    converted = convert("timm", tmp_path / "release.pth", Hints(heads=4))
+    assert any("facebookresearch/dinov2's release layout" in note for note in converted.notes)
+    pixels = _pixels()
+    check_parity(f"dinov2-release-{name}", f"timm {name}", converted, pixels.numpy(),
+                 timm_outputs(model, pixels), True)
+
+
 def test_a_timm_dynamic_size_export_keeps_its_table_and_resamples_it_as_timm_does(tmp_path):
     """timm keeps pretrained_cfg's input size (224) in the config.json of a model built at
     img_size 16 with dynamic_img_size: served at 224 from its 4x4 table; at another size the
