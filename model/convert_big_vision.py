@@ -1,5 +1,7 @@
 """big_vision: the parameter names of its models/vit.py in .npz files (flat '/'-joined keys), alone
-or as the image tower (``params/img/``) of a two-tower SigLIP checkpoint, MAPHead included."""
+or as the image tower (``params/img/``) of a two-tower SigLIP checkpoint, MAPHead included; and
+the older google-research/vision_transformer layout (the original ViT and AugReg .npz files),
+whose blocks number their modules otherwise and whose position table covers the class token."""
 
 from __future__ import annotations
 
@@ -24,6 +26,10 @@ from .convert_preprocess import SourcePreprocess
 _BV_PREFIXES = ("params/img/", "opt/target/", "params/")
 # the other tower of big_vision's two_towers (SigLIP), its temperature t and bias b
 _SIGLIP_TEXT = re.compile(r"^params/(txt/.*|t|b)$")
+# vision_transformer's names within a block -> big_vision's (as timm's _load_weights pairs them)
+_VIT_JAX_BLOCK = (("MultiHeadDotProductAttention_1/", "MultiHeadDotProductAttention_0/"),
+                  ("LayerNorm_2/", "LayerNorm_1/"), ("MlpBlock_3/", "MlpBlock_0/"))
+VIT_JAX_POSEMB = "Transformer/posembed_input/pos_embedding"  # kept: it says the layout
 
 
 SIDE_FILES: tuple[str, ...] = ()
@@ -58,6 +64,10 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
                 )
             tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
             break
+    if "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel" in tensors:
+        tensors = {_from_vit_jax(k): v for k, v in tensors.items()}
+        notes.append("google-research/vision_transformer's layout (the original ViT and AugReg "
+                     "files): its blocks' modules renamed as big_vision numbers them")
     scanned = "Transformer/encoderblock/"
     if not any(k.startswith(scanned) for k in tensors):
         return tensors
@@ -70,6 +80,21 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
     return out
 
 
+def _from_vit_jax(key: str) -> str:
+    head, sep, rest = key.partition("/encoderblock_")
+    if not sep:
+        return key
+    index, _, name = rest.partition("/")
+    for old, new in _VIT_JAX_BLOCK:
+        if name.startswith(old):
+            name = new + name.removeprefix(old)
+    return f"{head}{sep}{index}/{name}"
+
+
+def _posemb_key(t: SourceTensors) -> str | None:
+    return next((key for key in ("pos_embedding", VIT_JAX_POSEMB) if key in t), None)
+
+
 def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     t.refuse("pre_logits/kernel", "a representation (pre-logits) layer")
     width, channels, patch = patch_conv(t, "embedding/kernel", hwio=True)
@@ -77,8 +102,10 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     a = "Transformer/encoderblock_0/MultiHeadDotProductAttention_0/"
     _, heads, _ = t.shape(a + "query/kernel")
     class_token = "cls" in t
-    if "pos_embedding" in t:
-        grid, _ = grid_of(t.shape("pos_embedding")[1], False, t.source)
+    posemb, covers_cls = _posemb_key(t), False
+    if posemb is not None:  # vision_transformer adds its table after the class token joins
+        grid, covers_cls = grid_of(t.shape(posemb)[1], class_token and posemb == VIT_JAX_POSEMB,
+                                   t.source)
     else:
         if hints.preset is None:
             raise ConvertError(
@@ -103,8 +130,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         qk_norm=False,
         head=head,
         class_token=class_token,
-        posemb="learn" if "pos_embedding" in t else "sincos2d",
-        posemb_covers_cls=False,  # big_vision adds it to the patches, then prepends the token
+        posemb="learn" if posemb else "sincos2d",
+        posemb_covers_cls=covers_cls,  # big_vision adds it to the patches, then the token
         gelu_exact=False,  # flax's nn.gelu is the tanh approximation
         num_classes=t.shape("head/kernel")[1] if "head/kernel" in t else 0,
     )
@@ -144,7 +171,8 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
         "encoder_norm": _bv_norm(t, "Transformer/encoder_norm/", cfg),
     }
     if cfg.posemb == "learn":
-        params["pos_embedding"] = t.take("pos_embedding", (1, cfg.num_patches, d))
+        params["pos_embedding"] = t.take(_posemb_key(t) or "pos_embedding",
+                                         (1, cfg.table_rows(cfg.table_grid), d))
     if cfg.class_token:
         params["cls"] = t.take("cls", (1, 1, d))
     for i in range(cfg.depth):

@@ -371,6 +371,35 @@ def test_big_vision_parity_through_timms_loader(pool, tmp_path):
     _assert_parity(converted, _timm_outputs(model, pixels), pixels)
 
 
+def test_vision_transformer_layout_parity_through_timms_loader(tmp_path):
+    """google-research/vision_transformer's .npz (the original ViT and AugReg files): blocks
+    with MultiHeadDotProductAttention_1, LayerNorm_2 and MlpBlock_3, and a position table at
+    Transformer/posembed_input covering the class token. Refused before ("missing key
+    ...MultiHeadDotProductAttention_0/query/kernel"); timm's loader reads it as the peer."""
+    bv = _big_vision_npz("tok", seed=8)
+    renames = (("MultiHeadDotProductAttention_0/", "MultiHeadDotProductAttention_1/"),
+               ("LayerNorm_1/", "LayerNorm_2/"), ("MlpBlock_0/", "MlpBlock_3/"))
+    vit_jax = {}
+    for key, value in bv.items():
+        for old, new in renames if key.startswith("Transformer/encoderblock_") else ():
+            key = key.replace(old, new)
+        vit_jax[key] = value
+    table = vit_jax.pop("pos_embedding")
+    row = np.random.default_rng(9).standard_normal((1, 1, D)).astype(np.float32) * 0.1
+    vit_jax["Transformer/posembed_input/pos_embedding"] = np.concatenate([row, table], axis=1)
+    path = tmp_path / "ViT-Ti_8-augreg.npz"
+    np.savez(path, **vit_jax)
+    model = VisionTransformer(img_size=32, patch_size=P, embed_dim=D, depth=DEPTH, num_heads=H,
+                              mlp_ratio=M / D, num_classes=CLASSES, act_layer="gelu_tanh").eval()
+    model.load_pretrained(str(path))
+    converted = convert("big_vision", path)
+    cfg = converted.config
+    assert cfg.posemb_covers_cls and cfg.head == "cls" and cfg.image_size == 32
+    assert any("vision_transformer's layout" in note for note in converted.notes)
+    pixels = _pixels()
+    _assert_parity(converted, _timm_outputs(model, pixels), pixels)
+
+
 def test_big_vision_siglip_image_tower_parity(tmp_path):
     """A SigLIP two-tower .npz: params/img/ (MAPHead, no classifier) beside params/txt/, t, b;
     timm's loader reads the image tower as the peer."""
