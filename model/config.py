@@ -23,6 +23,7 @@ MlpType = Literal["gelu", "quick_gelu", "swiglu"]
 PosembResample = Literal["bicubic", "bicubic_antialias", "none"]
 DType = Literal["float32", "bfloat16"]
 INTERPOLATIONS = ("bicubic", "bilinear")  # the resamplings the pixel contract serves
+CROP_OFFSETS = ("round", "floor")  # the centre crop offset's rules (Preprocess.crop_offset)
 # The weight formats `vit22b convert` reads, each by its module convert_<source> (named here, not
 # in convert.py, so that the command line lists them without importing jax).
 SOURCES = ("timm", "hf", "big_vision", "open_clip")
@@ -86,11 +87,15 @@ class Preprocess:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     # False: both sides resized to the image size, no crop (the DINOv3 and SigLIP processors)
     crop: bool = True
+    # the centre crop's offset, (resized - crop) / 2: rounded half to even as torchvision, timm
+    # and open_clip take it, or floored as transformers' image processors do (both backends)
+    crop_offset: Literal["round", "floor"] = "round"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        if self.crop:  # the default is left out: contracts (and hashes) from before it stay
-            d.pop("crop")
+        for name, default in (("crop", True), ("crop_offset", "round")):
+            if d[name] == default:  # defaults left out: contracts (and hashes) from before stay
+                d.pop(name)
         return d
 
     def __post_init__(self) -> None:
@@ -100,6 +105,9 @@ class Preprocess:
         if self.interpolation not in INTERPOLATIONS:
             raise ConfigError(f"preprocess: interpolation={self.interpolation!r} is not one of "
                               f"{INTERPOLATIONS}")
+        if self.crop_offset not in CROP_OFFSETS:
+            raise ConfigError(f"preprocess: crop_offset={self.crop_offset!r} is not one of "
+                              f"{CROP_OFFSETS}")
         for name in ("mean", "std"):
             values = getattr(self, name)
             if not _CHANNELS.test(values):

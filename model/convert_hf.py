@@ -387,7 +387,8 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
     if not proc:
         where = "hf defaults (no preprocessor_config.json)"
         return SourcePreprocess(
-            where, False, image_size, image_size, "bilinear", half, half, squash=True
+            where, False, image_size, image_size, "bilinear", half, half, squash=True,
+            crop_offset="floor",  # served with a crop only under --resize: as transformers crops
         )
     where = "preprocessor_config.json"
     crops = bool(proc.get("do_center_crop", "crop_size" in proc))
@@ -422,6 +423,7 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         std=_per_channel(proc.get("image_std", 0.5)) if normalise else (1.0, 1.0, 1.0),
         geometry=geometry,
         squash=squash,
+        crop_offset="floor",  # transformers' center_crop floors (PIL and torchvision backends)
     )
 
 

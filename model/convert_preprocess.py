@@ -36,6 +36,7 @@ class SourcePreprocess:
     std: tuple[float, ...]
     geometry: str | None = None  # a resize the contract cannot serve, in the source's words
     squash: bool = False  # both sides resized to ``crop``, no crop
+    crop_offset: str = "round"  # Preprocess.crop_offset: how the source centres its crop
 
     @classmethod
     def of_preset(cls, name: str, p: Preprocess, image_size: int) -> SourcePreprocess:
@@ -145,6 +146,7 @@ def resolve(
         mean=tuple(float(v) for v in values["mean"]),
         std=tuple(float(v) for v in values["std"]),
         crop=not squash,
+        crop_offset=said.crop_offset if not squash else "round",  # no crop: no offset
     )
     given = flags.given()
     if not given:

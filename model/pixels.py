@@ -774,6 +774,8 @@ class Preprocessor:
                 f"resize the shorter side to {self.resize} ({p.interpolation}, PIL, "
                 f"antialiased; longer side floor-scaled; past {FULL_RESIZE_CROPS} crops' worth "
                 f"of pixels only the crop's source box is resampled); centre crop {size}x{size}"
+                f" (offset (resized - {size}) / 2, "
+                f"{'floored' if p.crop_offset == 'floor' else 'rounded half to even'})"
             )
             out = f"float32 [{size}, {size}, 3]"
         return (
@@ -801,8 +803,7 @@ class Preprocessor:
         short = min(height, width)
         new_h = resize if height == short else int(resize * height / short)
         new_w = resize if width == short else int(resize * width / short)
-        top = int(round((new_h - size) / 2.0))
-        left = int(round((new_w - size) / 2.0))
+        top, left = self._offset(new_h - size), self._offset(new_w - size)
         if (new_h, new_w) == (height, width):
             return pixels[top : top + size, left : left + size]
         image, resample = Image.fromarray(pixels), _RESAMPLE[p.interpolation]
@@ -813,6 +814,12 @@ class Preprocessor:
         y_scale, x_scale = height / new_h, width / new_w
         box = (left * x_scale, top * y_scale, (left + size) * x_scale, (top + size) * y_scale)
         return np.asarray(image.resize((size, size), resample, box=box))
+
+    def _offset(self, margin: int) -> int:
+        """The centre crop's start in a side ``margin`` pixels longer than the crop."""
+        if self.cfg.preprocess.crop_offset == "floor":
+            return margin // 2
+        return int(round(margin / 2.0))
 
     def normalise(self, pixels: np.ndarray) -> np.ndarray:
         """uint8 -> float32 by table look-up (``level_table``): the formula's own float32 values

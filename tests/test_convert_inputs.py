@@ -51,7 +51,9 @@ def _clip_processor(**kw):
 def test_the_processor_file_decides_and_its_absence_gives_the_sources_defaults(tmp_path):
     with_file = convert("hf", _clip_folder(tmp_path / "a", _clip_processor()))
     assert with_file.preprocess_from == "preprocessor_config.json"
-    assert with_file.config.preprocess == Preprocess(18, "bicubic", OPENAI_MEAN, OPENAI_STD)
+    # transformers floors its centre crop's offset (both backends): the contract too
+    assert with_file.config.preprocess == Preprocess(18, "bicubic", OPENAI_MEAN, OPENAI_STD,
+                                                     crop_offset="floor")
     assert "preprocessing from preprocessor_config.json" in with_file.notes
 
     bare = convert("hf", _clip_folder(tmp_path / "b"))
@@ -74,7 +76,8 @@ def test_flags_override_the_files_and_are_recorded_in_the_checkpoint(tmp_path, c
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["preprocess_from"] == "flags"  # all five given: nothing left of the file's
     meta = ckpt.read_metadata(out)
-    assert meta.config.preprocess == Preprocess(20, "bilinear", (0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    assert meta.config.preprocess == Preprocess(20, "bilinear", (0.1, 0.2, 0.3), (0.4, 0.5, 0.6),
+                                                crop_offset="floor")
     assert summary["preprocess_hash"] == meta.preprocess_hash
     assert "preprocessing from flags" in meta.notes
 
@@ -82,7 +85,7 @@ def test_flags_override_the_files_and_are_recorded_in_the_checkpoint(tmp_path, c
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["preprocess_from"] == "flags (--std) over preprocessor_config.json"
     assert ckpt.read_metadata(out).config.preprocess == Preprocess(
-        18, "bicubic", OPENAI_MEAN, (0.4, 0.5, 0.6)
+        18, "bicubic", OPENAI_MEAN, (0.4, 0.5, 0.6), crop_offset="floor"
     )
 
 
@@ -168,7 +171,8 @@ def test_a_square_resize_is_served_squashed_unless_resize_chooses_a_centre_crop(
     squashed = convert("hf", folder).config.preprocess
     assert squashed == Preprocess(16, "bilinear", (0.5,) * 3, (0.5,) * 3, crop=False)
     converted = convert("hf", folder, preprocess=PreprocessFlags(resize=18))
-    assert converted.config.preprocess == Preprocess(18, "bilinear", (0.5,) * 3, (0.5,) * 3)
+    assert converted.config.preprocess == Preprocess(18, "bilinear", (0.5,) * 3, (0.5,) * 3,
+                                                     crop_offset="floor")  # transformers' crop
     assert any("served: --resize 18, centre crop" in note for note in converted.notes)
 
 

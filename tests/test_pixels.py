@@ -633,6 +633,27 @@ def test_the_contract_names_the_rules_and_its_hash_covers_them():
     assert ViTConfig.from_dict(cfg.to_dict()).preprocess_hash() == cfg.preprocess_hash()
 
 
+def test_the_crop_offset_is_rounded_or_floored_as_the_contract_says():
+    """A margin of 3 mod 4 puts torchvision's rounded centre (as timm and open_clip crop) and
+    transformers' floored one a pixel apart: the contract says which (Preprocess.crop_offset),
+    the default keeps every earlier contract's hash, the other is a hash of its own."""
+    from vit22b.model.config import ConfigError, Preprocess
+
+    cfg = get_config("vit-22b-tiny/16")  # 64x64 input
+    rounded = cfg.replace(preprocess=Preprocess(resize=64))
+    floored = cfg.replace(preprocess=Preprocess(resize=64, crop_offset="floor"))
+    pixels = rgb(64, 75, seed=3)  # a 64 x 75 image: margin 11 = 3 mod 4, offsets 6 and 5
+    assert np.array_equal(Preprocessor(rounded).crop(pixels), pixels[:, 6:70])
+    assert np.array_equal(Preprocessor(floored).crop(pixels), pixels[:, 5:69])
+    assert "crop_offset" not in rounded.preprocess.to_dict()
+    assert rounded.preprocess_hash() == cfg.replace(preprocess=Preprocess(64)).preprocess_hash()
+    assert floored.preprocess_hash() != rounded.preprocess_hash()
+    assert "floored" in Preprocessor(floored).describe()
+    assert ViTConfig.from_dict(floored.to_dict()).preprocess == floored.preprocess
+    with pytest.raises(ConfigError, match="crop_offset='ceil' is not one of"):
+        Preprocess(crop_offset="ceil")
+
+
 # ---- limits ----------------------------------------------------------------------------------
 def test_the_pixel_limit_names_the_server_setting():
     data = encode(Image.fromarray(rgb(50, 50)), "PNG")

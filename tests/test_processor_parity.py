@@ -35,18 +35,15 @@ from vit22b.model.pixels import Preprocessor
 
 TOL_PIXELS = 1e-6  # float32 rounding of (x / 255 - mean) / std; measured: 0 (bit-identical)
 IMAGENET = dict(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
-# name -> (width, height); JPEG and PNG, landscape, portrait and 16:9
+# name -> (width, height); JPEG and PNG, landscape, portrait and 16:9; crop margins 3 mod 4
+# (rounded and floored offsets apart): DINOv2's 455 - 224 on 1280x720, CLIP's 299 - 224 on 642x480
 IMAGES = {
     "640x480.jpg": (640, 480),
     "480x640.png": (480, 640),
     "1280x720.jpg": (1280, 720),
     "500x333.png": (500, 333),
+    "642x480.png": (642, 480),
 }
-CROP_OFFSET = (
-    "transformers' centre crop floors the offset ((455 - 224) // 2 = 115 columns) where "
-    "torchvision, timm and open_clip round it (116), as the contract does: one column apart "
-    "whenever the margin is 3 mod 4 (a 16:9 image at DINOv2's 256 -> 224)"
-)
 # case -> (model, its config, the processor: a transformers class with its hub settings, or
 # the hub's preprocessor_config.json where the class needs torchvision)
 HF_CASES = {
@@ -84,12 +81,6 @@ HF_CASES = {
     ),
 }
 TORCHVISION_ONLY = ("dinov3",)  # transformers has no PIL backend for its processor
-
-
-def _marks(case: str, image: str) -> list:
-    if case == "dinov2" and image == "1280x720.jpg":
-        return [pytest.mark.xfail(strict=True, reason=CROP_OFFSET, raises=AssertionError)]
-    return []
 
 
 def _photo(width: int, height: int, seed: int) -> np.ndarray:
@@ -152,9 +143,13 @@ def _torchvision_loads() -> bool:
 
 @pytest.mark.parametrize(
     "case, image",
-    [pytest.param(c, i, marks=_marks(c, i)) for c in HF_CASES for i in IMAGES],
+    [(c, i) for c in HF_CASES for i in IMAGES],
 )
 def test_hf_image_processor_on_image_files(case, image, hf_folder, image_files):
+    """Served pixels against the source's processor. transformers' centre crop floors the
+    offset ((455 - 224) // 2 = 115 columns on the 16:9 file at DINOv2's 256 -> 224) where
+    torchvision, timm and open_clip round it (116): a converted processor's contract floors
+    (Preprocess.crop_offset), once an xfail here."""
     import transformers
 
     if case in TORCHVISION_ONLY and not _torchvision_loads():
