@@ -84,7 +84,12 @@ class TooLarge(InvalidRequest):
 
 
 class QueueFull(Exception):
-    """Admission refused: the queue holds its maximum of images."""
+    """Admission refused: the queue holds its maximum of images. ``retry_after_s``: when a
+    retry may succeed, where the refusal knows (HTTP's Retry-After; else the doors' default)."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExpired(Exception):

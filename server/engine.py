@@ -323,14 +323,17 @@ class Engine:
         with self._lock:
             return any(k[1] == outputs and k[2] == grid for k in (*self._warm, *self._compiled))
 
-    def admit_outputs(self, outputs: OutputRequest) -> None:
-        """Refuse a new on-demand output set the cache cannot take without thrashing."""
+    def admit_outputs(self, outputs: OutputRequest, reserve: bool = True) -> None:
+        """Refuse a new on-demand output set the cache cannot take without thrashing; with
+        ``reserve`` False only check (a call checks before its images are decoded, and takes
+        its place once one of them is: a call of undecodable images takes none)."""
         now = time.monotonic()
         with self._lock:
             if outputs in self._warm_outputs:
                 return
             if outputs in self._used:
-                self._used[outputs] = now
+                if reserve:
+                    self._used[outputs] = now
                 return
             queued = {key[1] for key in self._pending}
             if len(queued) >= MAX_PENDING_COMPILES:
@@ -339,18 +342,23 @@ class Engine:
                     "later, or ask for an output set the server has compiled already"
                 )
             idle = [o for o, last in self._used.items() if now - last > CACHE_IDLE_S]
+            if not reserve and (len(self._used) < self._max_output_sets or idle):
+                return
             if len(self._used) >= self._max_output_sets and idle:  # make room: the stalest
                 stalest = min(idle, key=self._used.__getitem__)
                 del self._used[stalest]
                 for key in [k for k in self._compiled if k[1] == stalest]:
                     del self._compiled[key]
             elif len(self._used) >= self._max_output_sets:
+                free_in = CACHE_IDLE_S - (now - min(self._used.values()))
                 raise CompileLimit(
                     f"the server holds compiled forwards for {len(self._used)} on-demand output "
                     f"sets, its limit (--max-compiled {self._max_compiled} forwards over "
                     f"{len(self.plan.buckets)} batch buckets), all used within "
                     f"{CACHE_IDLE_S:.0f}s; this request needs another (other patch layers or "
-                    "outputs): reuse a set, or retry later"
+                    f"outputs): reuse a set, or retry in {math.ceil(free_in)}s, when the least "
+                    "recently used one may make room",
+                    retry_after_s=free_in,
                 )
             self._used[outputs] = now
 

@@ -457,7 +457,8 @@ def error_response(err: BaseException, status: Status) -> Response:
     if isinstance(err, ConnectionRefusal):
         headers["Connection"] = "close"
     if status.http in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
+        known = getattr(err, "retry_after_s", None)
+        headers["Retry-After"] = str(RETRY_AFTER_S if known is None else max(1, math.ceil(known)))
     if status.http == 401:
         headers["WWW-Authenticate"] = "Bearer"
     if status.http == 415:  # RFC 9110 15.5.16: the codings this door reads

@@ -215,7 +215,7 @@ class Infer:
             raise InvalidRequest(
                 "l2_normalize applies to pooled features, which were not requested"
             )
-        self.engine.admit_outputs(outputs)
+        self.engine.admit_outputs(outputs, reserve=False)  # its place once an image decodes
         return outputs
 
     @property
@@ -294,6 +294,7 @@ class Infer:
             admitted.held = len(indices)
             result = EmbedResult(admitted.outputs, Features(), errors=errors)
             if indices:
+                self.engine.admit_outputs(admitted.outputs)
                 job = self.batcher.submit(pixels, admitted.outputs, call.deadline, call.solo)
                 admitted.held = 0  # the batcher accounts for queued rows from here on
                 try:

@@ -9,6 +9,7 @@ import base64
 import contextlib
 import logging
 import queue
+import re
 import socket
 import threading
 import time
@@ -599,6 +600,40 @@ def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypa
         monkeypatch.setattr(engine_module, "CACHE_IDLE_S", 0.0)
         client.Embed(embed_request(1, patch_layers=[2]), timeout=60)
         assert len(engine._used) == 1 and all(k[1].patch_layers == (2,) for k in engine._compiled)
+
+
+def test_calls_of_undecodable_images_take_no_place_in_the_compile_cache():
+    """Each new output set takes a place in the cache of on-demand forwards for a minute. A
+    place was taken before the images were decoded: a few calls of undecodable images, each
+    asking for other layers, filled it, and valid calls were refused for a minute (an outside
+    tester's HTTP sweep, six 400s). A call takes its place once one of its images decodes; a
+    refusal for a full cache says when a place frees, and HTTP's Retry-After says so too."""
+    from vit22b.server.engine import CompileLimit
+    from vit22b.server.http import error_response
+    from vit22b.server.status import status_of
+
+    cfg = get_config("vit-22b-tiny/16")
+    mesh = make_mesh(MESH)
+    engine = Engine(cfg, shard_params(cfg, random_params(cfg, 5), mesh), mesh, fingerprint="u",
+                    source="s", max_batch_images=8, max_compiled=4)  # 6 buckets: 1 output set
+    engine.warm_up()
+    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    broken = pb.Image(id="x", encoded=b"not an image")
+    with BackgroundServer(config, engine=engine) as srv:
+        client = stub(srv.address)
+        for layers in ([1], [2], [3]):
+            with pytest.raises(grpc.RpcError) as err:
+                client.Embed(pb.EmbedRequest(images=[broken], patch_layers=layers), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert not engine._used
+        assert list(client.Embed(embed_request(1, patch_layers=[2]), timeout=60).indices) == [0]
+        with pytest.raises(grpc.RpcError) as err:  # the one place is taken, by a valid call
+            client.Embed(embed_request(1, patch_layers=[3]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.search(r"retry in (59|60)s, when the least recently used one may make room",
+                         err.value.details()), err.value.details()
+    refusal = CompileLimit("full", retry_after_s=41.2)
+    assert error_response(refusal, status_of(refusal)).headers["Retry-After"] == "42"
 
 
 def test_calls_that_expire_or_leave_while_their_compile_runs_are_counted_as_they_ended():
