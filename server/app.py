@@ -117,7 +117,8 @@ def build_engine(config: ServeConfig, executor: Executor | None = None) -> Engin
         chunk_images=config.chunk_images,
         executor=executor,
     )
-    log.info("%s", engine.plan.table())
+    for line in engine.plan.table().splitlines():  # a line a record: the log escapes newlines
+        log.info("%s", line)
     check_geometries(config, engine)
     for outputs in config.warm_outputs:  # before any compile: named as the flag's
         try:

@@ -47,6 +47,20 @@ class JsonLines(logging.Formatter):
         return json.dumps(line, ensure_ascii=False, default=str)
 
 
+# C0 and C1 controls, DEL and Unicode's line and paragraph separators, as escapes: a message
+# quoting a client's text (a JSON key a refusal names) must not start a line of its own
+_ONE_LINE = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | {
+    ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+class TextLines(logging.Formatter):
+    """The terminal's format, a record's message on one line whatever it quotes (a forged
+    line read as the server's own); a traceback keeps its lines, after it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return super().formatMessage(record).translate(_ONE_LINE)
+
+
 def configure(level: str, fmt: str, process: int | None = None) -> None:
     """The root logger's level and format (``process``: a group member's id, in every line).
 
@@ -65,7 +79,7 @@ def configure(level: str, fmt: str, process: int | None = None) -> None:
         handler.setFormatter(JsonLines(process))
     else:
         member = "" if process is None else f"process {process} "
-        handler.setFormatter(logging.Formatter(
+        handler.setFormatter(TextLines(
             f"%(asctime)s %(levelname)s {member}%(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 

@@ -70,3 +70,34 @@ def test_a_bad_log_level_or_format_is_one_line_and_exit_2():
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         assert said in done.stderr and "Traceback" not in done.stderr
+
+
+TEXT = """
+import logging
+from vit22b.server import logs
+logs.configure("INFO", "text")
+log = logging.getLogger("vit22b.server.http")
+key = "x\\n2026-12-07 00:00:00,000 ERROR vit22b.server.engine: FORGED, device lost\\x1b[2J\\u2028"
+log.info("%s refused: %s", "POST /v1/features", f"images.0.{key}: extra inputs are not permitted")
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.exception("a bug")
+"""
+
+
+def test_a_text_log_line_cannot_be_forged_by_a_clients_text():
+    """An unknown JSON key a refusal quotes went raw into the text log, newline and all: one
+    request wrote a line that read as the server's own ERROR (an outside tester's HTTP sweep).
+    A record's message is one line, its control characters escaped; a traceback keeps its
+    lines."""
+    done = subprocess.run([sys.executable, "-c", TEXT], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert " INFO vit22b.server.http: POST /v1/features refused: images.0.x\\n2026-12-07 " \
+        "00:00:00,000 ERROR vit22b.server.engine: FORGED, device lost\\x1b[2J\\u2028: extra " \
+        "inputs are not permitted" in lines[0]
+    assert " ERROR vit22b.server.http: a bug" in lines[1]
+    assert lines[2] == "Traceback (most recent call last):"
+    assert lines[-1] == "ZeroDivisionError: division by zero" and len(lines) == 5
