@@ -100,15 +100,21 @@ class Tokens:
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def allow(self, values: list[bytes]) -> bool:
-        """Whether a request's ``authorization`` values (all of them) admit it: one value,
-        ``Bearer <token>`` (any case, spaces around the token), a known token. Two values are
-        refused: the doors would each pick one."""
-        if len(values) != 1:
-            return False
+    def refusal(self, values: list[bytes], where: str) -> str | None:
+        """Why a request's ``authorization`` values (all of them; ``where``: how its door
+        spells the field) do not admit it, or None: one value, ``Bearer <token>`` (any case,
+        spaces around the token), a known token. Two values are refused: the doors would each
+        pick one."""
+        if not values:
+            return f"missing bearer token ({where}: Bearer <token>')"
+        if len(values) > 1:
+            return f"{len(values)} authorization values: send one ({where}: Bearer <token>')"
         scheme, _, token = values[0].partition(b" ")
-        return scheme.lower() == b"bearer" and \
-            hashlib.sha256(token.strip()).digest() in self._digests
+        if scheme.lower() != b"bearer":
+            return f"not a bearer token ({where}: Bearer <token>')"
+        if hashlib.sha256(token.strip()).digest() not in self._digests:
+            return "wrong bearer token (not one of the server's --token-file)"
+        return None
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -116,27 +122,26 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         self._tokens = tokens
         self._on_reject = on_reject  # called with the method name and the code (metrics)
 
-    def _allowed(self, metadata) -> bool:
+    def _refusal(self, metadata) -> str | None:
         values = [v.encode() if isinstance(v, str) else b"" for k, v in metadata or ()
                   if k == "authorization"]
-        return self._tokens.allow(values)
+        return self._tokens.refusal(values, "metadata 'authorization")
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_SERVICES):
             return handler
-        if self._allowed(details.invocation_metadata):
+        refusal = self._refusal(details.invocation_metadata)
+        if refusal is None:
             return handler
         code = status_of(Unauthenticated()).grpc
-        log.info("%s refused: %s (missing or wrong bearer token)", details.method, code.name)
+        log.info("%s refused: %s (%s)", details.method, code.name, refusal)
         if self._on_reject is not None:
             self._on_reject(details.method, code)
-        return _rejecting(handler)
+        return _rejecting(handler, refusal)
 
 
-def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    message = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
-
+def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     async def unary(requests, context):  # the server's handlers all take their requests
         await refuse_with(context, Unauthenticated(message))  # as a stream (unread)
 

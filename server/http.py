@@ -816,11 +816,11 @@ class _Guard:
         path = scope["path"]
         route = f"{scope['method']} {path if path in ROUTES else '(other)'}"
         headers = dict(scope["headers"])
-        if self.tokens and path not in OPEN_PATHS and not self.tokens.allow(
-                [value for key, value in scope["headers"] if key == b"authorization"]):
-            err = Unauthenticated("missing or wrong bearer token (header 'Authorization: "
-                                  "Bearer <token>')")
-            return await self._unread(route, err)(scope, receive, send)
+        refusal = self.tokens and path not in OPEN_PATHS and self.tokens.refusal(
+            [value for key, value in scope["headers"] if key == b"authorization"],
+            "header 'Authorization")
+        if refusal:
+            return await self._unread(route, Unauthenticated(refusal))(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         declared = headers.get(b"content-length")

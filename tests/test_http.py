@@ -829,12 +829,16 @@ def test_tls_and_token_shared_with_grpc(secure):
     assert srv.http_url.startswith("https://")
     image = pngs(random_images(1, seed=27))
     with httpx.Client(base_url=srv.http_url, verify=cert, timeout=60) as client:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        twice = [("Authorization", f"Bearer {TOKEN}")] * 2  # the doors would each pick one
+        for headers, why in (({}, "missing bearer token (header 'Authorization: Bearer"),
+                             ({"Authorization": "Bearer wrong"}, "wrong bearer token"),
+                             ({"Authorization": TOKEN}, "not a bearer token"),
+                             (twice, "2 authorization values: send one")):
             for method, path in (("POST", "/v1/features"), ("GET", "/v1/models")):
                 response = client.request(method, path, headers=headers, content=b"\xff junk")
                 assert response.status_code == 401, (headers, path)  # before the body is read
                 assert response.headers["www-authenticate"] == "Bearer"
-                assert "bearer token" in response.json()["error"]["message"]
+                assert why in response.json()["error"]["message"], (headers, path)
         for path in ("/health", "/ready", "/openapi.json"):  # open, like gRPC health
             assert client.get(path).status_code == 200
         doc = client.get("/openapi.json").json()

@@ -522,13 +522,30 @@ def test_client_credentials_that_cannot_work_are_refused_when_made(secure, tmp_p
         AsyncFeatureClient(srv.address, tls=key, token=TOKEN)
 
 
-@pytest.mark.parametrize("token", [None, "wrong-token"])
-def test_missing_or_wrong_token_is_unauthenticated(secure, token):
+@pytest.mark.parametrize("token, why", [(None, "missing bearer token (metadata 'authorization: "
+                                                "Bearer <token>')"),
+                                        ("wrong-token", "wrong bearer token (not one of the "
+                                                        "server's --token-file)")])
+def test_missing_or_wrong_token_is_unauthenticated(secure, token, why):
     srv, cert = secure
     with FeatureClient(srv.address, tls=cert, token=token) as client:
         with pytest.raises(FeatureError) as info:
             client.model_info()
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert why in str(info.value)
+
+
+def test_two_authorization_values_are_refused_saying_so(secure):
+    """Two values, both the right token, were "missing or wrong bearer token": the refusal
+    (the doors would each pick one) says what it refuses."""
+    srv, cert = secure
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    twice = [("authorization", f"Bearer {TOKEN}")] * 2
+    with pytest.raises(grpc.RpcError) as info:
+        stub(srv.address, creds).GetModelInfo(pb.GetModelInfoRequest(), metadata=twice,
+                                              timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "2 authorization values: send one" in info.value.details()
 
 
 def test_stream_without_token_is_unauthenticated(secure):
