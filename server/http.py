@@ -277,10 +277,11 @@ COMMAS_PER_IMAGE = 64
 # (gzip's, or zlib's as HTTP's "deflate" is).
 BODY_CODINGS = ("gzip", "x-gzip", "deflate")
 # Media types that are not JSON whatever their bytes: a client that sends one meant a file
-# upload or a form, and "Invalid JSON at column 1" would not tell it so. A form type whose
-# body is a JSON object is read (``curl -d '{...}'`` sends one).
-NOT_JSON = ("multipart/", "image/", "video/", "audio/", "application/octet-stream",
-            "application/x-www-form-urlencoded")
+# upload, a form or another format (a safetensors body, the answers' own), and "Invalid JSON at
+# column 1" would not tell it so. A form type whose body is a JSON object is read (``curl -d
+# '{...}'`` sends one); text types and none are read as JSON.
+NOT_JSON = ("multipart/", "image/", "video/", "audio/", "font/", "model/", "application/")
+JSON_TYPES = ("application/json", "application/x-json", "application/x-www-form-urlencoded")
 
 
 def json_body(headers: dict[bytes, bytes], body: bytes, limit: int) -> bytes:
@@ -296,17 +297,29 @@ def json_body(headers: dict[bytes, bytes], body: bytes, limit: int) -> bytes:
                                   "this server does not read: send it as it is, gzip or deflate")
         body = _inflated(body, coding, limit)
     media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-    if media.startswith(NOT_JSON) and not (media == "application/x-www-form-urlencoded"
-                                           and body.lstrip()[:1] == b"{"):
+    form = media == "application/x-www-form-urlencoded"
+    json_type = media in JSON_TYPES and not form or media.endswith("+json")
+    if media.startswith(NOT_JSON) and not json_type and not (form and body.lstrip()[:1] == b"{"):
         raise UnsupportedBody(f"request body is {quoted(media)}, not JSON: send a JSON object "
                               "(Content-Type: application/json) with each image base64-encoded "
                               "or as a data: URI (the schema: GET /openapi.json)")
     if body.startswith(b"\xef\xbb\xbf"):
         return body[3:]
-    if body[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in body[:4]:
+    if body[:2] in (b"\xff\xfe", b"\xfe\xff") or len(body) >= 4 and _wide_text(body[:4]):
         raise InvalidRequest("request body is not UTF-8 (UTF-16 or UTF-32, by its first bytes): "
                              "JSON bodies are UTF-8 (RFC 8259)")
+    if b"\x00" in body[:4]:
+        raise InvalidRequest("request body starts with binary data (a NUL byte), not JSON text: "
+                             "send a JSON object (the schema: GET /openapi.json)")
     return body
+
+
+def _wide_text(head: bytes) -> bool:
+    """JSON text in UTF-16 or UTF-32 by the zeros around its first ASCII characters (RFC 4627,
+    section 3): 00 00 00 xx, 00 xx 00 xx, xx 00 00 00, xx 00 xx 00."""
+    zeros = tuple(b == 0 for b in head)
+    return zeros in ((True, True, True, False), (True, False, True, False),
+                     (False, True, True, True), (False, True, False, True))
 
 
 def _inflated(body: bytes, coding: str, limit: int) -> bytes:

@@ -675,7 +675,8 @@ def test_bodies_that_are_not_json_are_named_by_what_they_are(server, http):
     want = http.post("/v1/features", content=plain).json()["outputs"]["pooled"]
     for headers, body in (({"Content-Type": "application/json"}, b"\xef\xbb\xbf" + plain),
                           ({"Content-Type": "application/x-www-form-urlencoded"}, plain),
-                          ({"Content-Type": "text/plain; charset=utf-8"}, b"\n " + plain)):
+                          ({"Content-Type": "text/plain; charset=utf-8"}, b"\n " + plain),
+                          ({"Content-Type": "application/vnd.api+json"}, plain)):
         response = http.post("/v1/features", content=body, headers=headers)
         assert response.status_code == 200, (headers, response.text)
         assert response.json()["outputs"]["pooled"] == want
@@ -689,6 +690,10 @@ def test_bodies_that_are_not_json_are_named_by_what_they_are(server, http):
                                                        data={"input": b64(photo)}),
         "application/octet-stream": http.post("/v1/features", content=plain, headers={
             "Content-Type": "Application/Octet-Stream"}),
+        # a safetensors body (the answers' format) was "not UTF-8 (UTF-16 or UTF-32)"
+        "application/vnd.safetensors": http.post("/v1/features", content=b"\x10" + bytes(7),
+                                                 headers={"Content-Type":
+                                                          "application/vnd.safetensors"}),
     }
     long = http.post("/v1/features", content=photo, headers={"Content-Type": "image/" + "x" * 5000})
     assert long.status_code == 415 and "(5006 characters)" in long.json()["error"]["message"]
@@ -696,8 +701,12 @@ def test_bodies_that_are_not_json_are_named_by_what_they_are(server, http):
     for media, response in sent.items():
         assert response.status_code == 415, (media, response.text)
         assert f"request body is '{media}', not JSON" in response.json()["error"]["message"]
-    utf16 = http.post("/v1/features", content=plain.decode().encode("utf-16"))
-    assert utf16.status_code == 400 and "not UTF-8" in utf16.json()["error"]["message"]
+    for wide in ("utf-16", "utf-16-le", "utf-32-be"):
+        utf16 = http.post("/v1/features", content=plain.decode().encode(wide))
+        assert utf16.status_code == 400 and "not UTF-8" in utf16.json()["error"]["message"]
+    nul = http.post("/v1/features", content=b"\x00", headers={"Content-Type": "application/json"})
+    assert nul.status_code == 400  # one NUL byte is no UTF-16: said as what it is
+    assert "starts with binary data (a NUL byte), not JSON" in nul.json()["error"]["message"]
     assert http.post("/v1/features", content=plain).json()["outputs"]["pooled"] == want
 
 
