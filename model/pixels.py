@@ -75,7 +75,9 @@ import functools
 import io
 import math
 import re
+import struct
 import threading
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -246,6 +248,7 @@ def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
             image.draft(None, (image.width // scale, image.height // scale))  # mode unchanged
     if scale == 1 and (pixels := _decode_jfif(image, name)) is not None:
         return pixels
+    source = getattr(image, "fp", None)  # Pillow lets go of a PNG's file once loaded
     try:
         image.load()  # decodes every pixel: truncated or corrupt data fails here
     except Image.DecompressionBombError as err:
@@ -255,7 +258,61 @@ def decode_opened(image: Image.Image, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     except Exception as err:  # noqa: BLE001 - a decoder error means bad input, not a bug
         reason = f"{type(err).__name__}: {str(err).strip()}"  # libheif's end in a newline
         raise InvalidImage(f"cannot decode {name} image: {reason}") from None
+    if image.format == "PNG" and isinstance(source, io.BytesIO) and (
+            short := _png_data_short(image, source)):
+        raise InvalidImage(f"cannot decode PNG image: {short}")
     return to_rgb(image)
+
+
+# Adam7's passes: first column and row, column and row steps
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+          (0, 1, 1, 2))
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type
+
+
+def _png_data_short(image: Image.Image, source: io.BytesIO) -> str | None:
+    """Why a PNG's image data holds fewer rows than its header declares, or None. Pillow fills
+    what a zlib stream that ends early leaves with zeros, without a word: a damaged file served
+    as another picture. Its last rows are then zero bytes (the last pass of an interlaced one
+    covers every other row), so only a PNG ending in a zero row has its data counted (one more
+    inflate of it; a zero row is rare in a photo, common in a drawing)."""
+    width, height = image.size
+    tail = image.crop((0, max(0, height - 2), width, height)).tobytes()
+    half = len(tail) // min(2, height)
+    if all(any(tail[i:i + half]) for i in range(0, len(tail), half)):
+        return None
+    data = source.getvalue()
+    pos, stream, ihdr = 8, zlib.decompressobj(), None
+    needed = got = 0
+    while pos + 8 <= len(data):
+        length, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR" and len(body) >= 13:
+            ihdr = body
+            needed = _png_data_size(*struct.unpack(">IIBB", body[:10]), body[12])
+        elif kind == b"IDAT":
+            while body and not stream.eof:
+                got += len(stream.decompress(body, 1 << 20))
+                body = stream.unconsumed_tail
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    if ihdr is None or got >= needed:
+        return None
+    return (f"its image data ends early: {got} of the {needed} bytes its {width}x{height} "
+            "size needs (Pillow would fill the rest with zeros)")
+
+
+def _png_data_size(width: int, height: int, depth: int, colour: int, interlace: int) -> int:
+    """The inflated size of a PNG's image data: each row's filter byte and its pixels."""
+    bits = depth * _PNG_CHANNELS.get(colour, 1)
+    passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
+    size = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = max(0, -(-(width - x0) // dx)), max(0, -(-(height - y0) // dy))
+        if cols and rows:
+            size += rows * (1 + (cols * bits + 7) // 8)
+    return size
 
 
 def _decode_jfif(image: Image.Image, name: str) -> np.ndarray | None:

@@ -249,6 +249,25 @@ def test_known_format_with_a_broken_header_names_the_format_and_the_reason():
         decode(truncated[: len(truncated) // 2])
 
 
+def test_a_png_whose_image_data_ends_early_is_refused_not_filled_with_black():
+    """A PNG whose zlib stream is whole but holds 2 of the 64 rows its header declares: Pillow
+    filled the other 62 with zeros without a word, and the server answered 200 with the
+    features of another picture (an outside tester's HTTP sweep). Refused; a PNG that ends in
+    black rows of its own is still read, whatever its mode or interlacing."""
+    grey = b"".join(b"\x00" + bytes([200]) * 64 * 3 for _ in range(2))
+    with pytest.raises(InvalidImage, match=r"cannot decode PNG image: its image data ends "
+                                           r"early: 386 of the 12352 bytes its 64x64 size needs"):
+        decode(png_by_hand(64, 64, 8, 2, grey))
+    whole = b"".join(b"\x00" + bytes([200]) * 64 * 3 for _ in range(62)) + b"\x00" * 386
+    assert decode(png_by_hand(64, 64, 8, 2, whole))[-1].max() == 0  # its own black rows
+    for mode in ("RGB", "RGBA", "LA", "P", "I;16", "1"):
+        for interlace in (0, 1):
+            dark = Image.new(mode, (37, 29))
+            data = encode(dark, "PNG", interlace=interlace) if interlace else encode(dark, "PNG")
+            assert decode(data).shape == (29, 37, 3), (mode, interlace)
+    assert decode(encode(Image.new("RGB", (5, 1)), "PNG")).shape == (1, 5, 3)
+
+
 # ---- colour modes ----------------------------------------------------------------------------
 def test_bilevel_and_grey():
     bits = RNG.integers(0, 2, (9, 13)).astype(bool)
