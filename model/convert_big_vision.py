@@ -65,7 +65,14 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
             tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
             break
     if "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel" in tensors:
-        tensors = {_from_vit_jax(k): v for k, v in tensors.items()}
+        renamed = {_from_vit_jax(k): k for k in tensors}
+        if len(renamed) < len(tensors):  # both names of a pair: which the block uses is unclear
+            both = sorted(k for k in tensors if _from_vit_jax(k) != k
+                          and _from_vit_jax(k) in tensors)
+            raise ConvertError(f"big_vision checkpoint: vision_transformer's layout, but "
+                               f"{both[0]!r} beside {_from_vit_jax(both[0])!r}, big_vision's "
+                               "name for it: which the block uses is unclear")
+        tensors = {new: tensors[old] for new, old in renamed.items()}
         notes.append("google-research/vision_transformer's layout (the original ViT and AugReg "
                      "files): its blocks' modules renamed as big_vision numbers them")
     scanned = "Transformer/encoderblock/"

@@ -237,18 +237,23 @@ def _weights_of(obj: object, path: Path, notes: list[str]) -> object:
     """The state dict inside a training checkpoint (timm's checkpoint-N.pth.tar, open_clip's
     epoch_N.pt: the weights beside the epoch, the run's arguments, the optimizer); any other
     object as it is."""
-    if not isinstance(obj, dict) or not obj:
+    if not isinstance(obj, dict) or all(_is_tensor(v) for v in obj.values()):
         return obj
-    found = [key for key in _TRAINED_WEIGHTS if isinstance(obj.get(key), dict) and obj[key]]
-    if found and not all(_is_tensor(v) for v in obj.values()):
-        key, others = found[0], found[1:]
-        if len(obj) > 1:
-            notes.append(f"{path.name}: a training checkpoint: its {key!r} read (as timm's "
-                         "load_checkpoint reads it)"
-                         f"{f'; it also holds {others}' if others else ''}; its other entries "
-                         "(epoch, arguments, optimizer) left unread")
-        obj = obj[key]
-    return obj
+    found = [key for key in _TRAINED_WEIGHTS if obj.get(key) is not None]
+    if not found:
+        return obj
+    key, others = found[0], found[1:]  # timm's choice: the first present, empty or not
+    weights = obj[key]
+    if not isinstance(weights, dict) or not weights:
+        what = "empty" if isinstance(weights, dict) else f"a {type(weights).__name__}"
+        raise ConvertError(f"{path}: a training checkpoint whose {key!r} (the weights timm's "
+                           f"load_checkpoint reads) is {what}, not a state dict")
+    if len(obj) > 1:
+        notes.append(f"{path.name}: a training checkpoint: its {key!r} read (as timm's "
+                     "load_checkpoint reads it)"
+                     f"{f'; it also holds {others}' if others else ''}; its other entries "
+                     "(epoch, arguments, optimizer) left unread")
+    return weights
 
 
 def _is_tensor(value: object) -> bool:
@@ -355,11 +360,17 @@ def read_tensors(files: list[Path], index: Path | None = None,
             shown = ", ".join(repr(k) if len(k) <= 80 else f"{k[:60]!r}..." for k in lost[:5])
             raise ConvertError(f"{index}: names tensors no shard holds ({shown}"
                                f"{', ...' if len(lost) > 5 else ''}): a shard of another save?")
-    if tensors and all(key.startswith("module.") for key in tensors):  # saved from DDP
-        if notes is not None:
-            notes.append("stripped the 'module.' prefix (a DistributedDataParallel state dict)")
-        return {key.removeprefix("module."): value for key, value in tensors.items()}
+    for prefix, wrapper in _WRAPPERS:  # in either order, as timm's clean_state_dict strips them
+        if tensors and all(key.startswith(prefix) for key in tensors):
+            if notes is not None:
+                notes.append(f"stripped the {prefix!r} prefix (a {wrapper} state dict)")
+            tensors = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return tensors
+
+
+# Prefixes a wrapper module gives every key: DDP's, torch.compile's (around DDP or inside it)
+_WRAPPERS = (("_orig_mod.", "torch.compile"), ("module.", "DistributedDataParallel"),
+             ("_orig_mod.", "torch.compile"))
 
 
 # ------------------------------------------------------------------------------------------

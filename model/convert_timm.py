@@ -95,6 +95,12 @@ def _from_dinov2_release(tensors: dict[str, np.ndarray], notes: list[str]) -> di
     out = {key: value for key, value in tensors.items() if key != "mask_token"}
     said = ["its mask token dropped (training's alone)"]
     if "register_tokens" in out:
+        odd = [f"no {key!r}" for key in ("cls_token", "pos_embed") if key not in out]
+        odd += ["a 'reg_token' too"] if "reg_token" in out else []
+        if odd:  # the release's register models have a class token and a table beside them
+            raise ConvertError(f"timm checkpoint: facebookresearch/dinov2's release layout (a "
+                               f"mask token, register_tokens) with {', '.join(odd)}: not such "
+                               "a file whole")
         table = out.pop("pos_embed")
         out["reg_token"] = out.pop("register_tokens")
         out["cls_token"] = out["cls_token"] + table[:, :1]

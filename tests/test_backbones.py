@@ -436,6 +436,12 @@ def test_dinov2_release_files_are_read_as_timm_reads_them(name, tmp_path):
     torch.save(release, tmp_path / "release.pth")
     converted = convert("timm", tmp_path / "release.pth", Hints(heads=4))
     assert any("facebookresearch/dinov2's release layout" in note for note in converted.notes)
+    if "register_tokens" in release:  # a register file missing its table: named, no KeyError
+        del release["pos_embed"]
+        torch.save(release, tmp_path / "partial.pth")
+        with pytest.raises(ConvertError, match=r"release layout \(a mask token, register_tokens\) "
+                                               r"with no 'pos_embed': not such a file whole"):
+            convert("timm", tmp_path / "partial.pth", Hints(heads=4))
     pixels = _pixels()
     check_parity(f"dinov2-release-{name}", f"timm {name}", converted, pixels.numpy(),
                  timm_outputs(model, pixels), True)

@@ -398,6 +398,12 @@ def test_vision_transformer_layout_parity_through_timms_loader(tmp_path):
     assert any("vision_transformer's layout" in note for note in converted.notes)
     pixels = _pixels()
     _assert_parity(converted, _timm_outputs(model, pixels), pixels)
+    # big_vision's name beside one it would be renamed to: one silently won (86% off)
+    stray = {**vit_jax, "Transformer/encoderblock_0/LayerNorm_1/scale": np.ones(D, np.float32)}
+    np.savez(tmp_path / "both.npz", **stray)
+    with pytest.raises(ConvertError, match="'Transformer/encoderblock_0/LayerNorm_2/scale' "
+                                           "beside 'Transformer/encoderblock_0/LayerNorm_1/scale'"):
+        convert("big_vision", tmp_path / "both.npz")
 
 
 def test_big_vision_siglip_image_tower_parity(tmp_path):

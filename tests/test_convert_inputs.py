@@ -534,6 +534,25 @@ def test_training_checkpoints_are_read_as_timm_and_open_clip_read_them(tmp_path)
     assert any("epoch_2.pt: a training checkpoint: its 'state_dict' read" in note
                for note in notes)
     assert "stripped the 'module.' prefix (a DistributedDataParallel state dict)" in notes
+    # torch.compile's prefix, around DDP's, stripped as timm's clean_state_dict strips both
+    torch.save({"epoch": 1, "state_dict": {"_orig_mod.module." + k: v for k, v in state.items()}},
+               tmp_path / "compiled.pt")
+    got, notes = params(tmp_path / "compiled.pt", "open_clip", hints)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "stripped the '_orig_mod.' prefix (a torch.compile state dict)" in notes
+    # the weights timm would read, empty or not a state dict: refused, not another entry read
+    # (an empty EMA beside a full state_dict was read as the state_dict, said as timm's choice)
+    for name, checkpoint, what in (("empty.pth.tar", {**run, "state_dict": {}},
+                                    "'state_dict' .* is empty"),
+                                   ("list.pth.tar", {**run, "state_dict": [1, 2]},
+                                    "'state_dict' .* is a list"),
+                                   ("ema.pth.tar", {**run, "state_dict": plain,
+                                                    "state_dict_ema": {}},
+                                    "'state_dict_ema' .* is empty")):
+        torch.save(checkpoint, tmp_path / name)
+        with pytest.raises(ConvertError, match=f"a training checkpoint whose {what}, not a "
+                                               "state dict"):
+            convert("timm", tmp_path / name, Hints(heads=4))
 
 
 def test_files_that_are_no_checkpoint_are_named_so_and_no_unsafe_load_is_advised(tmp_path):
