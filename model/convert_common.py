@@ -256,6 +256,12 @@ def _weights_of(obj: object, path: Path, notes: list[str]) -> object:
     return weights
 
 
+def arg_name(key: str) -> str:
+    """A config file's key as a refusal names it: as it is when a plain name, else quoted (a
+    newline or a terminal escape in it must not reach the message raw)."""
+    return key if key.isidentifier() and key.isascii() else repr(key)
+
+
 def _is_tensor(value: object) -> bool:
     import torch
 

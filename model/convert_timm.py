@@ -20,6 +20,7 @@ from .convert_common import (
     Hints,
     Sizes,
     SourceTensors,
+    arg_name,
     check_claims,
     count_blocks,
     fold_layer_scale,
@@ -364,8 +365,8 @@ def _refuse_architecture(t: SourceTensors, side: dict) -> None:
         raise ConvertError(f"{t.source} checkpoint: not supported: {why}")
     for key, value in args.items():
         if key not in _VIT_ARGS:
-            raise ConvertError(f"{t.source} checkpoint: config.json model_args.{key}={value!r} "
-                               "is not an option this converter reads for timm's "
+            raise ConvertError(f"{t.source} checkpoint: config.json model_args.{arg_name(key)}="
+                               f"{value!r} is not an option this converter reads for timm's "
                                "VisionTransformer; refusing to convert rather than ignore it")
     if args.get("embed_layer") not in (None, "PatchEmbed"):
         raise ConvertError(f"{t.source} checkpoint: config.json model_args.embed_layer="

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import convert_hf
 from .config import ViTConfig
-from .convert_common import ConvertError, Hints, SourceTensors
+from .convert_common import ConvertError, Hints, SourceTensors, arg_name
 
 # the heads each registration passes itself (timm 1.0.x); a hub config.json records only the
 # caller's own arguments
@@ -142,7 +142,8 @@ def _refuse(t: SourceTensors, args: dict) -> None:
                 raise ConvertError(f"{t.source} checkpoint: config.json model_args.{key}="
                                    f"{value!r} is not supported (DINOv3's is {want!r})")
         elif key not in _READ_ELSEWHERE:
-            raise ConvertError(f"{t.source} checkpoint: config.json model_args.{key}={value!r} "
+            raise ConvertError(f"{t.source} checkpoint: config.json model_args.{arg_name(key)}"
+                               f"={value!r} "
                                "is not an option this converter reads for timm's DINOv3 port; "
                                "refusing to convert rather than ignore it")
     for key, what in _WEIGHTS_SAY:

@@ -51,7 +51,7 @@ def model_info(cfg: ViTConfig, mesh: str | None = None, dtype: str | None = None
 
 def _devices_in(mesh: str) -> int:
     """Device count implied by an explicit spec (info never needs the devices to exist)."""
-    sizes = re.fullmatch(r"\s*data\s*=\s*(\d+)\s*,\s*model\s*=\s*(\d+)\s*", mesh)
+    sizes = re.fullmatch(r"\s*data\s*=\s*([0-9]+)\s*,\s*model\s*=\s*([0-9]+)\s*", mesh)
     if not sizes:
         raise MeshError(f"--mesh for info needs both axes, e.g. data=1,model=8; got {mesh!r}")
     return int(sizes[1]) * int(sizes[2])

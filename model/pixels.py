@@ -271,23 +271,22 @@ _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type
 
 
 def _png_data_short(image: Image.Image, source: io.BytesIO) -> str | None:
-    """Why a PNG's image data holds fewer rows than its header declares, or None. Pillow fills
+    """Why a PNG's image data holds fewer bytes than its header declares, or None. Pillow fills
     what a zlib stream that ends early leaves with zeros, without a word: a damaged file served
-    as another picture. Its last rows are then zero bytes (the last pass of an interlaced one
-    covers every other row), so only a PNG ending in a zero row has its data counted (one more
-    inflate of it; a zero row is rare in a photo, common in a drawing)."""
-    width, height = image.size
-    tail = image.crop((0, max(0, height - 2), width, height)).tobytes()
-    half = len(tail) // min(2, height)
-    if all(any(tail[i:i + half]) for i in range(0, len(tail), half)):
-        return None
+    as another picture. Rows come in order, so the last pixel is then zero bytes: only such a
+    PNG has its data counted (one more inflate; a black last pixel is rare in a photo, common in
+    a drawing), and every interlaced one (its passes leave pixels apart; Pillow refuses most)."""
     data = source.getvalue()
+    interlaced = data[12:16] == b"IHDR" and len(data) > 28 and data[28] != 0
+    width, height = image.size
+    if not interlaced and any(image.crop((width - 1, height - 1, width, height)).tobytes()):
+        return None
     pos, stream, ihdr = 8, zlib.decompressobj(), None
     needed = got = 0
     while pos + 8 <= len(data):
         length, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
         body = data[pos + 8:pos + 8 + length]
-        if kind == b"IHDR" and len(body) >= 13:
+        if kind == b"IHDR" and len(body) >= 13 and ihdr is None:  # Pillow reads the first
             ihdr = body
             needed = _png_data_size(*struct.unpack(">IIBB", body[:10]), body[12])
         elif kind == b"IDAT":

@@ -137,6 +137,7 @@ class NotANumber(argparse.ArgumentTypeError, ValueError):
 # non-ASCII digits ("\uff11" as 1), which a typo or a pasted value should not become.
 _WHOLE_TEXT = re.compile(r"[+-]?[0-9]+")
 _REAL_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+MAX_DIGITS = 100  # far past any setting (a 64-bit seed has 20)
 _NON_FINITE = ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity", "nan")
 
 
@@ -144,6 +145,9 @@ def whole_number(text: str) -> int:
     """An integer in plain digits (surrounding spaces allowed)."""
     if not _WHOLE_TEXT.fullmatch(text.strip()):
         raise NotANumber(f"expected a whole number (plain digits), got {quoted(text)}")
+    if len(text.strip()) > MAX_DIGITS:  # int() refuses past 4300 in words of its own
+        raise NotANumber(f"expected a whole number of at most {MAX_DIGITS} digits, got "
+                         f"{len(text.strip())}")
     return int(text)
 
 

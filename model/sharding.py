@@ -37,7 +37,7 @@ def parse_mesh_spec(spec: str, num_devices: int) -> tuple[int, int]:
         return num_devices, 1
     sizes: dict[str, int] = {}
     for part in spec.split(","):
-        match = re.fullmatch(r"\s*(data|model)\s*=\s*(\d+)\s*", part)
+        match = re.fullmatch(r"\s*(data|model)\s*=\s*([0-9]+)\s*", part)
         if not match:
             raise MeshError(
                 f"bad mesh spec {spec!r}: expected 'data=N,model=M' (or 'auto'), got {part!r}"

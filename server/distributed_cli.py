@@ -87,7 +87,7 @@ def group_from_args(args: argparse.Namespace) -> Group | None:
         return None
     if any(v is None for v in given):
         raise ValueError("--coordinator, --num-processes and --process-id go together")
-    if not re.fullmatch(r"\S+:\d+", flags.coordinator):
+    if not re.fullmatch(r"\S+:[0-9]+", flags.coordinator):
         raise ValueError(f"--coordinator must be HOST:PORT, got {flags.coordinator!r}")
     if flags.num_processes < 2:  # one process: its plan and buckets are a single server's
         raise ValueError(f"--num-processes must be at least 2, got {flags.num_processes} (one "

@@ -316,10 +316,16 @@ def json_body(headers: dict[bytes, bytes], body: bytes, limit: int) -> bytes:
 
 def _wide_text(head: bytes) -> bool:
     """JSON text in UTF-16 or UTF-32 by the zeros around its first ASCII characters (RFC 4627,
-    section 3): 00 00 00 xx, 00 xx 00 xx, xx 00 00 00, xx 00 xx 00."""
+    section 3): 00 00 00 xx, 00 xx 00 xx, xx 00 00 00, xx 00 xx 00, each xx a character JSON
+    text starts with (a safetensors header's length also starts xx 00 00 00)."""
     zeros = tuple(b == 0 for b in head)
-    return zeros in ((True, True, True, False), (True, False, True, False),
-                     (False, True, True, True), (False, True, False, True))
+    if zeros not in ((True, True, True, False), (True, False, True, False),
+                     (False, True, True, True), (False, True, False, True)):
+        return False
+    return all(b in _JSON_START for b in head if b)
+
+
+_JSON_START = frozenset(b' \t\r\n{["-0123456789tfn')
 
 
 def _inflated(body: bytes, coding: str, limit: int) -> bytes:

@@ -55,10 +55,15 @@ _ONE_LINE = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | {
 
 class TextLines(logging.Formatter):
     """The terminal's format, a record's message on one line whatever it quotes (a forged
-    line read as the server's own); a traceback keeps its lines, after it."""
+    line read as the server's own); a traceback keeps its lines after it, each indented (an
+    exception's text may quote a client's too), its other control characters escaped."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         return super().formatMessage(record).translate(_ONE_LINE)
+
+    def format(self, record: logging.LogRecord) -> str:
+        first, *rest = super().format(record).split("\n")
+        return "\n".join([first, *("    " + line.translate(_ONE_LINE) for line in rest)])
 
 
 def configure(level: str, fmt: str, process: int | None = None) -> None:

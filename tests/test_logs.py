@@ -80,8 +80,8 @@ log = logging.getLogger("vit22b.server.http")
 key = "x\\n2026-12-07 00:00:00,000 ERROR vit22b.server.engine: FORGED, device lost\\x1b[2J\\u2028"
 log.info("%s refused: %s", "POST /v1/features", f"images.0.{key}: extra inputs are not permitted")
 try:
-    1 / 0
-except ZeroDivisionError:
+    raise ValueError("client said x\\n2026-12-07 00:00:00,000 ERROR vit22b.server.app: FORGED")
+except ValueError:
     log.exception("a bug")
 """
 
@@ -90,7 +90,7 @@ def test_a_text_log_line_cannot_be_forged_by_a_clients_text():
     """An unknown JSON key a refusal quotes went raw into the text log, newline and all: one
     request wrote a line that read as the server's own ERROR (an outside tester's HTTP sweep).
     A record's message is one line, its control characters escaped; a traceback keeps its
-    lines."""
+    lines, indented (an exception's text may quote a client's too)."""
     done = subprocess.run([sys.executable, "-c", TEXT], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -99,5 +99,7 @@ def test_a_text_log_line_cannot_be_forged_by_a_clients_text():
         "00:00:00,000 ERROR vit22b.server.engine: FORGED, device lost\\x1b[2J\\u2028: extra " \
         "inputs are not permitted" in lines[0]
     assert " ERROR vit22b.server.http: a bug" in lines[1]
-    assert lines[2] == "Traceback (most recent call last):"
-    assert lines[-1] == "ZeroDivisionError: division by zero" and len(lines) == 5
+    assert lines[2] == "    Traceback (most recent call last):"
+    assert lines[-2:] == ["    ValueError: client said x",
+                          "    2026-12-07 00:00:00,000 ERROR vit22b.server.app: FORGED"]
+    assert all(line.startswith("    ") for line in lines[2:]) and len(lines) == 6

@@ -66,8 +66,9 @@ def png_chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
-def png_by_hand(width: int, height: int, depth: int, colour: int, rows: bytes = b"") -> bytes:
-    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+def png_by_hand(width: int, height: int, depth: int, colour: int, rows: bytes = b"",
+                interlace: int = 0) -> bytes:
+    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, interlace)
     return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header)
             + png_chunk(b"IDAT", zlib.compress(rows)) + png_chunk(b"IEND", b""))
 
@@ -260,6 +261,14 @@ def test_a_png_whose_image_data_ends_early_is_refused_not_filled_with_black():
         decode(png_by_hand(64, 64, 8, 2, grey))
     whole = b"".join(b"\x00" + bytes([200]) * 64 * 3 for _ in range(62)) + b"\x00" * 386
     assert decode(png_by_hand(64, 64, 8, 2, whole))[-1].max() == 0  # its own black rows
+    # the stream ending inside the last row (Pillow's own refusal: it wanted the row's end)
+    with pytest.raises(InvalidImage, match="cannot decode PNG image"):
+        decode(png_by_hand(64, 64, 8, 2, ((b"\x00" + bytes([200]) * 192) * 64)[:-10]))
+    # one row, interlaced: Adam7's last pass is empty, its sixth (every other pixel) missing
+    passes = b"".join(b"\x00" + bytes([90]) * 3 * n for n in (1, 1, 2, 4))  # 1, 2, 4, 6
+    with pytest.raises(InvalidImage, match="ends early: 15 of the 28 bytes its 8x1 size"):
+        decode(png_by_hand(8, 1, 8, 2, passes[:-13], interlace=1))
+    assert decode(png_by_hand(8, 1, 8, 2, passes, interlace=1)).max() == 90
     for mode in ("RGB", "RGBA", "LA", "P", "I;16", "1"):
         for interlace in (0, 1):
             dark = Image.new(mode, (37, 29))
