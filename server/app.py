@@ -333,6 +333,10 @@ async def serve_started(server: FeatureServer, mesh_note: str = "") -> int:
 
     ``mesh_note`` follows the mesh in the announcement (a group names its processes there).
     """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before SERVING is said: a supervisor's
+        loop.add_signal_handler(sig, stop.set)  # SIGTERM right after it must drain, not kill
     engine = server.engine
     log.info("%s (%s) on mesh %s", engine.cfg.name, engine.identity.source, engine.mesh_spec)
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
@@ -343,10 +347,6 @@ async def serve_started(server: FeatureServer, mesh_note: str = "") -> int:
         f"{server.address}, mesh {engine.mesh_spec}{mesh_note}, buckets {list(engine.buckets)}"
         f"{metrics}"
     )
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     _announce("vit22b serve: draining (NOT_SERVING, new calls UNAVAILABLE)")
     clean = await server.drain_and_stop()

@@ -620,6 +620,35 @@ def test_the_startup_heap_is_left_out_of_cycle_collections_while_serving():
     assert gc.get_freeze_count() == 0  # a stopped server's objects may be collected again
 
 
+def test_serving_is_said_only_once_sigterm_drains(monkeypatch):
+    """The SERVING line came before the signal handlers: a supervisor's SIGTERM on reading it
+    killed the server by the default action (exit -15, no drain; an outside tester saw 4 of 8
+    starts). At the line, SIGTERM must already be the server's: sent then, it drains."""
+    from types import SimpleNamespace
+
+    from vit22b.server import app as app_module
+
+    said = []
+
+    def announce(line: str) -> None:
+        said.append(line)
+        if "SERVING" in line:
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), \
+                "SERVING said while SIGTERM still kills"
+            os.kill(os.getpid(), signal.SIGTERM)  # as a supervisor would, at once
+
+    async def drain_and_stop():
+        return True
+
+    engine = SimpleNamespace(cfg=SimpleNamespace(name="m"), identity=SimpleNamespace(source="s"),
+                             mesh_spec="data=1,model=1", buckets=(1,))
+    server = SimpleNamespace(engine=engine, address="127.0.0.1:1", http_url=None,
+                             metrics_port=None, drain_and_stop=drain_and_stop)
+    monkeypatch.setattr(app_module, "_announce", announce)
+    assert asyncio.run(app_module.serve_started(server)) == 0
+    assert said[-1] == "vit22b serve: stopped (clean)"
+
+
 def test_sigterm_during_load_loses_no_accepted_request():
     proc, address = serve_process(
         "--mesh", "data=2,model=4", "--max-batch-images", "8", "--max-delay-ms", "100",
