@@ -111,8 +111,12 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     class_token = "cls" in t
     posemb, covers_cls = _posemb_key(t), False
     if posemb is not None:  # vision_transformer adds its table after the class token joins
-        grid, covers_cls = grid_of(t.shape(posemb)[1], class_token and posemb == VIT_JAX_POSEMB,
-                                   t.source)
+        vit_jax = posemb == VIT_JAX_POSEMB
+        grid, covers_cls = grid_of(t.shape(posemb)[1], class_token and vit_jax, t.source)
+        if vit_jax and class_token and not covers_cls:  # its code adds the table after the token
+            raise ConvertError(f"big_vision checkpoint: vision_transformer's layout with a class "
+                               f"token, but its position table of {t.shape(posemb)[1]} rows has "
+                               "none for it (that code could not run this file)")
     else:
         if hints.preset is None:
             raise ConvertError(

@@ -300,6 +300,10 @@ def _torch_tensors(path: Path, notes: list[str]) -> dict[str, np.ndarray]:
         raise ConvertError(f"{path}: expected a state dict, found {type(obj).__name__}")
     tensors = {}
     for key, value in obj.items():
+        if isinstance(value, dict) and value and all(_is_tensor(v) for v in value.values()):
+            raise ConvertError(f"{path}: its weights are under {key!r} ({len(value)} tensors, "
+                               "a training checkpoint's layout this converter does not read): "
+                               "save that state dict alone")
         if not isinstance(value, torch.Tensor):
             raise ConvertError(f"{path}: key {key!r} is a {type(value).__name__}, not a tensor")
         value = value.detach().contiguous()

@@ -404,6 +404,13 @@ def test_vision_transformer_layout_parity_through_timms_loader(tmp_path):
     with pytest.raises(ConvertError, match="'Transformer/encoderblock_0/LayerNorm_2/scale' "
                                            "beside 'Transformer/encoderblock_0/LayerNorm_1/scale'"):
         convert("big_vision", tmp_path / "both.npz")
+    # a class token and a table without its row: that code could not run it (read as
+    # big_vision's table, it converted without a word)
+    np.savez(tmp_path / "short.npz", **{**vit_jax, "Transformer/posembed_input/pos_embedding":
+                                         table})
+    with pytest.raises(ConvertError, match="with a class token, but its position table of 16 "
+                                           "rows has none for it"):
+        convert("big_vision", tmp_path / "short.npz")
 
 
 def test_big_vision_siglip_image_tower_parity(tmp_path):

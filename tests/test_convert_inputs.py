@@ -553,6 +553,10 @@ def test_training_checkpoints_are_read_as_timm_and_open_clip_read_them(tmp_path)
         with pytest.raises(ConvertError, match=f"a training checkpoint whose {what}, not a "
                                                "state dict"):
             convert("timm", tmp_path / name, Hints(heads=4))
+    torch.save({"teacher": plain}, tmp_path / "teacher.pth")  # DINOv2's training layout
+    with pytest.raises(ConvertError, match=r"its weights are under 'teacher' \(\d+ tensors, a "
+                                           "training checkpoint's layout"):
+        convert("timm", tmp_path / "teacher.pth", Hints(heads=4))
 
 
 def test_files_that_are_no_checkpoint_are_named_so_and_no_unsafe_load_is_advised(tmp_path):
