@@ -100,8 +100,8 @@ def _positive(parse):
     def checked(text: str):
         try:
             values = parse(text)
-        except ValueError:  # int("1e3"): argparse said "invalid checked value"
-            raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}") from None
+        except ValueError as err:  # not a number: its own words (argparse: "invalid checked")
+            raise argparse.ArgumentTypeError(f"expected positive values: {err}") from None
         if not all(v > 0 and math.isfinite(v)  # an infinite temperature votes uniformly
                    for v in (values if isinstance(values, tuple) else (values,))):
             raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")

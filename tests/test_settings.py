@@ -121,7 +121,7 @@ def test_numbers_are_read_as_a_person_writes_them(capsys):
     for argv, message in ((["embed", "x", "-o", "y", "--layers", "1_0"], "want integers"),
                           (["probe", "linear", "--shapes-world", "1_0"], "expected a whole"),
                           (["probe", "linear", "--digits", "--temperature", "1_0"],
-                           "expected positive values"),
+                           "expected positive values: expected a number (plain digits"),
                           (["convert", "x", "--from", "timm", "-o", "y", "--crop", "2_24"],
                            "expected a whole number")):
         with pytest.raises(SystemExit) as ended:
