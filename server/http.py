@@ -160,6 +160,30 @@ class EmbeddingsResponse(BaseModel):
     usage: Usage
 
 
+class Liveness(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["SERVING"]
+
+
+class ModelEntry(BaseModel):
+    """OpenAI's model entry; beside its four keys, GetModelInfo's fields as proto JSON spells
+    them (64-bit integers as numbers, output kinds and dtypes by name, config as an object)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelEntry]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str = Field(description="the failure's class")
@@ -541,9 +565,12 @@ class HttpDoor:
                           response_model=EmbeddingsResponse, summary="OpenAI-compatible embeddings")
         app.add_api_route("/v1/features", self.features, methods=["POST"],
                           response_model=FeaturesResponse, summary="Features (JSON or safetensors)")
-        app.add_api_route("/v1/models", self.list_models, methods=["GET"], summary="Model info")
-        app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness")
-        app.add_api_route("/ready", self.ready, methods=["GET"], summary="SERVING or not")
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"],
+                          response_model=ModelList, summary="Model info")
+        app.add_api_route("/health", self.health, methods=["GET"], response_model=Liveness,
+                          summary="Liveness")
+        app.add_api_route("/ready", self.ready, methods=["GET"], response_model=Readiness,
+                          summary="SERVING or not")
         for path, route in (("/health", self.health), ("/ready", self.ready),
                             ("/v1/models", self.list_models)):
             # HEAD too, as load balancers probe; out of the document (one operation per path)

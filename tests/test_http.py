@@ -454,6 +454,13 @@ def test_health_ready_models_and_openapi(server, http):
     assert {"images", "outputs", "layers", "dtype", "skip_invalid"} <= set(
         schemas["FeaturesRequest"]["properties"])
     assert "Image" in schemas and "EmbeddingsRequest" in schemas
+    # the GET answers are declared too (their schemas were open), and the live ones match
+    from vit22b.server.http import Liveness, ModelList, Readiness
+
+    for path, model in (("/v1/models", ModelList), ("/health", Liveness), ("/ready", Readiness)):
+        declared = doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]
+        assert declared["schema"] == {"$ref": f"#/components/schemas/{model.__name__}"}, path
+        model.model_validate(http.get(path).json())
     # every refusal declared with its body; safetensors beside JSON
     responses = doc["paths"]["/v1/features"]["post"]["responses"]
     assert {"400", "401", "408", "413", "422", "429", "431", "503", "504"} <= set(responses)
