@@ -556,13 +556,19 @@ def test_a_stream_whose_deadline_cannot_be_met_gets_resource_exhausted():
         srv.stop()
 
 
-def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypatch):
+def _one_on_demand_set(fingerprint: str) -> tuple[Engine, ServeConfig]:
+    """A warm tiny engine whose cache of on-demand forwards holds one output set (4 forwards
+    over 6 buckets), and a server config for it."""
     cfg = get_config("vit-22b-tiny/16")
     mesh = make_mesh(MESH)
-    engine = Engine(cfg, shard_params(cfg, random_params(cfg, 5), mesh), mesh, fingerprint="f",
-                    source="s", max_batch_images=8, max_compiled=4)  # 6 buckets: 1 output set
+    engine = Engine(cfg, shard_params(cfg, random_params(cfg, 5), mesh), mesh,
+                    fingerprint=fingerprint, source="s", max_batch_images=8, max_compiled=4)
     engine.warm_up()
-    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    return engine, ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+
+
+def test_a_compile_storm_does_not_block_warm_output_sets_and_is_bounded(monkeypatch):
+    engine, config = _one_on_demand_set("f")
     compiling, release = threading.Event(), threading.Event()
     original = engine._compile
 
@@ -612,12 +618,7 @@ def test_calls_of_undecodable_images_take_no_place_in_the_compile_cache():
     from vit22b.server.http import error_response
     from vit22b.server.status import status_of
 
-    cfg = get_config("vit-22b-tiny/16")
-    mesh = make_mesh(MESH)
-    engine = Engine(cfg, shard_params(cfg, random_params(cfg, 5), mesh), mesh, fingerprint="u",
-                    source="s", max_batch_images=8, max_compiled=4)  # 6 buckets: 1 output set
-    engine.warm_up()
-    config = ServeConfig(mesh=MESH, port=0, metrics_port=0, max_batch_images=8)
+    engine, config = _one_on_demand_set("u")
     broken = pb.Image(id="x", encoded=b"not an image")
     with BackgroundServer(config, engine=engine) as srv:
         client = stub(srv.address)
