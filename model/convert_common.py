@@ -333,6 +333,11 @@ def _safetensors(path: Path) -> dict[str, np.ndarray]:
         return {key: f.get_tensor(key) for key in f.keys()}
 
 
+# Prefixes a wrapper module gives every key: DDP's, torch.compile's (around DDP or inside it)
+_WRAPPERS = (("_orig_mod.", "torch.compile"), ("module.", "DistributedDataParallel"),
+             ("_orig_mod.", "torch.compile"))
+
+
 def read_tensors(files: list[Path], index: Path | None = None,
                  notes: list[str] | None = None) -> dict[str, np.ndarray]:
     """Every tensor of ``files``; with the shard ``index`` they come from, each tensor it names
@@ -376,11 +381,6 @@ def read_tensors(files: list[Path], index: Path | None = None,
                 notes.append(f"stripped the {prefix!r} prefix (a {wrapper} state dict)")
             tensors = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return tensors
-
-
-# Prefixes a wrapper module gives every key: DDP's, torch.compile's (around DDP or inside it)
-_WRAPPERS = (("_orig_mod.", "torch.compile"), ("module.", "DistributedDataParallel"),
-             ("_orig_mod.", "torch.compile"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -341,8 +341,7 @@ _VIT_ARGS = frozenset((
     "proj_bias", "init_values", "class_token", "pos_embed", "no_embed_class", "reg_tokens",
     "pre_norm", "final_norm", "fc_norm", "pool_include_prefix", "dynamic_img_size",
     "dynamic_img_pad", "embed_layer", "embed_norm_layer", "norm_layer", "act_layer", "block_fn",
-    "mlp_layer",
-    "attn_layer", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
+    "mlp_layer", "attn_layer", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
     "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init",
 ))
 

@@ -862,10 +862,12 @@ class _Guard:
         path = scope["path"]
         route = f"{scope['method']} {path if path in ROUTES else '(other)'}"
         headers = dict(scope["headers"])
-        refusal = self.tokens and path not in OPEN_PATHS and self.tokens.refusal(
-            [value for key, value in scope["headers"] if key == b"authorization"],
-            "header 'Authorization")
-        if refusal:
+        refusal = None
+        if self.tokens and path not in OPEN_PATHS:
+            refusal = self.tokens.refusal(
+                [value for key, value in scope["headers"] if key == b"authorization"],
+                "header 'Authorization")
+        if refusal is not None:
             return await self._unread(route, Unauthenticated(refusal))(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
