@@ -1,10 +1,12 @@
-"""Hugging Face transformers: ViT, DINOv2 (with and without registers), DINOv3 ViT, CLIP and SigLIP
-vision towers, from safetensors or .bin files with their config.json and preprocessor_config.json.
+"""Hugging Face transformers: ViT and the models on its layout (ViT-MSN, ViT-MAE's encoder, I-JEPA,
+DeiT with its distillation token), DINOv2 (with and without registers), DINOv3 ViT, CLIP and
+SigLIP vision towers, from safetensors or .bin files with their config.json and
+preprocessor_config.json.
 
 Every family is a pre-norm sequential ViT; a ``Layout`` names where it keeps each tensor, and one
 builder reads them all. The family comes from config.json's ``model_type`` or, without one, from
 the keys. Full two-tower checkpoints (CLIPModel, SiglipModel) give their vision tower; the text
-tower is dropped by name, with a note.
+tower is dropped by name, with a note, as is ViT-MAE's pixel decoder.
 """
 
 from __future__ import annotations
@@ -110,21 +112,25 @@ _DINOV2 = Layout(
     eps=1e-6,
     act="gelu",
 )
+_VIT = Layout(
+    block="encoder.layer.{i}.",
+    norm1="layernorm_before",
+    norm2="layernorm_after",
+    **_VIT_ATTENTION,
+    fc1="intermediate.dense",
+    fc2="output.dense",
+    final_norm="layernorm",
+    patch="embeddings.patch_embeddings.projection",
+    cls="embeddings.cls_token",
+    pos="embeddings.position_embeddings",
+    eps=1e-12,
+    act="gelu",
+)
 LAYOUTS = {
-    "vit": Layout(
-        block="encoder.layer.{i}.",
-        norm1="layernorm_before",
-        norm2="layernorm_after",
-        **_VIT_ATTENTION,
-        fc1="intermediate.dense",
-        fc2="output.dense",
-        final_norm="layernorm",
-        patch="embeddings.patch_embeddings.projection",
-        cls="embeddings.cls_token",
-        pos="embeddings.position_embeddings",
-        eps=1e-12,
-        act="gelu",
-    ),
+    "vit": _VIT,
+    # DeiT's distillation token follows the class token and has a row of the position table:
+    # served as the model's one register token, whose table row it keeps
+    "deit": Layout(**{**_VIT.__dict__, "registers": "embeddings.distillation_token"}),
     "dinov2": _DINOV2,
     "dinov2_with_registers": Layout(
         **{**_DINOV2.__dict__, "registers": "embeddings.register_tokens"}
@@ -157,8 +163,16 @@ LAYOUTS = {
     ),
     "siglip_vision_model": Layout(**_CLIP_BLOCK, eps=1e-6, act="gelu_pytorch_tanh"),
 }
-# config.json model_type -> layout (two-tower configs keep the vision one in vision_config)
-_MODEL_TYPES = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
+# config.json model_type -> layout (two-tower configs keep the vision one in vision_config; ViT-MSN,
+# ViT-MAE and I-JEPA are ViT's modules under other names)
+_MODEL_TYPES = {
+    "clip": "clip_vision_model",
+    "siglip": "siglip_vision_model",
+    "vit_msn": "vit",
+    "vit_mae": "vit",
+    "ijepa": "vit",
+}
+_CLASSLESS = ("ijepa",)  # model types on ViT's layout with no class token
 # transformers' ACT2FN name -> (gelu_exact, mlp); gelu_python is the erf form in Python,
 # gelu_fast, gelu_accurate and gelu_python_tanh the tanh form spelled otherwise
 _ACTIVATIONS = {
@@ -195,6 +209,12 @@ _HF_RENAMES = (
 _DINOV2_GATE = re.compile(r"^(encoder\.layer\.\d+\.mlp\.)gate_proj\.(weight|bias)$")
 # the other tower and the contrastive scalars of a two-tower checkpoint
 _TEXT_TOWER = re.compile(r"^(text_model\.|text_projection\.|logit_scale$|logit_bias$)")
+# the backbone's prefix in the task models read (ViTForImageClassification, ViTMAEForPreTraining,
+# DeiTForImageClassificationWithTeacher, IJepaForImageClassification, CLIPVisionModel, ...)
+_BACKBONE_PREFIX = re.compile(r"^(vit|deit|ijepa|vision_model)\.")
+_TEACHER_HEADS = tuple(f"{head}_classifier.{p}" for head in ("cls", "distillation")
+                       for p in ("weight", "bias"))
+_MAE_DECODER = "decoder."  # ViTMAEForPreTraining's pixel decoder: pre-training's alone
 
 
 SIDE_FILES = ("config.json", "preprocessor_config.json")
@@ -212,14 +232,18 @@ def side_files(path: Path) -> dict:
 
 
 def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
-    text = sorted(k for k in tensors if _TEXT_TOWER.match(k))
+    text = {k for k in tensors if _TEXT_TOWER.match(k)}
     if text:
         notes.append(f"dropped the text tower and contrastive scalars ({len(text)} tensors)")
+    decoder = {k for k in tensors if k.startswith(_MAE_DECODER)}
+    if decoder:
+        notes.append(f"dropped ViT-MAE's pixel decoder ({len(decoder)} tensors; pre-training's "
+                     "reconstruction, not the encoder's features)")
     out = {}
     for key, value in tensors.items():
-        if key in text:
+        if key in text or key in decoder:
             continue
-        name = key.removeprefix("vit.").removeprefix("vision_model.")
+        name = _BACKBONE_PREFIX.sub("", key, count=1)
         for pattern, repl in _HF_RENAMES:
             name, n = re.subn(pattern, repl, name)
             if n:
@@ -245,13 +269,14 @@ def _family_of_keys(t: SourceTensors) -> str:
     if "encoder.layers.0.self_attn.q_proj.weight" in t:
         return "clip_vision_model" if "embeddings.class_embedding" in t else "siglip_vision_model"
     if "encoder.layer.0.layernorm_before.weight" in t:
-        return "vit"
+        return "deit" if "embeddings.distillation_token" in t else "vit"
     wrapped = sorted({k.split(".")[0] for k in t.tensors if k.startswith(_TASK_WRAPPERS)})
     raise ConvertError(
-        f"hf checkpoint: not a supported vision model (ViT, DINOv2, DINOv3 ViT, CLIP or SigLIP "
-        f"vision tower); its keys begin: {t.some_keys()}"
-        + (f" (a task model around {', '.join(wrapped)}: only ViTForImageClassification's head "
-           "is supported; save and convert its backbone model alone)" if wrapped else "")
+        f"hf checkpoint: not a supported vision model (ViT, ViT-MSN, ViT-MAE, I-JEPA, DeiT, "
+        f"DINOv2, DINOv3 ViT, CLIP or SigLIP vision tower); its keys begin: {t.some_keys()}"
+        + (f" (a task model around {', '.join(wrapped)}: only the classifiers of ViT, ViT-MSN, "
+           "DeiT and I-JEPA are supported; save and convert its backbone model alone)"
+           if wrapped else "")
     )
 
 
@@ -261,19 +286,19 @@ def family(t: SourceTensors, side: dict) -> str:
     model_type = side.get("model_type")
     if model_type is None:
         return from_keys
-    model_type = _MODEL_TYPES.get(model_type, model_type)
-    if model_type not in LAYOUTS:
-        known = ", ".join(sorted(LAYOUTS))
+    layout = _MODEL_TYPES.get(model_type, model_type)
+    if layout not in LAYOUTS:
+        known = ", ".join(sorted({*LAYOUTS, *_MODEL_TYPES} - {"clip", "siglip"}))
         raise ConvertError(
             f"hf checkpoint: config.json has model_type={model_type!r}, which is not supported "
             f"(supported: {known})"
         )
-    if model_type != from_keys:
+    if layout != from_keys:
         raise ConvertError(
             f"hf checkpoint: config.json says model_type={model_type!r}, but the weights are "
             f"laid out as {from_keys!r}"
         )
-    return model_type
+    return layout
 
 
 def _image_size(side: dict) -> int | None:
@@ -314,12 +339,27 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     size = _image_size(side)  # a non-square one refused by name before the table is read
     depth = count_blocks(t, "^" + re.escape(lay.block).replace(r"\{i\}", r"(\d+)"))
     b = lay.block.format(i=0)
-    class_token = lay.cls is not None
+    model_type = side.get("model_type")
+    # I-JEPA has none; so may a checkpoint without config.json, whose table then has no row for it
+    class_token = lay.cls is not None and (lay.cls in t or model_type not in (None, *_CLASSLESS))
+    covers_registers = name == "deit"
     if lay.pos is None:  # DINOv3: rotary; the grid is the config's image size
         grid = (size or 224) // patch
         covers_cls = False
+    elif covers_registers:  # the class and distillation tokens' rows, then the grid's
+        grid, covers_cls = grid_of(t.shape(lay.pos)[-2] - 1, True, t.source)
+        if not covers_cls:
+            raise ConvertError(f"hf checkpoint: {lay.pos} {t.shape(lay.pos)} has no rows for "
+                               "DeiT's class and distillation tokens")
     else:
         grid, covers_cls = grid_of(t.shape(lay.pos)[-2], class_token, t.source)
+    if model_type == "vit_mae" and side.get("mask_ratio"):
+        t.notes.append(f"config.json's mask_ratio={side['mask_ratio']} hides patches in "
+                       "pre-training only: every patch is served, in its place (ViTMAEModel with "
+                       "mask_ratio 0 and the patches unshuffled)")
+    if covers_registers:
+        t.notes.append("DeiT's distillation token is served as the one register token; pooled is "
+                       "the class token")
     act = side.get("hidden_act", lay.act)
     fc1, fc2, gated = lay.mlp_names(t, b)
     if gated:  # DINOv2's SwiGLU is silu whatever hidden_act says; DINOv3's uses hidden_act
@@ -344,8 +384,11 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     heads = infer_heads(t, hints, None, width, said)
     head = "cls" if class_token else "map" if "head.probe" in t else "gap"
     if head == "gap":
-        t.notes.append("no class token and no attention-pooling head: the pooled output is the "
-                       "mean of the final-normed patch tokens (the source itself pools nothing)")
+        t.notes.append(
+            "no class token and no attention-pooling head: the pooled output is the mean of the "
+            "final-normed patch tokens" + (" (as IJepaForImageClassification pools)"
+                                           if model_type == "ijepa" else
+                                           " (the source itself pools nothing)"))
     head_mlp = t.shape("head.mlp.fc1.weight")[0] if head == "map" else None
     sizes = Sizes(width, depth, heads, mlp_dim, patch, grid, channels, head_mlp)
     cfg = sizes.config(
@@ -365,6 +408,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         posemb_resample="bicubic_antialias" if name == "dinov2_with_registers" else "bicubic",
         rope_theta=float(side.get("rope_theta", 100.0)),
         posemb_covers_cls=covers_cls,
+        posemb_covers_registers=covers_registers,
         pre_norm=lay.pre_norm is not None,
         gelu_exact=gelu_exact,
         mlp=mlp,
@@ -375,24 +419,86 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     return cfg
 
 
+@dataclass(frozen=True)
+class _Processor:
+    """What a transformers image processor class reads into a file's values: whether an int
+    ``size`` is a square (its ``default_to_square``) and its defaults for what the file leaves
+    out (transformers 5's class attributes)."""
+
+    int_is_square: bool
+    size: dict
+    crop: bool
+    crop_size: int | None
+    resample: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+_HALF = (0.5, 0.5, 0.5)
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+_SQUARE_224 = {"height": 224, "width": 224}
+_CLIP_PROCESSOR = _Processor(False, {"shortest_edge": 224}, True, 224, 3, _CLIP_MEAN, _CLIP_STD)
+_PROCESSORS = {
+    "ViT": _Processor(True, _SQUARE_224, False, None, 2, _HALF, _HALF),
+    "DeiT": _Processor(True, {"height": 256, "width": 256}, True, 224, 3, _HALF, _HALF),
+    "CLIP": _CLIP_PROCESSOR,
+    "Bit": _CLIP_PROCESSOR,  # DINOv2's
+    "Siglip": _Processor(False, _SQUARE_224, False, None, 3, _HALF, _HALF),
+    "DINOv3ViT": _Processor(True, _SQUARE_224, False, None, 2, _IMAGENET_MEAN, _IMAGENET_STD),
+}
+# the class AutoImageProcessor takes for a model type when the file names none (transformers'
+# mapping; the vision-tower types and DINOv2 with registers have no entry: their families')
+_AUTO_PROCESSOR = {
+    "vit": "ViT", "vit_msn": "ViT", "vit_mae": "ViT", "ijepa": "ViT", "deit": "DeiT",
+    "dinov2": "Bit", "dinov2_with_registers": "Bit", "dinov3_vit": "DINOv3ViT",
+    "clip": "CLIP", "clip_vision_model": "CLIP",
+    "siglip": "Siglip", "siglip_vision_model": "Siglip",
+}
+_CLASS_SUFFIX = re.compile(r"(ImageProcessor|FeatureExtractor)(Fast|Pil)?$")
+
+
+def _processor_class(proc: dict, model_type: str | None) -> tuple[str, _Processor | None]:
+    """The processor class the file names (``image_processor_type``, or an older file's
+    ``feature_extractor_type``), else the model type's: its name and what it reads."""
+    named = proc.get("image_processor_type") or proc.get("feature_extractor_type")
+    if named:
+        return named, _PROCESSORS.get(_CLASS_SUFFIX.sub("", named))
+    family = _AUTO_PROCESSOR.get(model_type or "vit", "ViT")
+    return f"{family}ImageProcessor", _PROCESSORS[family]
+
+
 def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
     """The image processor's geometry, resample and mean/std, as transformers reads them:
-    ``size`` is a shortest edge, or a height x width every image is resized to (an int: a
-    shortest edge when a centre crop follows, else a square); ``crop_size`` applies when
-    ``do_center_crop``; a square without a crop is served squashed (both sides resized). Without
-    preprocessor_config.json: ViTImageProcessor's defaults (both sides to the model's size,
-    bilinear, mean/std 0.5)."""
+    ``size`` is a shortest edge, or a height x width every image is resized to (an int: a square
+    or a shortest edge as the file's processor class reads one: CLIP's, DINOv2's and SigLIP's a
+    shortest edge, ViT's, DeiT's and DINOv3's a square); ``crop_size`` applies when
+    ``do_center_crop``; a square without a crop is served squashed (both sides resized); what
+    the file leaves out is its class's default. Without preprocessor_config.json:
+    ViTImageProcessor's defaults (both sides to the model's size, bilinear, mean/std 0.5)."""
     proc = side.get("_preprocessor") or {}
-    half = (0.5, 0.5, 0.5)
     if not proc:
         where = "hf defaults (no preprocessor_config.json)"
         return SourcePreprocess(
-            where, False, image_size, image_size, "bilinear", half, half, squash=True,
+            where, False, image_size, image_size, "bilinear", _HALF, _HALF, squash=True,
             crop_offset="floor",  # served with a crop only under --resize: as transformers crops
         )
     where = "preprocessor_config.json"
-    crops = bool(proc.get("do_center_crop", "crop_size" in proc))
-    size = _size(proc.get("size"), square=not crops, what="size", where=where)
+    name, cls = _processor_class(proc, side.get("model_type"))
+    if cls is None:  # an unknown class's defaults: only a file that leaves none to them reads
+        left = [k for k in ("size", "do_center_crop", "resample", "image_mean", "image_std")
+                if k not in proc] + (["size as an object"] if isinstance(proc.get("size"), int)
+                                     else [])
+        if left:
+            raise ConvertError(
+                f"hf {where}: image processor {name!r} is not one this converter knows "
+                f"({', '.join(f'{k}ImageProcessor' for k in _PROCESSORS)}), and the file leaves "
+                f"its class to decide {', '.join(left)}; write them into the file"
+            )
+        cls = _PROCESSORS["ViT"]  # transformers' base defaults, all overridden by the file
+    crops = bool(proc.get("do_center_crop", cls.crop))
+    size = _size(proc.get("size", cls.size), cls.int_is_square, "size", where)
     geometry, squash = None, False
     if "height" in size:  # a square: both sides resized (ViT, SigLIP, DINOv3)
         resize, squash = size["height"], not crops
@@ -400,7 +506,12 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
             geometry = f"resizes every image to {resize}x{resize}, then centre-crops"
     else:
         resize = size["shortest_edge"]
-    crop = _size(proc["crop_size"], True, "crop_size", where)["height"] if crops else resize
+    crop = resize
+    if crops:
+        if proc.get("crop_size", cls.crop_size) is None:
+            raise ConvertError(f"hf {where}: do_center_crop with no crop_size ({name} has no "
+                               "default crop)")
+        crop = _size(proc.get("crop_size", cls.crop_size), True, "crop_size", where)["height"]
     if not crops and not squash:
         geometry = f"resizes the shorter side to {resize} and does not crop (a non-square input)"
     if not proc.get("do_resize", True):
@@ -412,15 +523,15 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
             "pixel contract scales by 1/255"
         )
     normalise = proc.get("do_normalize", True)
-    resample = proc.get("resample", 2)
+    resample = proc.get("resample", cls.resample)
     return SourcePreprocess(
         where,
         True,
         resize=resize,
         crop=crop,
         interpolation=_PIL_RESAMPLE.get(resample, str(resample)),
-        mean=_per_channel(proc.get("image_mean", 0.5)) if normalise else (0.0, 0.0, 0.0),
-        std=_per_channel(proc.get("image_std", 0.5)) if normalise else (1.0, 1.0, 1.0),
+        mean=_per_channel(proc.get("image_mean", cls.mean)) if normalise else (0.0, 0.0, 0.0),
+        std=_per_channel(proc.get("image_std", cls.std)) if normalise else (1.0, 1.0, 1.0),
         geometry=geometry,
         squash=squash,
         crop_offset="floor",  # transformers' center_crop floors (PIL and torchvision backends)
@@ -533,7 +644,10 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     for i in range(cfg.depth):
         params[f"block_{i}"] = _block(t, lay.block.format(i=i), lay, cfg)
     for key in ("pooler.dense.weight", "pooler.dense.bias"):
-        t.drop(key, "the tanh pooler is not the feature a classifier reads (the CLS token is)")
+        t.drop(key, "the tanh pooler is not the feature the source's classifier reads")
+    for key in _TEACHER_HEADS:
+        t.drop(key, "DeiT's two classifiers (logits: the mean of the class token's and the "
+               "distillation token's) are not served; the features are")
     if cfg.head == "map":
         params["map_head"] = _siglip_head(t, cfg)
     if cfg.projection_dim:

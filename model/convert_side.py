@@ -83,6 +83,7 @@ _HF_VISION: Schema = {
     "hidden_act": TEXT,
     "layer_norm_eps": POSITIVE,
     "rope_theta": POSITIVE,
+    "mask_ratio": NUMBER,  # ViT-MAE's pre-training masking (a note: every patch is served)
 }
 HF_CONFIG: Schema = {**_HF_VISION, "vision_config": _HF_VISION}
 
@@ -93,6 +94,8 @@ _HF_SIZE = Kind(
         SIZE.test(v[k]) for k in ("height", "width", "shortest_edge") if k in v)),
 )
 HF_PREPROCESSOR: Schema = {
+    "image_processor_type": TEXT,  # the class: how it reads an int size, its defaults
+    "feature_extractor_type": TEXT,  # an older file's name for it
     "do_resize": FLAG,
     "size": _HF_SIZE,
     "do_center_crop": FLAG,

@@ -44,15 +44,16 @@ def record(row: dict) -> None:
 
 
 def check_parity(case: str, source: str, converted, pixels_nchw, peer: dict, norm_patches: bool):
-    """``peer``: {'pooled', 'patch_tokens' (last layer), 'register_tokens', 'pre_projection'}
-    (those the source gives) as numpy arrays; ``norm_patches``: whether its patch tokens are
-    after the final norm. Returns {output: (f32 error, bf16 error)}."""
+    """``peer``: {'pooled', 'patch_tokens' (last layer), 'register_tokens', 'pre_projection',
+    'logits'} (those the source gives) as numpy arrays; ``norm_patches``: whether its patch
+    tokens are after the final norm. Returns {output: (f32 error, bf16 error)}."""
     request = OutputRequest(
         pooled="pooled" in peer,
         patch_layers=(-1,) if "patch_tokens" in peer else (),
         norm_patches=norm_patches and "patch_tokens" in peer,
         register_tokens="register_tokens" in peer,
         pre_projection="pre_projection" in peer,
+        logits="logits" in peer,
     )
     pixels = np.asarray(pixels_nchw).transpose(0, 2, 3, 1)
     f32 = our_outputs(converted, pixels, "float32", request)

@@ -70,6 +70,24 @@ def _clip_outputs(model, pixels) -> dict:
     return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state[:, 1:]}
 
 
+def _vit_layout_outputs(model, pixels, interpolate: bool = False) -> dict:
+    """ViT's layout (ViT-MSN, ViT-MAE, I-JEPA, DeiT): the class token, DeiT's distillation token
+    (served as a register), then the patches; I-JEPA has no class token and its classifier reads
+    the tokens' mean. ViT-MAE is run unmasked (mask_ratio 0) with its patches left in order."""
+    kw = {"interpolate_pos_encoding": True} if interpolate else {}
+    model_type = model.config.model_type
+    if model_type == "vit_mae":
+        n = pixels.shape[2] * pixels.shape[3] // model.config.patch_size**2
+        kw["noise"] = torch.arange(float(n)).expand(len(pixels), n)  # argsort: the identity
+    tokens = model(pixel_values=pixels, **kw).last_hidden_state
+    prefix = {"ijepa": 0, "deit": 2}.get(model_type, 1)
+    pooled = tokens[:, 0] if prefix else tokens.mean(1)
+    peer = {"pooled": pooled, "patch_tokens": tokens[:, prefix:]}
+    if prefix == 2:
+        peer["register_tokens"] = tokens[:, 1:2]
+    return peer
+
+
 def _siglip_outputs(model, pixels) -> dict:
     out = model(pixel_values=pixels)
     return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state}
@@ -118,6 +136,38 @@ HF_CASES = {
         _dino_outputs,
         True,
         {"mlp": "swiglu", "mlp_dim": 80},
+    ),
+    "vit-msn": (
+        "ViTMSNModel",
+        "ViTMSNConfig",
+        dict(intermediate_size=96),
+        _vit_layout_outputs,
+        True,
+        {"norm_eps": 1e-6, "class_token": True, "posemb_covers_cls": True},
+    ),
+    "vit-mae": (
+        "ViTMAEModel",
+        "ViTMAEConfig",
+        dict(intermediate_size=96, mask_ratio=0.0),
+        _vit_layout_outputs,
+        True,
+        {"norm_eps": 1e-12, "class_token": True, "posemb_covers_cls": True},
+    ),
+    "ijepa": (
+        "IJepaModel",
+        "IJepaConfig",
+        dict(intermediate_size=96),
+        _vit_layout_outputs,
+        True,
+        {"class_token": False, "head": "gap", "posemb_covers_cls": False},
+    ),
+    "deit": (
+        "DeiTModel",
+        "DeiTConfig",
+        dict(intermediate_size=96),
+        _vit_layout_outputs,
+        True,
+        {"num_registers": 1, "posemb_covers_cls": True, "posemb_covers_registers": True},
     ),
     "clip": (
         "CLIPVisionModel",
@@ -210,7 +260,7 @@ def test_hf_config_that_contradicts_the_weights_names_both(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "siglip"}))
     with pytest.raises(
         ConvertError,
-        match="model_type='siglip_vision_model', but the weights are laid out as 'dinov2'",
+        match="model_type='siglip', but the weights are laid out as 'dinov2'",
     ):
         convert("hf", tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "swin"}))
@@ -271,9 +321,65 @@ def test_a_task_model_around_a_backbone_names_what_is_unsupported(tmp_path):
 
     config = transformers.Dinov2Config(**SHAPE, num_labels=3)
     transformers.Dinov2ForImageClassification(config).save_pretrained(tmp_path / "m")
-    with pytest.raises(ConvertError, match="a task model around dinov2: only "
-                                           "ViTForImageClassification's head is supported"):
+    with pytest.raises(ConvertError, match="a task model around dinov2: only the classifiers "
+                                           "of ViT, ViT-MSN, DeiT and I-JEPA are supported"):
         convert("hf", tmp_path / "m")
+
+
+# task model -> (config, its backbone's attribute, whether its logits are served, a note it gives)
+VIT_LAYOUT_TASKS = {
+    "ViTMSNForImageClassification": ("ViTMSNConfig", "vit", True, None),
+    "IJepaForImageClassification": ("IJepaConfig", "ijepa", True, "IJepaForImageClassification"),
+    "DeiTForImageClassification": ("DeiTConfig", "deit", True, "distillation token is served"),
+    "DeiTForImageClassificationWithTeacher": (
+        "DeiTConfig", "deit", False, "DeiT's two classifiers"),
+    "ViTMAEForPreTraining": ("ViTMAEConfig", "vit", False, "dropped ViT-MAE's pixel decoder"),
+}
+
+
+@pytest.mark.parametrize("cls_name", list(VIT_LAYOUT_TASKS))
+def test_task_models_on_vits_layout_give_their_backbone_and_its_classifier(cls_name, tmp_path):
+    """Their hub files: the backbone under its prefix, a classifier served where the model can
+    compute it (on the class token; I-JEPA's on the mean), DeiT's teacher heads and ViT-MAE's
+    decoder dropped with a note. ViT-MAE's file says mask_ratio 0.75: every patch is served."""
+    config_name, backbone, logits, note = VIT_LAYOUT_TASKS[cls_name]
+    extra = dict(num_labels=5) if "Classification" in cls_name else dict(
+        decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
+        decoder_intermediate_size=64, mask_ratio=0.75)
+    model = _hf(cls_name, config_name, seed=5 + len(cls_name), intermediate_size=96, **extra)
+    model.save_pretrained(tmp_path / "m")
+    converted = convert("hf", tmp_path / "m")
+    assert converted.config.num_classes == (5 if logits else 0)
+    assert note is None or any(note in n for n in converted.notes), converted.notes
+    if "MAE" in cls_name:
+        assert any("mask_ratio=0.75 hides patches in pre-training only" in n
+                   for n in converted.notes)
+        model.config.mask_ratio = 0.0  # the unmasked encoder the features are read from
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = _vit_layout_outputs(getattr(model, backbone), pixels)
+        if logits:
+            peer["logits"] = model(pixel_values=pixels).logits
+    check_parity(f"hf-{cls_name}", f"hf {cls_name}", converted, pixels.numpy(),
+                 {k: v.numpy() for k, v in peer.items()}, True)
+
+
+def test_a_vit_layout_without_a_class_token_is_read_as_i_jepa_only_where_config_allows(tmp_path):
+    """A ViT whose class token is missing is a damaged file, not an I-JEPA; without config.json
+    the position table decides (one row per patch: no class token)."""
+    model = _hf("ViTModel", "ViTConfig", seed=3, intermediate_size=96)
+    model.save_pretrained(tmp_path / "vit")
+    weights = tmp_path / "vit" / "model.safetensors"
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file as save_numpy
+    tensors = load_file(weights)
+    del tensors["embeddings.cls_token"]
+    save_numpy(tensors, weights)
+    with pytest.raises(ConvertError, match="missing key 'embeddings.cls_token'"):
+        convert("hf", tmp_path / "vit")
+    (tmp_path / "vit" / "config.json").unlink()
+    with pytest.raises(ConvertError, match="position embedding of 17 tokens is not a square"):
+        convert("hf", tmp_path / "vit", Hints(heads=4))
 
 
 def test_hf_preprocessing_comes_from_the_processor_file(tmp_path):

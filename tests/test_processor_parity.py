@@ -62,6 +62,9 @@ HF_CASES = {
         ),
     ),
     "siglip": ("SiglipVisionModel", "SiglipVisionConfig", ("SiglipImageProcessor", {})),
+    # a file naming its class and nothing else: the class's defaults (CLIP's crop, mean, bicubic)
+    "clip-class-defaults": (
+        "CLIPVisionModel", "CLIPVisionConfig", {"image_processor_type": "CLIPImageProcessor"}),
     "vit": ("ViTModel", "ViTConfig", ("ViTImageProcessor", {})),
     "dinov3": (  # facebook/dinov3-*-pretrain-lvd1689m's preprocessor_config.json
         "DINOv3ViTModel",
@@ -174,6 +177,52 @@ def test_hf_image_processor_on_image_files(case, image, hf_folder, image_files):
     diff = float(np.abs(ours - theirs).max())
     record({"processor": case, "source": source, "image": image, "max_abs": diff})
     assert diff <= TOL_PIXELS, f"{case} on {image}: served pixels differ by up to {diff:.3g}"
+
+
+# processor file -> the refusal: geometries the contract cannot serve, as transformers' class
+# reads the file (an int size is a square for ViT's and DeiT's classes, a shortest edge for
+# SigLIP's), and files that leave to an unknown class what only it knows
+REFUSED_PROCESSORS = {
+    "deit-hub": (  # facebook/deit-*-distilled-patch16-224's preprocessor_config.json
+        {"feature_extractor_type": "DeiTFeatureExtractor", "size": 256, "crop_size": 224,
+         "do_center_crop": True, "resample": 3, **IMAGENET},
+        "resizes every image to 256x256, then centre-crops", (224, 224)),
+    "vit-int-size-and-crop": (
+        {"image_processor_type": "ViTImageProcessor", "size": 256, "crop_size": 224,
+         "do_center_crop": True},
+        "resizes every image to 256x256, then centre-crops", (224, 224)),
+    "siglip-int-size": (
+        {"image_processor_type": "SiglipImageProcessor", "size": 224},
+        "resizes the shorter side to 224 and does not crop", (224, 298)),
+    "vit-crop-without-size": (
+        {"image_processor_type": "ViTImageProcessor", "do_center_crop": True},
+        "do_center_crop with no crop_size", None),
+    "unknown-class": (
+        {"image_processor_type": "MysteryImageProcessor", "size": 224, "resample": 3,
+         "do_center_crop": False, **IMAGENET},
+        "'MysteryImageProcessor' is not one this converter knows.*size as an object", None),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_PROCESSORS))
+def test_a_processor_file_is_read_as_its_class_reads_it(case, tmp_path, image_files):
+    """Read as shortest edge 256 and crop 224 (or squashed), the first three would serve other
+    pixels than transformers gives for every non-square image; they are refused naming the
+    geometry, as transformers' own processor shows it on a 640x480 file."""
+    import transformers
+
+    processor, message, shape = REFUSED_PROCESSORS[case]
+    config = transformers.ViTConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=96, image_size=224, patch_size=56)
+    transformers.ViTModel(config).save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(ConvertError, match=message):
+        convert("hf", tmp_path)
+    if shape is not None:
+        theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+        with Image.open(image_files["640x480.jpg"]) as pil:
+            pixels = theirs(images=pil, return_tensors="np")["pixel_values"]
+        assert pixels.shape[2:] == shape
 
 
 def test_dinov3_processor_values(hf_folder):

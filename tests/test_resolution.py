@@ -2,12 +2,15 @@
 RoPE computed for the grid, against the sources' own forwards at two non-native square sizes
 and one non-square size (float32 compute, 1e-5 relative: tests/parity.py).
 
-Sources: Hugging Face ViTModel / Dinov2Model / Dinov2WithRegistersModel with
-``interpolate_pos_encoding`` (the DINOv2 models always interpolate), DINOv3 (RoPE), timm with
+Sources: Hugging Face ViTModel (and ViT-MSN, ViT-MAE, I-JEPA, DeiT on its layout) /
+Dinov2Model / Dinov2WithRegistersModel with ``interpolate_pos_encoding`` (the DINOv2 models always
+interpolate), DINOv3 (RoPE), timm with
 ``dynamic_img_size=True``; the weights are the tiny perturbed models of test_backbones (a 4x4
 grid of 4-pixel patches), so each size here is another grid than the table's."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from parity import check_parity, compiled_apply
 from peers import perturb
-from test_backbones import HF_CASES, TIMM_CASES, _hf, timm_converted, timm_outputs
+from test_backbones import (
+    HF_CASES,
+    TIMM_CASES,
+    _hf,
+    _vit_layout_outputs,
+    timm_converted,
+    timm_outputs,
+)
 from vit22b.model import OutputRequest, apply, get_config, init_params
 from vit22b.model.config import ConfigError
 from vit22b.model.convert import convert
@@ -46,13 +56,15 @@ def test_resampling_is_torchs_bicubic(antialias):
     assert resample_table(table, old, old, method) is table  # the sources' own-grid early exit
 
 
-def _hf_vit_outputs(model, pixels) -> dict:
-    tokens = model(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
-    return {"pooled": tokens[:, 0], "patch_tokens": tokens[:, 1:]}
-
-
 HF_GRID_CASES = {  # case: (model class, config class, kwargs, outputs, normed, posemb_resample)
-    "vit": ("ViTModel", "ViTConfig", dict(intermediate_size=96), _hf_vit_outputs, True, "bicubic"),
+    "vit": ("ViTModel", "ViTConfig", dict(intermediate_size=96),
+            partial(_vit_layout_outputs, interpolate=True), True, "bicubic"),
+    # the models on ViT's layout interpolate only when asked, as ViT does
+    **{
+        case: (*HF_CASES[case][:3], partial(_vit_layout_outputs, interpolate=True),
+               HF_CASES[case][4], "bicubic")
+        for case in ("vit-msn", "vit-mae", "ijepa", "deit")
+    },
     **{
         case: (*HF_CASES[case][:5], resample)
         for case, resample in [
