@@ -3,7 +3,9 @@
 A hostile outside tester's run: each case draws a small config of a peer the converters accept
 (timm's VisionTransformer, by its options or by a registered architecture name, its Eva models'
 included; Hugging Face's ViTModel, Dinov2Model, Dinov2WithRegistersModel, DINOv3ViTModel,
-SiglipVisionModel, CLIPVisionModel(WithProjection); open_clip's CLIP), builds it with its own
+SiglipVisionModel, CLIPVisionModel(WithProjection), and on ViT's layout ViT-MSN, ViT-MAE
+(ViTMAEForPreTraining too), I-JEPA and DeiT with their task models; open_clip's CLIP), builds it
+with its own
 code, perturbs every parameter away from its init (tests/peers.py: a dropped bias, norm or
 LayerScale shows), saves it as a user would (timm: safetensors and the config.json
 ``save_config_for_hf`` writes, or for a bare architecture sometimes the hub's kind without
@@ -62,7 +64,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's,
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from parity import TOL_F32, compiled_apply  # noqa: E402
-from peers import import_open_clip, import_timm, perturb, rel_err  # noqa: E402
+from peers import import_open_clip, import_timm, perturb, rel_err, vit_layout_outputs  # noqa: E402
 from vit22b.model import OutputRequest  # noqa: E402
 from vit22b.model.convert import ConvertError, Hints, convert  # noqa: E402
 
@@ -293,7 +295,14 @@ HF_FAMILIES = {
     "hf-siglip": (("SiglipVisionModel",), "SiglipVisionConfig", "gelu_pytorch_tanh", 1e-6),
     "hf-clip": (("CLIPVisionModel", "CLIPVisionModelWithProjection"), "CLIPVisionConfig",
                 "quick_gelu", 1e-5),
+    # on ViT's layout: their backbones and task models (a classifier, teacher heads, MAE's decoder)
+    "hf-vit-msn": (("ViTMSNModel", "ViTMSNForImageClassification"), "ViTMSNConfig", "gelu", 1e-6),
+    "hf-vit-mae": (("ViTMAEModel", "ViTMAEForPreTraining"), "ViTMAEConfig", "gelu", 1e-12),
+    "hf-ijepa": (("IJepaModel", "IJepaForImageClassification"), "IJepaConfig", "gelu", 1e-12),
+    "hf-deit": (("DeiTModel", "DeiTForImageClassification",
+                 "DeiTForImageClassificationWithTeacher"), "DeiTConfig", "gelu", 1e-12),
 }
+_VIT_LAYOUT = ("hf-vit-msn", "hf-vit-mae", "hf-ijepa", "hf-deit")
 
 
 def sample_hf(rng: random.Random, family: str) -> tuple[dict, dict, tuple[str, ...]]:
@@ -310,9 +319,9 @@ def sample_hf(rng: random.Random, family: str) -> tuple[dict, dict, tuple[str, .
     _maybe(rng, 0.5, rng.choice([e for e in (1e-12, 1e-6, 1e-5, 1e-3, 0.1) if e != eps]),
            options, "layer_norm_eps", spec)
     _maybe(rng, 0.04, rng.choice((1, 4)), options, "num_channels", spec)
-    if family in ("hf-vit", "hf-siglip", "hf-clip", "hf-dinov3"):
+    if family in ("hf-vit", "hf-siglip", "hf-clip", "hf-dinov3", *_VIT_LAYOUT):
         spec["intermediate_size"] = rng.randint(4, 4 * s["width"])
-    if family in ("hf-vit", "hf-dinov2", "hf-dinov2-reg"):
+    if family in ("hf-vit", "hf-dinov2", "hf-dinov2-reg", *_VIT_LAYOUT):
         _maybe(rng, 0.3, False, options, "qkv_bias", spec)
     if family in ("hf-dinov2", "hf-dinov2-reg"):
         _maybe(rng, 0.5, rng.choice((2, 2.5, 1.3, 3)), options, "mlp_ratio", spec)
@@ -334,8 +343,13 @@ def sample_hf(rng: random.Random, family: str) -> tuple[dict, dict, tuple[str, .
         _maybe(rng, 0.2, False, options, "vision_use_head", spec)
     if spec["model"] == "CLIPVisionModelWithProjection":
         spec["projection_dim"] = rng.randint(4, 40)
-    if spec["model"] == "ViTForImageClassification":
+    if spec["model"].endswith(("ForImageClassification", "WithTeacher")):
         spec["num_labels"] = 3
+    if spec["model"] == "ViTMAEForPreTraining":
+        spec.update(decoder_hidden_size=16, decoder_num_hidden_layers=1,
+                    decoder_num_attention_heads=2, decoder_intermediate_size=24)
+    if family == "hf-vit-mae":  # pre-training's masking: every patch is served whatever it says
+        _maybe(rng, 0.5, rng.choice((0.0, 0.75)), options, "mask_ratio", spec)
     return spec, options, ()
 
 
@@ -357,6 +371,11 @@ def build_hf(spec: dict, folder: Path, seed: int, family: str) -> Peer:
                                                                 "hf-siglip") else {}
 
     def outputs(pixels):
+        if family in _VIT_LAYOUT:  # the backbone alone, unmasked (ViT-MAE)
+            model.config.mask_ratio = 0.0  # the backbone's config too (one object)
+            backbone = next((getattr(model, name) for name in ("vit", "deit", "ijepa")
+                             if hasattr(model, name)), model)
+            return vit_layout_outputs(backbone, pixels, interpolate=True)
         if spec["model"] == "ViTForImageClassification":
             hidden = model.vit(pixel_values=pixels, **resample).last_hidden_state
             return {"pooled": hidden[:, 0], "patch_tokens": hidden[:, 1:]}

@@ -90,10 +90,13 @@ class Preprocess:
     # the centre crop's offset, (resized - crop) / 2: rounded half to even as torchvision, timm
     # and open_clip take it, or floored as transformers' image processors do (both backends)
     crop_offset: Literal["round", "floor"] = "round"
+    # False: both sides resized to ``resize`` before the centre crop, the aspect ratio not kept
+    # (DeiT's processor, timm's crop_mode 'squash' with crop_pct < 1)
+    keep_aspect: bool = True
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name, default in (("crop", True), ("crop_offset", "round")):
+        for name, default in (("crop", True), ("crop_offset", "round"), ("keep_aspect", True)):
             if d[name] == default:  # defaults left out: contracts (and hashes) from before stay
                 d.pop(name)
         return d
@@ -115,6 +118,9 @@ class Preprocess:
             object.__setattr__(self, name, tuple(float(v) for v in values))
         if min(self.std) <= 0:
             raise ConfigError(f"preprocess: std={self.std} must be positive")
+        if not self.keep_aspect and not self.crop:  # one spelling of each contract (its hash)
+            raise ConfigError("preprocess: keep_aspect=false needs crop=true (without a crop, "
+                              "both sides are resized already)")
 
     @classmethod
     def from_dict(cls, d: dict) -> Preprocess:

@@ -500,10 +500,8 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
     crops = bool(proc.get("do_center_crop", cls.crop))
     size = _size(proc.get("size", cls.size), cls.int_is_square, "size", where)
     geometry, squash = None, False
-    if "height" in size:  # a square: both sides resized (ViT, SigLIP, DINOv3)
-        resize, squash = size["height"], not crops
-        if crops:
-            geometry = f"resizes every image to {resize}x{resize}, then centre-crops"
+    if "height" in size:  # a square: both sides resized (ViT, SigLIP, DINOv3; DeiT then crops)
+        resize, squash = size["height"], True
     else:
         resize = size["shortest_edge"]
     crop = resize

@@ -35,7 +35,7 @@ class SourcePreprocess:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     geometry: str | None = None  # a resize the contract cannot serve, in the source's words
-    squash: bool = False  # both sides resized to ``crop``, no crop
+    squash: bool = False  # both sides resized to ``resize`` (no crop where it is ``crop``)
     crop_offset: str = "round"  # Preprocess.crop_offset: how the source centres its crop
 
     @classmethod
@@ -122,7 +122,7 @@ def resolve(
     notes = []
     squash = said.squash and flags.resize is None
     if said.geometry or said.squash and not squash:
-        what = said.geometry or f"resizes every image to {said.crop}x{said.crop}"
+        what = said.geometry or f"resizes every image to {said.resize}x{said.resize}"
         if flags.resize is None:
             raise ConvertError(
                 f"{said.where}: {what}, which the pixel contract cannot serve; pass --resize N "
@@ -132,7 +132,8 @@ def resolve(
     for name in FIELDS:
         _check(name, values[name], origin(name))
     crop, resize = values["crop"], values["resize"]
-    if squash:  # both sides to the input size
+    squash_crop = squash and said.resize != said.crop  # both sides resized, then a centre crop
+    if squash and not squash_crop:  # both sides to the input size (--crop's too)
         resize = crop
     _check_input(crop, origin("crop"), cfg)
     if resize < crop:
@@ -145,8 +146,9 @@ def resolve(
         interpolation=values["interpolation"],
         mean=tuple(float(v) for v in values["mean"]),
         std=tuple(float(v) for v in values["std"]),
-        crop=not squash,
-        crop_offset=said.crop_offset if not squash else "round",  # no crop: no offset
+        crop=not squash or squash_crop,
+        crop_offset=said.crop_offset if not squash or squash_crop else "round",  # no crop: none
+        keep_aspect=not squash_crop,
     )
     given = flags.given()
     if not given:

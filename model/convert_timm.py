@@ -440,7 +440,8 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         )
     resize = math.floor(height / float(cfg.get("crop_pct") or 0.875))
     mode = cfg.get("crop_mode") or "center"
-    squash = mode == "squash" and resize == height  # crop_pct 1: both sides to the input size
+    # squash: both sides to floor(input size / crop_pct), then the centre crop (none at crop_pct 1)
+    squash = mode == "squash"
     kinds = {"center": "shortest", "squash": "squash", "border": "longest"}
     geometry = None if squash else unservable("crop_mode", mode, resize, kinds)
     return SourcePreprocess(

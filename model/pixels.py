@@ -699,8 +699,9 @@ class Geometry:
     """What an image is resized to (a request chooses it; the contract's hash covers it).
 
     Square (``dense`` False): a ``resolution`` x ``resolution`` input made by the model's own
-    rule: the shorter side resized (scaled by the preset's resize / crop ratio) and the centre
-    crop, or, for a contract without a crop (``Preprocess.crop`` False), both sides resized.
+    rule: the shorter side resized (both sides where ``Preprocess.keep_aspect`` is False; scaled
+    by the preset's resize / crop ratio) and the centre crop, or, for a contract without a crop
+    (``Preprocess.crop`` False), both sides resized.
     Dense: the aspect ratio kept, no crop: the shorter side to about ``resolution``, each side
     rounded to a whole number of patches (at least one), then both shrunk together while the
     grid holds more than ``max_patches`` patches (0: no bound).
@@ -826,9 +827,12 @@ class Preprocessor:
             out = f"float32 [{g.resolution}, {g.resolution}, 3]"
         else:
             size = g.resolution
+            resize = (f"the shorter side to {self.resize}" if p.keep_aspect else
+                      f"both sides to {self.resize}x{self.resize}")
+            scaled = "longer side floor-scaled; " if p.keep_aspect else "aspect ratio not kept; "
             geometry = (
-                f"resize the shorter side to {self.resize} ({p.interpolation}, PIL, "
-                f"antialiased; longer side floor-scaled; past {FULL_RESIZE_CROPS} crops' worth "
+                f"resize {resize} ({p.interpolation}, PIL, "
+                f"antialiased; {scaled}past {FULL_RESIZE_CROPS} crops' worth "
                 f"of pixels only the crop's source box is resampled); centre crop {size}x{size}"
                 f" (offset (resized - {size}) / 2, "
                 f"{'floored' if p.crop_offset == 'floor' else 'rounded half to even'})"
@@ -857,8 +861,8 @@ class Preprocessor:
             return np.asarray(image.resize((out_w, out_h), _RESAMPLE[p.interpolation]))
         size, resize = g.resolution, self.resize
         short = min(height, width)
-        new_h = resize if height == short else int(resize * height / short)
-        new_w = resize if width == short else int(resize * width / short)
+        new_h = resize if height == short or not p.keep_aspect else int(resize * height / short)
+        new_w = resize if width == short or not p.keep_aspect else int(resize * width / short)
         top, left = self._offset(new_h - size), self._offset(new_w - size)
         if (new_h, new_w) == (height, width):
             return pixels[top : top + size, left : left + size]

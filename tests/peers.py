@@ -169,3 +169,24 @@ def rel_err(actual, expected) -> float:
     a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def vit_layout_outputs(model, pixels, interpolate: bool = False) -> dict:
+    """ViT's layout (ViT-MSN, ViT-MAE, I-JEPA, DeiT): the class token, DeiT's distillation token
+    (served as a register), then the patches; I-JEPA has no class token and its classifier reads
+    the tokens' mean. ViT-MAE is run unmasked (mask_ratio 0) with its patches left in order."""
+    import torch
+
+    kw = {"interpolate_pos_encoding": True} if interpolate else {}
+    model_type = model.config.model_type
+    if model_type == "vit_mae":
+        patch = model.config.patch_size
+        n = (pixels.shape[2] // patch) * (pixels.shape[3] // patch)
+        kw["noise"] = torch.arange(float(n)).expand(len(pixels), n)  # argsort: the identity
+    tokens = model(pixel_values=pixels, **kw).last_hidden_state
+    prefix = {"ijepa": 0, "deit": 2}.get(model_type, 1)
+    pooled = tokens[:, 0] if prefix else tokens.mean(1)
+    peer = {"pooled": pooled, "patch_tokens": tokens[:, prefix:]}
+    if prefix == 2:
+        peer["register_tokens"] = tokens[:, 1:2]
+    return peer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from parity import TOL_F32, check_parity, our_outputs
-from peers import import_open_clip, import_timm, perturb, rel_err
+from peers import import_open_clip, import_timm, perturb, rel_err, vit_layout_outputs
 from safetensors.torch import save_file
 from vit22b.model import OutputRequest
 from vit22b.model.convert import ConvertError, Hints, convert
@@ -70,24 +70,6 @@ def _clip_outputs(model, pixels) -> dict:
     return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state[:, 1:]}
 
 
-def _vit_layout_outputs(model, pixels, interpolate: bool = False) -> dict:
-    """ViT's layout (ViT-MSN, ViT-MAE, I-JEPA, DeiT): the class token, DeiT's distillation token
-    (served as a register), then the patches; I-JEPA has no class token and its classifier reads
-    the tokens' mean. ViT-MAE is run unmasked (mask_ratio 0) with its patches left in order."""
-    kw = {"interpolate_pos_encoding": True} if interpolate else {}
-    model_type = model.config.model_type
-    if model_type == "vit_mae":
-        n = pixels.shape[2] * pixels.shape[3] // model.config.patch_size**2
-        kw["noise"] = torch.arange(float(n)).expand(len(pixels), n)  # argsort: the identity
-    tokens = model(pixel_values=pixels, **kw).last_hidden_state
-    prefix = {"ijepa": 0, "deit": 2}.get(model_type, 1)
-    pooled = tokens[:, 0] if prefix else tokens.mean(1)
-    peer = {"pooled": pooled, "patch_tokens": tokens[:, prefix:]}
-    if prefix == 2:
-        peer["register_tokens"] = tokens[:, 1:2]
-    return peer
-
-
 def _siglip_outputs(model, pixels) -> dict:
     out = model(pixel_values=pixels)
     return {"pooled": out.pooler_output, "patch_tokens": out.last_hidden_state}
@@ -141,7 +123,7 @@ HF_CASES = {
         "ViTMSNModel",
         "ViTMSNConfig",
         dict(intermediate_size=96),
-        _vit_layout_outputs,
+        vit_layout_outputs,
         True,
         {"norm_eps": 1e-6, "class_token": True, "posemb_covers_cls": True},
     ),
@@ -149,7 +131,7 @@ HF_CASES = {
         "ViTMAEModel",
         "ViTMAEConfig",
         dict(intermediate_size=96, mask_ratio=0.0),
-        _vit_layout_outputs,
+        vit_layout_outputs,
         True,
         {"norm_eps": 1e-12, "class_token": True, "posemb_covers_cls": True},
     ),
@@ -157,7 +139,7 @@ HF_CASES = {
         "IJepaModel",
         "IJepaConfig",
         dict(intermediate_size=96),
-        _vit_layout_outputs,
+        vit_layout_outputs,
         True,
         {"class_token": False, "head": "gap", "posemb_covers_cls": False},
     ),
@@ -165,7 +147,7 @@ HF_CASES = {
         "DeiTModel",
         "DeiTConfig",
         dict(intermediate_size=96),
-        _vit_layout_outputs,
+        vit_layout_outputs,
         True,
         {"num_registers": 1, "posemb_covers_cls": True, "posemb_covers_registers": True},
     ),
@@ -357,7 +339,7 @@ def test_task_models_on_vits_layout_give_their_backbone_and_its_classifier(cls_n
         model.config.mask_ratio = 0.0  # the unmasked encoder the features are read from
     pixels = _pixels()
     with torch.no_grad():
-        peer = _vit_layout_outputs(getattr(model, backbone), pixels)
+        peer = vit_layout_outputs(getattr(model, backbone), pixels)
         if logits:
             peer["logits"] = model(pixel_values=pixels).logits
     check_parity(f"hf-{cls_name}", f"hf {cls_name}", converted, pixels.numpy(),

@@ -193,13 +193,22 @@ def _edit_json(file, edit) -> None:
     file.write_text(json.dumps(data))
 
 
-def test_timm_squash_before_a_crop_is_refused_and_open_clip_squash_served(tmp_path):
+def test_timm_squash_before_a_crop_and_open_clip_squash_are_served(tmp_path):
+    """timm's crop_mode 'squash' resizes both sides to floor(input / crop_pct), then centre-crops
+    (torchvision's Resize of a pair, CenterCrop): keep_aspect False; --resize N chooses the
+    shorter side instead."""
     folder = _timm_folder(tmp_path / "t", num_classes=0)
     _edit_json(folder / "config.json", lambda c: c["pretrained_cfg"].update(crop_mode="squash"))
-    with pytest.raises(ConvertError, match="crop_mode 'squash' resizes every image to 17x17"):
-        convert("timm", folder)
-    served = convert("timm", folder, preprocess=PreprocessFlags(resize=17)).config.preprocess
-    assert served.resize == 17
+    squashed = convert("timm", folder)
+    assert squashed.config.image_size == 16
+    served = squashed.config.preprocess
+    assert (served.resize, served.crop, served.keep_aspect, served.crop_offset) == (
+        17, True, False, "round")
+    served = convert("timm", folder, preprocess=PreprocessFlags(resize=18)).config.preprocess
+    assert (served.resize, served.crop, served.keep_aspect) == (18, True, True)
+    _edit_json(folder / "config.json", lambda c: c["pretrained_cfg"].update(crop_pct=1.0))
+    served = convert("timm", folder).config.preprocess  # crop_pct 1: both sides, no crop
+    assert (served.resize, served.crop, served.keep_aspect) == (16, False, True)
 
     open_clip = import_open_clip()
     oc = tmp_path / "oc"

@@ -682,6 +682,40 @@ def test_the_crop_offset_is_rounded_or_floored_as_the_contract_says():
         Preprocess(crop_offset="ceil")
 
 
+def test_a_contract_can_squash_both_sides_before_its_centre_crop():
+    """DeiT's processor and timm's crop_mode 'squash' (crop_pct < 1): both sides resized to
+    ``resize``, aspect ratio not kept, then the centre crop (Preprocess.keep_aspect False); PIL's
+    own resize of the pair and a slice are the reference, at the model's size, at another
+    resolution (the resize scaled with it) and past the crops' worth of pixels where only the
+    crop's source box is resampled. The default keeps every earlier hash."""
+    from vit22b.model.config import ConfigError, Preprocess
+    from vit22b.model.pixels import FULL_RESIZE_CROPS, Geometry
+
+    cfg = get_config("vit-22b-tiny/16")  # 64x64 input
+    squash = cfg.replace(preprocess=Preprocess(resize=75, keep_aspect=False, crop_offset="floor"))
+    for height, width in ((64, 75), (120, 90), (48, 300)):
+        pixels = rgb(height, width, seed=height)
+        theirs = np.asarray(Image.fromarray(pixels).resize((75, 75), Image.Resampling.BICUBIC))
+        assert np.array_equal(Preprocessor(squash).crop(pixels), theirs[5:69, 5:69])
+    at_32 = Preprocessor(squash, Geometry(resolution=32))  # resize 75 * 32 / 64 -> 38
+    pixels = rgb(50, 70, seed=5)
+    theirs = np.asarray(Image.fromarray(pixels).resize((38, 38), Image.Resampling.BICUBIC))
+    assert np.array_equal(at_32.crop(pixels), theirs[3:35, 3:35])
+    wide = cfg.replace(preprocess=Preprocess(resize=64 * 9, keep_aspect=False))
+    assert 576 * 576 > FULL_RESIZE_CROPS * 64 * 64  # the source-box path
+    pixels = rgb(300, 500, seed=6)
+    full = np.asarray(Image.fromarray(pixels).resize((576, 576), Image.Resampling.BICUBIC))
+    box = Preprocessor(wide).crop(pixels).astype(int)
+    assert box.shape == (64, 64, 3) and np.abs(box - full[256:320, 256:320]).max() <= 2
+    assert "keep_aspect" not in Preprocess(resize=75).to_dict()
+    assert squash.preprocess_hash() != cfg.replace(
+        preprocess=Preprocess(resize=75, crop_offset="floor")).preprocess_hash()
+    assert ViTConfig.from_dict(squash.to_dict()).preprocess == squash.preprocess
+    assert "resize both sides to 75x75" in Preprocessor(squash).describe()
+    with pytest.raises(ConfigError, match="keep_aspect=false needs crop=true"):
+        Preprocess(crop=False, keep_aspect=False)
+
+
 # ---- limits ----------------------------------------------------------------------------------
 def test_the_pixel_limit_names_the_server_setting():
     data = encode(Image.fromarray(rgb(50, 50)), "PNG")

@@ -65,6 +65,21 @@ HF_CASES = {
     # a file naming its class and nothing else: the class's defaults (CLIP's crop, mean, bicubic)
     "clip-class-defaults": (
         "CLIPVisionModel", "CLIPVisionConfig", {"image_processor_type": "CLIPImageProcessor"}),
+    # facebook/deit-*-distilled-patch16-224's file: its int size is a square (DeiT's class), so
+    # every image is squashed to 256x256, then centre-cropped (Preprocess.keep_aspect False)
+    "deit": (
+        "DeiTModel",
+        "DeiTConfig",
+        {"feature_extractor_type": "DeiTFeatureExtractor", "size": 256, "crop_size": 224,
+         "do_center_crop": True, "resample": 3, **IMAGENET},
+    ),
+    # ViT's class squashes an int size too, then crops where the file asks
+    "vit-int-size-and-crop": (
+        "ViTModel",
+        "ViTConfig",
+        {"image_processor_type": "ViTImageProcessor", "size": 256, "crop_size": 224,
+         "do_center_crop": True},
+    ),
     "vit": ("ViTModel", "ViTConfig", ("ViTImageProcessor", {})),
     "dinov3": (  # facebook/dinov3-*-pretrain-lvd1689m's preprocessor_config.json
         "DINOv3ViTModel",
@@ -179,18 +194,10 @@ def test_hf_image_processor_on_image_files(case, image, hf_folder, image_files):
     assert diff <= TOL_PIXELS, f"{case} on {image}: served pixels differ by up to {diff:.3g}"
 
 
-# processor file -> the refusal: geometries the contract cannot serve, as transformers' class
-# reads the file (an int size is a square for ViT's and DeiT's classes, a shortest edge for
-# SigLIP's), and files that leave to an unknown class what only it knows
+# processor file -> the refusal: a geometry the contract cannot serve, as transformers' class
+# reads the file (an int size is a shortest edge for SigLIP's), and files that leave to an
+# unknown class what only it knows
 REFUSED_PROCESSORS = {
-    "deit-hub": (  # facebook/deit-*-distilled-patch16-224's preprocessor_config.json
-        {"feature_extractor_type": "DeiTFeatureExtractor", "size": 256, "crop_size": 224,
-         "do_center_crop": True, "resample": 3, **IMAGENET},
-        "resizes every image to 256x256, then centre-crops", (224, 224)),
-    "vit-int-size-and-crop": (
-        {"image_processor_type": "ViTImageProcessor", "size": 256, "crop_size": 224,
-         "do_center_crop": True},
-        "resizes every image to 256x256, then centre-crops", (224, 224)),
     "siglip-int-size": (
         {"image_processor_type": "SiglipImageProcessor", "size": 224},
         "resizes the shorter side to 224 and does not crop", (224, 298)),
@@ -206,9 +213,9 @@ REFUSED_PROCESSORS = {
 
 @pytest.mark.parametrize("case", list(REFUSED_PROCESSORS))
 def test_a_processor_file_is_read_as_its_class_reads_it(case, tmp_path, image_files):
-    """Read as shortest edge 256 and crop 224 (or squashed), the first three would serve other
-    pixels than transformers gives for every non-square image; they are refused naming the
-    geometry, as transformers' own processor shows it on a 640x480 file."""
+    """Read as a square (as before), SigLIP's int size would serve other pixels than
+    transformers gives for every non-square image: refused naming the geometry, as transformers'
+    own processor shows it on a 640x480 file (a 224x298 input)."""
     import transformers
 
     processor, message, shape = REFUSED_PROCESSORS[case]

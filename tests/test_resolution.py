@@ -17,15 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parity import check_parity, compiled_apply
-from peers import perturb
-from test_backbones import (
-    HF_CASES,
-    TIMM_CASES,
-    _hf,
-    _vit_layout_outputs,
-    timm_converted,
-    timm_outputs,
-)
+from peers import perturb, vit_layout_outputs
+from test_backbones import HF_CASES, TIMM_CASES, _hf, timm_converted, timm_outputs
 from vit22b.model import OutputRequest, apply, get_config, init_params
 from vit22b.model.config import ConfigError
 from vit22b.model.convert import convert
@@ -58,10 +51,10 @@ def test_resampling_is_torchs_bicubic(antialias):
 
 HF_GRID_CASES = {  # case: (model class, config class, kwargs, outputs, normed, posemb_resample)
     "vit": ("ViTModel", "ViTConfig", dict(intermediate_size=96),
-            partial(_vit_layout_outputs, interpolate=True), True, "bicubic"),
+            partial(vit_layout_outputs, interpolate=True), True, "bicubic"),
     # the models on ViT's layout interpolate only when asked, as ViT does
     **{
-        case: (*HF_CASES[case][:3], partial(_vit_layout_outputs, interpolate=True),
+        case: (*HF_CASES[case][:3], partial(vit_layout_outputs, interpolate=True),
                HF_CASES[case][4], "bicubic")
         for case in ("vit-msn", "vit-mae", "ijepa", "deit")
     },
