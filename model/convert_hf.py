@@ -210,8 +210,21 @@ _DINOV2_GATE = re.compile(r"^(encoder\.layer\.\d+\.mlp\.)gate_proj\.(weight|bias
 # the other tower and the contrastive scalars of a two-tower checkpoint
 _TEXT_TOWER = re.compile(r"^(text_model\.|text_projection\.|logit_scale$|logit_bias$)")
 # the backbone's prefix in the task models read (ViTForImageClassification, ViTMAEForPreTraining,
-# DeiTForImageClassificationWithTeacher, IJepaForImageClassification, CLIPVisionModel, ...)
-_BACKBONE_PREFIX = re.compile(r"^(vit|deit|ijepa|vision_model)\.")
+# DeiTForImageClassificationWithTeacher, IJepaForImageClassification, Dinov2ForImageClassification,
+# CLIPVisionModel, CLIPForImageClassification, ...)
+_BACKBONE_PREFIX = re.compile(r"^(vit|deit|ijepa|dinov2|dinov2_with_registers|vision_model)\.")
+# families whose task model's classifier reads another feature than the served pooled output:
+# its logits cannot be served (the features are), so it is dropped, saying what it reads
+_CLASSIFIER_READS = {
+    "dinov2": "the class token and the patch tokens' mean, concatenated "
+              "(Dinov2ForImageClassification)",
+    "dinov2_with_registers": "the class token and the patch tokens' mean, concatenated "
+                             "(Dinov2WithRegistersForImageClassification)",
+    "clip_vision_model": "the mean of the patch tokens before post_layernorm "
+                         "(CLIPForImageClassification)",
+    "siglip_vision_model": "the mean of the final-normed tokens, not the attention-pooling "
+                           "head's output (SiglipForImageClassification)",
+}
 _TEACHER_HEADS = tuple(f"{head}_classifier.{p}" for head in ("cls", "distillation")
                        for p in ("weight", "bias"))
 _MAE_DECODER = "decoder."  # ViTMAEForPreTraining's pixel decoder: pre-training's alone
@@ -256,9 +269,8 @@ def canonical(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.
     return out
 
 
-# the backbone's prefix in transformers' task models other than ViT's (Dinov2ForImageClassification
-# reads [CLS, mean of the patches] into its classifier)
-_TASK_WRAPPERS = ("dinov2.", "dinov2_with_registers.", "dinov3_vit.", "clip.", "siglip.")
+# a backbone's prefix in a task model this converter does not read (refused with a hint)
+_TASK_WRAPPERS = ("dinov3_vit.", "clip.", "siglip.")
 
 
 def _family_of_keys(t: SourceTensors) -> str:
@@ -274,9 +286,8 @@ def _family_of_keys(t: SourceTensors) -> str:
     raise ConvertError(
         f"hf checkpoint: not a supported vision model (ViT, ViT-MSN, ViT-MAE, I-JEPA, DeiT, "
         f"DINOv2, DINOv3 ViT, CLIP or SigLIP vision tower); its keys begin: {t.some_keys()}"
-        + (f" (a task model around {', '.join(wrapped)}: only the classifiers of ViT, ViT-MSN, "
-           "DeiT and I-JEPA are supported; save and convert its backbone model alone)"
-           if wrapped else "")
+        + (f" (a task model around {', '.join(wrapped)}, which this converter does not read; "
+           "save and convert its backbone model alone)" if wrapped else "")
     )
 
 
@@ -413,7 +424,8 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         gelu_exact=gelu_exact,
         mlp=mlp,
         projection_dim=t.shape(_PROJECTION)[0] if _PROJECTION in t else 0,
-        num_classes=t.shape("classifier.weight")[0] if "classifier.weight" in t else 0,
+        num_classes=(t.shape("classifier.weight")[0]
+                     if "classifier.weight" in t and name not in _CLASSIFIER_READS else 0),
     )
     _check_side(side, cfg)
     return cfg
@@ -643,6 +655,9 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
         params[f"block_{i}"] = _block(t, lay.block.format(i=i), lay, cfg)
     for key in ("pooler.dense.weight", "pooler.dense.bias"):
         t.drop(key, "the tanh pooler is not the feature the source's classifier reads")
+    for key in ("classifier.weight", "classifier.bias") if t.family in _CLASSIFIER_READS else ():
+        t.drop(key, f"the classifier reads {_CLASSIFIER_READS[t.family]}, which is not the "
+               "served pooled output: its logits are not served, the features are")
     for key in _TEACHER_HEADS:
         t.drop(key, "DeiT's two classifiers (logits: the mean of the class token's and the "
                "distillation token's) are not served; the features are")

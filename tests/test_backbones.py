@@ -299,13 +299,59 @@ def test_hf_activation_names_compute_as_transformers_does():
 
 
 def test_a_task_model_around_a_backbone_names_what_is_unsupported(tmp_path):
+    """A backbone under a prefix this converter does not read (here DINOv3's, as a task model
+    would hold it): the refusal says so."""
+    model = _hf("DINOv3ViTModel", "DINOv3ViTConfig", seed=3, intermediate_size=96)
+    tensors = {f"dinov3_vit.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConvertError, match="a task model around dinov3_vit, which this "
+                                           "converter does not read"):
+        convert("hf", tmp_path / "model.safetensors")
+
+
+# task model -> (its backbone's outputs, what the dropped classifier reads)
+OTHER_CLASSIFIERS = {
+    "Dinov2ForImageClassification": (lambda m, px: _dino_outputs(m.dinov2, px), "concatenated"),
+    "Dinov2WithRegistersForImageClassification": (
+        lambda m, px: _dino_outputs(m.dinov2_with_registers, px), "concatenated"),
+    "CLIPForImageClassification": (
+        lambda m, px: _clip_outputs(m.vision_model, px), "before post_layernorm"),
+    "SiglipForImageClassification": (
+        lambda m, px: _siglip_outputs(m.vision_model, px), "not the attention-pooling head"),
+}
+
+
+@pytest.mark.parametrize("cls_name", list(OTHER_CLASSIFIERS))
+def test_a_classifier_reading_another_feature_is_dropped_and_the_features_served(cls_name,
+                                                                                 tmp_path):
+    """These classifiers read a feature the model does not serve as pooled (DINOv2's
+    [CLS, mean of the patches], CLIP's mean of un-normed patches, SigLIP's mean instead of its
+    MAP head): served with the pooled output they gave other logits than the source (CLIP's and
+    SigLIP's were). Dropped by name; the backbone's features equal the source's."""
     import transformers
 
-    config = transformers.Dinov2Config(**SHAPE, num_labels=3)
-    transformers.Dinov2ForImageClassification(config).save_pretrained(tmp_path / "m")
-    with pytest.raises(ConvertError, match="a task model around dinov2: only the classifiers "
-                                           "of ViT, ViT-MSN, DeiT and I-JEPA are supported"):
-        convert("hf", tmp_path / "m")
+    outputs, reads = OTHER_CLASSIFIERS[cls_name]
+    family = cls_name.removesuffix("ForImageClassification")
+    if family in ("CLIP", "Siglip"):
+        text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=64)
+        config = getattr(transformers, f"{family}Config")(
+            vision_config=dict(**SHAPE, intermediate_size=96), text_config=text, num_labels=3)
+    else:
+        extra = dict(num_register_tokens=2) if "Registers" in family else {}
+        config = getattr(transformers, f"{family}Config")(**SHAPE, num_labels=3, **extra)
+    model = getattr(transformers, cls_name)(config).eval()
+    perturb(model, seed=9)
+    model.save_pretrained(tmp_path / "m")
+    converted = convert("hf", tmp_path / "m")
+    assert converted.config.num_classes == 0
+    assert any(note.startswith("dropped classifier.weight (3, ") and reads in note
+               and cls_name in note for note in converted.notes), converted.notes
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {k: v.numpy() for k, v in outputs(model, pixels).items()}
+    check_parity(f"hf-{cls_name}", f"hf {cls_name}", converted, pixels.numpy(), peer,
+                 family != "CLIP")
 
 
 # task model -> (config, its backbone's attribute, whether its logits are served, a note it gives)
