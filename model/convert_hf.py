@@ -173,6 +173,7 @@ _MODEL_TYPES = {
     "ijepa": "vit",
 }
 _CLASSLESS = ("ijepa",)  # model types on ViT's layout with no class token
+_EPS_OF_TYPE = {"vit_msn": 1e-6}  # a model type's default layer_norm_eps other than its layout's
 # transformers' ACT2FN name -> (gelu_exact, mlp); gelu_python is the erf form in Python,
 # gelu_fast, gelu_accurate and gelu_python_tanh the tanh form spelled otherwise
 _ACTIVATIONS = {
@@ -240,7 +241,9 @@ def side_files(path: Path) -> dict:
     side = read_side(path, "config.json", HF_CONFIG)
     if side.get("vision_config") is not None:  # a two-tower config: the image tower's part
         side = {**side["vision_config"], "projection_dim": side.get("projection_dim")}
-    side["_preprocessor"] = read_side(path, "preprocessor_config.json", HF_PREPROCESSOR)
+    nulls: set[str] = set()
+    side["_preprocessor"] = read_side(path, "preprocessor_config.json", HF_PREPROCESSOR, nulls)
+    side["_preprocessor_nulls"] = nulls
     return side
 
 
@@ -386,8 +389,10 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             raise ConvertError(f"hf checkpoint: hidden_act={act!r} is not supported")
         gelu_exact, mlp = _ACTIVATIONS[act]
         mlp_dim = t.shape(b + lay.fc1 + ".weight")[0]
+    eps = side.get("layer_norm_eps", _EPS_OF_TYPE.get(model_type, lay.eps))
     if "layer_norm_eps" not in side:
-        t.notes.append(f"no config.json: LayerNorm epsilon {lay.eps} ({name}'s default)")
+        missing = "config.json gives no layer_norm_eps" if model_type else "no config.json"
+        t.notes.append(f"{missing}: LayerNorm epsilon {eps} ({model_type or name}'s default)")
     said = side.get("num_attention_heads")
     if hints.heads and said and hints.heads != said:
         raise ConvertError(f"hf checkpoint: --heads {hints.heads} contradicts config.json's "
@@ -406,7 +411,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         patch_bias=lay.patch + ".bias" in t,
         block="sequential",
         norm="layernorm",
-        norm_eps=float(side.get("layer_norm_eps", lay.eps)),
+        norm_eps=float(eps),
         qkv_bias=any(f"{b}{name}.bias" in t for name in (lay.q, lay.k, lay.v)),
         out_bias=b + lay.o + ".bias" in t,
         mlp_bias=b + fc2 + ".bias" in t,
@@ -471,14 +476,22 @@ _AUTO_PROCESSOR = {
 _CLASS_SUFFIX = re.compile(r"(ImageProcessor|FeatureExtractor)(Fast|Pil)?$")
 
 
-def _processor_class(proc: dict, model_type: str | None) -> tuple[str, _Processor | None]:
+# a null in the file is None to transformers: these flags are then off; the other keys read
+# here are values its processors fail on when they use them (refused when used)
+_NULL_IS_OFF = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "default_to_square",
+                "use_square_size")
+
+
+def _processor_class(proc: dict, model_type: str | None) -> tuple[str, str | None]:
     """The processor class the file names (``image_processor_type``, or an older file's
-    ``feature_extractor_type``), else the model type's: its name and what it reads."""
+    ``feature_extractor_type``), else the model type's: its name and its ``_PROCESSORS`` key
+    (None: a class this converter does not know)."""
     named = proc.get("image_processor_type") or proc.get("feature_extractor_type")
     if named:
-        return named, _PROCESSORS.get(_CLASS_SUFFIX.sub("", named))
+        family = _CLASS_SUFFIX.sub("", named)
+        return named, family if family in _PROCESSORS else None
     family = _AUTO_PROCESSOR.get(model_type or "vit", "ViT")
-    return f"{family}ImageProcessor", _PROCESSORS[family]
+    return f"{family}ImageProcessor", family
 
 
 def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
@@ -497,7 +510,16 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
             crop_offset="floor",  # served with a crop only under --resize: as transformers crops
         )
     where = "preprocessor_config.json"
-    name, cls = _processor_class(proc, side.get("model_type"))
+    name, family = _processor_class(proc, side.get("model_type"))
+    nulls = side.get("_preprocessor_nulls", set())
+    proc = {**proc, **{k: False for k in nulls if k in _NULL_IS_OFF}}
+
+    def value(key: str, default):
+        if key in nulls:
+            raise ConvertError(f"hf {where}: {key} is null, which {name} cannot preprocess with")
+        return proc.get(key, default)
+
+    cls = _PROCESSORS.get(family)
     if cls is None:  # an unknown class's defaults: only a file that leaves none to them reads
         left = [k for k in ("size", "do_center_crop", "resample", "image_mean", "image_std")
                 if k not in proc] + (["size as an object"] if isinstance(proc.get("size"), int)
@@ -510,7 +532,11 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
             )
         cls = _PROCESSORS["ViT"]  # transformers' base defaults, all overridden by the file
     crops = bool(proc.get("do_center_crop", cls.crop))
-    size = _size(proc.get("size", cls.size), cls.int_is_square, "size", where)
+    size = _size(value("size", cls.size), proc.get("default_to_square", cls.int_is_square), "size",
+                 where) if proc.get("do_resize", True) else {"height": image_size}
+    if family == "CLIP" and proc.get("use_square_size"):  # the class's own edge, as a square
+        side_ = cls.size["shortest_edge"]
+        size = {"height": side_, "width": side_}
     geometry, squash = None, False
     if "height" in size:  # a square: both sides resized (ViT, SigLIP, DINOv3; DeiT then crops)
         resize, squash = size["height"], True
@@ -518,30 +544,30 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         resize = size["shortest_edge"]
     crop = resize
     if crops:
-        if proc.get("crop_size", cls.crop_size) is None:
+        if value("crop_size", cls.crop_size) is None:
             raise ConvertError(f"hf {where}: do_center_crop with no crop_size ({name} has no "
                                "default crop)")
-        crop = _size(proc.get("crop_size", cls.crop_size), True, "crop_size", where)["height"]
+        crop = _size(value("crop_size", cls.crop_size), True, "crop_size", where)["height"]
     if not crops and not squash:
         geometry = f"resizes the shorter side to {resize} and does not crop (a non-square input)"
     if not proc.get("do_resize", True):
         geometry = "does not resize (do_resize false)"
-    scale = proc.get("rescale_factor", 1 / 255)
+    scale = value("rescale_factor", 1 / 255) if proc.get("do_rescale", True) else None
     if not proc.get("do_rescale", True) or abs(scale * 255 - 1) > 1e-6:
         raise ConvertError(
             f"hf {where}: do_rescale={proc.get('do_rescale', True)} rescale_factor={scale}: the "
             "pixel contract scales by 1/255"
         )
     normalise = proc.get("do_normalize", True)
-    resample = proc.get("resample", cls.resample)
+    resample = value("resample", cls.resample)
     return SourcePreprocess(
         where,
         True,
         resize=resize,
         crop=crop,
         interpolation=_PIL_RESAMPLE.get(resample, str(resample)),
-        mean=_per_channel(proc.get("image_mean", cls.mean)) if normalise else (0.0, 0.0, 0.0),
-        std=_per_channel(proc.get("image_std", cls.std)) if normalise else (1.0, 1.0, 1.0),
+        mean=_per_channel(value("image_mean", cls.mean)) if normalise else (0.0, 0.0, 0.0),
+        std=_per_channel(value("image_std", cls.std)) if normalise else (1.0, 1.0, 1.0),
         geometry=geometry,
         squash=squash,
         crop_offset="floor",  # transformers' center_crop floors (PIL and torchvision backends)

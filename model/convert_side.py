@@ -4,9 +4,10 @@ The converters read a few keys of timm's config.json, Hugging Face's config.json
 preprocessor_config.json, and open_clip_config.json. Each key read has one kind here (a
 positive integer, a finite number, a string, a flag, a list, an object of further keys:
 ``schema``); a file whose value is of another kind is refused naming the file, the key and the
-value before any converter reads it. A key that is null is read as absent, the source's default
-(as transformers reads its processors' nulls: DINOv3's preprocessor_config.json has
-``"crop_size": null``). Keys not listed are not read, and not checked (the files hold many more).
+value before any converter reads it. A key that is null is read as absent, the source's default;
+a reader that must tell a null apart (transformers' processors keep a null as None: a flag
+off, a value they fail on) asks for the null keys. Keys not listed are not read, and not checked
+(the files hold many more).
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from .convert_common import ConvertError, read_json
 from .schema import COUNT, FLAG, NUMBER, POSITIVE, SIZE, TEXT, Kind, Schema, check, either, list_of
 
 
-def read_side(path: Path, name: str, schema: Schema) -> dict:
-    """The JSON file ``name`` beside the weights at ``path`` ({} when there is none), checked."""
+def read_side(path: Path, name: str, schema: Schema, nulls: set[str] | None = None) -> dict:
+    """The JSON file ``name`` beside the weights at ``path`` ({} when there is none), checked;
+    its top-level keys that are null are added to ``nulls``."""
     file = (path if path.is_dir() else path.parent) / name
     if not file.exists():
         return {}
-    data = _without_nulls(read_json(file))
+    raw = read_json(file)
+    if nulls is not None and isinstance(raw, dict):
+        nulls.update(k for k, v in raw.items() if v is None)
+    data = _without_nulls(raw)
     check(data, schema, str(file), ConvertError)
     return data
 
@@ -96,6 +101,8 @@ _HF_SIZE = Kind(
 HF_PREPROCESSOR: Schema = {
     "image_processor_type": TEXT,  # the class: how it reads an int size, its defaults
     "feature_extractor_type": TEXT,  # an older file's name for it
+    "default_to_square": FLAG,  # an int size: a square (true) or a shortest edge
+    "use_square_size": FLAG,  # CLIP's: its default shortest edge as a square (Kosmos-2's)
     "do_resize": FLAG,
     "size": _HF_SIZE,
     "do_center_crop": FLAG,

@@ -392,6 +392,23 @@ def test_task_models_on_vits_layout_give_their_backbone_and_its_classifier(cls_n
                  {k: v.numpy() for k, v in peer.items()}, True)
 
 
+def test_a_model_types_own_epsilon_is_its_default_where_config_json_gives_none(tmp_path):
+    """ViT-MSN's config defaults layer_norm_eps to 1e-6, not ViT's 1e-12 (3.9e-5 off before)."""
+    model = _hf("ViTMSNModel", "ViTMSNConfig", seed=4, intermediate_size=96, layer_norm_eps=1e-6)
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["layer_norm_eps"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    converted = convert("hf", tmp_path / "m")
+    assert converted.config.norm_eps == 1e-6
+    assert "config.json gives no layer_norm_eps: LayerNorm epsilon 1e-06 (vit_msn's default)" in (
+        converted.notes)
+    pixels = _pixels()
+    with torch.no_grad():
+        peer = {k: v.numpy() for k, v in vit_layout_outputs(model, pixels).items()}
+    check_parity("hf-vit-msn-default-eps", "hf ViTMSNModel", converted, pixels.numpy(), peer, True)
+
+
 def test_a_vit_layout_without_a_class_token_is_read_as_i_jepa_only_where_config_allows(tmp_path):
     """A ViT whose class token is missing is a damaged file, not an I-JEPA; without config.json
     the position table decides (one row per patch: no class token)."""

@@ -80,6 +80,27 @@ HF_CASES = {
         {"image_processor_type": "ViTImageProcessor", "size": 256, "crop_size": 224,
          "do_center_crop": True},
     ),
+    # the file's default_to_square over its class's: a shortest edge for ViT, a square for CLIP
+    "vit-default-to-square-false": (
+        "ViTModel",
+        "ViTConfig",
+        {"image_processor_type": "ViTImageProcessor", "size": 256, "default_to_square": False,
+         "do_center_crop": True, "crop_size": 224},
+    ),
+    "clip-default-to-square-true": (
+        "CLIPVisionModel",
+        "CLIPVisionConfig",
+        {"image_processor_type": "CLIPImageProcessor", "size": 256, "default_to_square": True,
+         "crop_size": 224},
+    ),
+    # CLIP's use_square_size (Kosmos-2's): its class's own 224 edge as a square, the file's
+    # size unread
+    "clip-use-square-size": (
+        "CLIPVisionModel",
+        "CLIPVisionConfig",
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 256},
+         "use_square_size": True, "crop_size": 224},
+    ),
     "vit": ("ViTModel", "ViTConfig", ("ViTImageProcessor", {})),
     "dinov3": (  # facebook/dinov3-*-pretrain-lvd1689m's preprocessor_config.json
         "DINOv3ViTModel",
@@ -201,6 +222,19 @@ REFUSED_PROCESSORS = {
     "siglip-int-size": (
         {"image_processor_type": "SiglipImageProcessor", "size": 224},
         "resizes the shorter side to 224 and does not crop", (224, 298)),
+    # a null is None to transformers: a flag off (no crop: a non-square input here, and DeiT's
+    # 256 square uncropped), a value it cannot preprocess with
+    "clip-null-crop-flag": (
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
+         "do_center_crop": None, "crop_size": 224},
+        "resizes the shorter side to 224 and does not crop", (224, 298)),
+    "deit-null-crop-flag": (
+        {"image_processor_type": "DeiTImageProcessor", "size": 256, "do_center_crop": None,
+         "crop_size": 224},
+        "gives 256x256 inputs, not a whole number of 56x56 patches", (256, 256)),
+    "vit-null-mean": (
+        {"image_processor_type": "ViTImageProcessor", "image_mean": None},
+        "image_mean is null, which ViTImageProcessor cannot preprocess with", None),
     "vit-crop-without-size": (
         {"image_processor_type": "ViTImageProcessor", "do_center_crop": True},
         "do_center_crop with no crop_size", None),
@@ -214,8 +248,9 @@ REFUSED_PROCESSORS = {
 @pytest.mark.parametrize("case", list(REFUSED_PROCESSORS))
 def test_a_processor_file_is_read_as_its_class_reads_it(case, tmp_path, image_files):
     """Read as a square (as before), SigLIP's int size would serve other pixels than
-    transformers gives for every non-square image: refused naming the geometry, as transformers'
-    own processor shows it on a 640x480 file (a 224x298 input)."""
+    transformers gives for every non-square image, and nulls read as absent took the class's
+    default where transformers reads None: refused naming the geometry, as transformers' own
+    processor shows it on a 640x480 file (a 224x298 input, a 256x256 one)."""
     import transformers
 
     processor, message, shape = REFUSED_PROCESSORS[case]
