@@ -998,11 +998,19 @@ def test_preset_parameter_counts_are_the_sources(preset):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["dinov2-registers", "clip-projection", "siglip"])
+# case -> the processor file it is served with (else none: images at the model's own size)
+SERVED_PROCESSORS = {  # DeiT's own kind: both sides to 20, then the 16 crop (keep_aspect false)
+    "deit": {"image_processor_type": "DeiTImageProcessor", "size": 20, "crop_size": 16,
+             "do_center_crop": True, "resample": 3},
+}
+
+
+@pytest.mark.parametrize("case", ["dinov2-registers", "clip-projection", "siglip", "deit"])
 def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
     """`vit22b convert --compute-dtype float32` (no --model), `BackgroundServer` on the
     checkpoint, raw uint8 images at the model's size through the SDK: pooled and last-layer
-    patch tokens equal the source's forward on the same normalised pixels to 1e-5."""
+    patch tokens equal the source's forward on the same normalised pixels to 1e-5. With a
+    processor file (DeiT's), 24x30 images, and the source's pixels are its processor's."""
     from parity import TOL_F32
     from peers import rel_err
     from vit22b.clients import FeatureClient
@@ -1014,12 +1022,16 @@ def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
     cls_name, config_name, kw, outputs, normed, _ = HF_CASES[case]
     model = _hf(cls_name, config_name, seed=51 + len(case), **kw)
     model.save_pretrained(tmp_path / "hf")
+    processor = SERVED_PROCESSORS.get(case)
+    if processor:
+        (tmp_path / "hf" / "preprocessor_config.json").write_text(json.dumps(processor))
     ckpt = tmp_path / "ckpt"
     args = ["convert", "--from", "hf", "--input", str(tmp_path / "hf"), "--out", str(ckpt)]
     assert main([*args, "--compute-dtype", "float32"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["compute_dtype"] == "float32"
-    images = np.random.default_rng(5).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    side = (24, 30) if processor else (16, 16)
+    images = np.random.default_rng(5).integers(0, 256, (3, *side, 3), dtype=np.uint8)
     config = ServeConfig(
         checkpoint=str(ckpt), mesh="data=2,model=4", port=0, metrics_port=None, max_batch_images=4
     )
@@ -1037,9 +1049,17 @@ def test_served_over_grpc_in_float32_equals_the_source(case, tmp_path, capsys):
                 normalize_patches=normed,
             )
     assert info.model.compute_dtype == "float32" and got.model.compute_dtype == "float32"
-    pixels = (images.astype(np.float32) / np.float32(255) - np.float32(pre.mean)) / np.float32(
-        pre.std
-    )  # the contract at the model's own size: no resize, no crop
+    if processor:
+        import transformers
+        from PIL import Image
+
+        assert not pre.keep_aspect and pre.resize == 20
+        theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path / "hf")
+        pixels = theirs(images=[Image.fromarray(im) for im in images], return_tensors="np")[
+            "pixel_values"].transpose(0, 2, 3, 1)
+    else:  # the contract at the model's own size: no resize, no crop
+        pixels = (images.astype(np.float32) / np.float32(255) - np.float32(pre.mean)) / (
+            np.float32(pre.std))
     with torch.no_grad():
         peer = outputs(model, torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy()))
     assert rel_err(got.pooled, peer["pooled"].numpy()) < TOL_F32
