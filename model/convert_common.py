@@ -21,6 +21,7 @@ import numpy as np
 
 from .checkpoint import format_problems
 from .config import ViTConfig
+from .host import available_memory
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz", ".tar")  # .tar: .pth.tar
 # in a directory holding several weight files, the one read (an importer may name others)
@@ -53,8 +54,6 @@ def check_memory(what: str, size: int, then: str = "") -> None:
     lower bound of what a conversion needs (the converted parameters come on top), so it
     refuses nothing that could fit. ``then``: what the message adds (``"; no weight file
     was downloaded"``)."""
-    from .sharding import available_memory  # jax: not for the importers alone
-
     have = available_memory()
     if have is not None and size > have:
         raise ConvertError(f"{what}: its weight files take {byte_size(size)}, read whole, "

@@ -8,12 +8,10 @@ their sharding by a jitted init with ``out_shardings``: nothing holds the whole 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -21,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ViTConfig
+from .host import available_memory
 from .vit import abstract_params, init_params
 
 AXES = ("data", "model")
@@ -169,28 +168,6 @@ def bytes_per_device(cfg: ViTConfig, mesh_shape: dict[str, int], dtype: str | No
                 shard[axis] = -(-shard[axis] // mesh_shape[name])
         total += math.prod(shard) * itemsize
     return total
-
-
-def available_memory(cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes this process may still allocate: /proc/meminfo's MemAvailable, or less under the
-    memory limit of its cgroup (a container's: v2 ``memory.max``, v1 ``limit_in_bytes``, each
-    less its working set: the usage but the inactive file cache, which the kernel reclaims, as
-    MemAvailable counts it); None where none can be read."""
-    found = []
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    for limit, usage, stat, cache in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
-             "memory/memory.stat", "total_inactive_file")):
-        with contextlib.suppress(OSError, ValueError):
-            cap = (cgroup / limit).read_text().strip()  # "max": no limit
-            if not cap.isdigit():
-                continue
-            stats = dict(line.split() for line in (cgroup / stat).read_text().splitlines())
-            used = int((cgroup / usage).read_text()) - int(stats.get(cache, 0))
-            found.append(max(int(cap) - used, 0))
-    return min(found) if found else None
 
 
 def check_host_memory(cfg: ViTConfig, mesh: Mesh) -> None:

@@ -95,9 +95,9 @@ def nll(log_probs: np.ndarray, labels: np.ndarray) -> float:
 
 
 def brier(probs: np.ndarray, labels: np.ndarray) -> float:
-    probs = np.asarray(probs, np.float64)
-    onehot = np.eye(probs.shape[1])[labels]
-    return float(np.mean(np.sum((probs - onehot) ** 2, axis=1)))
+    probs = np.asarray(probs, np.float64)  # sum_c (p_c - [c = y])^2, with no one-hot [N, C]
+    own = probs[np.arange(len(labels)), labels]
+    return float(np.mean(np.sum(probs**2, axis=1) - 2.0 * own + 1.0))
 
 
 def reliability_table(probs: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> list:

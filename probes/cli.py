@@ -43,21 +43,28 @@ from .features import features_from_embed_folder
 from .runner import KINDS, ProbeData, load_probe_data, probe_data_from_shapes_world, run_probe
 
 DENSE = ("depth", "segmentation")
+MAX_STEPS = 100_000  # decoder training steps (300 by default)
+MAX_BINS = 1_000  # calibration bins (15 by default; a reliability row each in the report)
 # the server's codes for what the caller sent (exit 2, as a refusal of ours); others exit 1
 REFUSED_INPUT = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION",
                            "UNAUTHENTICATED", "PERMISSION_DENIED"})
 
 
+MAX_LIST = 64  # values in one list flag (each is a probe run of its own)
+
+
 def _number_list(cast, what: str):
-    """argparse type: comma-separated numbers -> tuple."""
+    """argparse type: comma-separated numbers -> tuple, of 1 to ``MAX_LIST``."""
 
     def parse(text: str) -> tuple:
         try:
-            return tuple(cast(v) for v in text.split(",") if v.strip())
+            values = tuple(cast(v) for v in text.split(",") if v.strip())
         except ValueError:
+            values = ()
+        if not 0 < len(values) <= MAX_LIST:
             raise argparse.ArgumentTypeError(
-                f"expected comma-separated {what}, got {text!r}"
-            ) from None
+                f"expected 1 to {MAX_LIST} comma-separated {what}, got {text!r}")
+        return values
 
     return parse
 
@@ -94,17 +101,19 @@ _split_seed = _seed_from_zero("the seed also seeds the data split")
 _world_seed = _seed_from_zero("the shapes world's seed is numpy's")
 
 
-def _positive(parse):
-    """``parse``, then every value > 0 (a 0-NN vote or a 0-shot probe means nothing)."""
+def _positive(parse, most: float = math.inf):
+    """``parse``, then every value > 0 (a 0-NN vote or a 0-shot probe means nothing) and at
+    most ``most`` (a bound on the time or the report one value can ask for)."""
+    bound = "" if math.isinf(most) else f" of at most {most:,}"
 
     def checked(text: str):
         try:
             values = parse(text)
         except ValueError as err:  # not a number: its own words (argparse: "invalid checked")
-            raise argparse.ArgumentTypeError(f"expected positive values: {err}") from None
-        if not all(v > 0 and math.isfinite(v)  # an infinite temperature votes uniformly
+            raise argparse.ArgumentTypeError(f"expected positive values{bound}: {err}") from None
+        if not all(0 < v <= most and math.isfinite(v)  # an infinite temperature votes uniformly
                    for v in (values if isinstance(values, tuple) else (values,))):
-            raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected positive values{bound}, got {text!r}")
         return values
 
     return checked
@@ -222,7 +231,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     opt = parser.add_argument_group("probe options")
-    opt.add_argument("--steps", type=_positive(whole_number),
+    opt.add_argument("--steps", type=_positive(whole_number, MAX_STEPS),
                      help="decoder training steps (depth, segmentation, video)")
     opt.add_argument("--decoders", default="linear,dpt", help="depth decoders (linear, dpt)")
     opt.add_argument("--shots", type=_positive(_ints),
@@ -230,7 +239,8 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--ks", type=_positive(_ints), help="kNN: neighbour counts (10,20,100,200)")
     opt.add_argument("--temperature", type=_positive(real_number),
                      help="kNN: vote temperature (0.07)")
-    opt.add_argument("--bins", type=_positive(whole_number), help="calibration: bins (15)")
+    opt.add_argument("--bins", type=_positive(whole_number, MAX_BINS),
+                     help=f"calibration: bins (15; at most {MAX_BINS:,})")
     opt.add_argument("--ignore-index", type=_label_or_none, default=IGNORE_INDEX,
                      metavar="N|none",
                      help="segmentation: the mask label of pixels that are no class, left out "
@@ -521,6 +531,7 @@ def _run_probe_command(args) -> int:
 
 
 EXPLORE_MAX_TOKENS, EXPLORE_MAX_WIDTH, EXPLORE_MAX_SCALES = 512, 512, 32
+EXPLORE_MAX_SCALE = 1e4  # past it float32's squares overflow in the QK-norm (1e20: inf)
 
 
 def _explore_arguments(parser: argparse.ArgumentParser) -> None:
@@ -544,10 +555,11 @@ def _run_explore_command(args) -> int:
     # bounded: its attention maps are scales x batch x tokens^2 floats at once, per variant
     if not (2 <= args.tokens <= EXPLORE_MAX_TOKENS and 2 <= args.width <= EXPLORE_MAX_WIDTH
             and (args.scales is None or 0 < len(args.scales) <= EXPLORE_MAX_SCALES
-                 and all(math.isfinite(s) and s > 0 for s in args.scales))):
+                 and all(0 < s <= EXPLORE_MAX_SCALE for s in args.scales))):
         print(
             f"vit22b explore: error: needs --tokens in 2..{EXPLORE_MAX_TOKENS}, --width in "
-            f"2..{EXPLORE_MAX_WIDTH} and 1..{EXPLORE_MAX_SCALES} finite, positive --scales",
+            f"2..{EXPLORE_MAX_WIDTH} and 1..{EXPLORE_MAX_SCALES} --scales in (0, "
+            f"{EXPLORE_MAX_SCALE:g}]",
             file=sys.stderr,
         )
         return 2

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, DataError
 from .features import Features, standardised
 
 
@@ -45,6 +45,11 @@ def dense_inputs(
 ) -> DenseInputs:
     """Token grids of ``layers`` (and the pooled feature), standardised with training statistics."""
     grids = tuple(standardised(features.patch_grid(layer), train_index) for layer in layers)
+    sides = {layer: grid.shape[1] for layer, grid in zip(layers, grids)}
+    if len(set(sides.values())) > 1:  # the decoders stack the layers token by token
+        raise DataError("the layers' patch grids differ (" + ", ".join(
+            f"layer {layer}: {side}x{side}" for layer, side in sides.items()) + "): one "
+            "grid for every layer a decoder reads")
     pooled = standardised(features.require("pooled"), train_index) if use_pooled else None
     return DenseInputs(grids, pooled)
 
@@ -272,6 +277,12 @@ def depth_probe(
         if not valid[index].any():
             raise ValueError(f"the {name} images hold no measured depth (every pixel is "
                              f"non-finite or <= {MIN_DEPTH})")
+    largest = depth[valid].max()
+    with np.errstate(over="ignore"):  # the mean and errors' squares would overflow
+        overflows = not np.isfinite(largest**2 * valid.sum())
+    if overflows:
+        raise ValueError(f"depths up to {largest:.3g}: their squares overflow float64, so no "
+                         "error of them can be measured; give the depths in another unit")
     inputs = dense_inputs(features, layers, use_pooled, train_index)
     train_depth = depth[train_index][valid[train_index]]
     mean, std = float(train_depth.mean()), float(train_depth.std())
@@ -361,14 +372,14 @@ def segmentation_metrics(pred: np.ndarray, target: np.ndarray, num_classes: int,
         _classes_in_range(name, labels, num_classes, ignore_index)
     if not target.size:
         raise ValueError("no labelled pixel to score: every target pixel is ignored")
-    confusion = np.bincount(target * num_classes + pred, minlength=num_classes**2)
-    confusion = confusion.reshape(num_classes, num_classes)
-    inter = np.diag(confusion).astype(np.float64)
-    union = confusion.sum(0) + confusion.sum(1) - inter
+    # per class, from counts alone (a C x C confusion matrix of 65,536 classes is 32 GiB)
+    inter = np.bincount(target[pred == target], minlength=num_classes).astype(np.float64)
+    union = (np.bincount(pred, minlength=num_classes) + np.bincount(target, minlength=num_classes)
+             - inter)
     present = union > 0
     iou = np.where(present, inter / np.maximum(union, 1), np.nan)
     return {
-        "pixel_accuracy": float(inter.sum() / confusion.sum()),
+        "pixel_accuracy": float(inter.sum() / target.size),
         "miou": float(np.nanmean(iou)),
         "iou_per_class": [None if np.isnan(v) else float(v) for v in iou],
     }

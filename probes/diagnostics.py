@@ -31,6 +31,12 @@ def attention_diagnostics(
             f"and max logit {max_logit.shape}"
         )
     depth, heads = entropy.shape[1:]
+    if not (depth and heads):
+        raise DataError(f"attention statistics of shape {list(entropy.shape)} hold no layer "
+                        "or no head")
+    if entropy.min() < 0:  # an entropy is >= 0: another array saved under its name
+        raise DataError(f"attention entropy holds negative values (down to {entropy.min():.3g}):"
+                        " not an entropy")
     mean_entropy = entropy.mean(0)
     report = {
         "probe": "diagnostics",
@@ -57,4 +63,9 @@ def attention_diagnostics(
         collapsed = np.argwhere(mean_entropy < collapse_fraction * uniform)
         report["uniform_entropy"] = uniform
         report["collapsed_heads"] = [{"layer": int(a), "head": int(b)} for a, b in collapsed]
+    else:  # said, not left out: an absent list would read as "no head collapsed"
+        report["uniform_entropy"] = report["collapsed_heads"] = None
+        report["collapse_not_judged"] = (
+            "the feature source does not say over how many tokens attention ran, so no head's "
+            "entropy is set against uniform attention")
     return report

@@ -8,9 +8,11 @@ Keys follow the model's outputs (``vit22b.model.apply``): ``pooled`` [N, d], ``c
 
 from __future__ import annotations
 
+import ast
 import logging
+import math
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import numpy as np
 from vit22b.clients.storage import atomic_write
 from vit22b.model.features import ARRAYS as _ARRAY_KEYS
 from vit22b.model.features import Features as FeatureArrays
+from vit22b.model.host import available_memory
 
 from .data import DataError
 
@@ -73,12 +76,35 @@ def check_finite(array: np.ndarray, name: str) -> None:
 
 def real_array(value, name: str) -> np.ndarray:
     """float32 of real numbers; complex values (whose imaginary parts a cast would drop with a
-    warning), booleans, text and objects are refused by name."""
+    warning), booleans, text, objects and scalars are refused by name, and so are wider values
+    that float32 cannot tell apart (``_cast_keeps``)."""
     array = np.asarray(value)
     if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
         raise DataError(f"features {name} must be real numbers, got dtype {array.dtype}")
+    if not array.ndim:
+        raise DataError(f"features {name} must hold one row per image, got a single number")
     with np.errstate(over="ignore"):  # past float32's range: refused as infinite (ProbeData)
-        return array.astype(np.float32, copy=False)
+        cast = array.astype(np.float32, copy=False)
+    if cast is not array and array.dtype.itemsize > 2:  # float64, (u)int32/64
+        _cast_keeps(array, cast, name)
+    return cast
+
+
+def _cast_keeps(array: np.ndarray, cast: np.ndarray, name: str) -> None:
+    """Refuse a cast to float32 that changes some channel's spread by over 0.1%: values like
+    1e4 + 1e-4 * signal become one float32 number, and a probe on them scores chance with no
+    word of why."""
+    wide = array.reshape(-1, array.shape[-1]).astype(np.float64)
+    narrow = cast.reshape(wide.shape).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # infinite casts: refused as such later
+        spread, kept = wide.std(0), narrow.std(0)
+        lost = np.flatnonzero(np.isfinite(kept) & (np.abs(kept - spread) > 1e-3 * spread))
+    if len(lost):
+        j = int(lost[0])
+        raise DataError(
+            f"features {name}: {array.dtype} values that float32 cannot tell apart (channel "
+            f"{j}: spread {spread[j]:.3g} around {wide[:, j].mean():.6g}, {kept[j]:.3g} in "
+            f"float32; {len(lost)} channels so); centre or scale them before saving")
 
 
 def standardised(x: np.ndarray, train: np.ndarray) -> np.ndarray:
@@ -115,19 +141,68 @@ def write_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
     atomic_write(str(path), write)
 
 
+def read_npz(path: str | Path, what: str, wanted: Callable[[str], bool]) -> dict[str, np.ndarray]:
+    """The arrays of the .npz at ``path`` whose names ``wanted`` takes, each checked from its
+    header before it is read: no pickled objects (refused, never loaded), no more data than its
+    entry holds (a 1 KB file declaring a 373 GiB array), and no more in all than this host's
+    available memory. ``what``: the file's kind (``features .npz``), for the messages."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = {i.filename.removesuffix(".npy"): i for i in archive.infolist()}
+            names = [k for k in entries if wanted(k)]
+            total = sum(_declared_bytes(archive, entries[k], path, k) for k in names)
+            have = available_memory()
+            if have is not None and total > have:
+                raise DataError(f"{path}: its arrays take {total / 2**30:.1f} GiB, read whole, "
+                                f"and {have / 2**30:.1f} GiB of memory is available")
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in names}
+    except DataError:  # a ValueError: said whole above
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise DataError(f"{path}: not a readable {what} file ({err})") from None
+
+
+def _declared_bytes(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, path, key: str) -> int:
+    with archive.open(entry) as f:
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(f)
+    if dtype.hasobject:
+        raise DataError(f"{path}: {key!r} holds pickled Python objects ({dtype}), which are "
+                        "not loaded: save it as numbers or strings")
+    size = math.prod(shape) * dtype.itemsize
+    if size > entry.file_size:
+        raise DataError(f"{path}: {key!r} declares a {dtype} array of shape {list(shape)} "
+                        f"({size:,} bytes) in an entry of {entry.file_size:,}: a truncated or "
+                        "forged file")
+    return size
+
+
 def load_npz_features(path: str | Path) -> Features:
     if not Path(path).is_file():
         raise DataError(f"{path}: not a features .npz file nor an embed output folder")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            stored = {k: npz[k] for k in npz.files
-                      if k in _ARRAY_KEYS or k.startswith("patch_tokens/")}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise DataError(f"{path}: not a readable features .npz file ({err})") from None
+    stored = read_npz(path, "features .npz",
+                      lambda k: k in _ARRAY_KEYS or k.startswith("patch_tokens/") or k == "meta")
     outputs: dict = {k: v for k, v in stored.items() if k in _ARRAY_KEYS}
     outputs["patch_tokens"] = {_layer(k, path): v for k, v in stored.items()
                                if k.startswith("patch_tokens/")}
-    return features_from_outputs(outputs, {"source": str(path)})
+    meta = _saved_meta(stored.get("meta"))  # num_tokens: the diagnostics' uniform entropy
+    return features_from_outputs(outputs, {**meta, "source": str(path)})
+
+
+def _saved_meta(value: np.ndarray | None) -> dict:
+    """``save_features``' meta (the repr of its sorted items) read back as literals alone, its
+    ``num_tokens`` kept where it is a whole number; {} for a file without it or another."""
+    if value is None or value.ndim or value.dtype.kind != "U" or value.itemsize > 1 << 16:
+        return {}
+    try:
+        items = dict(ast.literal_eval(str(value)))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return {}
+    tokens = items.get("num_tokens")
+    return {"num_tokens": tokens} if isinstance(tokens, int) and tokens > 1 else {}
 
 
 def _layer(key: str, path) -> int:

@@ -14,14 +14,14 @@ head was trained on (big_vision's ``pre_logits``, timm's ``forward_head(pre_logi
 
 from __future__ import annotations
 
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .data import DataError
-from .features import write_npz
+from .features import read_npz, write_npz
+from .metrics import class_name_list
 
 
 @dataclass(frozen=True)
@@ -80,16 +80,13 @@ def save_head(path: str | Path, head: LinearHead) -> Path:
 
 def load_head(path: str | Path) -> LinearHead:
     path = Path(path)
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise DataError(f"{path}: not a readable .npz head file ({err})") from err
-    with npz:
-        missing = {"kernel", "bias"} - set(npz.files)
-        if missing:
-            raise DataError(f"{path}: head file lacks {sorted(missing)} (has {npz.files})")
-        kernel, bias = npz["kernel"], npz["bias"]
-        names = tuple(str(s) for s in npz["class_names"]) if "class_names" in npz.files else ()
+    arrays = read_npz(path, ".npz head", lambda k: k in ("kernel", "bias", "class_names"))
+    missing = {"kernel", "bias"} - set(arrays)
+    if missing:
+        raise DataError(f"{path}: head file lacks {sorted(missing)} (has {sorted(arrays)})")
+    kernel, bias = arrays["kernel"], arrays["bias"]
+    names = (class_name_list(arrays["class_names"], f"{path}: class_names")
+             if "class_names" in arrays else ())
     for name, array in (("kernel", kernel), ("bias", bias)):
         if not np.issubdtype(array.dtype, np.floating):
             raise DataError(f"{path}: {name} must be floating point, got {array.dtype}")

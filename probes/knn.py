@@ -49,11 +49,15 @@ def knn_votes(
         top, top_sim = np.take_along_axis(top, order, 1), np.take_along_axis(top_sim, order, 1)
         top_sim = top_sim.astype(np.float64)
         weights = np.exp((top_sim - top_sim[:, :1]) / temperature)
-        onehot = np.eye(num_classes)[train_y[top]]  # [n, kmax, C]
-        for k in ks:
+        rows = np.arange(len(top))[:, None]
+        for k in ks:  # each neighbour's weight added to its class: [n, C], never [n, kmax, C]
             kk = min(k, kmax)
-            summed = np.einsum("nk,nkc->nc", weights[:, :kk], onehot[:, :kk])
-            members = onehot[:, :kk].any(axis=1)
+            neighbours = train_y[top[:, :kk]]
+            summed = np.zeros((len(top), num_classes))
+            np.add.at(summed, (np.broadcast_to(rows, neighbours.shape), neighbours),
+                      weights[:, :kk])
+            members = np.zeros((len(top), num_classes), bool)
+            members[np.broadcast_to(rows, neighbours.shape), neighbours] = True
             votes[k][start : start + chunk] = np.where(members, summed, -np.inf)
     return votes
 

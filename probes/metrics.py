@@ -34,6 +34,22 @@ def check_class_indices(name: str, value: np.ndarray, per_image: bool = True) ->
                         f"{MAX_CLASSES:,} and the number of images); map them to 0..C-1 first")
 
 
+def class_name_list(value: np.ndarray, what: str) -> tuple[str, ...]:
+    """A file's class names: a 1-D array of distinct strings (two classes of one name would be
+    merged where names are matched, as against a head's)."""
+    if value.ndim != 1 or not (value.dtype.kind == "U" or (value.dtype.kind == "S")):
+        raise DataError(f"{what} must be a 1-D array of strings, got {value.dtype} "
+                        f"{list(value.shape)}")
+    names = tuple(str(s) for s in (value.astype(str) if value.dtype.kind == "S" else value))
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise DataError(f"{what}: class {i} and class {seen[name]} are both named "
+                            f"{name!r}; each class needs its own name")
+        seen[name] = i
+    return names
+
+
 def check_class_names(names: tuple[str, ...], labels: np.ndarray) -> None:
     most = int(np.max(labels)) + 1 if len(labels) else 0
     if names and len(names) < most:

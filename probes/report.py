@@ -104,7 +104,7 @@ def summarize(report: dict) -> str:
     if kind == "diagnostics":
         layers = ", ".join(f"L{r['layer']} {r['entropy_mean']:.3f}" for r in report["per_layer"])
         collapsed = report.get("collapsed_heads")
-        return f"attention entropy by layer: {layers}" + (
-            f"; collapsed heads: {collapsed}" if collapsed else ""
-        )
+        judged = ("; collapse not judged (the number of tokens is unknown)" if collapsed is None
+                  else f"; collapsed heads: {collapsed}" if collapsed else "")
+        return f"attention entropy by layer: {layers}{judged}"
     return f"{kind}: see the JSON report"

@@ -6,6 +6,8 @@ stays a pure function of arrays.
 
 from __future__ import annotations
 
+import logging
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,17 +15,27 @@ import numpy as np
 
 from . import calibration, diagnostics, fewshot, knn, linear, plots, shape_bias
 from .data import IGNORE_INDEX, DataError, ShapesWorld
-from .features import Features, check_finite, feature_arrays, load_npz_features, write_npz
+from .features import (
+    Features,
+    check_finite,
+    feature_arrays,
+    load_npz_features,
+    read_npz,
+    write_npz,
+)
 from .heads import LinearHead
 from .metrics import (
     MAX_CLASSES,
     check_class_indices,
     check_class_names,
+    class_name_list,
     log_softmax,
     split_indices,
     two_classes,
 )
 from .report import write_report
+
+log = logging.getLogger(__name__)
 
 KINDS = (
     "linear", "fewshot", "knn", "calibration", "depth", "segmentation", "shape-bias", "diagnostics",
@@ -70,6 +82,8 @@ class ProbeData:
             value = getattr(self, name)
             if value is None:
                 continue
+            if not np.ndim(value):
+                raise DataError(f"{name} must hold one entry per image, got a single value")
             if len(value) != rows:
                 raise DataError(f"{name} has {len(value)} entries for {rows} images: one per "
                                 "image, in the features' order")
@@ -125,9 +139,10 @@ def save_probe_data(path: str | Path, data: ProbeData) -> None:
 
 def load_probe_data(path: str | Path) -> ProbeData:
     features = load_npz_features(path)
-    with np.load(path, allow_pickle=False) as npz:
-        targets = {k.split("/", 1)[1]: npz[k] for k in npz.files if k.startswith("target/")}
-    names = tuple(str(s) for s in np.ravel(targets.pop("class_names", ())))
+    targets = {k.split("/", 1)[1]: v for k, v in
+               read_npz(path, "features .npz", lambda k: k.startswith("target/")).items()}
+    names = class_name_list(targets.pop("class_names", np.asarray([], str)), f"{path}: "
+                            "target/class_names")
     num_mask = targets.pop("num_mask_classes", None)
     if num_mask is not None and (num_mask.shape or not np.issubdtype(num_mask.dtype, np.integer)):
         raise DataError(f"{path}: target/num_mask_classes must be one integer, got "
@@ -181,7 +196,18 @@ def run_classification(
     report = fn[kind](
         x[pool], labels[pool], x[test], labels[test], class_names=data.class_names, **options
     )
-    return {**report, "feature": feature}
+    return {**report, "feature": feature, "test_rows_seen_in_training": _seen(x, pool, test)}
+
+
+def _seen(x: np.ndarray, train: np.ndarray, test: np.ndarray) -> int:
+    """Test rows identical to a training row (an image twice in the data, once on each side of
+    the split: scored as seen, a kNN finds it at distance 0); warned when there are any."""
+    rows = np.ascontiguousarray(x).view(np.dtype((np.void, x.dtype.itemsize * x.shape[1])))
+    seen = int(np.isin(rows[test].ravel(), rows[train].ravel()).sum())
+    if seen:
+        log.warning("%d of %d test images have features identical to a training image's "
+                    "(duplicates in the data): the scores count them as seen", seen, len(test))
+    return seen
 
 
 def _head_logits(data: ProbeData, head: LinearHead | None) -> np.ndarray | None:
@@ -201,6 +227,11 @@ def run_calibration(
     regression fitted on a training split; temperature fitted on validation; report on test."""
     labels = data.require("labels", "calibration probe")
     train, val, test = _splits(labels, seed)
+    if not len(val):
+        raise DataError(
+            f"{len(labels)} labelled images are too few to calibrate: the probe holds out 20% "
+            "of each class (rounded) to fit the temperature and 20% to test on, which leaves "
+            "a validation image only in a class of 4 or more")
     logits = _head_logits(data, head)
     source = "imported head" if head is not None else "model classifier"
     if head is not None:
@@ -229,13 +260,20 @@ def _as_head_classes(labels: np.ndarray, names: tuple[str, ...], head: LinearHea
     column = {name: i for i, name in enumerate(head.class_names)}
     missing = [names[c] for c in np.unique(labels) if names[c] not in column]
     if missing:
+        nfc = {unicodedata.normalize("NFC", name) for name in head.class_names}
+        other_form = any(unicodedata.normalize("NFC", name) in nfc for name in missing)
         raise DataError(f"the head has no class named {', '.join(map(repr, missing[:5]))} "
-                        f"(its {len(column)} classes: {', '.join(head.class_names[:5])}, ...)")
+                        f"(its {len(column)} classes: {', '.join(head.class_names[:5])}, ...)"
+                        + ("; a name matches one of the head's in another Unicode form (NFC "
+                           "and NFD spell accents apart)" if other_form else ""))
     return np.asarray([column[name] for name in names])[labels]
 
 
 def _dense_split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     train, test = split_indices(np.zeros(n, int), (0.75, 0.25), seed)
+    if not len(train) or not len(test):
+        raise DataError(f"{n} images are too few: the dense probes train on three quarters of "
+                        "them and test on the rest (rounded), so they need 3 images or more")
     return train, test
 
 

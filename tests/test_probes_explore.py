@@ -49,12 +49,14 @@ def test_explore_command_prints_the_table_and_writes_json_and_png(tmp_path, caps
 
 def test_explore_command_refuses_bad_arguments(tmp_path, capsys):
     # NaN and inf scales ended in matplotlib's traceback; 10^8 tokens or width in an
-    # out-of-memory traceback (a 16 TB attention map)
+    # out-of-memory traceback (a 16 TB attention map); 1e20 overflowed float32 in the QK-norm
+    # (a uniform entropy reported), 1e308 in matplotlib's log axis
     for argv in (["--scales", "0,1"], ["--scales", "nan"], ["--scales", "inf"],
                  ["--tokens", "100000000"], ["--width", "100000000"], ["--tokens", "1"],
-                 ["--scales", ",".join(["1"] * 33)]):
+                 ["--scales", ",".join(["1"] * 33)], ["--scales", "1e20"],
+                 ["--scales", "1,1e308"]):
         assert main(["explore", *argv, "--out", str(tmp_path)]) == 2
-        assert "finite, positive --scales" in capsys.readouterr().err
+        assert "--scales in (0, 10000]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["explore", "--scales", "one,two"])
 
