@@ -291,6 +291,8 @@ def depth_probe(
     # behind it: the loss weighs each training pixel by it.
     weight = valid[train_index].astype(np.float64)
     scaled = np.where(valid[train_index], (depth[train_index] - mean) / std, 0.0)
+    if depth.shape[1] % train_stride or depth.shape[2] % train_stride:  # KITTI's 375 rows
+        train_stride = 1  # no whole blocks to average: trained at full resolution (the report says)
     block_weight = downsample_depth(weight, train_stride)
     block_depth = downsample_depth(scaled, train_stride) / np.maximum(block_weight, 1e-12)
     target = np.stack([block_depth, block_weight], axis=-1).astype(np.float32)

@@ -149,6 +149,16 @@ def test_patch_grids_of_different_layers_are_refused_by_name():
         run_probe("depth", data, steps=2, decoders=("linear",), layers=(3, 7))
 
 
+def test_depth_maps_of_an_odd_size_train_at_full_resolution():
+    """7x7 maps (KITTI's 375 rows too) were refused: "not divisible by train_stride=2"."""
+    rng = np.random.default_rng(7)
+    tokens = rng.normal(size=(8, 4, 6)).astype(np.float32)
+    data = ProbeData(features=Features(pooled=tokens.mean(1), patch_tokens={0: tokens}),
+                     depth=1 + rng.random((8, 7, 7)))
+    report = run_probe("depth", data, steps=2, decoders=("linear",))
+    assert report["train_stride"] == 1 and np.isfinite(report["linear"]["rmse"])
+
+
 def test_too_few_images_say_how_many_each_probe_needs():
     """A dense probe on 2 images said "the test images hold no measured depth"; calibration on
     3 images a class got scikit-learn's "Found array with 0 sample(s)"."""
