@@ -12,7 +12,7 @@ tower is dropped by name, with a note, as is ViT-MAE's pixel decoder.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -520,17 +520,11 @@ def preprocessing(side: dict, image_size: int) -> SourcePreprocess:
         return proc.get(key, default)
 
     cls = _PROCESSORS.get(family)
-    if cls is None:  # an unknown class's defaults: only a file that leaves none to them reads
-        left = [k for k in ("size", "do_center_crop", "resample", "image_mean", "image_std")
-                if k not in proc] + (["size as an object"] if isinstance(proc.get("size"), int)
-                                     else [])
-        if left:
-            raise ConvertError(
-                f"hf {where}: image processor {name!r} is not one this converter knows "
-                f"({', '.join(f'{k}ImageProcessor' for k in _PROCESSORS)}), and the file leaves "
-                f"its class to decide {', '.join(left)}; write them into the file"
-            )
-        cls = _PROCESSORS["ViT"]  # transformers' base defaults, all overridden by the file
+    if cls is None:  # its own steps (LeViT's crop_pct, a flipped channel order) are unknown
+        known = ", ".join(f"{k}ImageProcessor" for k in _PROCESSORS)
+        half = SourcePreprocess(where, True, image_size, image_size, "bilinear", _HALF, _HALF)
+        return replace(half, unread=f"image processor {name!r} is not one this converter "
+                                    f"reads ({known})")
     crops = bool(proc.get("do_center_crop", cls.crop))
     size = _size(value("size", cls.size), proc.get("default_to_square", cls.int_is_square), "size",
                  where) if proc.get("do_resize", True) else {"height": image_size}

@@ -37,6 +37,9 @@ class SourcePreprocess:
     geometry: str | None = None  # a resize the contract cannot serve, in the source's words
     squash: bool = False  # both sides resized to ``resize`` (no crop where it is ``crop``)
     crop_offset: str = "round"  # Preprocess.crop_offset: how the source centres its crop
+    # why the source's preprocessing cannot be read (a processor class not known here, whose
+    # own steps may differ from the values it keeps): served only when the flags give it whole
+    unread: str | None = None
 
     @classmethod
     def of_preset(cls, name: str, p: Preprocess, image_size: int) -> SourcePreprocess:
@@ -120,6 +123,12 @@ def resolve(
         return f"--{name}" if getattr(flags, name) is not None else said.where
 
     notes = []
+    if said.unread:
+        if len(flags.given()) < len(FIELDS):
+            raise ConvertError(
+                f"{said.where}: {said.unread}; give the preprocessing whole instead: "
+                + " ".join(f"--{name} ..." for name in FIELDS))
+        notes.append(f"{said.where}: {said.unread}; served: the flags'")
     squash = said.squash and flags.resize is None
     if said.geometry or said.squash and not squash:
         what = said.geometry or f"resizes every image to {said.resize}x{said.resize}"

@@ -94,11 +94,14 @@ def _cast_keeps(array: np.ndarray, cast: np.ndarray, name: str) -> None:
     """Refuse a cast to float32 that changes some channel's spread by over 0.1%: values like
     1e4 + 1e-4 * signal become one float32 number, and a probe on them scores chance with no
     word of why."""
-    wide = array.reshape(-1, array.shape[-1]).astype(np.float64)
-    narrow = cast.reshape(wide.shape).astype(np.float64)
+    if not array.size:  # no channel to lose (an empty width is refused by ProbeData)
+        return
+    wide = np.asarray(array.reshape(-1, array.shape[-1]), np.float64)  # float64: no copy
     with np.errstate(over="ignore", invalid="ignore"):  # infinite casts: refused as such later
-        spread, kept = wide.std(0), narrow.std(0)
-        lost = np.flatnonzero(np.isfinite(kept) & (np.abs(kept - spread) > 1e-3 * spread))
+        spread, kept = wide.std(0), cast.reshape(wide.shape).std(0, dtype=np.float64)
+        # a constant channel's float64 spread is its mean's rounding (0.1: 5e-16), no signal
+        signal = spread > 1e-12 * np.abs(wide.mean(0))
+        lost = np.flatnonzero(signal & np.isfinite(kept) & (np.abs(kept - spread) > 1e-3 * spread))
     if len(lost):
         j = int(lost[0])
         raise DataError(
@@ -141,25 +144,43 @@ def write_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
     atomic_write(str(path), write)
 
 
-def read_npz(path: str | Path, what: str, wanted: Callable[[str], bool]) -> dict[str, np.ndarray]:
+def read_npz(path: str | Path, what: str, wanted: Callable[[str], bool],
+             optional: Callable[[str], bool] = lambda key: False) -> dict[str, np.ndarray]:
     """The arrays of the .npz at ``path`` whose names ``wanted`` takes, each checked from its
-    header before it is read: no pickled objects (refused, never loaded), no more data than its
-    entry holds (a 1 KB file declaring a 373 GiB array), and no more in all than this host's
-    available memory. ``what``: the file's kind (``features .npz``), for the messages."""
+    header before the very member checked is read: no pickled objects (refused, never loaded),
+    no more data than its member holds (a 1 KB file declaring a 373 GiB array), no two members
+    of one name (``x`` and ``x.npy`` read as one by numpy), no more in all than this host's
+    available memory. An ``optional`` one that fails its check is left out instead. ``what``:
+    the file's kind (``features .npz``), for the messages."""
     try:
         with zipfile.ZipFile(path) as archive:
-            entries = {i.filename.removesuffix(".npy"): i for i in archive.infolist()}
-            names = [k for k in entries if wanted(k)]
-            total = sum(_declared_bytes(archive, entries[k], path, k) for k in names)
+            entries: dict[str, zipfile.ZipInfo] = {}
+            for info in archive.infolist():
+                key = info.filename.removesuffix(".npy")
+                if key in entries and wanted(key):
+                    raise DataError(f"{path}: two members are named {key!r} "
+                                    f"({entries[key].filename!r}, {info.filename!r})")
+                entries[key] = info
+            sizes = {}
+            for key in filter(wanted, entries):
+                try:
+                    sizes[key] = _declared_bytes(archive, entries[key], path, key)
+                except (DataError, ValueError):
+                    if not optional(key):
+                        raise
             have = available_memory()
-            if have is not None and total > have:
-                raise DataError(f"{path}: its arrays take {total / 2**30:.1f} GiB, read whole, "
-                                f"and {have / 2**30:.1f} GiB of memory is available")
-        with np.load(path, allow_pickle=False) as npz:
-            return {k: npz[k] for k in names}
+            if have is not None and sum(sizes.values()) > have:
+                raise DataError(f"{path}: its arrays take {sum(sizes.values()) / 2**30:.1f} GiB,"
+                                f" read whole, and {have / 2**30:.1f} GiB of memory is available")
+            arrays = {}
+            for key in sizes:
+                with archive.open(entries[key]) as f:
+                    arrays[key] = np.lib.format.read_array(f, allow_pickle=False)
+            return arrays
     except DataError:  # a ValueError: said whole above
         raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+    except (OSError, ValueError, EOFError, RuntimeError, NotImplementedError,
+            zipfile.BadZipFile) as err:  # RuntimeError: encrypted; NotImplemented: Deflate64
         raise DataError(f"{path}: not a readable {what} file ({err})") from None
 
 
@@ -184,7 +205,8 @@ def load_npz_features(path: str | Path) -> Features:
     if not Path(path).is_file():
         raise DataError(f"{path}: not a features .npz file nor an embed output folder")
     stored = read_npz(path, "features .npz",
-                      lambda k: k in _ARRAY_KEYS or k.startswith("patch_tokens/") or k == "meta")
+                      lambda k: k in _ARRAY_KEYS or k.startswith("patch_tokens/") or k == "meta",
+                      optional=lambda k: k == "meta")  # another tool's meta: not read
     outputs: dict = {k: v for k, v in stored.items() if k in _ARRAY_KEYS}
     outputs["patch_tokens"] = {_layer(k, path): v for k, v in stored.items()
                                if k.startswith("patch_tokens/")}

@@ -37,10 +37,16 @@ def check_class_indices(name: str, value: np.ndarray, per_image: bool = True) ->
 def class_name_list(value: np.ndarray, what: str) -> tuple[str, ...]:
     """A file's class names: a 1-D array of distinct strings (two classes of one name would be
     merged where names are matched, as against a head's)."""
-    if value.ndim != 1 or not (value.dtype.kind == "U" or (value.dtype.kind == "S")):
+    if value.ndim != 1 or value.dtype.kind not in "US":
         raise DataError(f"{what} must be a 1-D array of strings, got {value.dtype} "
                         f"{list(value.shape)}")
-    names = tuple(str(s) for s in (value.astype(str) if value.dtype.kind == "S" else value))
+    if value.dtype.kind == "S":  # bytes: UTF-8 text
+        try:
+            value = np.char.decode(value, "utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{what}: bytes that are not UTF-8 text ({err.reason} at byte "
+                            f"{err.start})") from None
+    names = tuple(str(s) for s in value)
     seen: dict[str, int] = {}
     for i, name in enumerate(names):
         if name in seen:

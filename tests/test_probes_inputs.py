@@ -226,3 +226,57 @@ def test_flags_asking_unbounded_work_are_refused(argv, message, tmp_path, capsys
     with pytest.raises(SystemExit) as refused:
         main(["probe", *argv, "--digits", "--out", str(tmp_path)])
     assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array)
+    return buf.getvalue()
+
+
+def test_what_the_header_checks_read_is_what_is_loaded(tmp_path):
+    """numpy's npz['pooled'] reads a member named 'pooled' before 'pooled.npy': a checked
+    'pooled.npy' beside a 64-byte 'pooled' declaring 10^6 x 10^6 ended in a 3.6 TiB MemoryError
+    traceback, and two 'pooled.npy' members were read as the second, silently."""
+    x, labels = _classes()
+    forged = _npy(np.zeros(1, np.float32)).replace(b"(1,)", b"(1000000, 1000000)")
+    with zipfile.ZipFile(tmp_path / "both.npz", "w") as npz:
+        npz.writestr("pooled.npy", _npy(x))
+        npz.writestr("pooled", forged)
+    with pytest.raises(DataError, match="two members are named 'pooled'"):
+        load_npz_features(tmp_path / "both.npz")
+    with zipfile.ZipFile(tmp_path / "twice.npz", "w") as npz, pytest.warns(UserWarning):
+        npz.writestr("pooled.npy", _npy(x))
+        npz.writestr("pooled.npy", _npy(x[:, :2]))  # zipfile warns: a duplicate name
+    with pytest.raises(DataError, match="two members are named 'pooled'"):
+        load_npz_features(tmp_path / "twice.npz")
+    np.savez(tmp_path / "locked.npz", pooled=x)
+    raw = bytearray((tmp_path / "locked.npz").read_bytes())
+    for signature, at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # "encrypted" flag bits:
+        start = raw.index(signature)  # zipfile refuses to read it (a traceback before)
+        raw[start + at] |= 0x1
+    (tmp_path / "locked.npz").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="locked.npz: not a readable features .npz file"):
+        load_npz_features(tmp_path / "locked.npz")
+
+
+def test_legit_files_the_checks_must_take(tmp_path):
+    """Regressions the first checks made: a constant float64 channel (0.1: a float64 spread of
+    5e-16, 0 in float32) refused; UTF-8 bytes class names refused by an ASCII decode; another
+    tool's pickled 'meta' refusing the whole file; a zero-width array's reshape error."""
+    x, labels = _classes()
+    x = np.concatenate([x, np.full((len(x), 1), 0.1)], axis=1)  # float64, a constant channel
+    names = np.array([n.encode() for n in ("café", "b", "c")])
+    np.savez(tmp_path / "f.npz", pooled=x, meta=np.array({"a": 1}, dtype=object),
+             **{"target/labels": labels, "target/class_names": names})
+    data = load_probe_data(tmp_path / "f.npz")
+    assert data.class_names == ("café", "b", "c") and data.features.pooled.shape == x.shape
+    np.savez(tmp_path / "latin1.npz", pooled=x,
+             **{"target/labels": labels, "target/class_names": np.array([b"caf\xe9", b"b"])})
+    with pytest.raises(DataError, match="class_names: bytes that are not UTF-8 text"):
+        load_probe_data(tmp_path / "latin1.npz")
+    np.savez(tmp_path / "empty.npz", pooled=np.zeros((5, 0)))
+    with pytest.raises(DataError, match="have no dimensions"):
+        load_probe_data(tmp_path / "empty.npz")

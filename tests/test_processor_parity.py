@@ -241,7 +241,8 @@ REFUSED_PROCESSORS = {
     "unknown-class": (
         {"image_processor_type": "MysteryImageProcessor", "size": 224, "resample": 3,
          "do_center_crop": False, **IMAGENET},
-        "'MysteryImageProcessor' is not one this converter knows.*size as an object", None),
+        "'MysteryImageProcessor' is not one this converter reads .*; give the preprocessing "
+        "whole instead", None),
 }
 
 
@@ -265,6 +266,28 @@ def test_a_processor_file_is_read_as_its_class_reads_it(case, tmp_path, image_fi
         with Image.open(image_files["640x480.jpg"]) as pil:
             pixels = theirs(images=pil, return_tensors="np")["pixel_values"]
         assert pixels.shape[2:] == shape
+
+
+@pytest.mark.parametrize("name", ["LevitImageProcessor", "PoolFormerImageProcessor"])
+def test_a_processor_class_not_read_here_is_served_only_from_the_flags(name, tmp_path):
+    """Their own steps (LeViT's 256/224 shortest edge, PoolFormer's crop_pct) are no keys the
+    converter reads: a file saved by transformers itself names every key, and was served with
+    pixels up to 3.8 off. Refused; every preprocessing flag given, the flags are served."""
+    import transformers
+    from vit22b.model.convert_preprocess import PreprocessFlags
+
+    config = transformers.ViTConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=96, image_size=224, patch_size=56)
+    transformers.ViTModel(config).save_pretrained(tmp_path)
+    getattr(transformers, name)().save_pretrained(tmp_path)
+    with pytest.raises(ConvertError, match=f"image processor '{name}' is not one this converter "
+                                           "reads"):
+        convert("hf", tmp_path)
+    flags = PreprocessFlags(resize=256, crop=224, interpolation="bicubic",
+                            mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    converted = convert("hf", tmp_path, preprocess=flags)
+    assert converted.config.preprocess.resize == 256 and converted.config.preprocess.keep_aspect
+    assert any(f"'{name}' is not one this converter reads" in note for note in converted.notes)
 
 
 def test_dinov3_processor_values(hf_folder):
