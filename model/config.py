@@ -17,7 +17,8 @@ from .schema import FLAG, NUMBER, TEXT, WHOLE, list_of, whole_number
 
 BlockType = Literal["parallel", "sequential"]
 NormType = Literal["layernorm", "layernorm_nobias", "rmsnorm"]
-HeadType = Literal["map", "cls", "gap", "none"]
+# prefix: the mean of the class token and the registers (timm's distilled DeiT: (CLS + dist) / 2)
+HeadType = Literal["map", "cls", "gap", "prefix", "none"]
 PosembType = Literal["learn", "sincos2d", "rope"]
 MlpType = Literal["gelu", "quick_gelu", "swiglu"]
 PosembResample = Literal["bicubic", "bicubic_antialias", "none"]
@@ -31,7 +32,7 @@ SOURCES = ("timm", "hf", "big_vision", "open_clip")
 _CHOICES = {
     "block": ("parallel", "sequential"),
     "norm": ("layernorm", "layernorm_nobias", "rmsnorm"),
-    "head": ("map", "cls", "gap", "none"),
+    "head": ("map", "cls", "gap", "prefix", "none"),
     "posemb": ("learn", "sincos2d", "rope"),
     "mlp": ("gelu", "quick_gelu", "swiglu"),
     "posemb_resample": ("bicubic", "bicubic_antialias", "none"),
@@ -252,6 +253,9 @@ class ViTConfig:
             raise ConfigError(f"{self.name}: pool_norm=True needs a pooling head")
         if self.head == "cls" and not self.class_token:
             raise ConfigError(f"{self.name}: head='cls' needs class_token=True")
+        if self.head == "prefix" and not (self.class_token and self.num_registers):
+            raise ConfigError(f"{self.name}: head='prefix' (the mean of the class token and the "
+                              "registers) needs class_token=True and registers")
         if self.posemb_covers_registers and (
             not self.num_registers or self.posemb != "learn"
             or self.posemb_covers_cls != self.class_token

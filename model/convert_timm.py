@@ -130,7 +130,6 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         )
     _refuse_architecture(t, side)
     for key, what in (
-        ("dist_token", "a distillation token"),
         ("blocks.0.mlp.fc1_g.weight", "a SwiGLU MLP with its gate and value apart (timm SwiGLU; "
          "the packed SwiGLUPacked is supported)"),
         ("patch_embed.norm.weight", "a norm inside the patch embedding"),
@@ -163,7 +162,10 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
     depth = count_blocks(t, r"blocks\.(\d+)\.")
     parallel = "blocks.0.in_proj.weight" in t
     class_token = "cls_token" in t
-    registers = t.shape("reg_token")[1] if "reg_token" in t else 0
+    distilled = "dist_token" in t  # VisionTransformerDistilled (DeiT): served as one register
+    if distilled and "reg_token" in t:
+        t.refuse("dist_token", "a distillation token beside register tokens")
+    registers = t.shape("reg_token")[1] if "reg_token" in t else int(distilled)
     grid, covers_cls, covers_registers = _table_grid(t, side, patch, class_token, registers)
     first_norm = "blocks.0.in_norm" if parallel else "blocks.0.norm1"
     norm = _norm(t, model_args, hints, f"{first_norm}.bias" in t)
@@ -185,7 +187,11 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
             f"{t.source} checkpoint: pool_include_prefix=True (the pooling reads the class and "
             "register tokens too) is not supported: the model pools the patch tokens only"
         )
-    if "attn_pool.latent" in t:
+    if distilled:  # its forward_head: pre-logits (CLS + distillation) / 2, whatever global_pool
+        head = "prefix"
+        t.notes.append("the distillation token is served as the one register token; pooled is "
+                       "the mean of the class and distillation tokens (timm's pre-logits)")
+    elif "attn_pool.latent" in t:
         head = "map"
         if t.shape("attn_pool.latent")[1] != 1:
             t.refuse("attn_pool.latent", "an attention-pooling head with several latent queries")
@@ -225,7 +231,7 @@ def infer_config(t: SourceTensors, hints: Hints, side: dict) -> ViTConfig:
         pre_norm="norm_pre.weight" in t,
         gelu_exact=gelu_exact,
         mlp=mlp,
-        num_classes=t.shape("head.weight")[0] if "head.weight" in t else 0,
+        num_classes=t.shape("head.weight")[0] if "head.weight" in t and not distilled else 0,
     )
     _check_side(t, side, cfg)
     return cfg
@@ -235,9 +241,10 @@ def _check_side(t: SourceTensors, side: dict, cfg: ViTConfig) -> None:
     """config.json's num_classes and model_args, where it gives them, must be the weights'
     (pretrained_cfg's input size is what timm's transforms give: the served crop)."""
     args = side.get("model_args") or {}
+    classes = t.shape("head.weight")[0] if "head.weight" in t else 0  # served or not (DeiT)
     claims = {
-        "num_classes": (side.get("num_classes"), cfg.num_classes),
-        "model_args.num_classes": (args.get("num_classes"), cfg.num_classes),
+        "num_classes": (side.get("num_classes"), classes),
+        "model_args.num_classes": (args.get("num_classes"), classes),
         "model_args.embed_dim": (args.get("embed_dim"), cfg.width),
         "model_args.depth": (args.get("depth"), cfg.depth),
         "model_args.num_heads": (args.get("num_heads"), cfg.heads),
@@ -553,7 +560,12 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     if cfg.class_token:
         params["cls"] = t.take("cls_token", (1, 1, d))
     if cfg.num_registers:
-        params["registers"] = t.take("reg_token", (1, cfg.num_registers, d))
+        key = "dist_token" if "dist_token" in t else "reg_token"
+        params["registers"] = t.take(key, (1, cfg.num_registers, d))
+    for key in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias"):
+        if "dist_token" in t:
+            t.drop(key, "the distilled model's two classifiers (logits: the mean of the class "
+                   "token's and the distillation token's) are not served; the features are")
     if cfg.pre_norm:
         params["pre_norm"] = torch_norm(t, "norm_pre", cfg)
     block = _timm_parallel_block if cfg.block == "parallel" else _timm_sequential_block

@@ -498,6 +498,8 @@ class ViT(nn.Module):
                 pooled = MAPHead(cfg, self.execution, name="map_head")(x[:, n_prefix:])
             elif cfg.head == "cls":
                 pooled = x[:, 0]
+            elif cfg.head == "prefix":  # timm's distilled DeiT: (CLS + distillation) / 2
+                pooled = x[:, :n_prefix].mean(axis=1)
             else:
                 pooled = x[:, n_prefix:].mean(axis=1)
             if cfg.pool_norm:

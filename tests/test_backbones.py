@@ -518,6 +518,13 @@ TIMM_CASES = {
         "vit_base_patch16_dinov3", {"posemb": "rope", "num_registers": 0},
         dict(num_reg_tokens=0, qkv_fused=False),
     ),
+    # DeiT distilled (VisionTransformerDistilled): the distillation token served as a register
+    # with its table row; pooled as timm's pre-logits, (CLS + distillation) / 2; its two heads
+    # (logits: their mean) dropped. Refused by its key before.
+    "deit-distilled": (
+        "deit_small_distilled_patch16_224",
+        {"head": "prefix", "num_registers": 1, "posemb_covers_registers": True, "num_classes": 0},
+    ),
 }
 # flexible-size models are served at pretrained_cfg's input size, whatever size they were built at
 TIMM_SERVED_SIZE = {"dinov3": 256}

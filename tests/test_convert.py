@@ -604,7 +604,8 @@ def test_weights_that_are_not_finite_are_named(timm_state, tmp_path):
     [
         # timm's fc_norm is taken in place of the tokens' norm, not beside it
         ("norm.weight", (64,), "a norm on the tokens and another after pooling"),
-        ("dist_token", (1, 1, 64), "a distillation token"),
+        # DeiT's distillation token is read as a register: not beside registers of its own
+        ("dist_token", (1, 1, 64), "a distillation token beside register tokens"),
     ],
 )
 def test_keys_the_model_cannot_express_are_refused_not_dropped(
@@ -613,6 +614,8 @@ def test_keys_the_model_cannot_express_are_refused_not_dropped(
     state = dict(timm_state) | {key: torch.zeros(shape)}
     if key == "norm.weight":
         state["fc_norm.weight"] = torch.zeros(shape)
+    if key == "dist_token":
+        state["reg_token"] = torch.zeros(1, 2, shape[-1])
     with pytest.raises(ConvertError, match=re.escape(f"key {key!r} {tuple(shape)} is {what}")):
         _convert_state(state, tmp_path)
 

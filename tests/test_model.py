@@ -351,6 +351,8 @@ def test_bf16_policy_stays_close_to_f32():
         ({"image_size": 70}, "image_size=70"),
         ({"norm": "batchnorm"}, "norm='batchnorm'"),
         ({"head": "cls"}, "class_token"),
+        ({"head": "prefix", "class_token": True}, "head='prefix' .* needs class_token=True and "
+                                                  "registers"),
         ({"head": "none", "pool_norm": True}, "pool_norm=True needs a pooling head"),
         # a config read from a file is held to its fields' types: "false" was read as true,
         # 0 as False, "1e-6" reached the forward as a string
@@ -385,6 +387,8 @@ def test_a_config_read_back_keeps_its_types_and_refuses_others():
         ({"mean": [0.5, 0.5]}, r"mean=\[0.5, 0.5\] is not a list of 3 finite numbers"),
         ({"std": [0.5, 0.0, 0.5]}, "std=.* must be positive"),
         ({"interpolation": "nearest"}, "interpolation='nearest' is not one of"),
+        ({"keep_aspect": "no"}, "keep_aspect='no' is not true or false"),
+        ({"keep_aspect": False, "crop": False}, "keep_aspect=false needs crop=true"),
         ({"gamma": 2.2}, r"unknown preprocess fields \['gamma'\]"),
     ):
         with pytest.raises(ConfigError, match=message):

@@ -88,7 +88,7 @@ def test_hf_parity_at_other_grids(case, tmp_path):
                      pixels.numpy(), peer, normed)
 
 
-@pytest.mark.parametrize("case", ["dinov2", "dinov2-reg4"])
+@pytest.mark.parametrize("case", ["dinov2", "dinov2-reg4", "deit-distilled"])
 def test_timm_dynamic_img_size_parity(case, tmp_path):
     name, _ = TIMM_CASES[case]
     # its pretrained_cfg keeps the 518 px of the default tag (not whole 4 px patches): the
