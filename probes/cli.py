@@ -234,6 +234,9 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--steps", type=_positive(whole_number, MAX_STEPS),
                      help="decoder training steps (depth, segmentation, video)")
     opt.add_argument("--decoders", default="linear,dpt", help="depth decoders (linear, dpt)")
+    opt.add_argument("--train-stride", type=_positive(whole_number, 8),
+                     help="depth, segmentation: train the decoders at 1/N of the maps' "
+                     "resolution (2; 1: full resolution, for detail finer than 2 pixels)")
     opt.add_argument("--shots", type=_positive(_ints),
                      help="few-shot: shots per class (1,5,10,25)")
     opt.add_argument("--ks", type=_positive(_ints), help="kNN: neighbour counts (10,20,100,200)")
@@ -424,6 +427,8 @@ def _options(args, kind: str) -> dict:
         chosen["feature"] = args.feature
     if kind in DENSE and args.steps:
         chosen["steps"] = args.steps
+    if kind in DENSE and args.train_stride:
+        chosen["train_stride"] = args.train_stride
     if kind == "depth":
         chosen["decoders"] = tuple(d.strip() for d in args.decoders.split(",") if d.strip())
     if kind == "fewshot" and args.shots is not None:

@@ -219,6 +219,7 @@ def test_test_images_identical_to_training_ones_are_counted(tmp_path, caplog):
     (["depth", "--steps", "1000000"], "positive values of at most 100,000"),
     (["knn", "--ks", ""], "expected 1 to 64 comma-separated integers, got ''"),
     (["fewshot", "--shots", ",".join(["1"] * 65)], "expected 1 to 64 comma-separated"),
+    (["depth", "--train-stride", "0"], "expected positive values of at most 8"),
 ])
 def test_flags_asking_unbounded_work_are_refused(argv, message, tmp_path, capsys):
     """--bins 10^7 ran for minutes into gigabytes; --ks "" ended in "max() arg is an empty
@@ -300,3 +301,14 @@ def test_a_depth_decoder_trained_at_half_resolution_is_tested_at_what_it_learned
                                   steps=100, train_stride=2)
     assert report["train_stride"] == 2
     assert report["linear"]["rmse"] < 0.5 * report["baselines"]["mean_depth"]["rmse"], report
+
+
+def test_the_dense_probes_train_at_the_stride_asked(tmp_path, capsys):
+    rng = np.random.default_rng(9)
+    tokens = rng.normal(size=(12, 4, 6)).astype(np.float32)
+    data = ProbeData(features=Features(pooled=tokens.mean(1), patch_tokens={0: tokens}),
+                     depth=1 + rng.random((12, 8, 8)))
+    save_probe_data(tmp_path / "f.npz", data)
+    assert main(["probe", "depth", "--features", str(tmp_path / "f.npz"), "--steps", "2",
+                 "--decoders", "linear", "--train-stride", "1", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "depth.json").read_text())["train_stride"] == 1
