@@ -562,8 +562,8 @@ def build_params(t: SourceTensors, cfg: ViTConfig) -> dict:
     if cfg.num_registers:
         key = "dist_token" if "dist_token" in t else "reg_token"
         params["registers"] = t.take(key, (1, cfg.num_registers, d))
-    for key in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias"):
-        if "dist_token" in t:
+    if "dist_token" in t:  # VisionTransformerDistilled: logits average two heads' on two tokens
+        for key in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias"):
             t.drop(key, "the distilled model's two classifiers (logits: the mean of the class "
                    "token's and the distillation token's) are not served; the features are")
     if cfg.pre_norm:

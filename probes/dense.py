@@ -210,8 +210,9 @@ def predict(decoder, params, inputs: DenseInputs, size, trained_at=None,
             batch_size: int = 64) -> np.ndarray:
     """Decoder outputs at pixel resolution [N, H, W, C] (batches padded to one compiled shape),
     through ``trained_at``, the (h, w) its loss saw: what that resize averaged away was never
-    trained (the initial weights' noise: RMSE 1.43 against 0.09 trained at full size), so the
-    prediction is that resolution's, upsampled."""
+    trained (the initial weights' noise, scored at full resolution), so the prediction is that
+    resolution's, upsampled (``benchmarks/dense_stride.py`` sets it against full-resolution
+    training)."""
     forward = jax.jit(partial(_predict_batch, decoder, size=size, trained_at=trained_at))
     n = len(inputs.layers[0])
     batch_size = min(batch_size, n)
